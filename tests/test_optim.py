@@ -1,0 +1,269 @@
+"""Tests of transformer.optim: schedules, optimizers and the cross-entropy, against numpy."""
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import pytest
+
+from transformer import optim
+
+
+def opt_config(**overrides) -> ml_collections.ConfigDict:
+    cfg = ml_collections.ConfigDict(
+        dict(
+            name="adam",
+            schedule="paper_rsqrt",
+            learning_rate=1e-3,
+            warmup_steps=4000,
+            b1=0.9,
+            b2=0.98,
+            eps=1e-9,
+            weight_decay=0.0,
+            clip_norm=0.0,
+        )
+    )
+    cfg.update(overrides)
+    return cfg
+
+
+# ---- schedules ---------------------------------------------------------------------------------
+
+
+def paper_lr(step, d_model, warmup=4000):
+    return d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
+
+
+@pytest.mark.parametrize("d_model", [512, 1024])
+def test_paper_schedule_matches_formula_at_one_based_step(d_model):
+    schedule = optim.make_schedule(opt_config(), d_model=d_model, total_steps=100_000)
+    for count in (0, 1, 3998, 3999, 4000, 99999):
+        np.testing.assert_allclose(
+            float(schedule(count)), paper_lr(count + 1, d_model), rtol=1e-5, err_msg=str(count)
+        )
+    # The first update uses the formula at step 1, never at 0 (which would be 0).
+    np.testing.assert_allclose(float(schedule(0)), d_model**-0.5 * 4000**-1.5, rtol=1e-5)
+
+
+def test_paper_schedule_peak_at_update_4000():
+    for d_model, peak in ((512, 6.99e-4), (1024, 4.94e-4)):
+        schedule = optim.rsqrt_schedule(d_model, 4000)
+        counts = jnp.arange(8000)
+        lrs = np.asarray(jax.jit(jax.vmap(schedule))(counts))
+        assert int(np.argmax(lrs)) == 3999  # the 4000th update
+        np.testing.assert_allclose(lrs[3999], peak, rtol=1e-3)
+
+
+def test_warmup_rsqrt_schedule_by_hand():
+    schedule = optim.make_schedule(
+        opt_config(schedule="rsqrt", learning_rate=2e-3, warmup_steps=100),
+        d_model=512,
+        total_steps=1000,
+    )
+    expected = {0: 2e-3 / 100, 49: 1e-3, 99: 2e-3, 399: 1e-3, 899: 2e-3 / 3}
+    for count, lr in expected.items():
+        np.testing.assert_allclose(float(schedule(count)), lr, rtol=1e-5, err_msg=str(count))
+
+
+def test_warmup_cosine_schedule_by_hand():
+    schedule = optim.warmup_cosine_schedule(1.0, 10, 110, end_fraction=0.1)
+    expected = {
+        0: 0.1,
+        4: 0.5,
+        9: 1.0,  # update 10: the peak
+        59: 0.1 + 0.9 * 0.5,  # halfway through the decay
+        34: 0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi / 4)),
+        109: 0.1,  # update 110 = total_steps
+        500: 0.1,
+    }
+    for count, lr in expected.items():
+        np.testing.assert_allclose(float(schedule(count)), lr, rtol=1e-5, err_msg=str(count))
+
+
+def test_constant_schedule_with_and_without_warmup():
+    cfg = opt_config(schedule="constant", learning_rate=0.5, warmup_steps=0)
+    schedule = optim.make_schedule(cfg, d_model=512, total_steps=10)
+    assert [float(schedule(c)) for c in (0, 5)] == [0.5, 0.5]
+    cfg.warmup_steps = 4
+    schedule = optim.make_schedule(cfg, d_model=512, total_steps=10)
+    np.testing.assert_allclose([float(schedule(c)) for c in (0, 3, 9)], [0.125, 0.5, 0.5])
+
+
+def test_bad_schedule_settings_name_the_key():
+    with pytest.raises(ValueError, match=r"^optimizer\.schedule='linear' is not one of"):
+        optim.make_schedule(opt_config(schedule="linear"), d_model=512, total_steps=10)
+    with pytest.raises(ValueError, match=r"^optimizer\.warmup_steps=0 "):
+        optim.make_schedule(opt_config(warmup_steps=0), d_model=512, total_steps=10)
+    with pytest.raises(ValueError, match=r"^optimizer\.warmup_steps=4000 must be < "):
+        optim.make_schedule(opt_config(schedule="cosine"), d_model=512, total_steps=10)
+
+
+# ---- cross-entropy -----------------------------------------------------------------------------
+
+
+def numpy_log_softmax(x):
+    x = x.astype(np.float64)
+    shifted = x - x.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def numpy_smoothed_ce(logits, targets, weights, eps):
+    vocab = logits.shape[-1]
+    onehot = np.eye(vocab)[targets]
+    q = (1 - eps) * onehot + eps / vocab  # the smoothed target distribution
+    per_token = -(q * numpy_log_softmax(logits)).sum(-1)
+    return (per_token * weights).sum(), weights.sum()
+
+
+@pytest.fixture
+def batch():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(scale=3.0, size=(2, 5, 11)).astype(np.float32)
+    targets = rng.integers(0, 11, size=(2, 5)).astype(np.int32)
+    weights = np.ones((2, 5), np.float32)
+    weights[0, 3:] = 0  # padding
+    weights[1, 4:] = 0
+    targets[weights == 0] = 0
+    return logits, targets, weights
+
+
+def test_label_smoothed_loss_matches_numpy(batch):
+    logits, targets, weights = batch
+    sums = jax.jit(optim.cross_entropy_loss, static_argnames=("label_smoothing", "z_loss"))(
+        logits, targets, weights, label_smoothing=0.1
+    )
+    loss, count = numpy_smoothed_ce(logits, targets, weights, 0.1)
+    np.testing.assert_allclose(sums.loss_sum, loss, rtol=1e-5)
+    assert float(sums.weight_sum) == count == 7
+    assert float(sums.z_loss_sum) == 0.0
+    # The same smoothed targets as optax.smooth_labels with optax's cross-entropy.
+    q = optax.smooth_labels(jax.nn.one_hot(targets, 11), 0.1)
+    optax_sum = jnp.sum(optax.softmax_cross_entropy(logits, q) * weights)
+    np.testing.assert_allclose(sums.loss_sum, optax_sum, rtol=1e-5)
+
+
+def test_padding_is_excluded(batch):
+    logits, targets, weights = batch
+    garbage = logits.copy()
+    garbage[weights == 0] = 1e4  # anything at padded positions must not matter
+    a = optim.cross_entropy_loss(logits, targets, weights, label_smoothing=0.1)
+    b = optim.cross_entropy_loss(garbage, targets, weights, label_smoothing=0.1)
+    np.testing.assert_allclose(a.loss_sum, b.loss_sum, rtol=1e-6)
+
+
+def test_bf16_logits_give_float32_results(batch):
+    logits, targets, weights = batch
+    bf16 = jnp.asarray(logits, jnp.bfloat16)
+    sums = optim.cross_entropy_loss(bf16, targets, weights, label_smoothing=0.1, z_loss=1e-4)
+    assert all(x.dtype == jnp.float32 for x in sums)
+    loss, _ = numpy_smoothed_ce(np.asarray(bf16.astype(jnp.float32)), targets, weights, 0.1)
+    np.testing.assert_allclose(sums.loss_sum - sums.z_loss_sum, loss, rtol=1e-5)
+
+
+def test_no_smoothing_is_nll(batch):
+    logits, targets, weights = batch
+    logp = numpy_log_softmax(logits)
+    nll = -(np.take_along_axis(logp, targets[..., None], -1)[..., 0] * weights).sum()
+    total, count = optim.nll_sum(logits, targets, weights)
+    np.testing.assert_allclose(total, nll, rtol=1e-5)
+    assert float(count) == 7
+    sums = optim.cross_entropy_loss(logits, targets, weights, label_smoothing=0.0)
+    np.testing.assert_allclose(sums.loss_sum, total, rtol=0)
+    # weights=None counts every token.
+    total_all, count_all = optim.nll_sum(logits, targets)
+    np.testing.assert_allclose(
+        total_all, -np.take_along_axis(logp, targets[..., None], -1).sum(), rtol=1e-5
+    )
+    assert float(count_all) == 10
+
+
+def test_z_loss_matches_numpy(batch):
+    logits, targets, weights = batch
+    x = logits.astype(np.float64)
+    lse = np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1)) + x.max(-1)
+    z_expected = 1e-3 * (lse**2 * weights).sum()
+    sums = optim.cross_entropy_loss(logits, targets, weights, label_smoothing=0.1, z_loss=1e-3)
+    np.testing.assert_allclose(sums.z_loss_sum, z_expected, rtol=1e-5)
+    loss, _ = numpy_smoothed_ce(logits, targets, weights, 0.1)
+    np.testing.assert_allclose(sums.loss_sum, loss + z_expected, rtol=1e-5)
+
+
+# ---- optimizers --------------------------------------------------------------------------------
+
+
+def test_adam_matches_explicit_formula_with_config_betas():
+    cfg = opt_config(warmup_steps=10, b1=0.8, b2=0.95, eps=1e-3)
+    tx, schedule = optim.make_optimizer(cfg, d_model=64, total_steps=100)
+    params = {"w": jnp.array([[1.0, -2.0], [0.5, 3.0]]), "b": jnp.array([0.1, 0.2])}
+    grads = [
+        {"w": jnp.array([[0.3, -0.1], [0.02, 0.5]]), "b": jnp.array([1.0, -0.4])},
+        {"w": jnp.array([[-0.2, 0.4], [0.1, 0.05]]), "b": jnp.array([0.3, 0.6])},
+    ]
+    state = tx.init(params)
+    m = {k: np.zeros_like(v) for k, v in params.items()}
+    v = {k: np.zeros_like(p) for k, p in params.items()}
+    for step, g in enumerate(grads, start=1):
+        updates, state = tx.update(g, state, params)
+        lr = paper_lr(step, 64, warmup=10)
+        np.testing.assert_allclose(float(schedule(step - 1)), lr, rtol=1e-6)
+        for k in params:
+            gk = np.asarray(g[k], np.float64)
+            m[k] = 0.8 * m[k] + 0.2 * gk
+            v[k] = 0.95 * v[k] + 0.05 * gk**2
+            m_hat, v_hat = m[k] / (1 - 0.8**step), v[k] / (1 - 0.95**step)
+            expected = -lr * m_hat / (np.sqrt(v_hat) + 1e-3)
+            np.testing.assert_allclose(updates[k], expected, rtol=1e-5, err_msg=f"{k} {step}")
+        params = optax.apply_updates(params, updates)
+
+
+def test_clipping_clips_to_global_norm():
+    # eps 1 makes Adam's first update depend on the gradient's scale: -lr * g / (|g| + 1).
+    params = {"a": jnp.zeros((2,)), "b": jnp.zeros((2, 1))}
+    grads = {"a": jnp.array([6.0, 0.0]), "b": jnp.array([[0.0], [8.0]])}  # global norm 10
+    lr = float(optim.rsqrt_schedule(64, 10)(0))
+    for clip_norm, scale in ((0.0, 1.0), (1.0, 0.1), (20.0, 1.0)):
+        cfg = opt_config(warmup_steps=10, eps=1.0, clip_norm=clip_norm)
+        tx, _ = optim.make_optimizer(cfg, d_model=64, total_steps=100)
+        updates, _ = tx.update(grads, tx.init(params), params)
+        for k in params:
+            g = np.asarray(grads[k]) * scale
+            np.testing.assert_allclose(updates[k], -lr * g / (np.abs(g) + 1.0), rtol=1e-5)
+
+
+def test_adamw_decays_matrices_only():
+    cfg = opt_config(
+        name="adamw", schedule="constant", learning_rate=0.5, warmup_steps=0, weight_decay=0.1
+    )
+    tx, _ = optim.make_optimizer(cfg, d_model=64, total_steps=100)
+    params = {
+        "embedding": {"embedding": jnp.full((5, 4), 2.0)},
+        "ffn": {"ff_in": {"kernel": jnp.full((4, 3), 2.0), "bias": jnp.full((3,), 2.0)}},
+        "norm": {"scale": jnp.full((4,), 2.0), "bias": jnp.full((4,), 2.0)},
+        # scan_layers: a leading L axis makes biases and scales 2-D; they stay undecayed.
+        "layers": {
+            "kernel": jnp.full((2, 4, 4), 2.0),
+            "bias": jnp.full((2, 4), 2.0),
+            "scale": jnp.full((2, 4), 2.0),
+        },
+    }
+    zero_grads = jax.tree.map(jnp.zeros_like, params)  # Adam's part is then exactly 0
+    updates, _ = tx.update(zero_grads, tx.init(params), params)
+    flat = {
+        jax.tree_util.keystr(p): np.asarray(u)
+        for p, u in jax.tree_util.tree_leaves_with_path(updates)
+    }
+    decayed = {"['embedding']['embedding']", "['ffn']['ff_in']['kernel']", "['layers']['kernel']"}
+    assert decayed < set(flat)
+    for path, update in flat.items():
+        expected = -0.5 * 0.1 * 2.0 if path in decayed else 0.0
+        np.testing.assert_allclose(update, expected, rtol=1e-6, err_msg=path)
+
+
+def test_unknown_optimizer_name_is_one_line_naming_the_key():
+    with pytest.raises(ValueError) as err:
+        optim.make_optimizer(opt_config(name="sgd"), d_model=512, total_steps=10)
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith("optimizer.name='sgd'")
+    assert "adam" in message and "adamw" in message

@@ -1,0 +1,1 @@
+"""The Transformer of "Attention Is All You Need" in JAX/Flax."""

@@ -1,0 +1,216 @@
+"""Learning-rate schedules, optimizers and the label-smoothed cross-entropy (pure JAX/optax).
+
+The paper's recipe (Vaswani et al., 2017, section 5.3): Adam with b1 0.9, b2 0.98, eps 1e-9 and
+
+    lrate = d_model**-0.5 * min(step**-0.5, step * warmup_steps**-1.5)
+
+with warmup_steps 4000 (peak 6.99e-4 for d_model 512, 4.94e-4 for 1024, at step 4000), and label
+smoothing eps_ls 0.1 (section 5.4).
+
+Step convention: optax calls a schedule with the 0-based count of updates already applied, so
+every schedule here evaluates its formula at ``step = count + 1``: the k-th update (1-based, the
+``step`` of metrics.jsonl) uses the formula at k, never at 0.
+
+Shape legend: B batch, T target length, V vocab.
+"""
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+SCHEDULES = ("paper_rsqrt", "cosine", "rsqrt", "constant")
+OPTIMIZERS = ("adam", "adamw")
+
+
+def _step(count) -> jax.Array:
+    """The 1-based update index, as float32, from optax's 0-based count."""
+    return jnp.asarray(count, jnp.float32) + 1.0
+
+
+def _warmup(peak: float, warmup_steps: int, step: jax.Array) -> jax.Array:
+    """Linear warmup: peak * step / warmup_steps, capped at peak (no warmup when 0)."""
+    return peak * jnp.minimum(1.0, step / max(warmup_steps, 1))
+
+
+def rsqrt_schedule(d_model: int, warmup_steps: int) -> optax.Schedule:
+    """The paper's schedule: d_model**-0.5 * min(step**-0.5, step * warmup_steps**-1.5).
+
+    Linear warmup for ``warmup_steps`` updates, then decay with the inverse square root of the
+    step; the peak d_model**-0.5 * warmup_steps**-0.5 is reached at update ``warmup_steps``.
+    """
+    scale = d_model**-0.5
+    warmup = float(warmup_steps) ** -1.5
+
+    def schedule(count):
+        step = _step(count)
+        return scale * jnp.minimum(jax.lax.rsqrt(step), step * warmup)
+
+    return schedule
+
+
+def warmup_rsqrt_schedule(peak: float, warmup_steps: int) -> optax.Schedule:
+    """Linear warmup to ``peak`` at update ``warmup_steps``, then peak * sqrt(warmup / step)."""
+
+    def schedule(count):
+        step = _step(count)
+        decay = peak * jnp.sqrt(warmup_steps / jnp.maximum(step, float(warmup_steps)))
+        return jnp.where(step < warmup_steps, _warmup(peak, warmup_steps, step), decay)
+
+    return schedule
+
+
+def warmup_cosine_schedule(
+    peak: float, warmup_steps: int, total_steps: int, end_fraction: float = 0.0
+) -> optax.Schedule:
+    """Linear warmup to ``peak`` at update ``warmup_steps``, then a half cosine that reaches
+    ``end_fraction * peak`` at update ``total_steps`` and stays there."""
+    decay_steps = max(total_steps - warmup_steps, 1)
+
+    def schedule(count):
+        step = _step(count)
+        progress = jnp.clip((step - warmup_steps) / decay_steps, 0.0, 1.0)
+        cosine = 0.5 * (1.0 + jnp.cos(math.pi * progress))
+        decay = peak * (end_fraction + (1.0 - end_fraction) * cosine)
+        return jnp.where(step < warmup_steps, _warmup(peak, warmup_steps, step), decay)
+
+    return schedule
+
+
+def warmup_constant_schedule(peak: float, warmup_steps: int) -> optax.Schedule:
+    """Linear warmup to ``peak`` at update ``warmup_steps`` (none when 0), then constant."""
+    return lambda count: _warmup(peak, warmup_steps, _step(count))
+
+
+def _fail(key: str, value: Any, why: str) -> None:
+    raise ValueError(f"optimizer.{key}={value!r} {why}")
+
+
+def make_schedule(opt_cfg, *, d_model: int, total_steps: int) -> optax.Schedule:
+    """The schedule named by ``opt_cfg.schedule`` (one of SCHEDULES).
+
+    ``opt_cfg`` is the config's ``optimizer`` section (a ConfigDict or dict) with ``schedule``,
+    ``learning_rate`` (the peak; ignored by "paper_rsqrt", whose peak follows from ``d_model``),
+    ``warmup_steps`` and, for "cosine", the optional ``end_fraction`` (default 0).
+    """
+    name = opt_cfg.get("schedule", "paper_rsqrt")
+    warmup_steps = int(opt_cfg.get("warmup_steps", 0))
+    peak = float(opt_cfg.get("learning_rate", 0.0))
+    if name not in SCHEDULES:
+        _fail("schedule", name, f"is not one of {', '.join(SCHEDULES)}")
+    if warmup_steps < (1 if name in ("paper_rsqrt", "rsqrt") else 0):
+        _fail("warmup_steps", warmup_steps, f"must be >= 1 for schedule {name!r}")
+    if name != "paper_rsqrt" and peak <= 0:
+        _fail("learning_rate", peak, f"must be > 0 for schedule {name!r}")
+    if name == "paper_rsqrt":
+        return rsqrt_schedule(d_model, warmup_steps)
+    if name == "rsqrt":
+        return warmup_rsqrt_schedule(peak, warmup_steps)
+    if name == "cosine":
+        if total_steps <= warmup_steps:
+            _fail("warmup_steps", warmup_steps, f"must be < num_train_steps={total_steps}")
+        end_fraction = float(opt_cfg.get("end_fraction", 0.0))
+        return warmup_cosine_schedule(peak, warmup_steps, total_steps, end_fraction)
+    return warmup_constant_schedule(peak, warmup_steps)
+
+
+def decay_mask(params) -> Any:
+    """True for the leaves weight decay applies to: matrices (kernels, embeddings).
+
+    Excluded: 1-D leaves (biases, norm scales) and leaves named ``bias`` or ``scale`` of any rank,
+    so stacked layers (``scan_layers``, leading ``L`` axis) keep their biases undecayed too.
+    """
+
+    def decays(path, leaf):
+        name = getattr(path[-1], "key", getattr(path[-1], "name", None)) if path else None
+        return jnp.ndim(leaf) > 1 and name not in ("bias", "scale")
+
+    return jax.tree_util.tree_map_with_path(decays, params)
+
+
+def make_optimizer(
+    opt_cfg, *, d_model: int, total_steps: int
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """The optimizer of ``opt_cfg.name`` (one of OPTIMIZERS) and its learning-rate schedule.
+
+    "adam": the paper's Adam (``b1``, ``b2``, ``eps`` from the config; paper 0.9, 0.98, 1e-9).
+    "adamw": Adam with decoupled ``weight_decay`` on matrices only (see ``decay_mask``).
+    ``clip_norm`` > 0 clips gradients to that global norm before the optimizer sees them.
+    The schedule is returned so the trainer can log ``schedule(step - 1)`` for update ``step``.
+    """
+    name = opt_cfg.get("name", "adam")
+    if name not in OPTIMIZERS:
+        _fail("name", name, f"is not one of {', '.join(OPTIMIZERS)}")
+    schedule = make_schedule(opt_cfg, d_model=d_model, total_steps=total_steps)
+    adam_args = dict(
+        b1=float(opt_cfg.get("b1", 0.9)),
+        b2=float(opt_cfg.get("b2", 0.98)),
+        eps=float(opt_cfg.get("eps", 1e-9)),
+    )
+    if name == "adam":
+        tx = optax.adam(schedule, **adam_args)
+    else:
+        weight_decay = float(opt_cfg.get("weight_decay", 0.0))
+        tx = optax.adamw(schedule, weight_decay=weight_decay, mask=decay_mask, **adam_args)
+    clip_norm = float(opt_cfg.get("clip_norm", 0.0) or 0.0)
+    if clip_norm > 0:
+        tx = optax.chain(optax.clip_by_global_norm(clip_norm), tx)
+    return tx, schedule
+
+
+class LossSums(NamedTuple):
+    """Sums over weighted target tokens; divide by the global ``weight_sum`` for means."""
+
+    loss_sum: jax.Array  # cross-entropy (smoothed when eps > 0) plus z-loss
+    weight_sum: jax.Array  # sum of the weights: the count of non-pad target tokens
+    z_loss_sum: jax.Array  # the z-loss part of loss_sum (0 when z_loss is 0)
+
+
+def cross_entropy_loss(
+    logits: jax.Array,
+    targets: jax.Array,
+    weights: jax.Array | None = None,
+    *,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+) -> LossSums:
+    """Label-smoothed cross-entropy summed over weighted tokens, in float32.
+
+    logits [B,T,V] (any float dtype), targets [B,T] int, weights [B,T] (0 = padding) or None.
+    With eps = ``label_smoothing`` the target distribution is q = (1-eps)*onehot + eps/V
+    (``optax.smooth_labels``), and the per-token loss -sum_v q_v log p_v is computed without a
+    one-hot of V as (1-eps)*nll + eps*mean_v(-log p_v), with log p = logits - logsumexp(logits).
+    eps = 0 gives the negative log likelihood. ``z_loss`` adds z_loss * logsumexp(logits)**2.
+    Returns sums, not means, so the caller divides by the token count over all devices and
+    accumulation steps.
+    """
+    logits = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)  # [B,T]
+    # logits[b, t, targets[b, t]] as a compare-and-reduce: XLA fuses it into one pass over V
+    # (no materialised one-hot under jit) and it partitions cleanly when V is sharded.
+    vocab_ids = jnp.arange(logits.shape[-1], dtype=targets.dtype)
+    target_logit = jnp.sum(jnp.where(vocab_ids == targets[..., None], logits, 0.0), axis=-1)
+    loss = lse - target_logit  # nll [B,T]
+    if label_smoothing:
+        smooth = lse - jnp.mean(logits, axis=-1)  # mean_v(-log p_v) [B,T]
+        loss = (1.0 - label_smoothing) * loss + label_smoothing * smooth
+    if weights is None:
+        weights = jnp.ones(targets.shape, jnp.float32)
+    weights = weights.astype(jnp.float32)
+    z_loss_sum = jnp.sum(z_loss * jnp.square(lse) * weights) if z_loss else jnp.zeros(())
+    return LossSums(
+        loss_sum=jnp.sum(loss * weights) + z_loss_sum,
+        weight_sum=jnp.sum(weights),
+        z_loss_sum=z_loss_sum,
+    )
+
+
+def nll_sum(
+    logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """Unsmoothed negative log likelihood sum and weight sum (eval loss; perplexity = exp of the
+    ratio): ``cross_entropy_loss`` with label_smoothing 0 and no z-loss."""
+    sums = cross_entropy_loss(logits, targets, weights)
+    return sums.loss_sum, sums.weight_sum
