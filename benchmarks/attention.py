@@ -1,0 +1,136 @@
+"""Attention forward + backward: compile time, run time and compiled memory per implementation.
+
+    python benchmarks/attention.py [--lengths 512,1024,2048,4096,8192] [--batch 1 --heads 4
+        --head_dim 64] [--implementations xla,chunked,chunked/nomask] [--runs 3]
+
+For each length S (self-attention, T = S, causal mask) and implementation, compiles
+`jax.grad(lambda q, k, v: attention(q, k, v).sum(), argnums=(0, 1, 2))` ahead of time, reads the
+compiled program's memory (`.compile().memory_analysis()`: temporaries, arguments, outputs) and,
+when that fits the memory budget, runs it and reports the median wall time. Programs over the
+budget are reported from memory_analysis only. Prints one JSON line per row as it finishes, then
+a table.
+
+Implementations: "xla" and "chunked" from `transformer.attention` with the causal mask
+`make_causal_mask(S)` built inside the program; "chunked/nomask" is "chunked" without any mask,
+a diagnostic row that shows how much of chunked's memory is the boolean [T, S] causal mask
+(which the chunked path splits into key blocks and keeps as a backward residual: O(T·S) bytes).
+The defaults (batch 1, 4 heads of 64) finish in a few minutes on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+from transformer import attention  # noqa: E402
+
+IMPLEMENTATIONS = ("xla", "chunked", "chunked/nomask")
+
+
+def _memory_budget() -> int:
+    """Bytes a program may use to be run: the device's limit (GPU/TPU), else half the RAM."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"] * 0.9)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
+
+def _loss(implementation: str, key_chunk_size: int):
+    impl, _, variant = implementation.partition("/")
+
+    def loss(q, k, v):
+        mask = None if variant == "nomask" else attention.make_causal_mask(q.shape[1])
+        out = attention.dot_product_attention(q, k, v, mask=mask, implementation=impl,
+                                              key_chunk_size=key_chunk_size)
+        return out.astype(jnp.float32).sum()
+
+    return jax.grad(loss, argnums=(0, 1, 2))
+
+
+def benchmark(implementation: str, length: int, args, budget: int) -> dict:
+    shape = (args.batch, length, args.heads, args.head_dim)
+    keys = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(key, shape, args.dtype) for key in keys)
+    start = time.perf_counter()
+    compiled = jax.jit(_loss(implementation, args.key_chunk_size)).lower(q, k, v).compile()
+    row = {"implementation": implementation, "length": length, "batch": args.batch,
+           "heads": args.heads, "head_dim": args.head_dim, "dtype": args.dtype,
+           "compile_s": round(time.perf_counter() - start, 3)}
+    memory = compiled.memory_analysis()
+    for name in ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
+                 "peak_memory_in_bytes"):
+        row[name.removesuffix("_in_bytes")] = int(getattr(memory, name, 0) or 0)
+    needed = row["temp_size"] + row["argument_size"] + row["output_size"]
+    row["ran"] = needed <= budget
+    if row["ran"]:
+        jax.block_until_ready(compiled(q, k, v))  # warm-up
+        times = []
+        for _ in range(args.runs):
+            start = time.perf_counter()
+            jax.block_until_ready(compiled(q, k, v))
+            times.append(time.perf_counter() - start)
+        row["median_s"] = round(statistics.median(times), 4)
+    else:
+        row["median_s"] = None
+    return row
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f}"
+
+
+def table(rows: list[dict]) -> str:
+    header = (f"{'impl':<15} {'S=T':>6} {'compile s':>9} {'median s':>9} {'temp MiB':>10} "
+              f"{'args MiB':>9} {'out MiB':>8}")
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        median = "not run" if r["median_s"] is None else f"{r['median_s']:.4f}"
+        lines.append(f"{r['implementation']:<15} {r['length']:>6} {r['compile_s']:>9.2f} "
+                     f"{median:>9} {_mib(r['temp_size']):>10} {_mib(r['argument_size']):>9} "
+                     f"{_mib(r['output_size']):>8}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lengths", default="512,1024,2048,4096,8192")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--head_dim", type=int, default=64)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--implementations", default=",".join(IMPLEMENTATIONS))
+    parser.add_argument("--key_chunk_size", type=int, default=attention.DEFAULT_KEY_CHUNK_SIZE)
+    parser.add_argument("--runs", type=int, default=3, help="timed runs after one warm-up")
+    parser.add_argument("--memory_budget_gib", type=float, default=None,
+                        help="run only programs needing less (default: the device's limit, "
+                             "or half the host RAM on CPU)")
+    args = parser.parse_args(argv)
+    budget = (int(args.memory_budget_gib * 2**30) if args.memory_budget_gib is not None
+              else _memory_budget())
+    implementations = args.implementations.split(",")
+    for impl in implementations:
+        if impl.partition("/")[0] not in attention.IMPLEMENTATIONS:
+            parser.error(f"--implementations: {impl!r} is not one of "
+                         f"{', '.join(IMPLEMENTATIONS)} (or cudnn on a GPU)")
+    print(f"# backend {jax.default_backend()}, {jax.device_count()} device(s), memory budget "
+          f"{budget / 2**30:.1f} GiB", flush=True)
+    rows = []
+    for length in (int(x) for x in args.lengths.split(",")):
+        for impl in implementations:
+            rows.append(benchmark(impl, length, args, budget))
+            print(json.dumps(rows[-1]), flush=True)
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()

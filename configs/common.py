@@ -1,0 +1,97 @@
+"""The paper's WMT14 recipe as one ConfigDict, shared by the `wmt14_*` configs.
+
+Not a config itself (it has no `get_config`): the config files load it by path, since
+ml_collections' `config_flags` loads a config as a file and `configs/` is not a package:
+
+    paper_config = runpy.run_path(str(pathlib.Path(__file__).with_name("common.py")))[
+        "paper_config"]
+
+Values follow "Attention Is All You Need" (arXiv 1706.03762 v7) and
+`../shared/notes/paper-recipe.md`: post-norm, sinusoidal positions, one embedding shared by
+source, target and the pre-softmax projection, Adam(0.9, 0.98, 1e-9) with the paper's
+d_model^-0.5 · min(step^-0.5, step · 4000^-1.5) schedule, label smoothing 0.1, ~25k target tokens
+per update, beam 4 with length penalty 0.6.
+"""
+
+from ml_collections import config_dict
+
+SIZES = {  # Table 3: N, d_model, d_ff, h; d_k = d_v = d_model / h = 64
+    "base": dict(num_layers=6, d_model=512, d_ff=2048, num_heads=8, num_train_steps=100_000,
+                 keep_checkpoints=5),
+    "big": dict(num_layers=6, d_model=1024, d_ff=4096, num_heads=16, num_train_steps=300_000,
+                keep_checkpoints=20),
+}
+LANGUAGE_PAIRS = {  # target language -> TFDS dataset and shared vocabulary size
+    "de": dict(dataset="wmt14_translate/de-en", vocab_size=37_000),  # BPE, ~37k
+    "fr": dict(dataset="wmt14_translate/fr-en", vocab_size=32_000),  # word-pieces, 32k
+}
+
+
+def paper_config(*, size: str, target_lang: str, dropout_rate: float) -> config_dict.ConfigDict:
+    """The paper's recipe for model `size` ("base" or "big"), English -> `target_lang`
+    ("de" or "fr"), with residual/embedding dropout P_drop = `dropout_rate`."""
+    shape, pair = SIZES[size], LANGUAGE_PAIRS[target_lang]
+    cfg = config_dict.ConfigDict()
+    cfg.seed = 0
+    cfg.num_train_steps = shape["num_train_steps"]
+    cfg.mesh = config_dict.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+    cfg.checkpoint_every_steps = 1000
+    cfg.checkpoint_every_minutes = 10  # the paper averages checkpoints written every 10 min
+    cfg.keep_checkpoints = shape["keep_checkpoints"]  # averaged: last 5 (base), 20 (big)
+    cfg.eval_every_steps = 1000
+    cfg.bleu_every_steps = 5000
+    cfg.bleu_num_sentences = 500
+
+    # TFDS `wmt14_translate/<x>-en` yields <x> -> en by default: the pipeline must read the
+    # English side as the source (paper direction EN -> DE / EN -> FR).
+    cfg.data = config_dict.ConfigDict(dict(
+        dataset=pair["dataset"], source_lang="en", target_lang=target_lang,
+        vocab_size=pair["vocab_size"], max_length=256,
+        tokens_per_batch=25_000))  # non-pad target tokens per update (t2t: 4096 × 8 GPUs)
+    cfg.grad_accum_steps = 1
+
+    cfg.model = config_dict.ConfigDict(dict(
+        architecture="encoder_decoder",
+        vocab_size=cfg.data.get_ref("vocab_size"),  # follows --config.data.vocab_size
+        num_encoder_layers=shape["num_layers"],
+        num_decoder_layers=shape["num_layers"],
+        d_model=shape["d_model"],
+        d_ff=shape["d_ff"],
+        num_heads=shape["num_heads"],
+        num_kv_heads=config_dict.placeholder(int),  # None: num_heads
+        d_k=config_dict.placeholder(int),  # None: d_model // num_heads = 64
+        d_v=config_dict.placeholder(int),  # None: d_k
+        dropout_rate=dropout_rate,
+        attention_dropout_rate=0.0,  # none in the paper (t2t transformer_base_v1: 0.0)
+        relu_dropout_rate=0.0,
+        positional="sinusoidal",
+        norm="layer_norm",
+        norm_position="post",
+        activation="relu",
+        use_bias=True,
+        share_embeddings=True,
+        tie_output_embedding=True,
+        max_len=256,
+        dtype="float32",
+        scan_layers=False,
+        remat_policy="none",
+        attention_implementation="xla",
+        norm_eps=1e-6,
+    ))
+
+    cfg.optimizer = config_dict.ConfigDict(dict(
+        name="adam",
+        schedule="paper_rsqrt",  # d_model^-0.5 · min(step^-0.5, step · warmup^-1.5)
+        learning_rate=0.0,  # unused by paper_rsqrt (its peak follows from d_model)
+        warmup_steps=4000,
+        b1=0.9,
+        b2=0.98,
+        eps=1e-9,
+        weight_decay=0.0,
+        clip_norm=0.0,  # 0: no clipping
+    ))
+    cfg.label_smoothing = 0.1
+    cfg.decode = config_dict.ConfigDict(dict(
+        beam_size=4, alpha=0.6,  # GNMT length penalty ((5 + |Y|) / 6)^alpha
+        max_extra_length=50))  # output length <= input length + 50
+    return cfg

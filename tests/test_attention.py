@@ -1,0 +1,465 @@
+"""Tests of transformer.attention: the formula in numpy, jax.nn, GQA/MQA, the chunked
+implementation (values and gradients), masks, dtypes, dropout and JAX transformations."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from transformer import attention
+
+B, T, S, N, H = 2, 6, 6, 4, 8
+
+
+def reference_attention(q, k, v, mask=None, bias=None, scale=None):
+    """softmax(q k^T * scale + bias) v over unmasked keys, float64; fully masked rows -> 0.
+
+    Query head n uses kv head n // (N // K).
+    """
+    q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v))
+    n, kh = q.shape[2], k.shape[2]
+    k, v = np.repeat(k, n // kh, axis=2), np.repeat(v, n // kh, axis=2)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    logits = np.einsum("btnh,bsnh->bnts", q, k) * scale
+    if bias is not None:
+        logits = logits + np.asarray(bias, np.float64)
+    allowed = np.ones(logits.shape, bool)
+    if mask is not None:
+        allowed = np.broadcast_to(np.asarray(mask, bool), logits.shape)
+    logits = np.where(allowed, logits, -np.inf)
+    row_max = logits.max(axis=-1, keepdims=True)
+    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+    e = np.where(allowed, np.exp(logits - row_max), 0.0)
+    denom = e.sum(axis=-1, keepdims=True)
+    weights = np.divide(e, denom, out=np.zeros_like(e), where=denom > 0)
+    return np.einsum("bnts,bsnh->btnh", weights, v)
+
+
+def qkv(seed, b=B, t=T, s=S, n=N, kh=N, h=H, hv=None, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    hv = h if hv is None else hv
+    q = rng.normal(size=(b, t, n, h))
+    k = rng.normal(size=(b, s, kh, h))
+    v = rng.normal(size=(b, s, kh, hv))
+    return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
+
+
+@functools.partial(jax.jit, static_argnames=("implementation", "key_chunk_size"))
+def attend(q, k, v, mask=None, bias=None, implementation="xla", key_chunk_size=4):
+    return attention.dot_product_attention(q, k, v, mask=mask, bias=bias,
+                                           implementation=implementation,
+                                           key_chunk_size=key_chunk_size)
+
+
+# Masks for B=2, T=S=6. Batch row 0 has a padded query (and segment id 0) at position 5,
+# whose row is fully masked.
+Q_VALID = np.array([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]], bool)
+KV_VALID = np.array([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], bool)
+SEGMENTS = np.array([[1, 1, 2, 2, 2, 0], [1, 1, 1, 2, 2, 3]], np.int32)
+
+
+def np_causal(t):
+    return np.tril(np.ones((t, t), bool))[None, None]
+
+
+def np_padding(q_valid, kv_valid):
+    return q_valid[:, None, :, None] & kv_valid[:, None, None, :]
+
+
+def np_segment(q_ids, kv_ids):
+    same = q_ids[:, None, :, None] == kv_ids[:, None, None, :]
+    return same & np_padding(q_ids != 0, kv_ids != 0)
+
+
+def mask_case(name):
+    causal = attention.make_causal_mask(T)
+    padding = attention.make_padding_mask(jnp.asarray(Q_VALID), jnp.asarray(KV_VALID))
+    segment = attention.make_segment_mask(jnp.asarray(SEGMENTS), jnp.asarray(SEGMENTS))
+    per_head = jnp.asarray(np.random.default_rng(7).random((B, N, T, S)) < 0.6)
+    return {
+        "none": None,
+        "causal": causal,
+        "padding": padding,
+        "segment": segment,
+        "causal+segment": attention.combine_masks(causal, segment),
+        "causal+padding": attention.combine_masks(causal, padding),
+        "per_head": per_head,
+    }[name]
+
+
+MASK_NAMES = ["none", "causal", "padding", "segment", "causal+segment", "causal+padding",
+              "per_head"]
+
+
+# --------------------------------------------------------------------------- masks
+
+
+def test_make_causal_mask():
+    mask = attention.make_causal_mask(5)
+    assert mask.shape == (1, 1, 5, 5) and mask.dtype == jnp.bool_
+    np.testing.assert_array_equal(mask, np_causal(5))
+    assert bool(mask[0, 0, 1, 0]) and not bool(mask[0, 0, 0, 1])
+
+
+def test_make_padding_mask_accepts_ints_and_bools():
+    q_valid = np.array([[3, 5, 0]])  # nonzero = real token
+    kv_valid = np.array([[1, 0, 7, 2]])
+    mask = attention.make_padding_mask(jnp.asarray(q_valid), jnp.asarray(kv_valid))
+    assert mask.shape == (1, 1, 3, 4) and mask.dtype == jnp.bool_
+    np.testing.assert_array_equal(mask, np_padding(q_valid != 0, kv_valid != 0))
+    np.testing.assert_array_equal(
+        mask[0, 0], [[1, 0, 1, 1], [1, 0, 1, 1], [0, 0, 0, 0]])
+
+
+def test_make_segment_mask_padding_never_attends_nor_is_attended():
+    q_ids = np.array([[1, 1, 2, 0]])
+    kv_ids = np.array([[1, 2, 2, 0, 0]])
+    mask = attention.make_segment_mask(jnp.asarray(q_ids), jnp.asarray(kv_ids))
+    assert mask.shape == (1, 1, 4, 5)
+    np.testing.assert_array_equal(mask[0, 0], [[1, 0, 0, 0, 0],
+                                               [1, 0, 0, 0, 0],
+                                               [0, 1, 1, 0, 0],
+                                               [0, 0, 0, 0, 0]])  # id 0 == id 0 is no match
+    mask = attention.make_segment_mask(jnp.asarray(SEGMENTS), jnp.asarray(SEGMENTS))
+    np.testing.assert_array_equal(mask, np_segment(SEGMENTS, SEGMENTS))
+
+
+def test_combine_masks():
+    a = jnp.asarray(np_causal(4))
+    b = jnp.asarray(np.array([[1, 1, 0, 1], [1, 0, 1, 1]], bool))[:, None, None, :]
+    assert attention.combine_masks() is None
+    assert attention.combine_masks(None, None) is None
+    assert attention.combine_masks(None, a) is a
+    combined = attention.combine_masks(a, None, b)
+    assert combined.shape == (2, 1, 4, 4)
+    np.testing.assert_array_equal(combined, np.asarray(a) & np.asarray(b))
+
+
+# --------------------------------------------------------------------------- the formula
+
+
+@pytest.mark.parametrize("mask_name", MASK_NAMES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_xla_matches_numpy_formula(mask_name, with_bias):
+    q, k, v = qkv(0)
+    mask = mask_case(mask_name)
+    bias = None
+    if with_bias:
+        bias = jnp.asarray(np.random.default_rng(1).normal(size=(B, N, T, S)), jnp.float32)
+    out = attend(q, k, v, mask, bias)
+    assert out.shape == (B, T, N, H) and out.dtype == jnp.float32
+    np.testing.assert_allclose(out, reference_attention(q, k, v, mask, bias), atol=2e-6,
+                               rtol=1e-5)
+
+
+def test_xla_matches_numpy_formula_cross_attention_gqa_and_value_dim():
+    # T != S, K < N, Hv != H, explicit scale, padding mask [B, 1, T, S].
+    q, k, v = qkv(2, t=3, s=7, kh=2, hv=5)
+    mask = attention.make_padding_mask(jnp.ones((B, 3), bool),
+                                       jnp.asarray(np.arange(7)[None] < np.array([[4], [7]])))
+    out = attention.dot_product_attention(q, k, v, mask=mask, scale=0.3)
+    assert out.shape == (B, 3, N, 5)
+    np.testing.assert_allclose(out, reference_attention(q, k, v, mask, scale=0.3), atol=2e-6,
+                               rtol=1e-5)
+    # The scale matters: the default 1/sqrt(H) gives other numbers.
+    default = attention.dot_product_attention(q, k, v, mask=mask)
+    assert np.abs(np.asarray(default) - np.asarray(out)).max() > 1e-2
+
+
+@pytest.mark.parametrize("mask_name", ["causal", "padding", "segment", "per_head"])
+@pytest.mark.parametrize("kv_heads", [N, 2])
+def test_matches_jax_nn_on_rows_that_are_not_fully_masked(mask_name, kv_heads):
+    q, k, v = qkv(3, kh=kv_heads)
+    mask = mask_case(mask_name)
+    bias = jnp.asarray(np.random.default_rng(4).normal(size=(1, N, T, S)), jnp.float32)
+    ours = attend(q, k, v, mask, bias)
+    theirs = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, implementation="xla")
+    row_has_key = np.broadcast_to(np.asarray(mask), (B, N, T, S)).any(-1).transpose(0, 2, 1)
+    if mask_name in ("padding", "segment"):
+        assert not row_has_key.all()  # the comparison skips some rows, checked below
+    np.testing.assert_allclose(np.asarray(ours)[row_has_key], np.asarray(theirs)[row_has_key],
+                               atol=2e-6, rtol=1e-5)
+    # Fully masked rows: zeros here (jax.nn returns the mean of V there).
+    np.testing.assert_array_equal(np.asarray(ours)[~row_has_key], 0.0)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "chunked"])
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_gqa_and_mqa_equal_mha_with_repeated_kv(implementation, kv_heads):
+    q, k, v = qkv(5, kh=kv_heads)
+    mask = mask_case("per_head")  # per-head mask: checks the head grouping of masks too
+    bias = jnp.asarray(np.random.default_rng(6).normal(size=(B, N, T, S)), jnp.float32)
+    group = N // kv_heads
+    k_rep, v_rep = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    out = attend(q, k, v, mask, bias, implementation=implementation)
+    expected = attend(q, k_rep, v_rep, mask, bias, implementation=implementation)
+    np.testing.assert_allclose(out, expected, atol=1e-6, rtol=1e-6)
+    # Query head n uses kv head n // group: the last query head does not use kv head 0.
+    if kv_heads > 1:
+        np.testing.assert_allclose(out, reference_attention(q, k, v, mask, bias), atol=2e-6,
+                                   rtol=1e-5)
+        k_wrong = jnp.tile(k, (1, 1, group, 1))  # head n -> kv head n % K: the wrong grouping
+        v_wrong = jnp.tile(v, (1, 1, group, 1))
+        wrong = attend(q, k_wrong, v_wrong, mask, bias, implementation=implementation)
+        assert np.abs(np.asarray(wrong) - np.asarray(out)).max() > 1e-2
+
+
+# --------------------------------------------------------------------------- chunked == xla
+
+
+def _loss_and_grads(implementation, key_chunk_size):
+    def loss(q, k, v, bias, mask, cotangent):
+        out = attention.dot_product_attention(q, k, v, mask=mask, bias=bias,
+                                              implementation=implementation,
+                                              key_chunk_size=key_chunk_size)
+        return jnp.sum(out * cotangent), out
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+
+
+CHUNKED_CASES = {
+    # name: (t, s, n, kh, hv, chunk, mask shape or None, bias shape or None)
+    "mask_1_1_T_S": (5, 11, 2, 2, 8, 4, (1, 1, 5, 11), (B, 2, 5, 11)),
+    "mask_B_1_T_S_gqa": (5, 11, 4, 2, 8, 4, (B, 1, 5, 11), (1, 4, 5, 11)),
+    "mask_B_N_T_S_mqa": (6, 10, 4, 1, 6, 3, (B, 4, 6, 10), (B, 4, 6, 10)),
+    "bias_broadcast_over_S": (5, 11, 4, 2, 8, 4, (B, 1, 5, 11), (B, 4, 5, 1)),
+    "bias_broadcast_no_padding": (5, 12, 4, 2, 8, 4, None, (1, 1, 5, 1)),
+    "no_mask_whole_blocks": (5, 12, 2, 2, 8, 4, None, (1, 2, 5, 12)),
+    "one_block": (4, 7, 2, 1, 8, 16, (B, 1, 4, 7), (B, 2, 4, 7)),
+    "bias_B_1_1_S": (5, 11, 4, 4, 8, 4, (1, 1, 5, 11), (B, 1, 1, 11)),
+}
+
+
+@pytest.mark.parametrize("case", list(CHUNKED_CASES))
+def test_chunked_equals_xla_in_value_and_gradient(case):
+    t, s, n, kh, hv, chunk, mask_shape, bias_shape = CHUNKED_CASES[case]
+    rng = np.random.default_rng(8)
+    q, k, v = qkv(9, t=t, s=s, n=n, kh=kh, hv=hv)
+    mask = None
+    if mask_shape is not None:
+        mask = rng.random(mask_shape) < 0.7
+        mask[..., 0, :] = False  # one fully masked query row
+        mask = jnp.asarray(mask)
+    bias = jnp.asarray(rng.normal(size=bias_shape), jnp.float32)
+    cotangent = jnp.asarray(rng.normal(size=(B, t, n, hv)), jnp.float32)
+    (_, out_x), grads_x = _loss_and_grads("xla", chunk)(q, k, v, bias, mask, cotangent)
+    (_, out_c), grads_c = _loss_and_grads("chunked", chunk)(q, k, v, bias, mask, cotangent)
+    np.testing.assert_allclose(out_c, out_x, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(out_x, reference_attention(q, k, v, mask, bias), atol=1e-5,
+                               rtol=1e-5)
+    for name, g_c, g_x, primal in zip("q k v bias".split(), grads_c, grads_x, (q, k, v, bias),
+                                      strict=True):
+        assert g_c.shape == primal.shape and g_c.dtype == primal.dtype, name
+        np.testing.assert_allclose(g_c, g_x, atol=2e-5, rtol=1e-4, err_msg=name)
+    # The gradients are not trivially zero (except the bias constant over keys, which the
+    # softmax ignores).
+    for g in grads_x[:3]:
+        assert np.abs(np.asarray(g)).max() > 1e-2
+    if bias_shape[-1] == 1:
+        np.testing.assert_allclose(grads_x[3], 0.0, atol=1e-5)
+    else:
+        assert np.abs(np.asarray(grads_x[3])).max() > 1e-2
+
+
+def test_chunked_gradient_matches_finite_differences():
+    q, k, v = qkv(10, t=4, s=9, kh=2)
+    rng = np.random.default_rng(11)
+    bias = jnp.asarray(rng.normal(size=(1, N, 4, 9)), jnp.float32)
+    mask = jnp.asarray(rng.random((B, 1, 4, 9)) < 0.8)
+    cot = jnp.asarray(rng.normal(size=(B, 4, N, H)), jnp.float32)
+
+    def f(q, k, v, bias):
+        out = attention.dot_product_attention(q, k, v, mask=mask, bias=bias,
+                                              implementation="chunked", key_chunk_size=4)
+        return jnp.sum(out * cot)
+
+    primals = (q, k, v, bias)
+    grads = jax.jit(jax.grad(f, argnums=(0, 1, 2, 3)))(*primals)
+    directions = [jnp.asarray(rng.normal(size=x.shape), jnp.float32) for x in primals]
+    eps = 1e-2
+    plus = f(*[x + eps * d for x, d in zip(primals, directions, strict=True)])
+    minus = f(*[x - eps * d for x, d in zip(primals, directions, strict=True)])
+    numeric = (plus - minus) / (2 * eps)
+    analytic = sum(jnp.sum(g * d) for g, d in zip(grads, directions, strict=True))
+    np.testing.assert_allclose(analytic, numeric, rtol=2e-3)
+
+
+# --------------------------------------------------------------------------- fully masked rows
+
+
+@pytest.mark.parametrize("implementation", ["xla", "chunked"])
+def test_fully_masked_row_gives_zeros_and_finite_gradients(implementation):
+    q, k, v = qkv(12, s=7)
+    mask = np.ones((B, 1, T, 7), bool)
+    mask[0, 0, 2] = False  # batch 0, query 2 attends to nothing
+    mask[1, 0, :, 3:] = False
+    mask = jnp.asarray(mask)
+    bias = jnp.asarray(np.random.default_rng(13).normal(size=(1, N, T, 7)), jnp.float32)
+
+    def loss(q, k, v, bias):
+        out = attention.dot_product_attention(q, k, v, mask=mask, bias=bias,
+                                              implementation=implementation, key_chunk_size=3)
+        return jnp.sum(out**2), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
+        q, k, v, bias)
+    out = np.asarray(out)
+    assert not np.isnan(out).any()
+    np.testing.assert_array_equal(out[0, 2], 0.0)
+    assert np.abs(out[0, 1]).min() > 0 and np.abs(out[0, 3]).min() > 0
+    for g in grads:
+        assert np.isfinite(np.asarray(g)).all()
+    np.testing.assert_array_equal(grads[0][0, 2], 0.0)  # no gradient into the masked query
+    np.testing.assert_array_equal(grads[3][0, :, 2], 0.0)  # nor its bias row
+    # Keys masked for every query get no gradient.
+    np.testing.assert_array_equal(grads[1][1, 3:], 0.0)
+    np.testing.assert_array_equal(grads[2][1, 3:], 0.0)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "chunked"])
+def test_all_rows_masked_gives_zeros(implementation):
+    q, k, v = qkv(14)
+    out = attend(q, k, v, jnp.zeros((1, 1, T, S), bool), implementation=implementation)
+    np.testing.assert_array_equal(out, 0.0)
+
+
+# --------------------------------------------------------------------------- dtypes
+
+
+def test_attention_weights_float32_rows_sum_to_one():
+    q, k, _ = qkv(15, kh=2, dtype=jnp.bfloat16)
+    mask = mask_case("causal+padding")
+    weights = attention.attention_weights(q, k, mask=mask)
+    assert weights.shape == (B, N, T, S) and weights.dtype == jnp.float32
+    sums = np.asarray(weights).sum(-1)
+    row_has_key = np.broadcast_to(np.asarray(mask), (B, N, T, S)).any(-1)
+    np.testing.assert_allclose(sums[row_has_key], 1.0, atol=1e-6)
+    np.testing.assert_array_equal(sums[~row_has_key], 0.0)
+    np.testing.assert_array_equal(np.asarray(weights)[~np.broadcast_to(mask, weights.shape)], 0)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "chunked"])
+def test_bfloat16_inputs_softmax_in_float32(implementation):
+    """Logits near 144 that differ by ~1: bf16 rounds them by up to 0.5, which a bf16 softmax
+    would turn into errors of order 0.1; float32 logits and softmax leave only the bf16
+    rounding of the weights and the output (~1e-3)."""
+    rng = np.random.default_rng(16)
+    t, s, h = 8, 16, 16
+    q = jnp.asarray(6.0 + 0.1 * rng.normal(size=(B, t, N, h)), jnp.bfloat16)
+    k = jnp.asarray(6.0 + 0.1 * rng.normal(size=(B, s, N, h)), jnp.bfloat16)
+    v = jnp.asarray(rng.normal(size=(B, s, N, h)), jnp.bfloat16)
+    out = attend(q, k, v, implementation=implementation)
+    assert out.dtype == jnp.bfloat16 and out.shape == (B, t, N, h)
+    expected = reference_attention(q, k, v)  # float64 on the same bf16-rounded inputs
+    error = np.abs(np.asarray(out, np.float64) - expected).max()
+
+    # What rounding the logits to bf16 (a softmax in bf16) would do to the same inputs.
+    logits = np.einsum("btnh,bsnh->bnts", *(np.asarray(x, np.float64) for x in (q, k))) / 4
+    logits_bf16 = np.asarray(jnp.asarray(logits, jnp.bfloat16), np.float64)
+    weights = np.exp(logits_bf16 - logits_bf16.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    bf16_softmax = np.einsum("bnts,bsnh->btnh", weights, np.asarray(v, np.float64))
+    bf16_error = np.abs(bf16_softmax - expected).max()
+
+    assert error < 0.02 < bf16_error, (error, bf16_error)
+
+
+# --------------------------------------------------------------------------- dropout
+
+
+def test_dropout_rate_zero_is_identity():
+    q, k, v = qkv(17)
+    mask = mask_case("causal")
+    plain = attention.dot_product_attention(q, k, v, mask=mask)
+    with_rng = attention.dot_product_attention(q, k, v, mask=mask, dropout_rate=0.0,
+                                               dropout_rng=jax.random.key(0))
+    np.testing.assert_array_equal(with_rng, plain)
+
+
+@jax.jit
+def _dropout_weights(rng):
+    """With q = 0 the weights are uniform (1/S); v = I makes the output the dropped weights."""
+    s = 64
+    q = jnp.zeros((1, 8, 4, 16))
+    k = jnp.asarray(np.random.default_rng(18).normal(size=(1, s, 1, 16)), jnp.float32)
+    v = jnp.eye(s)[None, :, None, :]
+    return attention.dot_product_attention(q, k, v, dropout_rate=0.25, dropout_rng=rng)
+
+
+def test_attention_dropout_statistics_and_reproducibility():
+    out = np.asarray(_dropout_weights(jax.random.key(1)))  # [1, T, N, S]: dropped weights
+    kept = out != 0
+    assert abs(kept.mean() - 0.75) < 0.05
+    np.testing.assert_allclose(out[kept], (1 / 64) / 0.75, rtol=1e-6)  # inverted dropout
+    row_sums = out.sum(-1)
+    assert abs(row_sums.mean() - 1.0) < 0.05  # the mean over keys is preserved
+    assert row_sums.std() > 0.01  # but single rows are not
+    np.testing.assert_array_equal(_dropout_weights(jax.random.key(1)), out)
+    assert (np.asarray(_dropout_weights(jax.random.key(2))) != out).any()
+
+
+def test_dropout_needs_rng():
+    q, k, v = qkv(19)
+    with pytest.raises(ValueError, match="rng"):
+        attention.dot_product_attention(q, k, v, dropout_rate=0.1)
+
+
+@pytest.mark.parametrize("implementation", ["chunked", "cudnn"])
+def test_dropout_unsupported_by_chunked_and_cudnn(implementation):
+    q, k, v = qkv(20)
+    with pytest.raises(ValueError, match=implementation):
+        attention.dot_product_attention(q, k, v, dropout_rate=0.1,
+                                        dropout_rng=jax.random.key(0),
+                                        implementation=implementation)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="cudnn runs on GPU")
+def test_cudnn_off_gpu_raises():
+    q, k, v = qkv(21)
+    with pytest.raises(ValueError, match="cudnn"):
+        attention.dot_product_attention(q, k, v, implementation="cudnn")
+
+
+def test_unknown_implementation_and_bad_ranks_raise():
+    q, k, v = qkv(22)
+    with pytest.raises(ValueError, match="'flash'"):
+        attention.dot_product_attention(q, k, v, implementation="flash")
+    with pytest.raises(ValueError, match="B,T,N,H"):
+        attention.dot_product_attention(q[0], k[0], v[0])
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        attention.dot_product_attention(q, k[:, :, :3], v[:, :, :3])
+
+
+# --------------------------------------------------------------------------- transformations
+
+
+@pytest.mark.parametrize("implementation", ["xla", "chunked"])
+def test_vmap_over_extra_leading_axis(implementation):
+    e = 3
+    q, k, v = (x.reshape((e, B) + x.shape[1:]) for x in qkv(23, b=e * B, kh=2, s=7))
+    mask = attention.make_padding_mask(jnp.ones((B, T), bool),
+                                       jnp.asarray(np.arange(7)[None] < np.array([[5], [7]])))
+
+    def f(q, k, v):
+        return attention.dot_product_attention(q, k, v, mask=mask,
+                                               implementation=implementation,
+                                               key_chunk_size=3)
+
+    def loss(q, k, v):
+        return jnp.sum(jnp.sin(f(q, k, v)))
+
+    def value_and_grads(q, k, v):
+        return f(q, k, v), jax.grad(loss, (0, 1, 2))(q, k, v)
+
+    out, grads = jax.jit(jax.vmap(value_and_grads))(q, k, v)
+    assert out.shape == (e, B, T, N, H)
+    single = jax.jit(value_and_grads)
+    for i in range(e):
+        out_i, grads_i = single(q[i], k[i], v[i])
+        np.testing.assert_allclose(out[i], out_i, atol=1e-6, rtol=1e-6)
+        np.testing.assert_allclose(out[i], reference_attention(q[i], k[i], v[i], mask),
+                                   atol=1e-5, rtol=1e-5)
+        for g, gi in zip(grads, grads_i, strict=True):
+            np.testing.assert_allclose(g[i], gi, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,62 @@
+"""Train a Transformer: `python train.py --config=configs/<x>.py --workdir=<dir>`.
+
+Overrides: `--config.a.b=value`. `--summary` prints parameters and FLOPs without allocating
+anything (no workdir needed). Rerunning with the same workdir resumes from its latest checkpoint.
+"""
+
+import logging as pylogging
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).", lock_config=True)
+flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and TensorBoard.")
+flags.DEFINE_bool("summary", False, "Print the parameter and FLOPs summary and exit.")
+flags.DEFINE_bool("compile_only", False, "Lower and compile the train step, print memory, exit.")
+flags.DEFINE_integer("mesh_devices", None, "With --compile_only: the number of devices to plan "
+                     "for (fake CPU devices stand in for them).")
+flags.DEFINE_string("coordinator_address", None, "host:port of process 0, for clusters that "
+                    "jax.distributed cannot detect.")
+flags.DEFINE_integer("num_processes", None, "Number of processes (with --coordinator_address).")
+flags.DEFINE_integer("process_id", None, "This process's index (with --coordinator_address).")
+flags.mark_flags_as_required(["config"])
+FLAGS = flags.FLAGS
+
+
+def _quiet_libraries():
+    """Our progress lines at INFO; orbax's and JAX's chatter (absl INFO) only as warnings."""
+    logging.set_verbosity(logging.WARNING)
+    handler = pylogging.StreamHandler(sys.stderr)
+    handler.setFormatter(pylogging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+    progress = pylogging.getLogger("transformer")
+    progress.addHandler(handler)
+    progress.setLevel(pylogging.INFO)
+    progress.propagate = False
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    cfg = FLAGS.config
+    if FLAGS.summary:
+        from transformer.summary import summarize
+
+        print(summarize(cfg))
+        return
+    if FLAGS.compile_only or FLAGS.coordinator_address:
+        sys.exit("--compile_only and multi-process flags are not available yet")
+    if not FLAGS.workdir:
+        sys.exit("error: --workdir is required to train (or pass --summary)")
+    _quiet_libraries()
+    from transformer.loop import train_and_evaluate
+
+    try:
+        train_and_evaluate(cfg, FLAGS.workdir)
+    except ValueError as error:
+        logging.error("%s", error)
+        sys.exit(f"error: {error}")
+
+
+if __name__ == "__main__":
+    app.run(main)

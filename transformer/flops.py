@@ -1,0 +1,131 @@
+"""Parameter and FLOPs accounting for a `TransformerConfig` (used by `--summary`, MFU, benchmarks).
+
+Parameters are counted from `jax.eval_shape(Transformer(config).init, ...)`: shapes only, nothing
+is allocated, so the count is whatever the model really builds (biases, norms, untied logits,
+learned positions, SwiGLU gates included).
+
+FLOPs count matrix multiplications only, 2 FLOPs per multiply-add; embedding lookups, biases,
+norms, activations, softmax and dropout are free. Shape legend as in DESIGN.md: S source length,
+T target length, N query heads, K kv heads, H = d_k, Hv = d_v, D d_model, F d_ff, V vocab,
+A = 2 for relu/gelu and 3 for swiglu (FFN matmuls). Forward FLOPs of one sequence pair:
+
+    attention projections over L tokens (queries from L_q, keys/values from L_kv):
+        proj(L_q, L_kv) = 2·L_q·D·N·H + 2·L_kv·D·K·(H + Hv) + 2·L_q·N·Hv·D
+    scores and values:
+        core(L_q, L_kv) = 2·L_q·L_kv·N·H   (Q K^T)   + 2·L_q·L_kv·N·Hv   (A V)
+    feed-forward over L tokens:      ffn(L) = 2·L·D·F·A
+    encoder layer (self-attention over S):
+        proj(S, S) + core(S, S) + ffn(S)
+    decoder layer (causal self-attention, then cross-attention to S):
+        proj(T, T) + core(T, T) + proj(T, S) + core(T, S) + ffn(T)
+    output projection:               logits(L) = 2·L·D·V
+
+The decoder's causal self-attention is counted over the full T×T score matrix, as most accounts
+(and the "xla" implementation, which computes the masked entries) do; a causal-aware kernel skips
+about half of it. Training FLOPs = 3 × forward (the backward pass costs twice the forward).
+`train_flops_per_token` divides the sequence-pair figure by T (the loss is per target token); an
+encoder-only model divides by S (its loss is per input token) and applies the logits over S.
+Decoder-only models have neither encoder nor cross-attention.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from transformer.model import Transformer, TransformerConfig
+
+PARAM_GROUPS = ("embedding", "source_embedding", "position_embedding", "encoder", "decoder",
+                "logits")
+
+
+def abstract_params(config: TransformerConfig) -> dict[str, Any]:
+    """The params pytree as `jax.ShapeDtypeStruct` leaves (logical-partitioning boxes removed)."""
+    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    variables = jax.eval_shape(Transformer(config).init, jax.random.key(0), tokens, tokens)
+    return nn.meta.unbox(variables["params"])
+
+
+def _size(tree) -> int:
+    return sum(int(leaf.size) for leaf in jax.tree.leaves(tree))
+
+
+def param_counts(config: TransformerConfig) -> dict[str, int]:
+    """Parameters per module group, plus `total`; every key of PARAM_GROUPS is present.
+
+    `embedding` is the (target, or shared) token embedding; `source_embedding` the encoder's own
+    when `share_embeddings` is off; `position_embedding` learned position tables; `logits` the
+    untied pre-softmax projection (0 when tied); `encoder`/`decoder` everything else below them.
+    """
+    params = abstract_params(config)
+    counts = dict.fromkeys(PARAM_GROUPS, 0)
+    for name, subtree in params.items():
+        if name in ("encoder", "decoder"):
+            subtree = dict(subtree)
+            embedder = subtree.pop("embedder", None)
+            counts["position_embedding"] += _size(embedder)
+            if name == "decoder":
+                counts["logits"] += _size(subtree.pop("logits", None))
+            counts[name] += _size(subtree)
+        elif name in counts:
+            counts[name] += _size(subtree)
+        else:  # a module this accounting does not know yet: still counted in total
+            counts[name] = _size(subtree)
+    counts["total"] = _size(params)
+    return counts
+
+
+def _ffn_matmuls(config: TransformerConfig) -> int:
+    return 3 if config.activation == "swiglu" else 2
+
+
+def _attention_flops(config: TransformerConfig, q_len: int, kv_len: int) -> dict[str, float]:
+    d, n, kh, h, hv = (config.d_model, config.num_heads, config.num_kv_heads, config.d_k,
+                       config.d_v)
+    return {
+        "projections": 2.0 * q_len * d * n * h + 2.0 * kv_len * d * kh * (h + hv)
+        + 2.0 * q_len * n * hv * d,
+        "scores_values": 2.0 * q_len * kv_len * n * (h + hv),
+    }
+
+
+def forward_flops(config: TransformerConfig, *, source_length: int,
+                  target_length: int) -> dict[str, float]:
+    """Forward matmul FLOPs of one sequence pair by component (module docstring), and `total`.
+
+    Keys: `attention_projections`, `attention_scores_values` (Q K^T and A V), `ffn`, `logits`,
+    `total`. Encoder-only models ignore `target_length`; decoder-only ones `source_length`.
+    """
+    s, t = source_length, target_length
+    ffn = 2.0 * config.d_model * config.d_ff * _ffn_matmuls(config)
+    parts = {"attention_projections": 0.0, "attention_scores_values": 0.0, "ffn": 0.0}
+
+    def add(attn: dict[str, float], layers: int):
+        parts["attention_projections"] += layers * attn["projections"]
+        parts["attention_scores_values"] += layers * attn["scores_values"]
+
+    if config.architecture != "decoder":
+        add(_attention_flops(config, s, s), config.num_encoder_layers)
+        parts["ffn"] += config.num_encoder_layers * ffn * s
+    if config.architecture != "encoder":
+        add(_attention_flops(config, t, t), config.num_decoder_layers)
+        if config.architecture == "encoder_decoder":
+            add(_attention_flops(config, t, s), config.num_decoder_layers)
+        parts["ffn"] += config.num_decoder_layers * ffn * t
+    output_length = s if config.architecture == "encoder" else t
+    parts["logits"] = 2.0 * output_length * config.d_model * config.vocab_size
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def train_flops_per_token(config: TransformerConfig, *, source_length: int,
+                          target_length: int) -> float:
+    """Training (forward + backward = 3 × forward) matmul FLOPs per target token (per input
+    token for encoder-only models), for sequences of the given lengths."""
+    total = forward_flops(config, source_length=source_length,
+                          target_length=target_length)["total"]
+    tokens = source_length if config.architecture == "encoder" else target_length
+    return 3.0 * total / tokens

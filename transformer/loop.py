@@ -1,0 +1,247 @@
+"""The training loop: validate, build the mesh, init or resume, train, evaluate, checkpoint.
+
+`train_and_evaluate(cfg, workdir)` is what `train.py` runs. Rerunning it on the same workdir
+resumes from the latest checkpoint; on the same mesh the losses continue bit for bit. SIGTERM
+saves a checkpoint and returns cleanly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import time
+from importlib import metadata
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from transformer import flops, metrics, sharding, train_lib
+from transformer.checkpoint import Checkpointer
+from transformer.data import make_source
+from transformer.model import TransformerConfig
+
+log = logging.getLogger("transformer")
+PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "transformer")
+
+
+def validate_config(cfg, num_devices: int) -> tuple[int, int, int]:
+    """Checks everything that can be checked before touching devices; returns the mesh shape.
+
+    Each problem is one line naming the key and what would fix it."""
+    model_cfg = TransformerConfig.from_dict(cfg.model)
+    for key in ("num_train_steps", "keep_checkpoints", "grad_accum_steps", "log_every_steps"):
+        if int(cfg[key]) < 1:
+            raise ValueError(f"{key}={cfg[key]} must be >= 1")
+    for key in ("checkpoint_every_steps", "checkpoint_every_minutes", "eval_every_steps"):
+        if cfg[key] < 0:
+            raise ValueError(f"{key}={cfg[key]} must be >= 0 (0 turns it off)")
+    if not 0.0 <= cfg.label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing={cfg.label_smoothing} must be in [0, 1)")
+    shape = sharding.mesh_shape(cfg.mesh, num_devices)
+    sharding.validate_mesh_for_model(shape, model_cfg)
+    batch_shards = shape[0] * shape[1]
+    per_update = int(cfg.data.batch_size)
+    if per_update % (cfg.grad_accum_steps * batch_shards):
+        raise ValueError(f"data.batch_size={per_update} is not divisible by grad_accum_steps="
+                         f"{cfg.grad_accum_steps} x mesh.data x mesh.fsdp={batch_shards}")
+    return shape
+
+
+def _provenance(cfg, mesh, source) -> dict:
+    def version(name):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             cwd=os.path.dirname(__file__), timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        sha = None
+    device = jax.devices()[0]
+    return {
+        "packages": {name: version(name) for name in PACKAGES},
+        "git_sha": sha,
+        "mesh_shape": dict(mesh.shape),
+        "devices": {"count": jax.device_count(), "platform": device.platform,
+                    "kind": device.device_kind, "processes": jax.process_count()},
+        "dataset": source.fingerprint(),
+        "vocabulary": source.vocabulary_fingerprint(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def _write_config(cfg, workdir: str, mesh, source) -> None:
+    """config.json: the resolved config and provenance. On resume the model must not change."""
+    path = os.path.join(workdir, "config.json")
+    resolved = cfg.to_dict()
+    if os.path.exists(path):
+        with open(path) as f:
+            previous = json.load(f)
+        changed = sorted(k for k in set(previous.get("model", {})) | set(resolved["model"])
+                         if previous["model"].get(k) != resolved["model"].get(k))
+        if changed:
+            raise ValueError(f"{path} was written with other model settings ({', '.join(changed)})"
+                             f"; resume with the same model or use a new --workdir")
+        return
+    if jax.process_index() == 0:
+        with open(path, "w") as f:
+            json.dump(resolved | {"provenance": _provenance(cfg, mesh, source)}, f, indent=2)
+
+
+class _Preemption:
+    """SIGTERM sets a flag; the loop saves a checkpoint at the next step and returns."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        log.warning("SIGTERM: saving a checkpoint after this step, then exiting")
+        self.requested = True
+
+    def agreed(self, step: int, every: int) -> bool:
+        """True on every process if any process was signalled. With several processes they
+        compare notes (a collective) only every `every` steps."""
+        if jax.process_count() == 1:
+            return self.requested
+        if step % every:
+            return False
+        return bool(multihost_utils.process_allgather(np.array(self.requested)).any())
+
+    def restore(self):
+        signal.signal(signal.SIGTERM, self._previous)
+
+
+def _local_batch(source, split: str, batch_index: int, cfg, rows: tuple[int, int]) -> dict:
+    """This process's rows of global batch `batch_index`, shaped [A, b, L]."""
+    num_micro = int(cfg.grad_accum_steps) if split == "train" else 1
+    micro = int(cfg.data.batch_size) // num_micro
+    start, stop = rows
+    parts = [source.examples(split, batch_index * cfg.data.batch_size + a * micro + start,
+                             stop - start) for a in range(num_micro)]
+    return {k: np.stack([p[k] for p in parts]) for k in parts[0]}
+
+
+def evaluate(trainer, eval_step, params, source, cfg, rows, split="validation") -> dict:
+    """Unsmoothed eval loss and perplexity over `data.eval_batches` batches of `split`."""
+    totals = {"nll_sum": 0.0, "tokens": 0.0}
+    for index in range(int(cfg.data.eval_batches)):
+        local = _local_batch(source, split, index, cfg, rows)
+        sums = jax.device_get(eval_step(params, train_lib.global_batch(trainer.mesh, local)))
+        totals = {k: totals[k] + float(sums[k]) for k in totals}
+    return train_lib.eval_metrics(totals)
+
+
+def train_and_evaluate(cfg, workdir: str) -> train_lib.TrainState:
+    """Trains `cfg` in `workdir` (resuming if it holds a checkpoint); returns the final state."""
+    validate_config(cfg, jax.device_count())
+    source = make_source(cfg)
+    os.makedirs(workdir, exist_ok=True)
+    mesh = sharding.make_mesh(cfg.mesh)
+    trainer = train_lib.build_trainer(cfg, mesh)
+    _write_config(cfg, workdir, mesh, source)
+    checkpointer = Checkpointer(workdir, keep=int(cfg.keep_checkpoints))
+    latest = checkpointer.latest_step()
+    if latest is None:
+        state, next_batch = train_lib.init_state(trainer, int(cfg.seed)), 0
+    else:
+        log.info("resuming from %s/%d", checkpointer.directory, latest)
+        state, data_state = checkpointer.restore(latest, trainer.abstract_state)
+        next_batch = int(data_state["next_batch_index"])
+    step = int(jax.device_get(state.step))
+    train_step = train_lib.make_train_step(trainer, cfg)
+    eval_step = train_lib.make_eval_step(trainer)
+    rows = train_lib.process_rows(mesh, int(cfg.data.batch_size) // int(cfg.grad_accum_steps))
+    eval_rows = train_lib.process_rows(mesh, int(cfg.data.batch_size))
+    writer = metrics.MetricWriter(workdir)
+    preemption = _Preemption()
+    total = int(cfg.num_train_steps)
+    flops_per_token = flops.train_flops_per_token(
+        TransformerConfig.from_dict(cfg.model), source_length=source.source_length,
+        target_length=source.target_length)
+    peak = metrics.peak_flops_per_device()
+    progress = metrics.Progress(step, total)
+    pending: list[tuple[int, dict]] = []
+    last_save_time, last_saved = time.monotonic(), latest
+    profile_start, profile_steps = int(cfg.profile_start_step), int(cfg.profile_num_steps)
+    try:
+        while step < total:
+            if profile_steps and step == profile_start:
+                jax.profiler.start_trace(os.path.join(workdir, "profile"))
+            started = time.perf_counter()
+            local = _local_batch(source, "train", next_batch, cfg, rows)
+            batch = train_lib.global_batch(mesh, local)
+            progress.add_step(time.perf_counter() - started)
+            state, step_metrics = train_step(state, batch)
+            step, next_batch = step + 1, next_batch + 1
+            pending.append((step, step_metrics))
+            if profile_steps and step == profile_start + profile_steps:
+                jax.profiler.stop_trace()
+            preempted = preemption.agreed(step, cfg.log_every_steps)
+            if step % cfg.log_every_steps == 0 or step == total or preempted:
+                _flush(pending, progress, writer, step, total, flops_per_token, peak, cfg,
+                       last_saved)
+                pending = []
+            if cfg.eval_every_steps and (step % cfg.eval_every_steps == 0 or step == total):
+                writer.write(step, "validation",
+                             evaluate(trainer, eval_step, state.params, source, cfg, eval_rows))
+            if _should_save(cfg, step, total, last_save_time) or preempted:
+                checkpointer.save(step, state, {"next_batch_index": next_batch})
+                last_save_time, last_saved = time.monotonic(), step
+            if preempted:
+                log.warning("preempted: checkpoint %d saved, exiting", step)
+                break
+    finally:
+        checkpointer.close()
+        writer.close()
+        preemption.restore()
+    return state
+
+
+def _should_save(cfg, step: int, total: int, last_save_time: float) -> bool:
+    """Every `checkpoint_every_steps`, every `checkpoint_every_minutes` (process 0's clock),
+    and at the end."""
+    due = step == total or bool(cfg.checkpoint_every_steps
+                                and step % cfg.checkpoint_every_steps == 0)
+    if cfg.checkpoint_every_minutes:
+        elapsed = time.monotonic() - last_save_time >= 60 * cfg.checkpoint_every_minutes
+        if jax.process_count() > 1:
+            elapsed = bool(multihost_utils.broadcast_one_to_all(np.array(elapsed)))
+        due = due or elapsed
+    return due
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss or gradient was not finite (the update was not applied)."""
+
+
+def _flush(pending, progress, writer, step, total, flops_per_token, peak, cfg, last_saved):
+    """Fetches the pending step metrics, writes one train line per step, logs progress."""
+    fetched = jax.device_get([m for _, m in pending])
+    tokens = sum(float(m["target_tokens"]) for m in fetched)
+    progress.add_tokens(tokens)
+    window = progress.report(step)
+    if peak is not None:
+        window["mfu"] = flops_per_token * window["tokens_per_sec"] / (peak * jax.device_count())
+    for (s, _), m in zip(pending, fetched, strict=True):
+        if bool(m["nonfinite"]) and not cfg.skip_nonfinite_updates:
+            last = f"checkpoint {last_saved}" if last_saved else "no checkpoint yet"
+            raise NonFiniteLoss(f"step {s}: loss {float(m['loss'])} or gradient norm "
+                                f"{float(m['grad_norm'])} is not finite; the update was not "
+                                f"applied. Last good checkpoint: {last}. Lower the learning rate"
+                                f" or set clip_norm, or skip_nonfinite_updates=True")
+        line = {"loss": m["loss"], "learning_rate": m["learning_rate"],
+                "grad_norm": m["grad_norm"], "tokens_per_sec": window["tokens_per_sec"],
+                "data_wait_fraction": window["data_wait_fraction"],
+                "target_tokens_per_update": m["target_tokens"],
+                "nonfinite_skipped": int(m["nonfinite"])}
+        if "mfu" in window:
+            line["mfu"] = window["mfu"]
+        writer.write(s, "train", line)
+    metrics.log_progress(step, total, fetched[-1] | window)
