@@ -75,7 +75,10 @@ class TransformerConfig:
         if self.num_kv_heads is None:
             set_("num_kv_heads", self.num_heads)
         if self.d_k is None:
-            set_("d_k", self.d_model // max(self.num_heads, 1))
+            if self.num_heads < 1 or self.d_model % self.num_heads:
+                raise ValueError(f"model.num_heads={self.num_heads} does not divide "
+                                 f"d_model={self.d_model}; change it or set model.d_k")
+            set_("d_k", self.d_model // self.num_heads)
         if self.d_v is None:
             set_("d_v", self.d_k)
         for field, choices in (("architecture", ARCHITECTURES), ("positional", POSITIONALS),
@@ -96,9 +99,6 @@ class TransformerConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"model.num_kv_heads={self.num_kv_heads} does not divide "
                              f"num_heads={self.num_heads}")
-        if self.d_model % self.num_heads and self.d_k * self.num_heads == self.d_model:
-            raise ValueError(f"model.num_heads={self.num_heads} does not divide "
-                             f"d_model={self.d_model}; set d_k explicitly")
         if self.positional == "rope" and self.d_k % 2:
             raise ValueError(f"model.positional='rope' needs an even d_k, got {self.d_k}")
         if self.positional == "sinusoidal" and self.d_model % 2:

@@ -100,7 +100,7 @@ def make_train_step(trainer: Trainer, cfg) -> Callable:
 
     The loss is the sum over all devices and accumulation steps divided by the global count of
     non-pad target tokens, so accumulating A microbatches equals one batch A times larger. An
-    update whose loss or gradient is not finite is never applied (metric `nonfinite`).
+    update whose loss, gradient or update is not finite is never applied (metric `nonfinite`).
     """
     label_smoothing, z_loss = float(cfg.label_smoothing), float(cfg.get("z_loss", 0.0))
     seed = int(cfg.seed)
@@ -131,7 +131,8 @@ def make_train_step(trainer: Trainer, cfg) -> Callable:
         updates, opt_state = trainer.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         loss = loss_sum / total_weight
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        finite = (jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+                  & jnp.isfinite(optax.global_norm(updates)))
         params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
                                          (params, opt_state), (state.params, state.opt_state))
         metrics = {"loss": loss, "z_loss": z_sum / total_weight, "grad_norm": grad_norm,

@@ -1,0 +1,180 @@
+"""The training engine on 8 fake CPU devices: meshes agree, shardings follow the rules,
+gradient accumulation equals the large batch, checkpoints restore onto other meshes."""
+
+import pathlib
+import runpy
+
+import flax
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from transformer import sharding, train_lib
+from transformer.checkpoint import Checkpointer
+from transformer.data import make_source
+from transformer.loop import _local_batch, validate_config
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def tiny_config(**overrides):
+    cfg = runpy.run_path(str(ROOT / "configs" / "tiny.py"))["get_config"]()
+    cfg.data.batch_size = 16
+    for key, value in overrides.items():
+        target = cfg
+        *path, last = key.split(".")
+        for name in path:
+            target = target[name]
+        target[last] = value
+    return cfg
+
+
+def mesh_of(shape, num_devices=8):
+    cfg = {"data": shape[0], "fsdp": shape[1], "tensor": shape[2]}
+    return sharding.make_mesh(cfg, jax.devices()[:num_devices])
+
+
+def run(cfg, mesh, num_steps, state=None, first_batch=0):
+    """(final state, per-step losses) of `num_steps` train steps on `mesh`."""
+    trainer = train_lib.build_trainer(cfg, mesh)
+    if state is None:
+        state = train_lib.init_state(trainer, cfg.seed)
+    step_fn = train_lib.make_train_step(trainer, cfg)
+    source = make_source(cfg)
+    rows = train_lib.process_rows(mesh, cfg.data.batch_size // cfg.grad_accum_steps)
+    losses = []
+    for index in range(first_batch, first_batch + num_steps):
+        batch = train_lib.global_batch(mesh, _local_batch(source, "train", index, cfg, rows))
+        state, metrics = step_fn(state, batch)
+        losses.append(float(metrics["loss"]))
+    return state, np.array(losses), trainer
+
+
+def assert_params_close(expected, actual, *, max_key_bias_drift):
+    """Parameters equal to float32 rounding, except the key biases.
+
+    Softmax ignores a shift shared by all keys, so the key-bias gradient is rounding noise,
+    which Adam (eps 1e-9) turns into steps of +-lr whose signs depend on the reduction order.
+    """
+    expected = flax.traverse_util.flatten_dict(jax.device_get(expected), sep="/")
+    actual = flax.traverse_util.flatten_dict(jax.device_get(actual), sep="/")
+    assert expected.keys() == actual.keys()
+    for path, value in expected.items():
+        if path.endswith("key/bias"):
+            assert np.abs(value - actual[path]).max() <= max_key_bias_drift + 1e-7, path
+        else:
+            np.testing.assert_allclose(actual[path], value, rtol=1e-4, atol=1e-6, err_msg=path)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """10 steps on one device: the figures every mesh must reproduce."""
+    cfg = tiny_config()
+    state, losses, _ = run(cfg, mesh_of((1, 1, 1), 1), 10)
+    return cfg, jax.device_get(state), losses
+
+
+@pytest.mark.parametrize("shape", [(8, 1, 1), (2, 2, 2), (1, 2, 4)])
+def test_meshes_agree_with_one_device(reference, shape):
+    cfg, _, expected = reference
+    _, losses, _ = run(cfg, mesh_of(shape), 10)
+    np.testing.assert_allclose(losses, expected, rtol=1e-4)
+    assert losses[-1] < losses[0]  # it learns
+
+
+def test_param_and_optimizer_shardings_follow_rules():
+    cfg = tiny_config()
+    mesh = mesh_of((2, 2, 2))
+    trainer = train_lib.build_trainer(cfg, mesh)
+    state = train_lib.init_state(trainer, cfg.seed)
+    attn = state.params["encoder"]["layers_0"]["self_attention"]
+    assert attn["query"]["kernel"].sharding.spec == P("fsdp", "tensor", None)  # [D, N, H]
+    assert attn["out"]["kernel"].sharding.spec == P("tensor", None, "fsdp")  # [N, Hv, D]
+    ffn = state.params["encoder"]["layers_0"]["ffn"]
+    assert ffn["ff_in"]["kernel"].sharding.spec == P("fsdp", "tensor")  # [D, F]
+    assert ffn["ff_out"]["kernel"].sharding.spec == P("tensor", "fsdp")
+    assert state.params["embedding"]["embedding"].sharding.spec == P("tensor", "fsdp")  # [V, D]
+    adam = state.opt_state[1][0]  # clip_by_global_norm, then adam's ScaleByAdamState
+    mu = adam.mu["encoder"]["layers_0"]["ffn"]["ff_in"]["kernel"]
+    assert mu.sharding.spec == P("fsdp", "tensor")
+    # Each device holds 1/4 of ff_in (fsdp 2 x tensor 2), not a replica.
+    shard = ffn["ff_in"]["kernel"].addressable_shards[0].data
+    assert shard.size * 4 == ffn["ff_in"]["kernel"].size
+
+
+def test_single_kv_head_is_replicated_under_tensor_parallelism():
+    cfg = tiny_config(**{"model.num_kv_heads": 1})
+    trainer = train_lib.build_trainer(cfg, mesh_of((1, 2, 4)))
+    key = trainer.state_shardings.params["encoder"]["layers_0"]["self_attention"]["key"]
+    assert key["kernel"].spec == P("fsdp", None, None)
+
+
+def test_params_after_one_step_agree_across_meshes(reference):
+    cfg, _, _ = reference
+    one, _, _ = run(cfg, mesh_of((1, 1, 1), 1), 1)
+    eight, _, _ = run(cfg, mesh_of((2, 2, 2)), 1)
+    assert_params_close(one.params, eight.params, max_key_bias_drift=3e-3 / 50)
+
+
+def test_gradient_accumulation_equals_large_batch():
+    cfg = tiny_config(**{"model.dropout_rate": 0.0})
+    mesh = mesh_of((2, 1, 1), 2)
+    large, large_losses, _ = run(cfg, mesh, 2)
+    cfg.grad_accum_steps = 4
+    accumulated, accumulated_losses, _ = run(cfg, mesh, 2)
+    np.testing.assert_allclose(accumulated_losses, large_losses, rtol=1e-5)
+    assert_params_close(large.params, accumulated.params,
+                        max_key_bias_drift=3e-3 / 50 + 6e-3 / 50)  # two updates' learning rates
+
+
+def test_restore_onto_other_meshes(reference, tmp_path):
+    cfg, _, expected = reference
+    saved_on = mesh_of((2, 2, 2))
+    state, _, _ = run(cfg, saved_on, 5)
+    checkpointer = Checkpointer(str(tmp_path), keep=2)
+    checkpointer.save(5, state, {"next_batch_index": 5})
+    checkpointer.close()
+    for shape, devices in (((1, 1, 1), 1), ((1, 2, 4), 8)):
+        mesh = mesh_of(shape, devices)
+        trainer = train_lib.build_trainer(cfg, mesh)
+        restored, data_state = Checkpointer(str(tmp_path), keep=2).restore(
+            5, trainer.abstract_state)
+        assert data_state == {"next_batch_index": 5}
+        leaf = restored.params["encoder"]["layers_0"]["ffn"]["ff_in"]["kernel"]
+        assert leaf.sharding.mesh.shape == mesh.shape
+        _, losses, _ = run(cfg, mesh, 5, state=restored, first_batch=5)
+        np.testing.assert_allclose(losses, expected[5:], rtol=1e-4)
+
+
+def test_nonfinite_update_is_not_applied():
+    cfg = tiny_config(**{"optimizer.learning_rate": float("inf"), "optimizer.clip_norm": 0.0})
+    mesh = mesh_of((1, 1, 1), 1)
+    trainer = train_lib.build_trainer(cfg, mesh)
+    state = train_lib.init_state(trainer, cfg.seed)
+    before = jax.device_get(state.params)
+    step_fn = train_lib.make_train_step(trainer, cfg)
+    source = make_source(cfg)
+    batch = train_lib.global_batch(mesh, _local_batch(source, "train", 0, cfg, (0, 16)))
+    state, metrics = step_fn(state, batch)  # the update is inf * gradient
+    assert bool(metrics["nonfinite"])
+    assert int(state.step) == 1
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(jax.device_get(state.params)),
+                    strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"mesh.data": 3, "mesh.fsdp": -1}, "mesh.data=3, mesh.fsdp=-1, mesh.tensor=1 cannot fill"),
+    ({"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 1}, "needs 4 devices, but 8"),
+    ({"mesh.data": -1, "mesh.tensor": 8}, "mesh.tensor=8 does not divide num_heads=4"),
+    ({"mesh.data": 1, "mesh.fsdp": -1, "mesh.tensor": -1}, "at most one mesh axis may be -1"),
+    ({"data.batch_size": 12}, "data.batch_size=12 is not divisible"),
+    ({"num_train_steps": -5}, "num_train_steps=-5 must be >= 1"),
+    ({"model.num_heads": 3}, "num_heads"),
+])
+def test_bad_config_fails_before_device_work(overrides, message):
+    cfg = tiny_config(**overrides)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")) as error:
+        validate_config(cfg, 8)
+    assert "\n" not in str(error.value)
