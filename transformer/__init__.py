@@ -1,1 +1,41 @@
-"""The Transformer of "Attention Is All You Need" in JAX/Flax."""
+"""The Transformer of "Attention Is All You Need" in JAX/Flax.
+
+The pure functions (`attention`, `layers`) and the Linen modules (`model`) import no TensorFlow:
+
+    from transformer import dot_product_attention, TransformerConfig, Transformer
+"""
+
+from transformer.attention import (
+    attention_weights,
+    combine_masks,
+    dot_product_attention,
+    make_causal_mask,
+    make_padding_mask,
+    make_segment_mask,
+)
+from transformer.layers import (
+    apply_rope,
+    feed_forward,
+    layer_norm,
+    rms_norm,
+    sinusoidal_position_encoding,
+)
+from transformer.model import (
+    Decoder,
+    DecoderBlock,
+    Encoder,
+    EncoderBlock,
+    MultiHeadAttention,
+    Transformer,
+    TransformerConfig,
+    init_cache,
+    shift_right,
+)
+
+__all__ = [
+    "Decoder", "DecoderBlock", "Encoder", "EncoderBlock", "MultiHeadAttention", "Transformer",
+    "TransformerConfig", "apply_rope", "attention_weights", "combine_masks",
+    "dot_product_attention", "feed_forward", "init_cache", "layer_norm", "make_causal_mask",
+    "make_padding_mask", "make_segment_mask", "rms_norm", "shift_right",
+    "sinusoidal_position_encoding",
+]

@@ -190,7 +190,7 @@ class MultiHeadAttention(nn.Module):
     """
 
     config: TransformerConfig
-    attention_fn: Callable[..., jax.Array]
+    attention_fn: Callable[..., jax.Array] = attention.dot_product_attention
     use_rope: bool = False
 
     @nn.compact
@@ -283,7 +283,7 @@ class EncoderBlock(nn.Module):
     deterministic) -> x` (or `(x, None)` as an `nn.scan` body)."""
 
     config: TransformerConfig
-    attention_fn: Callable[..., jax.Array]
+    attention_fn: Callable[..., jax.Array] = attention.dot_product_attention
 
     @nn.compact
     def __call__(self, x, mask, positions, deterministic=True):
@@ -308,7 +308,7 @@ class DecoderBlock(nn.Module):
     """
 
     config: TransformerConfig
-    attention_fn: Callable[..., jax.Array]
+    attention_fn: Callable[..., jax.Array] = attention.dot_product_attention
 
     @nn.compact
     def __call__(self, x, encoded, self_mask, cross_mask, positions, cache=None,
@@ -401,7 +401,7 @@ class Encoder(nn.Module):
 
     config: TransformerConfig
     embedding: nn.Module
-    attention_fn: Callable[..., jax.Array]
+    attention_fn: Callable[..., jax.Array] = attention.dot_product_attention
 
     @nn.compact
     def __call__(self, inputs, *, inputs_positions=None, inputs_segmentation=None,
@@ -433,7 +433,7 @@ class Decoder(nn.Module):
 
     config: TransformerConfig
     embedding: nn.Module
-    attention_fn: Callable[..., jax.Array]
+    attention_fn: Callable[..., jax.Array] = attention.dot_product_attention
 
     @nn.compact
     def __call__(self, tokens, encoded, self_mask, cross_mask, positions, *, cache=None,
