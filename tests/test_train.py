@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from transformer import sharding, train_lib
 from transformer.checkpoint import Checkpointer
 from transformer.data import make_source
-from transformer.loop import _local_batch, validate_config
+from transformer.loop import validate_config
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -42,10 +42,10 @@ def run(cfg, mesh, num_steps, state=None, first_batch=0):
         state = train_lib.init_state(trainer, cfg.seed)
     step_fn = train_lib.make_train_step(trainer, cfg)
     source = make_source(cfg)
-    rows = train_lib.process_rows(mesh, cfg.data.batch_size // cfg.grad_accum_steps)
+    rows = train_lib.process_rows(mesh, source.rows_per_batch)
     losses = []
     for index in range(first_batch, first_batch + num_steps):
-        batch = train_lib.global_batch(mesh, _local_batch(source, "train", index, cfg, rows))
+        batch = train_lib.global_batch(mesh, source.train_batch(index, rows))
         state, metrics = step_fn(state, batch)
         losses.append(float(metrics["loss"]))
     return state, np.array(losses), trainer
@@ -155,7 +155,7 @@ def test_nonfinite_update_is_not_applied():
     before = jax.device_get(state.params)
     step_fn = train_lib.make_train_step(trainer, cfg)
     source = make_source(cfg)
-    batch = train_lib.global_batch(mesh, _local_batch(source, "train", 0, cfg, (0, 16)))
+    batch = train_lib.global_batch(mesh, source.train_batch(0, (0, 16)))
     state, metrics = step_fn(state, batch)  # the update is inf * gradient
     assert bool(metrics["nonfinite"])
     assert int(state.step) == 1

@@ -118,21 +118,10 @@ class _Preemption:
         signal.signal(signal.SIGTERM, self._previous)
 
 
-def _local_batch(source, split: str, batch_index: int, cfg, rows: tuple[int, int]) -> dict:
-    """This process's rows of global batch `batch_index`, shaped [A, b, L]."""
-    num_micro = int(cfg.grad_accum_steps) if split == "train" else 1
-    micro = int(cfg.data.batch_size) // num_micro
-    start, stop = rows
-    parts = [source.examples(split, batch_index * cfg.data.batch_size + a * micro + start,
-                             stop - start) for a in range(num_micro)]
-    return {k: np.stack([p[k] for p in parts]) for k in parts[0]}
-
-
-def evaluate(trainer, eval_step, params, source, cfg, rows, split="validation") -> dict:
-    """Unsmoothed eval loss and perplexity over `data.eval_batches` batches of `split`."""
+def evaluate(trainer, eval_step, params, source, rows, split="validation") -> dict:
+    """Unsmoothed eval loss and perplexity over the source's eval batches of `split`."""
     totals = {"nll_sum": 0.0, "tokens": 0.0}
-    for index in range(int(cfg.data.eval_batches)):
-        local = _local_batch(source, split, index, cfg, rows)
+    for local in source.eval_batches(split, rows):
         sums = jax.device_get(eval_step(params, train_lib.global_batch(trainer.mesh, local)))
         totals = {k: totals[k] + float(sums[k]) for k in totals}
     return train_lib.eval_metrics(totals)
@@ -157,8 +146,8 @@ def train_and_evaluate(cfg, workdir: str) -> train_lib.TrainState:
     step = int(jax.device_get(state.step))
     train_step = train_lib.make_train_step(trainer, cfg)
     eval_step = train_lib.make_eval_step(trainer)
-    rows = train_lib.process_rows(mesh, int(cfg.data.batch_size) // int(cfg.grad_accum_steps))
-    eval_rows = train_lib.process_rows(mesh, int(cfg.data.batch_size))
+    rows = train_lib.process_rows(mesh, source.rows_per_batch)
+    eval_rows = train_lib.process_rows(mesh, source.eval_rows_per_batch)
     writer = metrics.MetricWriter(workdir)
     preemption = _Preemption()
     total = int(cfg.num_train_steps)
@@ -175,8 +164,7 @@ def train_and_evaluate(cfg, workdir: str) -> train_lib.TrainState:
             if profile_steps and step == profile_start:
                 jax.profiler.start_trace(os.path.join(workdir, "profile"))
             started = time.perf_counter()
-            local = _local_batch(source, "train", next_batch, cfg, rows)
-            batch = train_lib.global_batch(mesh, local)
+            batch = train_lib.global_batch(mesh, source.train_batch(next_batch, rows))
             progress.add_step(time.perf_counter() - started)
             state, step_metrics = train_step(state, batch)
             step, next_batch = step + 1, next_batch + 1
@@ -190,7 +178,7 @@ def train_and_evaluate(cfg, workdir: str) -> train_lib.TrainState:
                 pending = []
             if cfg.eval_every_steps and (step % cfg.eval_every_steps == 0 or step == total):
                 writer.write(step, "validation",
-                             evaluate(trainer, eval_step, state.params, source, cfg, eval_rows))
+                             evaluate(trainer, eval_step, state.params, source, eval_rows))
             if _should_save(cfg, step, total, last_save_time) or preempted:
                 checkpointer.save(step, state, {"next_batch_index": next_batch})
                 last_save_time, last_saved = time.monotonic(), step

@@ -4,19 +4,56 @@ the iterator state in a checkpoint is that index and a run resumes on any number
 This package's `__init__` imports nothing heavy: the synthetic task needs no TensorFlow.
 """
 
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol
+
+import numpy as np
+
+Batch = dict[str, np.ndarray]
+
+
+class Source(Protocol):
+    """What the training loop reads. Batches are dicts of int32 arrays: "inputs" [.., S] and
+    "targets" [.., T] (0 = padding), and for packed rows "inputs_segmentation",
+    "targets_segmentation" (0 = padding), "inputs_positions", "targets_positions".
+
+    A global batch has `num_microbatches` (A, gradient accumulation) microbatches of
+    `rows_per_batch` rows; mesh axes data x fsdp split the rows, and each process asks only for
+    its own contiguous `rows` = (start, stop).
+    """
+
+    source_length: int  # S of a batch (for FLOPs accounting)
+    target_length: int  # T
+    rows_per_batch: int  # global rows of one microbatch
+    eval_rows_per_batch: int  # global rows of one eval batch
+
+    def train_batch(self, index: int, rows: tuple[int, int]) -> Batch:
+        """Rows [start, stop) of every microbatch of global batch `index`: [A, stop-start, L].
+        A pure function of (seed, index)."""
+
+    def eval_batches(self, split: str, rows: tuple[int, int]) -> Iterator[Batch]:
+        """The split once, as [1, stop-start, L] batches; padding rows fill the last one."""
+
+    def fingerprint(self) -> str:
+        """Names the dataset and its version, for config.json."""
+
+    def vocabulary_fingerprint(self) -> str:
+        """Identifies the vocabulary (e.g. the SentencePiece model's sha256)."""
+
 
 def make_source(cfg):
-    """The example source `cfg.data.dataset` names.
-
-    A source has `examples(split, start, count) -> dict of [count, L] arrays`,
-    `source_length`, `target_length`, `fingerprint()` and `vocabulary_fingerprint()`.
-    """
+    """The batch source `cfg.data.dataset` names (the contract is `Source`)."""
     name = cfg.data.dataset
     if name == "synthetic":
-        from transformer.data.synthetic import SyntheticTask
+        from transformer.data.synthetic import SyntheticSource, SyntheticTask
 
-        return SyntheticTask(task=cfg.data.task, vocab_size=cfg.data.vocab_size,
+        task = SyntheticTask(task=cfg.data.task, vocab_size=cfg.data.vocab_size,
                              min_length=cfg.data.min_length, max_length=cfg.data.max_length,
                              seed=cfg.seed)
+        return SyntheticSource(task, batch_size=int(cfg.data.batch_size),
+                               grad_accum_steps=int(cfg.grad_accum_steps),
+                               num_eval_batches=int(cfg.data.eval_batches))
     raise ValueError(f"data.dataset={name!r} is not available; the synthetic task is "
                      f"data.dataset='synthetic'")

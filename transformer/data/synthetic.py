@@ -72,3 +72,48 @@ class SyntheticTask:
             inputs[row, : len(source)] = source
             targets[row, : len(target)] = target
         return {"inputs": inputs, "targets": targets}
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticSource:
+    """`SyntheticTask` examples in global batches of `batch_size` (the `Source` contract)."""
+
+    task: SyntheticTask
+    batch_size: int
+    grad_accum_steps: int
+    num_eval_batches: int
+
+    @property
+    def source_length(self) -> int:
+        return self.task.source_length
+
+    @property
+    def target_length(self) -> int:
+        return self.task.target_length
+
+    @property
+    def rows_per_batch(self) -> int:
+        return self.batch_size // self.grad_accum_steps
+
+    @property
+    def eval_rows_per_batch(self) -> int:
+        return self.batch_size
+
+    def fingerprint(self) -> str:
+        return self.task.fingerprint()
+
+    def vocabulary_fingerprint(self) -> str:
+        return self.task.vocabulary_fingerprint()
+
+    def train_batch(self, index: int, rows: tuple[int, int]) -> dict[str, np.ndarray]:
+        micro = self.rows_per_batch
+        first = index * self.batch_size + rows[0]
+        parts = [self.task.examples("train", first + a * micro, rows[1] - rows[0])
+                 for a in range(self.grad_accum_steps)]
+        return {k: np.stack([p[k] for p in parts]) for k in parts[0]}
+
+    def eval_batches(self, split: str, rows: tuple[int, int]):
+        for index in range(self.num_eval_batches):
+            examples = self.task.examples(split, index * self.batch_size + rows[0],
+                                          rows[1] - rows[0])
+            yield {k: v[None] for k, v in examples.items()}
