@@ -44,17 +44,19 @@ def main(argv):
 
         print(summarize(cfg))
         return
-    if FLAGS.compile_only or FLAGS.coordinator_address:
-        sys.exit("--compile_only and multi-process flags are not available yet")
+    if FLAGS.compile_only:
+        sys.exit("--compile_only is not available yet")
     if not FLAGS.workdir:
         sys.exit("error: --workdir is required to train (or pass --summary)")
     _quiet_libraries()
-    from transformer.loop import train_and_evaluate
+    from transformer import distributed
+    from transformer.loop import NonFiniteLoss, train_and_evaluate
 
     try:
+        distributed.initialize(cfg.distributed, coordinator_address=FLAGS.coordinator_address,
+                               num_processes=FLAGS.num_processes, process_id=FLAGS.process_id)
         train_and_evaluate(cfg, FLAGS.workdir)
-    except ValueError as error:
-        logging.error("%s", error)
+    except (ValueError, NonFiniteLoss) as error:
         sys.exit(f"error: {error}")
 
 

@@ -28,7 +28,7 @@ def get_config():
         vocab_size=32, min_length=4, max_length=12,
         batch_size=32,  # examples per update, global
         tokens_per_batch=0,  # token budgets are for the translation datasets
-        eval_batches=4))
+        eval_examples=128))  # the validation split: 128 examples, batches of batch_size
     cfg.grad_accum_steps = 1
     cfg.model = config_dict.ConfigDict(dict(
         architecture="encoder_decoder", vocab_size=cfg.data.get_ref("vocab_size"),
@@ -47,5 +47,8 @@ def get_config():
     cfg.skip_nonfinite_updates = False
     cfg.profile_start_step = 0
     cfg.profile_num_steps = 0  # > 0: a jax.profiler trace of that many steps in <workdir>/profile
+    cfg.distributed = config_dict.ConfigDict(dict(  # multi-process runs (train.py flags)
+        initialization_timeout_seconds=300,  # waiting for all processes to join
+        heartbeat_timeout_seconds=100))  # a dead peer stops the others after this long
     cfg.decode = config_dict.ConfigDict(dict(beam_size=4, alpha=0.6, max_extra_length=4))
     return cfg

@@ -10,6 +10,10 @@ import pytest
 
 from transformer import attention
 
+# LLVM optimisation buys nothing for these tiny programs and halves their compile time.
+jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0,
+                                                  "xla_llvm_disable_expensive_passes": True})
+
 B, T, S, N, H = 2, 6, 6, 4, 8
 
 
@@ -46,7 +50,7 @@ def qkv(seed, b=B, t=T, s=S, n=N, kh=N, h=H, hv=None, dtype=jnp.float32):
     return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
 
 
-@functools.partial(jax.jit, static_argnames=("implementation", "key_chunk_size"))
+@functools.partial(jit, static_argnames=("implementation", "key_chunk_size"))
 def attend(q, k, v, mask=None, bias=None, implementation="xla", key_chunk_size=4):
     return attention.dot_product_attention(q, k, v, mask=mask, bias=bias,
                                            implementation=implementation,
@@ -140,18 +144,32 @@ def test_combine_masks():
 # --------------------------------------------------------------------------- the formula
 
 
+FORMULA_BIAS = jnp.asarray(np.random.default_rng(1).normal(size=(B, N, T, S)), jnp.float32)
+
+
+@functools.cache
+def formula_results():
+    """Every (mask, bias) case in one compilation: {(mask_name, with_bias): out}."""
+    masks = {name: mask_case(name) for name in MASK_NAMES}
+
+    @jit
+    def run(q, k, v, bias, masks):
+        return {(name, with_bias): attention.dot_product_attention(
+                    q, k, v, mask=mask, bias=bias if with_bias else None)
+                for name, mask in masks.items() for with_bias in (False, True)}
+
+    return run(*qkv(0), FORMULA_BIAS, masks)
+
+
 @pytest.mark.parametrize("mask_name", MASK_NAMES)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_xla_matches_numpy_formula(mask_name, with_bias):
     q, k, v = qkv(0)
-    mask = mask_case(mask_name)
-    bias = None
-    if with_bias:
-        bias = jnp.asarray(np.random.default_rng(1).normal(size=(B, N, T, S)), jnp.float32)
-    out = attend(q, k, v, mask, bias)
+    out = formula_results()[mask_name, with_bias]
     assert out.shape == (B, T, N, H) and out.dtype == jnp.float32
-    np.testing.assert_allclose(out, reference_attention(q, k, v, mask, bias), atol=2e-6,
-                               rtol=1e-5)
+    expected = reference_attention(q, k, v, mask_case(mask_name),
+                                   FORMULA_BIAS if with_bias else None)
+    np.testing.assert_allclose(out, expected, atol=2e-6, rtol=1e-5)
 
 
 def test_xla_matches_numpy_formula_cross_attention_gqa_and_value_dim():
@@ -168,15 +186,31 @@ def test_xla_matches_numpy_formula_cross_attention_gqa_and_value_dim():
     assert np.abs(np.asarray(default) - np.asarray(out)).max() > 1e-2
 
 
-@pytest.mark.parametrize("mask_name", ["causal", "padding", "segment", "per_head"])
+JAX_NN_MASKS = ["causal", "padding", "segment", "per_head"]
+
+
+@functools.cache
+def jax_nn_results(kv_heads):
+    """{mask_name: (ours, jax.nn's)} for all masks in one compilation."""
+    q, k, v = qkv(3, kh=kv_heads)
+    bias = jnp.asarray(np.random.default_rng(4).normal(size=(1, N, T, S)), jnp.float32)
+
+    @jit
+    def run(q, k, v, bias, masks):
+        return {name: (attention.dot_product_attention(q, k, v, mask=mask, bias=bias),
+                       jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask,
+                                                    implementation="xla"))
+                for name, mask in masks.items()}
+
+    return run(q, k, v, bias, {name: mask_case(name) for name in JAX_NN_MASKS})
+
+
+@pytest.mark.parametrize("mask_name", JAX_NN_MASKS)
 @pytest.mark.parametrize("kv_heads", [N, 2])
 def test_matches_jax_nn_on_rows_that_are_not_fully_masked(mask_name, kv_heads):
-    q, k, v = qkv(3, kh=kv_heads)
-    mask = mask_case(mask_name)
-    bias = jnp.asarray(np.random.default_rng(4).normal(size=(1, N, T, S)), jnp.float32)
-    ours = attend(q, k, v, mask, bias)
-    theirs = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, implementation="xla")
-    row_has_key = np.broadcast_to(np.asarray(mask), (B, N, T, S)).any(-1).transpose(0, 2, 1)
+    ours, theirs = jax_nn_results(kv_heads)[mask_name]
+    row_has_key = np.broadcast_to(np.asarray(mask_case(mask_name)), (B, N, T, S)).any(-1)
+    row_has_key = row_has_key.transpose(0, 2, 1)  # [B, T, N] like the outputs
     if mask_name in ("padding", "segment"):
         assert not row_has_key.all()  # the comparison skips some rows, checked below
     np.testing.assert_allclose(np.asarray(ours)[row_has_key], np.asarray(theirs)[row_has_key],
@@ -209,26 +243,32 @@ def test_gqa_and_mqa_equal_mha_with_repeated_kv(implementation, kv_heads):
 # --------------------------------------------------------------------------- chunked == xla
 
 
-def _loss_and_grads(implementation, key_chunk_size):
-    def loss(q, k, v, bias, mask, cotangent):
+@functools.partial(jit, static_argnames="key_chunk_size")
+def _values_and_grads(q, k, v, bias, mask, cotangent, key_chunk_size):
+    """{implementation: (out, (dq, dk, dv, dbias))} of sum(out * cotangent)."""
+
+    def loss(implementation, q, k, v, bias):
         out = attention.dot_product_attention(q, k, v, mask=mask, bias=bias,
                                               implementation=implementation,
                                               key_chunk_size=key_chunk_size)
         return jnp.sum(out * cotangent), out
 
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+    results = {}
+    for implementation in ("xla", "chunked"):
+        grad_fn = jax.value_and_grad(functools.partial(loss, implementation),
+                                     argnums=(0, 1, 2, 3), has_aux=True)
+        (_, out), grads = grad_fn(q, k, v, bias)
+        results[implementation] = (out, grads)
+    return results
 
 
 CHUNKED_CASES = {
-    # name: (t, s, n, kh, hv, chunk, mask shape or None, bias shape or None)
+    # name: (t, s, n, kh, hv, key_chunk_size, mask shape or None, bias shape)
     "mask_1_1_T_S": (5, 11, 2, 2, 8, 4, (1, 1, 5, 11), (B, 2, 5, 11)),
-    "mask_B_1_T_S_gqa": (5, 11, 4, 2, 8, 4, (B, 1, 5, 11), (1, 4, 5, 11)),
-    "mask_B_N_T_S_mqa": (6, 10, 4, 1, 6, 3, (B, 4, 6, 10), (B, 4, 6, 10)),
-    "bias_broadcast_over_S": (5, 11, 4, 2, 8, 4, (B, 1, 5, 11), (B, 4, 5, 1)),
-    "bias_broadcast_no_padding": (5, 12, 4, 2, 8, 4, None, (1, 1, 5, 1)),
-    "no_mask_whole_blocks": (5, 12, 2, 2, 8, 4, None, (1, 2, 5, 12)),
-    "one_block": (4, 7, 2, 1, 8, 16, (B, 1, 4, 7), (B, 2, 4, 7)),
-    "bias_B_1_1_S": (5, 11, 4, 4, 8, 4, (1, 1, 5, 11), (B, 1, 1, 11)),
+    "mask_B_1_T_S_gqa_bias_over_S": (5, 11, 4, 2, 8, 4, (B, 1, 5, 11), (B, 4, 5, 1)),
+    "mask_B_N_T_S_mqa_hv": (6, 10, 4, 1, 6, 3, (B, 4, 6, 10), (1, 4, 6, 10)),
+    "no_mask_whole_blocks_bias_B_1_1_S": (5, 12, 4, 2, 8, 4, None, (B, 1, 1, 12)),
+    "one_block_bias_over_S": (4, 7, 2, 1, 8, 16, (B, 1, 4, 7), (B, 2, 4, 1)),
 }
 
 
@@ -244,8 +284,8 @@ def test_chunked_equals_xla_in_value_and_gradient(case):
         mask = jnp.asarray(mask)
     bias = jnp.asarray(rng.normal(size=bias_shape), jnp.float32)
     cotangent = jnp.asarray(rng.normal(size=(B, t, n, hv)), jnp.float32)
-    (_, out_x), grads_x = _loss_and_grads("xla", chunk)(q, k, v, bias, mask, cotangent)
-    (_, out_c), grads_c = _loss_and_grads("chunked", chunk)(q, k, v, bias, mask, cotangent)
+    results = _values_and_grads(q, k, v, bias, mask, cotangent, key_chunk_size=chunk)
+    (out_x, grads_x), (out_c, grads_c) = results["xla"], results["chunked"]
     np.testing.assert_allclose(out_c, out_x, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(out_x, reference_attention(q, k, v, mask, bias), atol=1e-5,
                                rtol=1e-5)
@@ -276,13 +316,18 @@ def test_chunked_gradient_matches_finite_differences():
         return jnp.sum(out * cot)
 
     primals = (q, k, v, bias)
-    grads = jax.jit(jax.grad(f, argnums=(0, 1, 2, 3)))(*primals)
     directions = [jnp.asarray(rng.normal(size=x.shape), jnp.float32) for x in primals]
     eps = 1e-2
-    plus = f(*[x + eps * d for x, d in zip(primals, directions, strict=True)])
-    minus = f(*[x - eps * d for x, d in zip(primals, directions, strict=True)])
-    numeric = (plus - minus) / (2 * eps)
-    analytic = sum(jnp.sum(g * d) for g, d in zip(grads, directions, strict=True))
+
+    @jit
+    def analytic_and_numeric(primals, directions):
+        grads = jax.grad(f, argnums=(0, 1, 2, 3))(*primals)
+        analytic = sum(jnp.sum(g * d) for g, d in zip(grads, directions, strict=True))
+        plus = f(*[x + eps * d for x, d in zip(primals, directions, strict=True)])
+        minus = f(*[x - eps * d for x, d in zip(primals, directions, strict=True)])
+        return analytic, (plus - minus) / (2 * eps)
+
+    analytic, numeric = analytic_and_numeric(primals, directions)
     np.testing.assert_allclose(analytic, numeric, rtol=2e-3)
 
 
@@ -296,14 +341,14 @@ def test_fully_masked_row_gives_zeros_and_finite_gradients(implementation):
     mask[0, 0, 2] = False  # batch 0, query 2 attends to nothing
     mask[1, 0, :, 3:] = False
     mask = jnp.asarray(mask)
-    bias = jnp.asarray(np.random.default_rng(13).normal(size=(1, N, T, 7)), jnp.float32)
+    bias = jnp.asarray(np.random.default_rng(13).normal(size=(B, N, T, 7)), jnp.float32)
 
     def loss(q, k, v, bias):
         out = attention.dot_product_attention(q, k, v, mask=mask, bias=bias,
                                               implementation=implementation, key_chunk_size=3)
         return jnp.sum(out**2), out
 
-    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
+    (_, out), grads = jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
         q, k, v, bias)
     out = np.asarray(out)
     assert not np.isnan(out).any()
@@ -378,7 +423,7 @@ def test_dropout_rate_zero_is_identity():
     np.testing.assert_array_equal(with_rng, plain)
 
 
-@jax.jit
+@jit
 def _dropout_weights(rng):
     """With q = 0 the weights are uniform (1/S); v = I makes the output the dropped weights."""
     s = 64
@@ -415,11 +460,45 @@ def test_dropout_unsupported_by_chunked_and_cudnn(implementation):
                                         implementation=implementation)
 
 
-@pytest.mark.skipif(jax.default_backend() == "gpu", reason="cudnn runs on GPU")
 def test_cudnn_off_gpu_raises():
+    if jax.default_backend() == "gpu":
+        pytest.skip("cuDNN runs here")
     q, k, v = qkv(21)
     with pytest.raises(ValueError, match="cudnn"):
         attention.dot_product_attention(q, k, v, implementation="cudnn")
+
+
+@pytest.mark.parametrize("mask_name", ["none", "causal", "padding", "per_head"])
+def test_cudnn_wrapper_masks_like_xla(monkeypatch, mask_name):
+    """The cuDNN path's own code (masks, zeros on fully masked rows) run on CPU, with jax.nn's
+    "xla" implementation standing in for cuDNN."""
+    real = jax.nn.dot_product_attention
+
+    def stand_in(*args, implementation=None, **kwargs):
+        assert implementation == "cudnn"
+        return real(*args, implementation="xla", **kwargs)
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax.nn, "dot_product_attention", stand_in)
+    q, k, v = qkv(24, kh=2)
+    mask = mask_case(mask_name)
+    out = attention.dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
+    np.testing.assert_allclose(out, reference_attention(q, k, v, mask), atol=2e-6, rtol=1e-5)
+
+
+def test_cudnn_matches_xla_on_gpu():
+    if jax.default_backend() != "gpu":
+        pytest.skip("cuDNN needs an NVIDIA GPU")
+    t = 128
+    q, k, v = qkv(25, t=t, s=t, kh=2, h=64, dtype=jnp.bfloat16)
+    valid = jnp.asarray(np.arange(t)[None] < np.array([[t], [100]]))
+    mask = attention.combine_masks(attention.make_causal_mask(t),
+                                   attention.make_padding_mask(valid, valid))
+    out = attend(q, k, v, mask, implementation="cudnn")
+    expected = attend(q, k, v, mask, implementation="xla")
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32),
+                               atol=2e-2, rtol=2e-2)
 
 
 def test_unknown_implementation_and_bad_ranks_raise():
@@ -435,31 +514,36 @@ def test_unknown_implementation_and_bad_ranks_raise():
 # --------------------------------------------------------------------------- transformations
 
 
-@pytest.mark.parametrize("implementation", ["xla", "chunked"])
-def test_vmap_over_extra_leading_axis(implementation):
+def test_jit_grad_and_vmap_over_extra_leading_axis():
     e = 3
     q, k, v = (x.reshape((e, B) + x.shape[1:]) for x in qkv(23, b=e * B, kh=2, s=7))
     mask = attention.make_padding_mask(jnp.ones((B, T), bool),
                                        jnp.asarray(np.arange(7)[None] < np.array([[5], [7]])))
 
-    def f(q, k, v):
-        return attention.dot_product_attention(q, k, v, mask=mask,
-                                               implementation=implementation,
-                                               key_chunk_size=3)
+    def value_and_grads(implementation, q, k, v):
+        def f(q, k, v):
+            return attention.dot_product_attention(q, k, v, mask=mask,
+                                                   implementation=implementation,
+                                                   key_chunk_size=3)
 
-    def loss(q, k, v):
-        return jnp.sum(jnp.sin(f(q, k, v)))
+        return f(q, k, v), jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), (0, 1, 2))(q, k, v)
 
-    def value_and_grads(q, k, v):
-        return f(q, k, v), jax.grad(loss, (0, 1, 2))(q, k, v)
+    @jit
+    def both(q, k, v):
+        return {impl: jax.vmap(functools.partial(value_and_grads, impl))(q, k, v)
+                for impl in ("xla", "chunked")}
 
-    out, grads = jax.jit(jax.vmap(value_and_grads))(q, k, v)
-    assert out.shape == (e, B, T, N, H)
-    single = jax.jit(value_and_grads)
+    results = both(q, k, v)
+    (out_x, grads_x), (out_c, grads_c) = results["xla"], results["chunked"]
+    assert out_x.shape == out_c.shape == (e, B, T, N, H)
     for i in range(e):
-        out_i, grads_i = single(q[i], k[i], v[i])
-        np.testing.assert_allclose(out[i], out_i, atol=1e-6, rtol=1e-6)
-        np.testing.assert_allclose(out[i], reference_attention(q[i], k[i], v[i], mask),
-                                   atol=1e-5, rtol=1e-5)
-        for g, gi in zip(grads, grads_i, strict=True):
-            np.testing.assert_allclose(g[i], gi, atol=1e-5, rtol=1e-5)
+        expected = reference_attention(q[i], k[i], v[i], mask)
+        np.testing.assert_allclose(out_x[i], expected, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(out_c[i], expected, atol=1e-5, rtol=1e-5)
+    for g_x, g_c in zip(grads_x, grads_c, strict=True):
+        np.testing.assert_allclose(g_c, g_x, atol=2e-5, rtol=1e-4)
+        assert np.abs(np.asarray(g_x)).max() > 1e-2
+    # The batched gradient is the per-slice gradient (slice 1 alone, unbatched).
+    grads_1 = jit(functools.partial(value_and_grads, "chunked"))(q[1], k[1], v[1])[1]
+    for g, g1 in zip(grads_c, grads_1, strict=True):
+        np.testing.assert_allclose(g[1], g1, atol=1e-5, rtol=1e-5)

@@ -178,3 +178,19 @@ def test_bad_config_fails_before_device_work(overrides, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")) as error:
         validate_config(cfg, 8)
     assert "\n" not in str(error.value)
+
+
+def test_eval_batches_cover_each_example_once_whatever_the_process_slices():
+    cfg = tiny_config(**{"data.eval_examples": 37})
+    source = make_source(cfg)
+    whole = [b["inputs"][0] for b in source.eval_batches("validation", (0, 16))]
+    halves = [np.concatenate([a["inputs"][0], b["inputs"][0]])
+              for a, b in zip(source.eval_batches("validation", (0, 8)),
+                              source.eval_batches("validation", (8, 16)), strict=True)]
+    np.testing.assert_array_equal(np.concatenate(whole), np.concatenate(halves))
+    rows = np.concatenate(whole)
+    assert rows.shape[0] == 48  # 3 batches of 16: 37 examples and 11 padding rows
+    assert (rows[:37] != 0).any(axis=1).all() and (rows[37:] == 0).all()
+    expected = [source.task.example("validation", i)[0] for i in range(37)]
+    for row, example in zip(rows[:37], expected, strict=True):
+        np.testing.assert_array_equal(row[: len(example)], example)

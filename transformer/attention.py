@@ -134,7 +134,7 @@ def _cudnn_attention(q, k, v, mask, bias, scale, dropout_rate):
     if mask is None:
         return out
     # jax.nn returns the mean of V on rows with nothing to attend to; we return zeros there.
-    row_has_key = jnp.broadcast_to(mask, mask.shape[:-1] + (1,)).any(axis=-1)  # [B|1, N|1, T]
+    row_has_key = jnp.asarray(mask, jnp.bool_).any(axis=-1)  # [B|1, N|1, T]
     row_has_key = jnp.broadcast_to(row_has_key, (q.shape[0], q.shape[2], q.shape[1]))
     return out * row_has_key.transpose(0, 2, 1)[..., None].astype(out.dtype)
 

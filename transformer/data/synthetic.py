@@ -81,7 +81,7 @@ class SyntheticSource:
     task: SyntheticTask
     batch_size: int
     grad_accum_steps: int
-    num_eval_batches: int
+    eval_examples: int  # size of the validation and test splits
 
     @property
     def source_length(self) -> int:
@@ -113,7 +113,10 @@ class SyntheticSource:
         return {k: np.stack([p[k] for p in parts]) for k in parts[0]}
 
     def eval_batches(self, split: str, rows: tuple[int, int]):
-        for index in range(self.num_eval_batches):
-            examples = self.task.examples(split, index * self.batch_size + rows[0],
-                                          rows[1] - rows[0])
-            yield {k: v[None] for k, v in examples.items()}
+        """The split's `eval_examples` examples once; all-zero rows pad the last batch."""
+        for first in range(0, self.eval_examples, self.batch_size):
+            start = min(first + rows[0], self.eval_examples)
+            stop = min(first + rows[1], self.eval_examples)
+            examples = self.task.examples(split, start, stop - start)
+            padding = rows[1] - rows[0] - (stop - start)
+            yield {k: np.pad(v, ((0, padding), (0, 0)))[None] for k, v in examples.items()}

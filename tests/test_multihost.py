@@ -1,0 +1,122 @@
+"""Several processes on one machine stand in for several hosts: `train.py` with
+`--coordinator_address`, gloo collectives over 127.0.0.1, 4 fake CPU devices per process."""
+
+import itertools
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+_RUNS = itertools.count()
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+COMMON = ["--config=configs/tiny.py", "--config.log_every_steps=1",
+          "--config.data.batch_size=16", "--config.eval_every_steps=10",
+          "--config.data.eval_examples=100",  # 7 eval batches of 16, the last one uneven
+          "--config.checkpoint_every_steps=10"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(workdir, *, processes: int, devices: int, overrides=()) -> list[subprocess.Popen]:
+    """`processes` train.py processes with `devices` fake CPU devices each."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               # One cache per process layout: an executable compiled for 1 process x 8 devices
+               # has the same cache key as one for 2 processes x 4 devices but no
+               # cross-process collectives (loading it hangs the 2-process run).
+               JAX_COMPILATION_CACHE_DIR=str(ROOT / ".cache" / f"jax-{processes}-processes"),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5")
+    command = [sys.executable, "train.py", f"--workdir={workdir}", *COMMON, *overrides]
+    if processes > 1:
+        port = free_port()
+        command.append(f"--coordinator_address=127.0.0.1:{port}")
+        command.append(f"--num_processes={processes}")
+    procs = []
+    for i in range(processes):
+        # Output goes to files: a pipe nobody reads yet would block a process mid-collective.
+        log = open(f"{workdir}-run{next(_RUNS)}-process{i}.log", "w")
+        procs.append(subprocess.Popen(command + ([f"--process_id={i}"] if processes > 1 else []),
+                                      cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+        procs[-1].log_path = log.name
+    return procs
+
+
+def output_of(process) -> str:
+    return pathlib.Path(process.log_path).read_text()
+
+
+def finish(procs, timeout=600):
+    for p in procs:
+        p.wait(timeout=timeout)
+        assert p.returncode == 0, output_of(p)
+
+
+def figures(workdir) -> dict[tuple[int, str], float]:
+    """The last loss per (step, split)."""
+    found = {}
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        for line in f:
+            record = json.loads(line)
+            found[(record["step"], record["split"])] = record["loss"]
+    return found
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_then_restore_on_one(tmp_path):
+    mesh = ["--config.mesh.data=2", "--config.mesh.fsdp=-1", "--config.mesh.tensor=2"]
+    reference = tmp_path / "one_process"
+    finish(launch(reference, processes=1, devices=8,
+                  overrides=[*mesh, "--config.num_train_steps=20"]))
+    expected = figures(reference)
+
+    workdir = tmp_path / "two_processes"
+    finish(launch(workdir, processes=2, devices=4,
+                  overrides=[*mesh, "--config.num_train_steps=10"]))
+    first = figures(workdir)
+    assert sorted(first) == sorted(k for k in expected if k[0] <= 10)
+    keys = sorted(first)
+    np.testing.assert_allclose([first[k] for k in keys], [expected[k] for k in keys], rtol=1e-4)
+    assert (workdir / "checkpoints" / "10").is_dir()
+
+    # The checkpoint written by 2 processes x 4 devices continues on 1 process x 4 devices.
+    finish(launch(workdir, processes=1, devices=4,
+                  overrides=["--config.mesh.data=2", "--config.mesh.fsdp=-1",
+                             "--config.mesh.tensor=1", "--config.num_train_steps=20"]))
+    resumed = figures(workdir)
+    assert sorted(resumed) == sorted(expected)
+    keys = sorted(expected)
+    np.testing.assert_allclose([resumed[k] for k in keys], [expected[k] for k in keys],
+                               rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_dead_peer_stops_the_survivor_within_the_heartbeat_timeout(tmp_path):
+    heartbeat = 5
+    procs = launch(tmp_path, processes=2, devices=4,
+                   overrides=["--config.num_train_steps=100000", "--config.eval_every_steps=0",
+                              f"--config.distributed.heartbeat_timeout_seconds={heartbeat}"])
+    deadline = time.monotonic() + 300
+    metrics = tmp_path / "metrics.jsonl"
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+        assert all(p.poll() is None for p in procs), output_of(procs[0])
+        assert time.monotonic() < deadline, "training did not start"
+        time.sleep(0.2)
+    procs[1].send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    procs[0].wait(timeout=heartbeat + 60)
+    elapsed = time.monotonic() - killed_at
+    output = output_of(procs[0])
+    assert procs[0].returncode != 0
+    assert elapsed < heartbeat + 30, elapsed
+    assert "another task died" in output
