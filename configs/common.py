@@ -90,6 +90,9 @@ def paper_config(*, size: str, target_lang: str, dropout_rate: float) -> config_
         weight_decay=0.0,
         clip_norm=0.0,  # 0: no clipping
     ))
+    cfg.distributed = config_dict.ConfigDict(dict(  # multi-process runs (train.py flags)
+        initialization_timeout_seconds=300,  # waiting for all processes to join
+        heartbeat_timeout_seconds=100))  # a dead peer stops the others after this long
     cfg.label_smoothing = 0.1
     cfg.decode = config_dict.ConfigDict(dict(
         beam_size=4, alpha=0.6,  # GNMT length penalty ((5 + |Y|) / 6)^alpha

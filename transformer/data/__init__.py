@@ -54,6 +54,6 @@ def make_source(cfg):
                              seed=cfg.seed)
         return SyntheticSource(task, batch_size=int(cfg.data.batch_size),
                                grad_accum_steps=int(cfg.grad_accum_steps),
-                               num_eval_batches=int(cfg.data.eval_batches))
+                               eval_examples=int(cfg.data.eval_examples))
     raise ValueError(f"data.dataset={name!r} is not available; the synthetic task is "
                      f"data.dataset='synthetic'")
