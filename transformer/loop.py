@@ -144,10 +144,11 @@ def train_and_evaluate(cfg, workdir: str) -> train_lib.TrainState:
         state, data_state = checkpointer.restore(latest, trainer.abstract_state)
         next_batch = int(data_state["next_batch_index"])
     step = int(jax.device_get(state.step))
-    train_step = train_lib.make_train_step(trainer, cfg)
-    eval_step = train_lib.make_eval_step(trainer)
     rows = train_lib.process_rows(mesh, source.rows_per_batch)
     eval_rows = train_lib.process_rows(mesh, source.eval_rows_per_batch)
+    train_step = _compile(train_lib.make_train_step(trainer, cfg), "train step",
+                          state, train_lib.global_batch(mesh, source.train_batch(0, rows)))
+    eval_step = train_lib.make_eval_step(trainer)
     writer = metrics.MetricWriter(workdir)
     preemption = _Preemption()
     total = int(cfg.num_train_steps)
@@ -190,6 +191,18 @@ def train_and_evaluate(cfg, workdir: str) -> train_lib.TrainState:
         writer.close()
         preemption.restore()
     return state
+
+
+def _compile(jitted, what: str, *example_args):
+    """Compiles ahead of time (timed, logged) and, with several processes, waits until every
+    process has: a process still compiling must not leave the others waiting in a collective
+    past its timeout."""
+    started = time.perf_counter()
+    compiled = jitted.lower(*example_args).compile()
+    log.info("%s compiled in %.1f s", what, time.perf_counter() - started)
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(f"{what} compiled")
+    return compiled
 
 
 def _should_save(cfg, step: int, total: int, last_save_time: float) -> bool:

@@ -1,0 +1,132 @@
+"""Greedy and beam search on a tiny random model: against step-by-step full forward passes,
+exhaustive search under the length penalty, and the GNMT formula."""
+
+import functools
+import itertools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from transformer import decoding
+from transformer.model import BOS_ID, Transformer, TransformerConfig, init_cache
+
+EOS = 3
+CFG = TransformerConfig(vocab_size=6, num_encoder_layers=1, num_decoder_layers=2, d_model=16,
+                        d_ff=32, num_heads=2, max_len=16, dropout_rate=0.0)
+jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0,
+                                                   "xla_llvm_disable_expensive_passes": True})
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = Transformer(CFG)
+    inputs = jnp.array([[4, 5, 1, 4, 2], [5, 5, 4, 0, 0]], jnp.int32)
+    params = nn.unbox(model.init(jax.random.key(0), inputs, inputs))["params"]
+    # Sharpen the output distribution so that searches differ from sampling noise.
+    params = jax.tree.map(lambda p: p * 1.5, params)
+    encoded = model.apply({"params": params}, inputs, method="encode")
+    return model, params, inputs, encoded
+
+
+def decode_fn_for(model, params, encoded, inputs, repeat=1):
+    encoded, inputs = jnp.repeat(encoded, repeat, 0), jnp.repeat(inputs, repeat, 0)
+
+    def decode_fn(tokens, cache):
+        return model.apply({"params": params}, encoded, inputs, tokens, cache=cache,
+                           method="decode")
+
+    return decode_fn
+
+
+def sequence_logprob(model, params, encoded, inputs, row, seq):
+    """log P(seq | inputs[row]) by one teacher-forced forward pass, with EOS forced at the
+    last allowed position as the searches do (other tokens are not renormalised away)."""
+    targets = jnp.array([seq], jnp.int32)
+    logits = model.apply({"params": params}, encoded[row:row + 1], inputs[row:row + 1],
+                         targets, method="decode")
+    logprobs = jax.nn.log_softmax(logits[0].astype(jnp.float32))
+    return float(sum(logprobs[t, token] for t, token in enumerate(seq)))
+
+
+def test_length_penalty_is_gnmt():
+    lengths = jnp.arange(1, 8)
+    np.testing.assert_allclose(decoding.length_penalty(lengths, 0.6),
+                               ((5.0 + np.arange(1, 8)) / 6.0) ** 0.6, rtol=1e-6)
+    np.testing.assert_allclose(decoding.length_penalty(lengths, 0.0), 1.0)
+
+
+def test_greedy_equals_argmax_of_full_forward_passes(setup):
+    model, params, inputs, encoded = setup
+    max_length = 6
+    run = jit(lambda enc, inp: decoding.greedy_search(
+        decode_fn_for(model, params, enc, inp), init_cache(CFG, 2, max_length),
+        bos=jnp.full((2,), BOS_ID), max_lengths=jnp.array([6, 4]), max_length=max_length,
+        eos_id=EOS))
+    tokens = np.asarray(run(encoded, inputs))
+    for row, limit in enumerate([6, 4]):
+        seq = []
+        while len(seq) < limit:
+            logits = model.apply({"params": params}, encoded[row:row + 1], inputs[row:row + 1],
+                                 jnp.array([seq + [1]], jnp.int32), method="decode")
+            logprobs = np.array(jax.nn.log_softmax(logits[0, len(seq)]))
+            logprobs[0] = -np.inf  # padding is never decoded
+            if len(seq) == limit - 1:
+                logprobs[np.arange(CFG.vocab_size) != EOS] = -np.inf
+            seq.append(int(np.argmax(logprobs)))
+            if seq[-1] == EOS:
+                break
+        expected = seq + [0] * (max_length - len(seq))
+        np.testing.assert_array_equal(tokens[row], expected)
+
+
+def run_beam(setup, beam_size, alpha, max_lengths, max_length):
+    model, params, inputs, encoded = setup
+    run = jit(lambda enc, inp: decoding.beam_search(
+        decode_fn_for(model, params, enc, inp, repeat=beam_size),
+        init_cache(CFG, 2 * beam_size, max_length), bos=jnp.full((2,), BOS_ID),
+        max_lengths=jnp.array(max_lengths), max_length=max_length, beam_size=beam_size,
+        alpha=alpha, eos_id=EOS))
+    seqs, scores = run(encoded, inputs)
+    return np.asarray(seqs), np.asarray(scores)
+
+
+def test_beam_of_one_equals_greedy_without_length_penalty(setup):
+    model, params, inputs, encoded = setup
+    greedy = decoding.greedy_search(
+        decode_fn_for(model, params, encoded, inputs), init_cache(CFG, 2, 6),
+        bos=jnp.full((2,), BOS_ID), max_lengths=jnp.array([6, 5]), max_length=6, eos_id=EOS)
+    seqs, _ = run_beam(setup, 1, 0.0, [6, 5], 6)
+    np.testing.assert_array_equal(seqs[:, 0], np.asarray(greedy))
+
+
+@pytest.mark.parametrize("alpha", [0.6, 2.0])
+def test_wide_beam_finds_the_exhaustive_optimum_under_the_length_penalty(setup, alpha):
+    model, params, inputs, encoded = setup
+    max_length = 3
+    non_eos = [t for t in range(1, CFG.vocab_size) if t != EOS]  # padding is never decoded
+    candidates = [list(prefix) + [EOS] for n in range(max_length)
+                  for prefix in itertools.product(non_eos, repeat=n)]
+    beam_size = len(candidates)  # every candidate fits in the beam at every step
+    seqs, scores = run_beam(setup, beam_size, alpha, [max_length, max_length], max_length)
+    for row in range(2):
+        scored = sorted(((sequence_logprob(model, params, encoded, inputs, row, c)
+                          / ((5 + len(c)) / 6) ** alpha, c) for c in candidates), reverse=True)
+        best_score, best = scored[0]
+        np.testing.assert_array_equal(seqs[row, 0], best + [0] * (max_length - len(best)))
+        np.testing.assert_allclose(scores[row, 0], best_score, rtol=1e-5)
+        # The K best finished hypotheses are the K best of all candidates, in order.
+        np.testing.assert_allclose(scores[row, :5], [s for s, _ in scored[:5]], rtol=1e-5)
+
+
+def test_beam_respects_each_sentences_maximum_length(setup):
+    seqs, scores = run_beam(setup, 4, 0.6, [5, 2], 5)
+    assert np.isfinite(scores).all()
+    for row, limit in enumerate([5, 2]):
+        for hyp in seqs[row]:
+            length = int(np.argmax(hyp == EOS)) + 1
+            assert hyp[length - 1] == EOS and length <= limit
+            assert (hyp[length:] == 0).all()
+    assert (np.diff(scores, axis=1) <= 1e-6).all()  # best first

@@ -1,0 +1,154 @@
+"""Greedy and beam search over an explicit KV cache, as pure functions (jit-compatible).
+
+`decode_fn(tokens [R, 1], cache) -> (logits [R, 1, V], cache)` runs one decoder step for R rows
+(R = B for greedy, B * K for beam search, rows of one sentence adjacent). The first call receives
+the BOS tokens and the freshly initialised cache (it may add entries, e.g. the projected encoder
+output); later calls run inside `lax.while_loop`.
+
+Beam search follows the paper (section 6.1): beam size K, length penalty
+lp(Y) = ((5 + |Y|) / 6)^alpha (Wu et al., 2016) applied to finished hypotheses, the maximum
+output length input length + 50 per sentence, and early termination: a sentence stops when no
+alive hypothesis can still beat its best finished one. Each step expands the K alive hypotheses
+into their 2K best continuations; those among the best K that end in EOS finish (as in fairseq),
+the best K that do not stay alive.
+
+Shape legend: B batch, K beam size, L maximum output length, V vocab.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -1.0e9  # finite, so that NEG_INF - NEG_INF stays 0
+PAD_ID = 0  # never a target (DESIGN.md), so never decoded
+DecodeFn = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
+
+
+def length_penalty(length: jax.Array, alpha: float) -> jax.Array:
+    """GNMT's ((5 + |Y|) / 6)^alpha."""
+    return ((5.0 + length.astype(jnp.float32)) / 6.0) ** alpha
+
+
+def _next_logprobs(logits: jax.Array, step: jax.Array, max_lengths: jax.Array, eos_id: int):
+    """log P(next token) [B, V] from logits [B*r, 1, V] (r rows per sentence): padding is never
+    chosen, and at a row's last allowed position only EOS may follow (not renormalised)."""
+    logprobs = jax.nn.log_softmax(logits[:, 0].astype(jnp.float32))
+    logprobs = logprobs.reshape(max_lengths.shape[0], -1, logprobs.shape[-1])
+    ids = jnp.arange(logprobs.shape[-1])
+    last = (step + 1 >= max_lengths)[:, None, None]
+    banned = (ids == PAD_ID) | (last & (ids != eos_id))
+    return jnp.where(banned, NEG_INF, logprobs)
+
+
+def greedy_search(decode_fn: DecodeFn, cache: Any, *, bos: jax.Array, max_lengths: jax.Array,
+                  max_length: int, eos_id: int) -> jax.Array:
+    """Tokens [B, L] (L = max_length), each row ending at its first EOS, zeros after.
+
+    `bos` [B] holds the start tokens, `max_lengths` [B] each row's output limit (<= L).
+    """
+    batch = bos.shape[0]
+    logits, cache = decode_fn(bos[:, None], cache)
+    tokens = jnp.zeros((batch, max_length), jnp.int32)
+
+    def choose(logits, step):
+        logprobs = _next_logprobs(logits, step, max_lengths, eos_id)[:, 0]
+        return jnp.argmax(logprobs, axis=-1).astype(jnp.int32)
+
+    def body(state):
+        step, tokens, finished, logits, cache = state
+        token = jnp.where(finished, 0, choose(logits, step))
+        tokens = tokens.at[:, step].set(token)
+        finished = finished | (token == eos_id)
+        logits, cache = decode_fn(token[:, None], cache)
+        return step + 1, tokens, finished, logits, cache
+
+    def cond(state):
+        step, _, finished, _, _ = state
+        return (step < max_length) & ~finished.all()
+
+    init = (jnp.zeros((), jnp.int32), tokens, jnp.zeros((batch,), bool), logits, cache)
+    return jax.lax.while_loop(cond, body, init)[1]
+
+
+def _gather_beams(tree: Any, indices: jax.Array, batch: int, beam: int, batch_axis: int):
+    """Reorders the rows of every cache leaf [.., B*K, ..] (batch axis `batch_axis`) so that row
+    (b, k) takes row (b, indices[b, k])."""
+    flat = (indices + beam * jnp.arange(batch)[:, None]).reshape(-1)
+
+    def gather(leaf):
+        if leaf.ndim <= batch_axis or leaf.shape[batch_axis] != batch * beam:
+            return leaf
+        return jnp.take(leaf, flat, axis=batch_axis)
+
+    return jax.tree.map(gather, tree)
+
+
+def beam_search(decode_fn: DecodeFn, cache: Any, *, bos: jax.Array, max_lengths: jax.Array,
+                max_length: int, beam_size: int, alpha: float, eos_id: int,
+                cache_batch_axis: int = 0) -> tuple[jax.Array, jax.Array]:
+    """Finished hypotheses [B, K, L] and their scores [B, K] (log-probability over the length
+    penalty), best first. Rows end at EOS (forced at `max_lengths` [B]), zeros after.
+
+    `cache` and `decode_fn` work on B * K rows (sentence b's beams are rows b*K .. b*K+K-1);
+    `bos` [B] holds the start tokens. `cache_batch_axis` is the rows axis of the cache leaves
+    (1 when layers are scanned).
+    """
+    batch, k = bos.shape[0], beam_size
+    logits, cache = decode_fn(jnp.repeat(bos, k)[:, None], cache)
+    state = {
+        "step": jnp.zeros((), jnp.int32),
+        "alive_seqs": jnp.zeros((batch, k, max_length), jnp.int32),
+        # All beams start identical: only beam 0 may expand at the first step.
+        "alive_logprobs": jnp.tile(jnp.array([0.0] + [NEG_INF] * (k - 1)), (batch, 1)),
+        "finished_seqs": jnp.zeros((batch, k, max_length), jnp.int32),
+        "finished_scores": jnp.full((batch, k), NEG_INF),
+        "logits": logits,
+        "cache": cache,
+    }
+
+    def expand(state):
+        step = state["step"]
+        logprobs = _next_logprobs(state["logits"], step, max_lengths, eos_id)  # [B, K, V]
+        vocab = logprobs.shape[-1]
+        candidates = (state["alive_logprobs"][..., None] + logprobs).reshape(batch, k * vocab)
+        top_logprobs, top_ids = jax.lax.top_k(candidates, 2 * k)  # [B, 2K]
+        origin, token = top_ids // vocab, (top_ids % vocab).astype(jnp.int32)
+        seqs = jnp.take_along_axis(state["alive_seqs"], origin[..., None], axis=1)
+        seqs = seqs.at[:, :, step].set(token)
+        is_eos = token == eos_id
+
+        # Finished: the candidates among the best K that end in EOS (as fairseq), scored with
+        # the length penalty. So a beam of 1 is greedy search when alpha is 0.
+        in_beam = jnp.arange(2 * k) < k
+        scores = top_logprobs / length_penalty(step + 1, alpha)
+        scores = jnp.where(is_eos & in_beam & (top_logprobs > NEG_INF / 2), scores, NEG_INF)
+        all_scores = jnp.concatenate([state["finished_scores"], scores], axis=1)
+        all_seqs = jnp.concatenate([state["finished_seqs"], seqs], axis=1)
+        finished_scores, keep = jax.lax.top_k(all_scores, k)
+        finished_seqs = jnp.take_along_axis(all_seqs, keep[..., None], axis=1)
+
+        # Alive: the best K candidates that do not end in EOS.
+        alive_logprobs, keep = jax.lax.top_k(jnp.where(is_eos, NEG_INF, top_logprobs), k)
+        alive_seqs = jnp.take_along_axis(seqs, keep[..., None], axis=1)
+        alive_origin = jnp.take_along_axis(origin, keep, axis=1)
+        cache = _gather_beams(state["cache"], alive_origin, batch, k, cache_batch_axis)
+        last = jnp.take_along_axis(token, keep, axis=1).reshape(batch * k, 1)
+        logits, cache = decode_fn(last, cache)
+        return {"step": step + 1, "alive_seqs": alive_seqs, "alive_logprobs": alive_logprobs,
+                "finished_seqs": finished_seqs, "finished_scores": finished_scores,
+                "logits": logits, "cache": cache}
+
+    def undecided(state):
+        """Some sentence's best alive hypothesis could still beat its best finished one: its
+        log-probability can only fall, and the penalty is largest at the maximum length."""
+        best_possible = state["alive_logprobs"][:, 0] / length_penalty(max_lengths, alpha)
+        open_ = (best_possible > state["finished_scores"][:, 0]) & (
+            state["step"] < max_lengths)
+        return (state["step"] < max_length) & open_.any()
+
+    state = jax.lax.while_loop(undecided, expand, state)
+    return state["finished_seqs"], state["finished_scores"]
