@@ -46,8 +46,15 @@ def paper_config(*, size: str, target_lang: str, dropout_rate: float) -> config_
     # English side as the source (paper direction EN -> DE / EN -> FR).
     cfg.data = config_dict.ConfigDict(dict(
         dataset=pair["dataset"], source_lang="en", target_lang=target_lang,
-        vocab_size=pair["vocab_size"], max_length=256,
-        tokens_per_batch=25_000))  # non-pad target tokens per update (t2t: 4096 × 8 GPUs)
+        vocab_size=pair["vocab_size"], max_length=256,  # longer training pairs are skipped
+        tokens_per_batch=25_000,  # at most this many non-pad source, and target, tokens per
+        # update (t2t: 4096 × 8 GPUs), over all devices and accumulation steps
+        batch_size=104,  # packed rows of max_length per update: a multiple of grad_accum_steps
+        # × mesh.data × mesh.fsdp (8 × 13); 104 × 256 slots hold the 25k budget at ~93% fill
+        eval_batch_size=config_dict.placeholder(int),  # rows per eval batch; None: per micro
+        data_dir=config_dict.placeholder(str),  # TFDS data_dir; None: TFDS's default
+        manual_dir=config_dict.placeholder(str),  # raw WMT archives (README, Data)
+        vocab_sample_pairs=500_000))  # SentencePiece trains on this many training pairs
     cfg.grad_accum_steps = 1
 
     cfg.model = config_dict.ConfigDict(dict(
@@ -94,6 +101,11 @@ def paper_config(*, size: str, target_lang: str, dropout_rate: float) -> config_
         initialization_timeout_seconds=300,  # waiting for all processes to join
         heartbeat_timeout_seconds=100))  # a dead peer stops the others after this long
     cfg.label_smoothing = 0.1
+    cfg.z_loss = 0.0
+    cfg.skip_nonfinite_updates = False  # True: skip (and count) non-finite updates; else stop
+    cfg.log_every_steps = 100
+    cfg.profile_start_step = 0
+    cfg.profile_num_steps = 0  # > 0: a jax.profiler trace of that many steps in <workdir>/profile
     cfg.decode = config_dict.ConfigDict(dict(
         beam_size=4, alpha=0.6,  # GNMT length penalty ((5 + |Y|) / 6)^alpha
         max_extra_length=50))  # output length <= input length + 50

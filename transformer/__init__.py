@@ -3,6 +3,8 @@
 The pure functions (`attention`, `layers`) and the Linen modules (`model`) import no TensorFlow:
 
     from transformer import dot_product_attention, TransformerConfig, Transformer
+
+`transformer.load(workdir)` loads a trained translation run (`translator.Translator`).
 """
 
 from transformer.attention import (
@@ -32,9 +34,19 @@ from transformer.model import (
     shift_right,
 )
 
+
+def __getattr__(name):
+    """`transformer.load(workdir)` (the translation API) without importing orbax up front."""
+    if name == "load":
+        from transformer.translator import load
+
+        return load
+    raise AttributeError(f"module 'transformer' has no attribute {name!r}")
+
+
 __all__ = [
     "Decoder", "DecoderBlock", "Encoder", "EncoderBlock", "MultiHeadAttention", "Transformer",
-    "TransformerConfig", "apply_rope", "attention_weights", "combine_masks",
+    "TransformerConfig", "apply_rope", "load", "attention_weights", "combine_masks",
     "dot_product_attention", "feed_forward", "init_cache", "layer_norm", "make_causal_mask",
     "make_padding_mask", "make_segment_mask", "rms_norm", "shift_right",
     "sinusoidal_position_encoding",

@@ -158,7 +158,7 @@ class ParamsSeries:
         self._manager.close()
 
 
-def _steps(directory: str) -> list[int]:
+def list_steps(directory: str) -> list[int]:
     """The finished orbax steps under `directory` (temporary, unfinished saves excluded)."""
     if not os.path.isdir(directory):
         return []
@@ -195,10 +195,10 @@ def _no_checkpoint(workdir: str) -> ValueError:
 
 def _average_source(workdir: str) -> tuple[str, list[int]]:
     """The params series when it holds a step, else the full checkpoints; and its steps."""
-    series = _steps(os.path.join(workdir, PARAMS_SERIES))
+    series = list_steps(os.path.join(workdir, PARAMS_SERIES))
     if series:
         return PARAMS_SERIES, series
-    steps = _steps(os.path.join(workdir, CHECKPOINTS))
+    steps = list_steps(os.path.join(workdir, CHECKPOINTS))
     if not steps:
         raise _no_checkpoint(workdir)
     return CHECKPOINTS, steps
@@ -274,8 +274,8 @@ def load_params(workdir: str, *, step: int | None = None, average: int | None = 
         if not os.path.isdir(path) or not ocp.utils.is_checkpoint_finalized(path):
             path = average_checkpoints(workdir, last=average)
         return _restore_averaged(path)
-    checkpoints = _steps(os.path.join(workdir, CHECKPOINTS))
-    series = _steps(os.path.join(workdir, PARAMS_SERIES))
+    checkpoints = list_steps(os.path.join(workdir, CHECKPOINTS))
+    series = list_steps(os.path.join(workdir, PARAMS_SERIES))
     if not checkpoints and not series:
         raise _no_checkpoint(workdir)
     if step is None:

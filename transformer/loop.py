@@ -51,6 +51,23 @@ def validate_config(cfg, num_devices: int) -> tuple[int, int, int]:
     return shape
 
 
+def _prepared_source(cfg, workdir: str, *, batch_shards: int):
+    """The data source; with several processes, process 0 prepares the dataset and vocabulary
+    first and the others then reuse them. Its batch rows must split over data x fsdp."""
+    if jax.process_index() == 0:
+        source = make_source(cfg, workdir)
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("data prepared")
+    if jax.process_index() != 0:
+        source = make_source(cfg, workdir)
+    for key, rows in (("data.batch_size", source.rows_per_batch),
+                      ("data.eval_batch_size", source.eval_rows_per_batch)):
+        if rows % batch_shards:
+            raise ValueError(f"{key}: batches of {rows} rows do not split over mesh.data x "
+                             f"mesh.fsdp = {batch_shards} devices; make it a multiple")
+    return source
+
+
 def _provenance(cfg, mesh, source) -> dict:
     def version(name):
         try:
@@ -129,9 +146,9 @@ def evaluate(trainer, eval_step, params, source, rows, split="validation") -> di
 
 def train_and_evaluate(cfg, workdir: str) -> train_lib.TrainState:
     """Trains `cfg` in `workdir` (resuming if it holds a checkpoint); returns the final state."""
-    validate_config(cfg, jax.device_count())
-    source = make_source(cfg)
+    shape = validate_config(cfg, jax.device_count())
     os.makedirs(workdir, exist_ok=True)
+    source = _prepared_source(cfg, workdir, batch_shards=shape[0] * shape[1])
     mesh = sharding.make_mesh(cfg.mesh)
     trainer = train_lib.build_trainer(cfg, mesh)
     _write_config(cfg, workdir, mesh, source)

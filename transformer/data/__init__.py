@@ -43,8 +43,12 @@ class Source(Protocol):
         """Identifies the vocabulary (e.g. the SentencePiece model's sha256)."""
 
 
-def make_source(cfg):
-    """The batch source `cfg.data.dataset` names (the contract is `Source`)."""
+def make_source(cfg, workdir: str | None = None):
+    """The batch source `cfg.data.dataset` names (the contract is `Source`).
+
+    `workdir` holds what a translation source derives once and reuses on resume: the
+    SentencePiece model and the tokenized training split (`<workdir>/vocab/`). Without it they
+    are rebuilt in memory."""
     name = cfg.data.dataset
     if name == "synthetic":
         from transformer.data.synthetic import SyntheticSource, SyntheticTask
@@ -55,5 +59,11 @@ def make_source(cfg):
         return SyntheticSource(task, batch_size=int(cfg.data.batch_size),
                                grad_accum_steps=int(cfg.grad_accum_steps),
                                eval_examples=int(cfg.data.eval_examples))
-    raise ValueError(f"data.dataset={name!r} is not available; the synthetic task is "
-                     f"data.dataset='synthetic'")
+    try:
+        import tensorflow_datasets  # noqa: F401
+
+        from transformer.data import translation
+    except ImportError as e:
+        raise ValueError(f"data.dataset={name!r} needs the data extra ({e.name} is missing): "
+                         f"pip install -e '.[data]', or use data.dataset='synthetic'") from None
+    return translation.from_config(cfg, workdir)

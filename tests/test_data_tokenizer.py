@@ -1,0 +1,69 @@
+"""SentencePiece: special ids, round trip, seeded training, reuse and mismatch errors."""
+
+import json
+import pathlib
+
+import pytest
+
+from transformer.data import offline_corpus
+from transformer.data import tokenizer as tk
+
+FIXTURE = pathlib.Path(__file__).parent / "data" / "offline_de_en"
+
+
+@pytest.fixture(scope="module")
+def sentences():
+    return [s for pair in offline_corpus.libreoffice_pairs(str(FIXTURE)) for s in pair]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(sentences):
+    return tk.train(sentences, 300, seed=0)
+
+
+def test_special_ids_and_mask(tokenizer):
+    assert tokenizer.vocab_size == 300
+    assert [tokenizer.id_to_piece(i) for i in range(5)] == ["<pad>", "<unk>", "<s>", "</s>",
+                                                            "[MASK]"]
+    assert tokenizer.mask_id == 4
+    assert tokenizer.encode(["[MASK]"])[0][-1] == 4  # user-defined: never split
+
+
+def test_round_trip(tokenizer, sentences):
+    ids = tokenizer.encode(sentences)
+    assert all(min(seq) >= 4 and tk.EOS_ID not in seq for seq in ids if seq)
+    for text, seq in zip(sentences, ids, strict=True):
+        assert tokenizer.decode(seq) == text
+    seq = ids[0]
+    assert tokenizer.decode([tk.BOS_ID, *seq, tk.EOS_ID, 17, 18, 0, 0]) == sentences[0]
+    assert tokenizer.decode(seq + [tk.PAD_ID] * 3) == sentences[0]
+
+
+def test_training_is_seeded_and_deterministic(sentences, tokenizer):
+    assert tk.train(sentences, 300, seed=0).sha256 == tokenizer.sha256
+
+
+def test_load_or_train_reuses_and_refuses_mismatches(tmp_path, sentences):
+    calls = []
+
+    def source():
+        calls.append(1)
+        return iter(sentences)
+
+    vocab = tmp_path / "vocab"
+    first = tk.load_or_train(str(vocab), 300, seed=0, sentences=source, info={"dataset": "x"})
+    assert (vocab / tk.MODEL_FILE).exists() and (vocab / "sentencepiece.vocab").exists()
+    assert json.loads((vocab / "info.json").read_text())["sha256"] == first.sha256
+    again = tk.load_or_train(str(vocab), 300, seed=0, sentences=source,
+                             expected_sha256=first.sha256)
+    assert again.sha256 == first.sha256 and len(calls) == 1  # reused, not retrained
+    with pytest.raises(tk.VocabularyMismatch, match="data.vocab_size=400"):
+        tk.load_or_train(str(vocab), 400, seed=0, sentences=source)
+    with pytest.raises(tk.VocabularyMismatch, match="not the vocabulary this run was trained"):
+        tk.load_or_train(str(vocab), 300, seed=0, sentences=source, expected_sha256="0" * 64)
+
+
+def test_impossible_vocab_size_is_one_line(sentences):
+    with pytest.raises(tk.VocabularyMismatch, match="data.vocab_size=100000") as error:
+        tk.train(sentences[:20], 100_000, seed=0)
+    assert "\n" not in str(error.value)

@@ -1,0 +1,146 @@
+"""TFDS access for the translation source: preparing a dataset in `array_record` format (random
+access), converting one prepared in TFRecord once, and reading text pairs by index.
+
+`prepare_dataset` never downloads WMT (statmt.org is slow and often unreachable): without a
+prepared dataset or the raw archives in `data.manual_dir` it stops with one line naming the
+files. `offline_de_en` builds itself from Debian packages (`offline_de_en.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+
+log = logging.getLogger("transformer")
+CHUNK = 8192  # records per read when scanning a split
+
+
+class DataUnavailable(ValueError):
+    """The dataset is not prepared and cannot be prepared here; the message says what to do
+    (a ValueError, so train.py prints it as one line)."""
+
+
+# --------------------------------------------------------------------------- TFDS
+
+
+def _tfds():
+    import tensorflow as tf
+    import tensorflow_datasets as tfds
+
+    try:  # the input pipeline never needs an accelerator; keep TensorFlow off the GPUs
+        tf.config.set_visible_devices([], "GPU")
+    except RuntimeError:  # already initialised
+        pass
+    return tfds
+
+
+def _wmt_manual_files(builder) -> list[str]:
+    """The raw archive names a WMT builder wants (from its sub-dataset URLs)."""
+    from tensorflow_datasets.translate import wmt
+
+    source, _ = builder.builder_config.language_pair
+    names = []
+    for subset in sorted({s for ss in builder.subsets.values() for s in ss}):
+        for url in wmt.DATASET_MAP[subset].get_url(source):
+            name = url.rsplit("/", 1)[-1]
+            if name not in names:
+                names.append(name)
+    return names
+
+
+def prepare_dataset(name: str, data_dir: str | None = None, manual_dir: str | None = None):
+    """The TFDS builder of `name`, prepared in array_record format (see the module docstring).
+    Never downloads WMT: without a prepared dataset or the raw files it raises
+    `DataUnavailable` with one line naming what to provide."""
+    tfds = _tfds()
+    if name.split("/")[0] == "offline_de_en":
+        from transformer.data import offline_de_en  # noqa: F401  (registers the builder)
+    try:
+        builder = tfds.builder(name, data_dir=data_dir)
+    except Exception as e:  # unknown name or config
+        raise DataUnavailable(f"data.dataset={name!r}: {str(e).splitlines()[0]}") from None
+    if builder.is_prepared():
+        return _ensure_array_record(builder)
+    kwargs = {}
+    from tensorflow_datasets.translate import wmt
+
+    if isinstance(builder, wmt.WmtTranslate):  # wmt14_translate, wmt_t2t_translate, ...
+        wanted = _wmt_manual_files(builder)
+        missing = [f for f in wanted if not manual_dir or not os.path.exists(
+            os.path.join(manual_dir, f))]
+        if missing:
+            raise DataUnavailable(
+                f"{name} is not prepared in {builder.data_dir}: put {', '.join(missing)} in "
+                f"a directory and pass --config.data.manual_dir=<it>, or copy a prepared "
+                f"dataset into --config.data.data_dir (README, Data)")
+        kwargs["download_config"] = tfds.download.DownloadConfig(manual_dir=manual_dir)
+    elif manual_dir:
+        kwargs["download_config"] = tfds.download.DownloadConfig(manual_dir=manual_dir)
+    log.info("preparing %s in %s (array_record)", name, builder.data_dir)
+    builder.download_and_prepare(file_format="array_record", **kwargs)
+    return tfds.builder(name, data_dir=data_dir)
+
+
+def _ensure_array_record(builder):
+    """Converts a dataset prepared in TFRecord to array_record once, in place (the same shards,
+    record for record, and `array_record` added to dataset_info.json's alternative formats)."""
+    from tensorflow_datasets.core import dataset_info as info_lib
+    from tensorflow_datasets.core import file_adapters
+
+    info = builder.info
+    proto = info_lib.read_proto_from_builder_dir(builder.data_dir)
+    if "array_record" not in {proto.file_format, *proto.alternative_file_formats}:
+        log.info("converting %s to array_record once (random access)", builder.data_dir)
+        reader = file_adapters.ADAPTER_FOR_FORMAT[info.file_format]
+        writer = file_adapters.ADAPTER_FOR_FORMAT[file_adapters.FileFormat.ARRAY_RECORD]
+        suffix = f".{info.file_format.value}-"
+        try:
+            for split in info.splits.values():
+                for path in map(os.fspath, split.filepaths):
+                    target = path.replace(suffix, ".array_record-")
+                    tmp = f"{target}.incomplete{os.getpid()}"
+                    records = ((i, r.numpy()) for i, r in enumerate(reader.make_tf_data(path)))
+                    writer.write_examples(tmp, records)
+                    os.replace(tmp, target)
+            proto.alternative_file_formats.append("array_record")
+            info_lib.write_dataset_info_proto(proto, dataset_info_dir=builder.data_dir)
+        except OSError as e:
+            raise DataUnavailable(
+                f"{builder.data_dir} is in {info.file_format.value} format and could not be "
+                f"converted to array_record in place ({e}); copy it somewhere writable and set "
+                f"--config.data.data_dir") from None
+    if "array_record" not in {f.value for f in info.available_file_formats()}:
+        info.add_alternative_file_format("array_record")  # TFDS reads it back only read-only
+    return builder
+
+
+def _text(record, lang: str) -> str:
+    """One language's text from a record (a tf.train.Example or a dict, as mocks give)."""
+    if hasattr(record, "features"):
+        value = record.features.feature[lang].bytes_list.value[0]
+    else:
+        value = record[lang]
+        if isinstance(value, np.ndarray):
+            value = value.item()
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def open_split(builder, split: str):
+    from tensorflow_datasets.core import decode
+
+    return builder.as_data_source(split=split,
+                                  deserialize_method=decode.DeserializeMethod.DESERIALIZE_NO_DECODE)
+
+
+def read_pairs(source, indices, source_lang: str, target_lang: str):
+    """[(source text, target text)] of `indices` of a data source, read in chunks."""
+    pairs = []
+    indices = [int(i) for i in indices]
+    get_many = getattr(source, "__getitems__", None)
+    for i in range(0, len(indices), CHUNK):
+        chunk = indices[i:i + CHUNK]
+        records = get_many(chunk) if get_many else [source[j] for j in chunk]
+        pairs.extend((_text(r, source_lang), _text(r, target_lang)) for r in records)
+    return pairs

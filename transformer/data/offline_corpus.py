@@ -1,0 +1,300 @@
+"""The offline German-English corpus: real human translations from three Debian packages.
+
+`apt-get download libreoffice-help-de libreoffice-help-en-us trans-de-en` fetches the .deb files
+(about 11 MB; it needs Debian package lists, i.e. `apt-get update` once, but installs nothing),
+`dpkg-deb -x` unpacks them into a cache directory, and this module turns the unpacked trees into
+sentence pairs:
+
+- LibreOffice help (MPL-2.0): `usr/share/libreoffice/help/{de,en-US}/**.html` hold the same pages
+  at the same relative paths; paragraphs (`p`, `h`, `h1`-`h6`, `td`) carry the same ids
+  (`par_id…`, `hd_id…`) in both languages. Text inside `hidden` elements is skipped, except the
+  `default…` variants of platform switches (what a non-Mac reader sees).
+- The Ding dictionary (GPL-2+): `usr/share/trans/de-en`, lines `DE :: EN` whose senses (` | `) and
+  variants (`; `) align; entries that are sentences on both sides (capital first, `.!?` last, at
+  least 3 words) are kept.
+
+Pairs are deduplicated, untranslated (identical) pairs dropped, and split by a stable hash of the
+normalised English side (`split_of`), so a sentence never crosses splits. The TFDS builder over
+this is `transformer.data.offline_de_en`. Pure Python: no TensorFlow here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import html.parser
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import unicodedata
+
+PACKAGES = ("libreoffice-help-de", "libreoffice-help-en-us", "trans-de-en")
+HELP_DIR = "usr/share/libreoffice/help"
+DING_FILE = "usr/share/trans/de-en"
+TEST_FRACTION, MIN_TEST_PAIRS, MAX_TEST_FRACTION = 0.04, 2000, 0.10
+VALIDATION_FRACTION = 0.02
+WMT_HINT = "or train on WMT instead (configs/wmt14_ende_base.py; README, Data)"
+
+
+class CorpusUnavailable(ValueError):
+    """apt cannot fetch the packages (no apt, no package lists, no route to the mirror). A
+    ValueError, like other bad settings, so train.py prints its one line."""
+
+
+# --------------------------------------------------------------------------- fetching
+
+
+@dataclasses.dataclass(frozen=True)
+class Package:
+    name: str
+    version: str
+    deb: str  # file name of the .deb
+    sha256: str
+
+
+def fetch_packages(cache_dir: str) -> tuple[str, list[Package]]:
+    """Downloads (once) and unpacks the three packages under `cache_dir`; returns the unpacked
+    root and the packages. Raises `CorpusUnavailable` with one line when apt cannot."""
+    root = os.path.join(cache_dir, "root")
+    manifest = os.path.join(cache_dir, "packages.json")
+    if os.path.exists(manifest) and os.path.isdir(root):
+        with open(manifest) as f:
+            return root, [Package(**p) for p in json.load(f)]
+    for tool in ("apt-get", "dpkg-deb"):
+        if shutil.which(tool) is None:
+            raise CorpusUnavailable(
+                f"offline_de_en is built from Debian packages with apt-get and dpkg-deb, and "
+                f"`{tool}` is not found here: build it on a Debian or Ubuntu machine (with "
+                f"`apt-get update` run once as root) and copy the TFDS data_dir, {WMT_HINT}")
+    debs_dir = os.path.join(cache_dir, "debs")
+    os.makedirs(debs_dir, exist_ok=True)
+    debs = _find_debs(debs_dir)
+    if len(debs) < len(PACKAGES):
+        result = subprocess.run(["apt-get", "download", *PACKAGES], cwd=debs_dir,
+                                capture_output=True, text=True)
+        debs = _find_debs(debs_dir)
+        if result.returncode or len(debs) < len(PACKAGES):
+            lines = [ln for ln in result.stderr.splitlines() if ln.startswith("E:")]
+            if any("Unable to locate" in ln for ln in lines):
+                problem = "apt has no package lists here"
+            else:
+                problem = f"`apt-get download` failed ({lines[0] if lines else result.returncode})"
+            raise CorpusUnavailable(
+                f"offline_de_en is built from Debian packages, but {problem}: run "
+                f"`apt-get update` as root (once), {WMT_HINT}")
+    staging = root + ".partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    packages = []
+    for name in PACKAGES:
+        deb = debs[name]
+        subprocess.run(["dpkg-deb", "-x", deb, staging], check=True, capture_output=True)
+        version = subprocess.run(["dpkg-deb", "-f", deb, "Version"], check=True,
+                                 capture_output=True, text=True).stdout.strip()
+        packages.append(Package(name, version, os.path.basename(deb), _sha256(deb)))
+    shutil.rmtree(root, ignore_errors=True)
+    os.replace(staging, root)
+    with open(manifest, "w") as f:
+        json.dump([dataclasses.asdict(p) for p in packages], f, indent=1)
+    return root, packages
+
+
+def _find_debs(directory: str) -> dict[str, str]:
+    found = {}
+    for path in sorted(glob.glob(os.path.join(directory, "*.deb"))):
+        name = os.path.basename(path).split("_")[0]
+        if name in PACKAGES:
+            found[name] = path
+    return found
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def licence_files(root: str) -> dict[str, str]:
+    """{package: copyright file text} for the unpacked packages that have one."""
+    texts = {}
+    for name in PACKAGES:
+        path = os.path.join(root, "usr/share/doc", name, "copyright")
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                texts[name] = f.read()
+    return texts
+
+
+# --------------------------------------------------------------------------- LibreOffice help
+
+_PARAGRAPH_TAGS = {"p", "h", "h1", "h2", "h3", "h4", "h5", "h6", "td"}
+_ID = re.compile(r"^(par|hd)_id")
+_VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source",
+         "track", "wbr"}
+_SPACES = re.compile(r"\s+")
+
+
+class _HelpPage(html.parser.HTMLParser):
+    """Collects {paragraph id: [texts]} of one help page, skipping hidden text."""
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.paragraphs: dict[str, list[str]] = {}
+        self._stack: list[tuple[str, str | None, bool]] = []  # (tag, captured id, hidden)
+        self._open: dict[str, list[str]] = {}  # id -> text pieces, while inside it
+        self._hidden = 0
+
+    def handle_starttag(self, tag, attrs):
+        if tag in _VOID:
+            return
+        attrs = dict(attrs)
+        element_id = attrs.get("id") or ""
+        hidden = "hidden" in attrs and not element_id.startswith("default")
+        captured = element_id if tag in _PARAGRAPH_TAGS and _ID.match(element_id) else None
+        if captured is not None and captured in self._open:
+            captured = None  # the same id nested in itself: one capture
+        self._stack.append((tag, captured, hidden))
+        self._hidden += hidden
+        if captured is not None:
+            self._open[captured] = []
+
+    def handle_endtag(self, tag):
+        if tag in _VOID or not any(t == tag for t, _, _ in self._stack):
+            return
+        while self._stack:  # close implicitly ended elements up to the matching one
+            open_tag, captured, hidden = self._stack.pop()
+            self._hidden -= hidden
+            if captured is not None:
+                text = _SPACES.sub(" ", "".join(self._open.pop(captured))).strip()
+                if text:
+                    self.paragraphs.setdefault(captured, []).append(text)
+            if open_tag == tag:
+                break
+
+    def handle_data(self, data):
+        if not self._hidden:
+            for pieces in self._open.values():
+                pieces.append(data)
+
+
+def help_paragraphs(path: str) -> dict[str, list[str]]:
+    parser = _HelpPage()
+    with open(path, encoding="utf-8") as f:
+        parser.feed(f.read())
+    parser.close()
+    return parser.paragraphs
+
+
+def libreoffice_pairs(root: str) -> list[tuple[str, str]]:
+    """(en, de) pairs from the help pages present in both languages, in a stable order."""
+    en_dir, de_dir = (os.path.join(root, HELP_DIR, lang) for lang in ("en-US", "de"))
+    pairs = []
+    for en_path in sorted(glob.glob(os.path.join(en_dir, "**", "*.html"), recursive=True)):
+        de_path = os.path.join(de_dir, os.path.relpath(en_path, en_dir))
+        if not os.path.exists(de_path):
+            continue
+        en, de = help_paragraphs(en_path), help_paragraphs(de_path)
+        for key in en:
+            if key in de and len(en[key]) == len(de[key]):
+                pairs.extend(zip(en[key], de[key], strict=True))
+    return pairs
+
+
+# --------------------------------------------------------------------------- Ding dictionary
+
+_ANNOTATION = re.compile(r"\{[^}]*\}|\[[^\]]*\]|<[^>]*>")
+_SPACE_BEFORE_PUNCTUATION = re.compile(r"\s+([.,;:!?])")
+
+
+def _clean(text: str) -> str:
+    text = _SPACES.sub(" ", _ANNOTATION.sub("", text)).strip()
+    return _SPACE_BEFORE_PUNCTUATION.sub(r"\1", text)
+
+
+def _is_sentence(text: str) -> bool:
+    return len(text.split()) >= 3 and text[:1].isupper() and text[-1:] in ".!?"
+
+
+def ding_pairs(path: str) -> list[tuple[str, str]]:
+    """(en, de) sentence pairs of the Ding dictionary file (`DE :: EN` lines)."""
+    pairs = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("#") or " :: " not in line:
+                continue
+            de_side, en_side = line.rstrip("\n").split(" :: ", 1)
+            de_senses, en_senses = de_side.split(" | "), en_side.split(" | ")
+            if len(de_senses) != len(en_senses):
+                continue
+            for de_sense, en_sense in zip(de_senses, en_senses, strict=True):
+                de_variants, en_variants = de_sense.split("; "), en_sense.split("; ")
+                if len(de_variants) != len(en_variants):
+                    continue
+                for de, en in zip(de_variants, en_variants, strict=True):
+                    de, en = _clean(de), _clean(en)
+                    if _is_sentence(de) and _is_sentence(en):
+                        pairs.append((en, de))
+    return pairs
+
+
+# --------------------------------------------------------------------------- pairs and splits
+
+
+def normalise(text: str) -> str:
+    """The key of the split hash: NFKC, case-folded, whitespace collapsed."""
+    return _SPACES.sub(" ", unicodedata.normalize("NFKC", text).casefold()).strip()
+
+
+def hash_unit(text: str) -> float:
+    """A stable number in [0, 1) from the normalised text (sha256, not Python's hash)."""
+    digest = hashlib.sha256(normalise(text).encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
+
+
+def deduplicate(pairs) -> list[tuple[str, str]]:
+    """Drops untranslated pairs (both sides equal) and repeats, keeping the first."""
+    seen, kept = set(), []
+    for en, de in pairs:
+        if en == de or (en, de) in seen or not en or not de:
+            continue
+        seen.add((en, de))
+        kept.append((en, de))
+    return kept
+
+
+def split_thresholds(units: list[float]) -> tuple[float, float]:
+    """Hash thresholds (test, validation): test is u < t_test (4%, raised to hold at least
+    2,000 pairs where that is at most 10% of the corpus), validation t_test <= u < t_val (2%)."""
+    t_test = TEST_FRACTION
+    wanted = min(MIN_TEST_PAIRS, math.floor(MAX_TEST_FRACTION * len(units)))
+    if wanted and sum(u < t_test for u in units) < wanted:
+        t_test = sorted(units)[wanted - 1] + 1e-12
+    return t_test, t_test + VALIDATION_FRACTION
+
+
+def split_pairs(pairs) -> dict[str, list[tuple[str, str]]]:
+    """{"train", "validation", "test"} by the stable hash of the normalised English side."""
+    units = [hash_unit(en) for en, _ in pairs]
+    t_test, t_val = split_thresholds(units)
+    splits = {"train": [], "validation": [], "test": []}
+    for pair, u in zip(pairs, units, strict=True):
+        splits["test" if u < t_test else "validation" if u < t_val else "train"].append(pair)
+    return splits
+
+
+def corpus_pairs(root: str) -> dict[str, list[tuple[str, str]]]:
+    """The whole corpus under an unpacked root, split. Either source may be absent (the test
+    fixture has only LibreOffice help pages)."""
+    pairs = []
+    if os.path.isdir(os.path.join(root, HELP_DIR)):
+        pairs += libreoffice_pairs(root)
+    if os.path.exists(os.path.join(root, DING_FILE)):
+        pairs += ding_pairs(os.path.join(root, DING_FILE))
+    if not pairs:
+        raise FileNotFoundError(f"{root} holds neither {HELP_DIR} nor {DING_FILE}")
+    return split_pairs(deduplicate(pairs))

@@ -1,0 +1,148 @@
+"""SentencePiece: one vocabulary shared by source and target, trained (seeded) on first use.
+
+Ids follow DESIGN.md: pad 0, unk 1, bos 2 (the decoder's start), eos 3, then the user-defined
+`[MASK]` (4). A run keeps its model in `<workdir>/vocab/` and reuses it on resume; a model whose
+size differs from `data.vocab_size`, or whose sha256 differs from the one the run recorded in
+`config.json`, is an error rather than a silent retrain.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+from collections.abc import Callable, Iterable, Sequence
+
+import sentencepiece as spm
+
+log = logging.getLogger("transformer")
+
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+MASK_PIECE = "[MASK]"
+MODEL_FILE = "sentencepiece.model"
+
+
+class VocabularyMismatch(ValueError):
+    """The vocabulary on disk does not fit the config or the checkpoints."""
+
+
+class Tokenizer:
+    """A SentencePiece model: text <-> ids (no EOS added by `encode`; `decode` stops at EOS)."""
+
+    def __init__(self, model_proto: bytes):
+        self.model_proto = bytes(model_proto)
+        self._sp = spm.SentencePieceProcessor(model_proto=self.model_proto)
+        if (self._sp.pad_id(), self._sp.unk_id(), self._sp.bos_id(), self._sp.eos_id()) != (
+                PAD_ID, UNK_ID, BOS_ID, EOS_ID):
+            raise VocabularyMismatch("the SentencePiece model must have pad 0, unk 1, bos 2, "
+                                     "eos 3 (train it with transformer.data.tokenizer.train)")
+
+    @classmethod
+    def load(cls, path: str) -> Tokenizer:
+        with open(path, "rb") as f:
+            return cls(f.read())
+
+    @property
+    def vocab_size(self) -> int:
+        return self._sp.get_piece_size()
+
+    @property
+    def mask_id(self) -> int:
+        return self._sp.piece_to_id(MASK_PIECE)
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.model_proto).hexdigest()
+
+    def fingerprint(self) -> str:
+        return f"sentencepiece vocab_size={self.vocab_size} sha256={self.sha256}"
+
+    def encode(self, texts: Sequence[str], num_threads: int = 1) -> list[list[int]]:
+        """Ids of each text, without BOS or EOS."""
+        return self._sp.encode(list(texts), out_type=int, num_threads=num_threads)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of `ids` up to the first EOS; padding and BOS are dropped."""
+        kept = []
+        for i in ids:
+            i = int(i)
+            if i == EOS_ID:
+                break
+            if i not in (PAD_ID, BOS_ID):
+                kept.append(i)
+        return self._sp.decode(kept)
+
+    def id_to_piece(self, i: int) -> str:
+        return self._sp.id_to_piece(int(i))
+
+    def save(self, directory: str) -> str:
+        """Writes `<directory>/sentencepiece.model` atomically (and a readable `.vocab`)."""
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, MODEL_FILE)
+        _atomic_write(path, self.model_proto)
+        pieces = "".join(f"{self._sp.id_to_piece(i)}\t{self._sp.get_score(i)}\n"
+                         for i in range(self.vocab_size))
+        _atomic_write(os.path.join(directory, "sentencepiece.vocab"), pieces.encode("utf-8"))
+        return path
+
+
+def _atomic_write(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def train(sentences: Iterable[str], vocab_size: int, *, seed: int, model_type: str = "bpe",
+          character_coverage: float = 1.0) -> Tokenizer:
+    """Trains a SentencePiece model on `sentences` (use both languages for a shared vocabulary).
+    Seeded and single-threaded, so the same sentences give the same model."""
+    spm.set_random_generator_seed(int(seed))
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(sentences), model_writer=model, vocab_size=int(vocab_size),
+            model_type=model_type, character_coverage=character_coverage,
+            pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+            user_defined_symbols=[MASK_PIECE], input_sentence_size=0,
+            shuffle_input_sentence=False, num_threads=1, minloglevel=2)
+    except RuntimeError as e:
+        raise VocabularyMismatch(f"SentencePiece could not train data.vocab_size={vocab_size}: "
+                                 f"{str(e).strip().splitlines()[-1]}") from None
+    return Tokenizer(model.getvalue())
+
+
+def load_or_train(directory: str, vocab_size: int, *, seed: int,
+                  sentences: Callable[[], Iterable[str]], expected_sha256: str | None = None,
+                  info: dict | None = None) -> Tokenizer:
+    """The model in `directory` (`<workdir>/vocab`), trained from `sentences()` if absent.
+
+    `expected_sha256` is the vocabulary the run's checkpoints were trained with (from
+    config.json); a model that differs raises `VocabularyMismatch`, as does one whose size is
+    not `vocab_size`."""
+    path = os.path.join(directory, MODEL_FILE)
+    if os.path.exists(path):
+        tokenizer = Tokenizer.load(path)
+        if tokenizer.vocab_size != vocab_size:
+            raise VocabularyMismatch(
+                f"{path} has {tokenizer.vocab_size} pieces but data.vocab_size={vocab_size}: "
+                f"set --config.data.vocab_size={tokenizer.vocab_size} or use a new --workdir")
+    else:
+        log.info("training a %d-piece SentencePiece vocabulary into %s", vocab_size, directory)
+        tokenizer = train(sentences(), vocab_size, seed=seed)
+        if os.path.exists(path):  # another process of this run got there first
+            tokenizer = Tokenizer.load(path)
+        else:
+            tokenizer.save(directory)
+            record = dict(info or {}, vocab_size=vocab_size, seed=seed, model_type="bpe",
+                          sha256=tokenizer.sha256)
+            _atomic_write(os.path.join(directory, "info.json"),
+                          json.dumps(record, indent=1).encode())
+    if expected_sha256 and tokenizer.sha256 != expected_sha256:
+        raise VocabularyMismatch(
+            f"{path} (sha256 {tokenizer.sha256[:12]}…) is not the vocabulary this run was "
+            f"trained with (sha256 {expected_sha256[:12]}… in config.json): restore the original "
+            f"vocab/ directory or use a new --workdir")
+    return tokenizer

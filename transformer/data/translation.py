@@ -1,0 +1,356 @@
+"""The `Source` for TFDS translation datasets: WMT14 (`wmt14_translate/de-en`, `.../fr-en`),
+`wmt_t2t_translate/de-en`, and the offline corpus `offline_de_en`.
+
+What happens on first use (each step is skipped when its result exists):
+1. The TFDS dataset is prepared in `array_record` format (`prepare_dataset`): `offline_de_en`
+   builds itself from Debian packages; WMT is built from the raw files in `data.manual_dir`
+   (official file names, see README) or read from a prepared `data.data_dir`; a dataset
+   prepared in TFRecord is converted to array_record once, in place.
+2. SentencePiece is trained on a seeded sample of the training split (`tokenizer`), saved in
+   `<workdir>/vocab/`.
+3. The training split is tokenized once (`TokenizedSplit`), read through `tfds.data_source`
+   (random access), and kept as flat id arrays in `<workdir>/vocab/tokens/` (memory-mapped).
+
+Batches are packed rows (`batching`): global batch `index` maps to its examples and their
+placement by a pure function of (seed, index), so the checkpointed iterator state is the index;
+a process packs only its own rows. `data.batch_size` rows per update (all accumulation steps) of
+`data.max_length` tokens per side, holding at most `data.tokens_per_batch` non-pad source and,
+separately, target tokens. Training pairs longer than `data.max_length` (EOS included) are
+skipped; evaluation pairs are kept, truncated to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+import os
+import re
+import threading
+
+import numpy as np
+
+from transformer.data import batching
+from transformer.data import tokenizer as tokenizer_lib
+from transformer.data.datasets import (
+    CHUNK,
+    open_split,
+    prepare_dataset,
+    read_pairs,
+)
+
+log = logging.getLogger("transformer")
+EOS_ID = tokenizer_lib.EOS_ID
+
+
+# --------------------------------------------------------------------------- tokenized splits
+
+
+@dataclasses.dataclass
+class TokenizedSplit:
+    """A split as flat id arrays, EOS included: example i's source is
+    source_ids[source_starts[i]:source_starts[i + 1]]."""
+
+    source_ids: np.ndarray
+    source_starts: np.ndarray
+    target_ids: np.ndarray
+    target_starts: np.ndarray
+
+    FILES = ("source_ids", "source_starts", "target_ids", "target_starts")
+
+    def __len__(self) -> int:
+        return len(self.source_starts) - 1
+
+    @functools.cached_property
+    def source_lengths(self) -> np.ndarray:
+        return np.diff(self.source_starts)
+
+    @functools.cached_property
+    def target_lengths(self) -> np.ndarray:
+        return np.diff(self.target_starts)
+
+    def pair(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        return (self.source_ids[self.source_starts[i]:self.source_starts[i + 1]],
+                self.target_ids[self.target_starts[i]:self.target_starts[i + 1]])
+
+    @classmethod
+    def build(cls, pairs_chunks, tokenizer, dtype) -> TokenizedSplit:
+        """Tokenizes chunks of (source, target) texts, appending EOS; chunk by chunk into
+        numpy, so a 4.5M-pair split never lives as Python lists."""
+        flats = {"source": [], "target": []}
+        lengths = {"source": [], "target": []}
+        for pairs in pairs_chunks:
+            for side, texts in zip(("source", "target"), zip(*pairs, strict=True), strict=True):
+                seqs = tokenizer.encode(texts, num_threads=os.cpu_count() or 1)
+                n = np.fromiter((len(q) + 1 for q in seqs), np.int64, len(seqs))
+                flat = np.full(int(n.sum()), EOS_ID, dtype)
+                ends = np.cumsum(n) - 1  # each sequence's EOS slot
+                for seq, end in zip(seqs, ends.tolist(), strict=True):
+                    flat[end - len(seq):end] = seq
+                flats[side].append(flat)
+                lengths[side].append(n)
+        arrays = {}
+        for side in flats:
+            n = np.concatenate(lengths[side]) if lengths[side] else np.zeros(0, np.int64)
+            starts = np.zeros(len(n) + 1, np.int64)
+            np.cumsum(n, out=starts[1:])
+            arrays[f"{side}_ids"] = (np.concatenate(flats[side]) if flats[side]
+                                     else np.zeros(0, dtype))
+            arrays[f"{side}_starts"] = starts
+        return cls(**arrays)
+
+    def save(self, directory: str, meta: dict) -> None:
+        os.makedirs(directory, exist_ok=True)
+        for name in self.FILES:
+            tmp = os.path.join(directory, f"{name}.tmp{os.getpid()}.npy")
+            np.save(tmp, getattr(self, name))
+            os.replace(tmp, os.path.join(directory, f"{name}.npy"))
+        tmp = os.path.join(directory, f"meta.json.tmp{os.getpid()}")
+        with open(tmp, "w") as f:
+            json.dump(meta, f, indent=1)
+        os.replace(tmp, os.path.join(directory, "meta.json"))
+
+    @classmethod
+    def load(cls, directory: str, meta: dict) -> TokenizedSplit | None:
+        try:
+            with open(os.path.join(directory, "meta.json")) as f:
+                if json.load(f) != meta:
+                    return None
+            return cls(**{n: np.asarray(np.load(os.path.join(directory, f"{n}.npy"), mmap_mode="r"))
+                          for n in cls.FILES})
+        except (OSError, ValueError):
+            return None
+
+
+# --------------------------------------------------------------------------- the source
+
+
+class TranslationSource:
+    """Packed translation batches from a TFDS dataset (the `Source` contract)."""
+
+    def __init__(self, dataset: str, *, source_lang: str, target_lang: str, vocab_size: int,
+                 max_length: int, batch_size: int, grad_accum_steps: int = 1,
+                 tokens_per_batch: int = 0, eval_batch_size: int | None = None, seed: int = 0,
+                 data_dir: str | None = None, manual_dir: str | None = None,
+                 workdir: str | None = None, vocab_sample_pairs: int = 500_000,
+                 tokenizer: tokenizer_lib.Tokenizer | None = None):
+        _check_sizes(batch_size, grad_accum_steps, max_length, tokens_per_batch,
+                     eval_batch_size)
+        self.dataset, self.seed = dataset, int(seed)
+        self.source_lang, self.target_lang = source_lang, target_lang
+        self.max_length, self.tokens_per_batch = int(max_length), int(tokens_per_batch)
+        self.grad_accum_steps = int(grad_accum_steps)
+        self.rows_per_batch = int(batch_size) // self.grad_accum_steps
+        self.eval_rows_per_batch = int(eval_batch_size or self.rows_per_batch)
+        self.source_length = self.target_length = self.max_length
+        self.workdir = workdir
+        self.builder = prepare_dataset(dataset, data_dir, manual_dir)
+        languages = tuple(self.builder.info.features.languages)
+        for key, lang in (("source_lang", source_lang), ("target_lang", target_lang)):
+            if lang not in languages:
+                raise ValueError(f"data.{key}={lang!r} is not a language of {dataset} "
+                                 f"({', '.join(languages)})")
+        self._sources: dict[str, object] = {}
+        self.tokenizer = tokenizer or self._tokenizer(int(vocab_size), int(vocab_sample_pairs))
+        if self.tokenizer.vocab_size != int(vocab_size):
+            raise tokenizer_lib.VocabularyMismatch(
+                f"the tokenizer has {self.tokenizer.vocab_size} pieces but "
+                f"data.vocab_size={vocab_size}")
+        self.train = self._tokenized("train")
+        fits = ((self.train.source_lengths <= self.max_length)
+                & (self.train.target_lengths <= self.max_length)
+                & (self.train.source_lengths > 1) & (self.train.target_lengths > 1))
+        self.num_train_examples, self.num_train_skipped = int(fits.sum()), int((~fits).sum())
+        if self.num_train_skipped:
+            log.info("%s: %d of %d training pairs are longer than data.max_length=%d and are "
+                     "skipped", dataset, self.num_train_skipped, len(self.train),
+                     self.max_length)
+        self.plans = batching.EpochPlans(
+            self.train.source_lengths, self.train.target_lengths, np.flatnonzero(fits),
+            seed=self.seed, rows=self.rows_per_batch * self.grad_accum_steps,
+            length=self.max_length, budget=self.tokens_per_batch)
+        self._eval: dict[str, tuple[TokenizedSplit, np.ndarray]] = {}
+        self._lock = threading.Lock()
+
+    # ----------------------------------------------------------------- pieces
+
+    def _source(self, split: str):
+        if split not in self._sources:
+            self._sources[split] = open_split(self.builder, split)
+        return self._sources[split]
+
+    def _chunks(self, split: str, indices=None):
+        source = self._source(split)
+        indices = range(len(source)) if indices is None else indices
+        for i in range(0, len(indices), CHUNK):
+            yield read_pairs(source, indices[i:i + CHUNK], self.source_lang, self.target_lang)
+
+    def _tokenizer(self, vocab_size: int, sample_pairs: int) -> tokenizer_lib.Tokenizer:
+        n = len(self._source("train"))
+        sample = np.sort(np.random.default_rng([self.seed, 7]).permutation(n)[:sample_pairs])
+
+        def sentences():
+            for pairs in self._chunks("train", sample):
+                for pair in pairs:
+                    yield from pair
+
+        info = {"dataset": self.dataset_name, "sample_pairs": int(len(sample)),
+                "languages": [self.source_lang, self.target_lang]}
+        if self.workdir is None:
+            return tokenizer_lib.train(sentences(), vocab_size, seed=self.seed)
+        return tokenizer_lib.load_or_train(
+            os.path.join(self.workdir, "vocab"), vocab_size, seed=self.seed,
+            sentences=sentences, expected_sha256=_recorded_vocabulary(self.workdir), info=info)
+
+    def _tokenized(self, split: str) -> TokenizedSplit:
+        dtype = np.uint16 if self.tokenizer.vocab_size <= np.iinfo(np.uint16).max else np.int32
+        meta = {"dataset": self.dataset_name, "split": split,
+                "examples": len(self._source(split)),
+                "languages": [self.source_lang, self.target_lang],
+                "vocabulary": self.tokenizer.sha256}
+        directory = (os.path.join(self.workdir, "vocab", "tokens",
+                                  f"{self.dataset_name.replace('/', '-')}-{split}")
+                     if self.workdir and split == "train" else None)
+        if directory and (cached := TokenizedSplit.load(directory, meta)) is not None:
+            return cached
+        tokenized = TokenizedSplit.build(self._chunks(split), self.tokenizer, dtype)
+        if directory:
+            tokenized.save(directory, meta)
+        return tokenized
+
+    @property
+    def dataset_name(self) -> str:
+        return self.builder.info.full_name
+
+    def fingerprint(self) -> str:
+        packages = self.builder.info.metadata.get("packages") if self.builder.info.metadata \
+            else None
+        extra = ""
+        if packages:
+            digest = hashlib.sha256(json.dumps(packages, sort_keys=True).encode()).hexdigest()
+            extra = f" packages={digest[:16]}"
+        return (f"{self.dataset_name} {self.source_lang}->{self.target_lang} "
+                f"train={len(self.train)} max_length={self.max_length} "
+                f"kept={self.num_train_examples}{extra}")
+
+    def vocabulary_fingerprint(self) -> str:
+        return self.tokenizer.fingerprint()
+
+    # ----------------------------------------------------------------- batches
+
+    def batch_examples(self, index: int) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+        """Example indices of global batch `index` and their (global row, source offset,
+        target offset); global row = microbatch * rows_per_batch + row."""
+        with self._lock:
+            examples = self.plans.examples(index)
+        placement = batching.first_fit(self.train.source_lengths[examples],
+                                       self.train.target_lengths[examples],
+                                       self.rows_per_batch * self.grad_accum_steps,
+                                       self.max_length)
+        return examples, placement
+
+    def train_batch(self, index: int, rows: tuple[int, int]) -> dict[str, np.ndarray]:
+        examples, placement = self.batch_examples(index)
+        start, stop = rows
+        rows_per_batch = self.rows_per_batch
+        pieces = [self.train.pair(i) if start <= row % rows_per_batch < stop else None
+                  for i, (row, _, _) in zip(examples.tolist(), placement, strict=True)]
+        micro = [batching.pack(pieces, placement, (a * rows_per_batch + start,
+                                                   a * rows_per_batch + stop),
+                               self.source_length, self.target_length)
+                 for a in range(self.grad_accum_steps)]
+        return {k: np.stack([m[k] for m in micro]) for k in batching.KEYS}
+
+    def eval_split(self, split: str) -> tuple[TokenizedSplit, np.ndarray]:
+        """The split tokenized (truncated to max_length, EOS kept last) and its batch cuts."""
+        if split not in self._eval:
+            data = self._tokenized(split)
+            data = _truncate(data, self.max_length)
+            starts = batching.plan_epoch(data.source_lengths, data.target_lengths,
+                                         np.arange(len(data)), self.eval_rows_per_batch,
+                                         self.max_length)
+            self._eval[split] = (data, starts)
+        return self._eval[split]
+
+    def eval_batches(self, split: str, rows: tuple[int, int]):
+        data, starts = self.eval_split(split)
+        for b in range(len(starts) - 1):
+            examples = range(int(starts[b]), int(starts[b + 1]))
+            placement = batching.first_fit(data.source_lengths[starts[b]:starts[b + 1]],
+                                           data.target_lengths[starts[b]:starts[b + 1]],
+                                           self.eval_rows_per_batch, self.max_length)
+            pieces = [data.pair(i) if rows[0] <= row < rows[1] else None
+                      for i, (row, _, _) in zip(examples, placement, strict=True)]
+            batch = batching.pack(pieces, placement, rows, self.source_length,
+                                  self.target_length)
+            yield {k: v[None] for k, v in batch.items()}
+
+    def raw_pairs(self, split: str, limit: int | None = None) -> list[tuple[str, str]]:
+        """(source text, target text) of a split in order, e.g. for BLEU."""
+        source = self._source(split)
+        return read_pairs(source, range(min(len(source), limit or len(source))),
+                          self.source_lang, self.target_lang)
+
+
+def _truncate(data: TokenizedSplit, length: int) -> TokenizedSplit:
+    src_len, tgt_len = data.source_lengths, data.target_lengths
+    if max(src_len.max(initial=0), tgt_len.max(initial=0)) <= length:
+        return data
+    count = int(((src_len > length) | (tgt_len > length)).sum())
+    log.info("%d evaluation pairs are longer than data.max_length=%d: truncated", count, length)
+    arrays = {}
+    for side in ("source", "target"):
+        seqs = [data.pair(i)[0 if side == "source" else 1] for i in range(len(data))]
+        seqs = [np.append(s[:length - 1], EOS_ID) if len(s) > length else s for s in seqs]
+        starts = np.zeros(len(seqs) + 1, np.int64)
+        np.cumsum([len(s) for s in seqs], out=starts[1:])
+        arrays[f"{side}_ids"] = np.concatenate(seqs) if seqs else np.zeros(0, np.int32)
+        arrays[f"{side}_starts"] = starts
+    return TokenizedSplit(**arrays)
+
+
+def _recorded_vocabulary(workdir: str) -> str | None:
+    """The vocabulary sha256 the run recorded in config.json (None on a fresh run)."""
+    try:
+        with open(os.path.join(workdir, "config.json")) as f:
+            recorded = json.load(f).get("provenance", {}).get("vocabulary") or ""
+    except (OSError, ValueError):
+        return None
+    match = re.search(r"sha256=([0-9a-f]{64})", recorded)
+    return match.group(1) if match else None
+
+
+def _check_sizes(batch_size, grad_accum_steps, max_length, tokens_per_batch, eval_batch_size):
+    if int(max_length) < 2:
+        raise ValueError(f"data.max_length={max_length} must be >= 2 (a token and EOS)")
+    if int(batch_size) < 1 or int(batch_size) % int(grad_accum_steps):
+        raise ValueError(f"data.batch_size={batch_size} (rows per update) must be a positive "
+                         f"multiple of grad_accum_steps={grad_accum_steps}")
+    if tokens_per_batch and int(tokens_per_batch) < int(max_length):
+        raise ValueError(f"data.tokens_per_batch={tokens_per_batch} must be >= "
+                         f"data.max_length={max_length} (0: no budget beyond the rows)")
+    if eval_batch_size is not None and int(eval_batch_size) < 1:
+        raise ValueError(f"data.eval_batch_size={eval_batch_size} must be >= 1")
+
+
+def from_config(cfg, workdir: str | None = None) -> TranslationSource:
+    """`TranslationSource` from the config's `data` keys (see configs/common.py)."""
+    data = cfg.data
+    model_max_len = int(cfg.model.get("max_len", data.max_length))
+    if cfg.model.get("positional", "sinusoidal") in ("sinusoidal", "learned") and \
+            int(data.max_length) > model_max_len:
+        raise ValueError(f"data.max_length={data.max_length} exceeds model.max_len="
+                         f"{model_max_len}")
+    if int(cfg.model.get("vocab_size", data.vocab_size)) != int(data.vocab_size):
+        raise ValueError(f"model.vocab_size={cfg.model.vocab_size} differs from "
+                         f"data.vocab_size={data.vocab_size} (one shared vocabulary)")
+    return TranslationSource(
+        data.dataset, source_lang=data.source_lang, target_lang=data.target_lang,
+        vocab_size=int(data.vocab_size), max_length=int(data.max_length),
+        batch_size=int(data.batch_size), grad_accum_steps=int(cfg.grad_accum_steps),
+        tokens_per_batch=int(data.get("tokens_per_batch") or 0),
+        eval_batch_size=data.get("eval_batch_size"), seed=int(cfg.seed),
+        data_dir=data.get("data_dir"), manual_dir=data.get("manual_dir"), workdir=workdir,
+        vocab_sample_pairs=int(data.get("vocab_sample_pairs") or 500_000))

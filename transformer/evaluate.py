@@ -1,0 +1,90 @@
+"""Score a trained run on a split: perplexity and both BLEUs, like the paper's Table 2.
+
+    python -m transformer.evaluate --workdir=runs/default --split=test [--average=5 | --step=N]
+
+Prints the figures, appends them to `<workdir>/metrics.jsonl` (split "validation" or "test"),
+and writes the sources, references and translations it scored to `<workdir>/eval/`.
+"""
+
+import logging
+import os
+import sys
+
+from absl import app, flags
+from absl import logging as absl_logging
+
+flags.DEFINE_string("workdir", None, "The training run's workdir.")
+flags.DEFINE_enum("split", "test", ["validation", "test"], "The split to score.")
+flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+flags.DEFINE_integer("average", None, "Average the last N checkpoints' parameters.")
+flags.DEFINE_integer("num_sentences", None, "Score only the first N sentences (default: all).")
+flags.DEFINE_integer("beam_size", None, "Beam size (default: the config's; 1: greedy).")
+flags.mark_flags_as_required(["workdir"])
+FLAGS = flags.FLAGS
+log = logging.getLogger("transformer")
+
+
+def evaluate(workdir: str, split: str, *, step=None, average=None, num_sentences=None,
+             beam_size=None) -> dict:
+    """Perplexity over the whole split and BLEU over its first `num_sentences` pairs."""
+    import jax
+
+    from transformer import evaluation, sharding, train_lib
+    from transformer.checkpoint import list_steps
+    from transformer.data import make_source
+    from transformer.metrics import MetricWriter
+    from transformer.translator import load
+
+    translator = load(workdir, step=step, average=average)
+    cfg = translator.config
+    source = make_source(cfg, workdir)
+    mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+    trainer = train_lib.build_trainer(cfg, mesh)
+    params = jax.device_put(translator.params, trainer.state_shardings.params)
+    eval_step = train_lib.make_eval_step(trainer)
+    totals = {"nll_sum": 0.0, "tokens": 0.0}
+    for local in source.eval_batches(split, (0, source.eval_rows_per_batch)):
+        sums = jax.device_get(eval_step(params, train_lib.global_batch(mesh, local)))
+        totals = {k: totals[k] + float(sums[k]) for k in totals}
+    figures = train_lib.eval_metrics(totals)
+
+    pairs = source.raw_pairs(split, num_sentences)
+    sources, references = [s for s, _ in pairs], [t for _, t in pairs]
+    log.info("translating %d %s sentences", len(sources), split)
+    hypotheses = translator.translate(sources, beam_size=beam_size)
+    figures |= evaluation.bleu(hypotheses, references, target_lang=cfg.data.target_lang)
+
+    label = f"average{average}" if average else f"step{step}" if step else "latest"
+    out_dir = os.path.join(workdir, "eval")
+    os.makedirs(out_dir, exist_ok=True)
+    for kind, lines in (("source", sources), ("reference", references),
+                        ("translation", hypotheses)):
+        with open(os.path.join(out_dir, f"{split}.{label}.{kind}.txt"), "w") as f:
+            f.writelines(line + "\n" for line in lines)
+    steps = list_steps(os.path.join(workdir, "checkpoints"))
+    at_step = step or (max(steps) if steps else 0)
+    figures["checkpoint"] = label
+    writer = MetricWriter(workdir)
+    writer.write(at_step, split, figures)
+    writer.close()
+    return figures
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    absl_logging.set_verbosity(absl_logging.WARNING)  # orbax's INFO chatter
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S",
+                        stream=sys.stderr)
+    try:
+        figures = evaluate(FLAGS.workdir, FLAGS.split, step=FLAGS.step, average=FLAGS.average,
+                           num_sentences=FLAGS.num_sentences, beam_size=FLAGS.beam_size)
+    except ValueError as error:
+        sys.exit(f"error: {error}")
+    print(f"{FLAGS.split}: perplexity {figures['perplexity']:.2f} | sacreBLEU "
+          f"{figures['bleu']:.2f} ({figures['bleu_signature']}) | tokenized compound-split BLEU "
+          f"{figures['bleu_tok_compound']:.2f} | {figures['bleu_num_sentences']} sentences")
+
+
+if __name__ == "__main__":
+    app.run(main)

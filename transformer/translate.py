@@ -1,0 +1,70 @@
+"""Translate text with a trained run: one sentence a line, in order.
+
+    python -m transformer.translate --workdir=runs/default [--average=5 | --step=N] \\
+        [--input=file] [--output=file] [--beam_size=4] [--alpha=0.6]
+
+Reads stdin (or --input) and writes stdout (or --output). Empty lines stay empty; lines longer
+than the model allows are truncated with a warning; input that is not UTF-8 is an error naming
+the line.
+"""
+
+import logging
+import sys
+
+from absl import app, flags
+from absl import logging as absl_logging
+
+flags.DEFINE_string("workdir", None, "The training run's workdir.")
+flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+flags.DEFINE_integer("average", None, "Average the last N checkpoints' parameters.")
+flags.DEFINE_string("input", None, "Input file (default: stdin).")
+flags.DEFINE_string("output", None, "Output file (default: stdout).")
+flags.DEFINE_integer("beam_size", None, "Beam size (default: the config's; 1: greedy).")
+flags.DEFINE_float("alpha", None, "Length penalty alpha (default: the config's).")
+flags.DEFINE_integer("batch_size", 32, "Sentences decoded together.")
+flags.mark_flags_as_required(["workdir"])
+FLAGS = flags.FLAGS
+
+
+def read_lines(data: bytes, name: str) -> list[str]:
+    """UTF-8 lines of `data`; a line that is not UTF-8 raises ValueError naming it."""
+    lines = []
+    for number, raw in enumerate(data.splitlines(), 1):
+        try:
+            lines.append(raw.decode("utf-8").rstrip("\r"))
+        except UnicodeDecodeError as error:
+            raise ValueError(f"{name} line {number} is not UTF-8 ({error.reason} at byte "
+                             f"{error.start})") from None
+        if "\x00" in lines[-1]:
+            raise ValueError(f"{name} line {number} holds a NUL byte: binary input?")
+    return lines
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    absl_logging.set_verbosity(absl_logging.WARNING)  # orbax's INFO chatter
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
+    from transformer.translator import load
+
+    try:
+        if FLAGS.input:
+            with open(FLAGS.input, "rb") as f:
+                lines = read_lines(f.read(), FLAGS.input)
+        else:
+            lines = read_lines(sys.stdin.buffer.read(), "stdin")
+        translator = load(FLAGS.workdir, step=FLAGS.step, average=FLAGS.average)
+        translations = translator.translate(lines, beam_size=FLAGS.beam_size,
+                                            alpha=FLAGS.alpha, batch_size=FLAGS.batch_size)
+    except (ValueError, OSError) as error:
+        sys.exit(f"error: {error}")
+    text = "".join(t + "\n" for t in translations)
+    if FLAGS.output:
+        with open(FLAGS.output, "w", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,151 @@
+"""The Python API beside the CLIs: load a trained workdir, translate sentences.
+
+    import transformer
+    translator = transformer.load("runs/default", average=5)
+    translator.translate(["The cat sat on the mat."])
+
+Sentences are SentencePiece-encoded with the run's vocabulary (`<workdir>/vocab/`), followed by
+EOS as in training, padded into length buckets (one compiled search per bucket), and decoded with
+beam search (the config's `decode.*`: beam 4, alpha 0.6, input length + 50) or greedily.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from ml_collections import ConfigDict
+
+from transformer import checkpoint, decoding
+from transformer.model import BOS_ID, Transformer, TransformerConfig, init_cache
+
+log = logging.getLogger("transformer")
+EOS_ID = 3
+BUCKET = 16  # source lengths are padded up to a multiple of this
+
+
+@dataclasses.dataclass
+class Translator:
+    """A trained model, its parameters (host or device arrays) and its tokenizer."""
+
+    config: ConfigDict
+    params: dict
+    tokenizer: object  # transformer.data.tokenizer.Tokenizer
+
+    def __post_init__(self):
+        self.model_config = TransformerConfig.from_dict(self.config.model)
+        self.model = Transformer(self.model_config)
+        self.params = jax.device_put(self.params)
+
+    @property
+    def max_source_length(self) -> int:
+        """Longest source (in pieces, EOS included) the model's positions allow."""
+        return self.model_config.max_len
+
+    def encode(self, sentences: list[str]) -> list[list[int]]:
+        """Piece ids + EOS per sentence, truncated (with a warning) to the model's max_len."""
+        encoded = []
+        for number, ids in enumerate(self.tokenizer.encode(sentences), 1):
+            if len(ids) + 1 > self.max_source_length:
+                log.warning("sentence %d has %d pieces; truncated to %d", number, len(ids) + 1,
+                            self.max_source_length)
+                ids = ids[: self.max_source_length - 1]
+            encoded.append(ids + [EOS_ID])
+        return encoded
+
+    def translate(self, sentences: list[str], *, beam_size: int | None = None,
+                  alpha: float | None = None, max_extra_length: int | None = None,
+                  batch_size: int = 32) -> list[str]:
+        """Translations of `sentences`, in order (beam_size 1 = greedy). Empty in, empty out."""
+        decode_cfg = self.config.decode
+        beam_size = int(beam_size or decode_cfg.beam_size)
+        alpha = float(decode_cfg.alpha if alpha is None else alpha)
+        extra = int(decode_cfg.max_extra_length if max_extra_length is None
+                    else max_extra_length)
+        out = [""] * len(sentences)
+        todo = [i for i, s in enumerate(sentences) if s.strip()]
+        encoded = self.encode([sentences[i] for i in todo])
+        order = sorted(range(len(todo)), key=lambda j: len(encoded[j]))  # similar lengths
+        for start in range(0, len(order), batch_size):
+            chunk = order[start:start + batch_size]
+            ids = self.translate_ids([encoded[j] for j in chunk], beam_size=beam_size,
+                                     alpha=alpha, max_extra_length=extra)
+            for j, row in zip(chunk, ids, strict=True):
+                out[todo[j]] = self.tokenizer.decode(row)
+        return out
+
+    def translate_ids(self, sources: list[list[int]], *, beam_size: int, alpha: float,
+                      max_extra_length: int) -> np.ndarray:
+        """Best hypotheses [B, L] for source id lists (EOS included); zeros after EOS."""
+        longest = max(len(s) for s in sources)
+        length = min(-(-longest // BUCKET) * BUCKET, self.max_source_length)
+        inputs = np.zeros((len(sources), length), np.int32)
+        for row, ids in enumerate(sources):
+            inputs[row, : len(ids)] = ids
+        max_lengths = np.minimum(np.array([len(s) for s in sources]) + max_extra_length,
+                                 self.model_config.max_len)
+        max_length = int(min(length + max_extra_length, self.model_config.max_len))
+        search = _search_fn(self.model, beam_size, float(alpha), max_length,
+                            self.model_config.scan_layers)
+        return np.asarray(search(self.params, jnp.asarray(inputs), jnp.asarray(max_lengths)))
+
+
+@functools.lru_cache(maxsize=32)
+def _search_fn(model: Transformer, beam_size: int, alpha: float, max_length: int,
+               scan_layers: bool):
+    """A jitted search `(params, inputs [B, S], max_lengths [B]) -> tokens [B, L]`."""
+
+    def search(params, inputs, max_lengths):
+        batch = inputs.shape[0]
+        encoded = model.apply({"params": params}, inputs, method="encode")
+        if beam_size > 1:
+            encoded, inputs = (jnp.repeat(x, beam_size, axis=0) for x in (encoded, inputs))
+
+        def decode_fn(tokens, cache):
+            return model.apply({"params": params}, encoded, inputs, tokens, cache=cache,
+                               method="decode")
+
+        cache = init_cache(model.config, batch * beam_size, max_length)
+        bos = jnp.full((batch,), BOS_ID, jnp.int32)
+        if beam_size == 1:
+            return decoding.greedy_search(decode_fn, cache, bos=bos, max_lengths=max_lengths,
+                                          max_length=max_length, eos_id=EOS_ID)
+        seqs, _ = decoding.beam_search(decode_fn, cache, bos=bos, max_lengths=max_lengths,
+                                       max_length=max_length, beam_size=beam_size,
+                                       alpha=alpha, eos_id=EOS_ID,
+                                       cache_batch_axis=1 if scan_layers else 0)
+        return seqs[:, 0]
+
+    return jax.jit(search)
+
+
+def load_config(workdir: str) -> ConfigDict:
+    """The resolved config a run recorded in `<workdir>/config.json`."""
+    path = os.path.join(workdir, "config.json")
+    if not os.path.exists(path):
+        raise ValueError(f"{workdir} has no config.json: not a training workdir (train one with "
+                         f"python train.py --workdir={workdir})")
+    with open(path) as f:
+        values = json.load(f)
+    values.pop("provenance", None)
+    return ConfigDict(values)
+
+
+def load(workdir: str, *, step: int | None = None, average: int | None = None) -> Translator:
+    """Config, parameters (checkpoint `step`, the latest, or the average of the last
+    `average`) and tokenizer of a trained workdir."""
+    from transformer.data import tokenizer as tokenizer_lib
+
+    config = load_config(workdir)
+    vocab = os.path.join(workdir, "vocab", tokenizer_lib.MODEL_FILE)
+    if not os.path.exists(vocab):
+        raise ValueError(f"{vocab} is missing: this run has no SentencePiece vocabulary "
+                         f"(was it trained on a translation dataset?)")
+    params = checkpoint.load_params(workdir, step=step, average=average)
+    return Translator(config, params, tokenizer_lib.Tokenizer.load(vocab))
