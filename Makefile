@@ -27,8 +27,12 @@ test: lint
 test-fast: lint
 	$(BIN)/python -m pytest tests -m "not slow"
 
+# The default run: the offline German-English corpus (built on first use), then BLEU on its
+# test split with beam search. WORKDIR=... trains elsewhere; rerunning resumes.
+WORKDIR ?= runs/default
 train: $(STAMP)
-	$(BIN)/python train.py --config=configs/tiny.py --workdir=runs/tiny
+	$(BIN)/python train.py --config=configs/offline_de_en.py --workdir=$(WORKDIR)
+	$(BIN)/python -m transformer.evaluate --workdir=$(WORKDIR) --split=test
 
 clean:
 	rm -rf $(VENV) .cache runs
