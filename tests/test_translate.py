@@ -1,0 +1,103 @@
+"""The translation API and CLI on a small untrained workdir: order, empty lines, long lines,
+invalid input."""
+
+import json
+import pathlib
+import runpy
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from transformer import sharding, train_lib
+from transformer.checkpoint import Checkpointer
+from transformer.data import tokenizer as tokenizer_lib
+from transformer.translator import Translator, load
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SENTENCES = [
+    "Specifies whether the chosen connections are pooled.",
+    "She goes often to the movies.",
+    "Die gewählten Verbindungen werden aufbewahrt.",
+    "Sie geht oft ins Kino.",
+    "Opens a dialog where you can select a file.",
+    "Öffnet einen Dialog, in dem Sie eine Datei auswählen können.",
+] * 20
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """config.json, vocab/ and one checkpoint of an untrained tiny model: what `load` reads."""
+    path = tmp_path_factory.mktemp("run")
+    tokenizer = tokenizer_lib.train(SENTENCES, 96, seed=0)
+    tokenizer.save(str(path / "vocab"))
+    cfg = runpy.run_path(str(ROOT / "configs" / "tiny.py"))["get_config"]()
+    cfg.data.vocab_size = tokenizer.vocab_size
+    cfg.model.max_len = 24
+    cfg.data.target_lang = "de"
+    cfg.decode.max_extra_length = 6
+    (path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+    trainer = train_lib.build_trainer(cfg, mesh)
+    checkpointer = Checkpointer(str(path), keep=2)
+    checkpointer.save(1, train_lib.init_state(trainer, 0), {"next_batch_index": 1})
+    checkpointer.close()
+    return path
+
+
+def test_translate_keeps_order_and_empty_lines(workdir):
+    translator = load(str(workdir))
+    assert isinstance(translator, Translator)
+    lines = ["Sie geht oft ins Kino.", "", "   ", "Opens a dialog."]
+    out = translator.translate(lines, beam_size=2, batch_size=2)
+    assert len(out) == 4 and out[1] == "" and out[2] == ""
+    # Translating one at a time gives the same result as a batch (padding does not leak).
+    alone = [translator.translate([line], beam_size=2)[0] for line in lines]
+    assert out == alone
+
+
+def test_long_input_is_truncated_with_a_warning(workdir, caplog):
+    translator = load(str(workdir))
+    long_line = " ".join(["Sie geht oft ins Kino."] * 20)
+    with caplog.at_level("WARNING", logger="transformer"):
+        (ids,) = translator.encode([long_line])
+    assert len(ids) == translator.max_source_length and ids[-1] == tokenizer_lib.EOS_ID
+    assert "truncated" in caplog.text
+    assert len(translator.translate([long_line], beam_size=1)) == 1
+
+
+def run_cli(workdir, stdin: bytes):
+    return subprocess.run([sys.executable, "-m", "transformer.translate",
+                           f"--workdir={workdir}", "--beam_size=1"], input=stdin, cwd=ROOT,
+                          capture_output=True, timeout=300)
+
+
+def test_cli_empty_input_gives_empty_output(workdir):
+    result = run_cli(workdir, b"")
+    assert result.returncode == 0 and result.stdout == b""
+
+
+def test_cli_writes_one_line_per_input_line(workdir):
+    result = run_cli(workdir, "Sie geht oft ins Kino.\n\nÖffnet einen Dialog.\n".encode())
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.decode().split("\n")[1] == ""
+    assert result.stdout.decode().count("\n") == 3
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"fine\n\xff\xfebad\n", "stdin line 2 is not UTF-8"),
+    (b"\x00\x01\x02binary\n", "stdin line 1 holds a NUL byte"),
+])
+def test_cli_rejects_invalid_input_with_the_line_number(workdir, data, message):
+    result = run_cli(workdir, data)
+    assert result.returncode != 0
+    stderr = result.stderr.decode()
+    assert message in stderr and "Traceback" not in stderr
+
+
+def test_cli_on_a_workdir_without_a_run(tmp_path):
+    result = run_cli(tmp_path, b"hello\n")
+    assert result.returncode != 0
+    assert "has no config.json" in result.stderr.decode()
+    assert "Traceback" not in result.stderr.decode()
