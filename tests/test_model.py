@@ -18,6 +18,7 @@ import pytest
 from flax import traverse_util
 
 from transformer import model as M
+from transformer.checkpoint import stack_layers, unstack_layers
 
 # LLVM optimisation buys nothing for these tiny programs and halves their compile time.
 jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0,
@@ -87,16 +88,6 @@ def random_params(cfg, seed=0):
         return jnp.asarray(value, jnp.float32)
 
     return jax.tree_util.tree_map_with_path(draw, nn.unbox(abstract_variables(cfg)))
-
-
-def stack_layers(variables, cfg):
-    """layers_{i} subtrees -> one `layers` subtree with a leading L axis (the scan layout)."""
-    params = jax.tree.map(lambda x: x, variables["params"])  # a shallow copy of the dicts
-    for part, num in (("encoder", cfg.num_encoder_layers), ("decoder", cfg.num_decoder_layers)):
-        if part in params:
-            per_layer = [params[part].pop(f"layers_{i}") for i in range(num)]
-            params[part]["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
-    return {"params": params}
 
 
 @functools.cache
@@ -439,7 +430,12 @@ def test_incremental_decoding_equals_full_forward(name):
 def test_scan_layers_equals_unrolled_layers_in_forward_and_decoding():
     scanned_cfg = dataclasses.replace(BASE, scan_layers=True)
     variables = random_params(BASE)
-    stacked = stack_layers(variables, BASE)
+    stacked = {"params": stack_layers(variables["params"])}  # the checkpoint converter
+    round_trip = unstack_layers(stacked["params"])
+    assert jax.tree.structure(round_trip) == jax.tree.structure(variables["params"])
+    for a, b in zip(jax.tree.leaves(round_trip), jax.tree.leaves(variables["params"]),
+                    strict=True):
+        np.testing.assert_array_equal(a, b)
     abstract = nn.unbox(abstract_variables(scanned_cfg))
     assert jax.tree.structure(stacked) == jax.tree.structure(abstract)
     assert jax.tree.map(jnp.shape, stacked) == jax.tree.map(lambda x: x.shape, abstract)

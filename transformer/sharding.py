@@ -94,10 +94,5 @@ def tree_shardings(boxed_abstract_tree, mesh: Mesh):
     return logical_to_sharding(specs, nn.unbox(boxed_abstract_tree), mesh)
 
 
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Leading (batch) axis split over data x fsdp."""
-    return NamedSharding(mesh, P(BATCH_AXES))
-
-
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())

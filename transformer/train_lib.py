@@ -12,7 +12,6 @@ with in/out shardings and the state donated; nothing in it reads host randomness
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from transformer import optim, sharding
+from transformer.evaluation import perplexity
 from transformer.model import Transformer, TransformerConfig
 
 BATCH_KEYS = ("inputs", "targets", "inputs_positions", "targets_positions",
@@ -188,11 +188,4 @@ def global_batch(mesh, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
 def eval_metrics(sums: dict) -> dict:
     """Eval `loss` (NLL per target token) and `perplexity` from summed figures."""
     loss = float(sums["nll_sum"]) / max(float(sums["tokens"]), 1.0)
-    return {"loss": loss, "perplexity": float(np.exp(min(loss, 700.0)))}
-
-
-def time_it(fn, *args):
-    """(fn(*args), seconds)."""
-    start = time.perf_counter()
-    result = fn(*args)
-    return result, time.perf_counter() - start
+    return {"loss": loss, "perplexity": perplexity(loss)}
