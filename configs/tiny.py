@@ -2,9 +2,10 @@
 
     python train.py --config=configs/tiny.py --workdir=runs/tiny
 
-Hardware: any CPU (2 cores: about a minute). Data: the synthetic task generated in-process
-(`transformer/data/synthetic.py`), so it needs no network, TensorFlow or apt. Expected: the
-validation loss falls from ~3.3 (uniform over 28 tokens) to well under 0.5 within 300 steps.
+Hardware: any CPU (2 cores: about a minute, half of it compiling). Data: the synthetic task
+generated in-process (`transformer/data/synthetic.py`), so it needs no network, TensorFlow or
+apt. Expected (measured, seed 0, one CPU device): validation loss (unsmoothed NLL per token)
+2.07 at step 100, 1.29 at 200, 0.83 at 300, from ~3.4 at the start.
 It is also the fast workload of the tests and smoke runs.
 """
 
