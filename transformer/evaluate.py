@@ -29,7 +29,7 @@ def evaluate(workdir: str, split: str, *, step=None, average=None, num_sentences
     """Perplexity over the whole split and BLEU over its first `num_sentences` pairs."""
     import jax
 
-    from transformer import evaluation, sharding, train_lib
+    from transformer import evaluation, loop, sharding, train_lib
     from transformer.checkpoint import list_steps
     from transformer.data import make_source
     from transformer.metrics import MetricWriter
@@ -41,12 +41,8 @@ def evaluate(workdir: str, split: str, *, step=None, average=None, num_sentences
     mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
     trainer = train_lib.build_trainer(cfg, mesh)
     params = jax.device_put(translator.params, trainer.state_shardings.params)
-    eval_step = train_lib.make_eval_step(trainer)
-    totals = {"nll_sum": 0.0, "tokens": 0.0}
-    for local in source.eval_batches(split, (0, source.eval_rows_per_batch)):
-        sums = jax.device_get(eval_step(params, train_lib.global_batch(mesh, local)))
-        totals = {k: totals[k] + float(sums[k]) for k in totals}
-    figures = train_lib.eval_metrics(totals)
+    figures = loop.evaluate(trainer, train_lib.make_eval_step(trainer), params, source,
+                            (0, source.eval_rows_per_batch), split)
 
     pairs = source.raw_pairs(split, num_sentences)
     sources, references = [s for s, _ in pairs], [t for _, t in pairs]
