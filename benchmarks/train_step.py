@@ -68,7 +68,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from transformer import flops, metrics, sharding, train_lib  # noqa: E402
 from transformer.data import make_source  # noqa: E402
-from transformer.loop import validate_config  # noqa: E402
+from transformer.loop import resolve_grad_accum, validate_config  # noqa: E402
 from transformer.model import TransformerConfig  # noqa: E402
 
 config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).", lock_config=True)
@@ -119,6 +119,7 @@ def _cost_flops(compiled) -> float | None:
 def benchmark(cfg, steps: int, warmup: int) -> dict:
     num_devices = jax.device_count()
     validate_config(cfg, num_devices)
+    cfg = resolve_grad_accum(cfg, num_devices)
     model_cfg = TransformerConfig.from_dict(cfg.model)
     source = make_source(cfg)
     mesh = sharding.make_mesh(cfg.mesh)

@@ -17,9 +17,9 @@ from ml_collections import config_dict
 
 SIZES = {  # Table 3: N, d_model, d_ff, h; d_k = d_v = d_model / h = 64
     "base": dict(num_layers=6, d_model=512, d_ff=2048, num_heads=8, num_train_steps=100_000,
-                 keep_checkpoints=5),
+                 average_last=5),
     "big": dict(num_layers=6, d_model=1024, d_ff=4096, num_heads=16, num_train_steps=300_000,
-                keep_checkpoints=20),
+                average_last=20),
 }
 LANGUAGE_PAIRS = {  # target language -> TFDS dataset and shared vocabulary size
     "de": dict(dataset="wmt14_translate/de-en", vocab_size=37_000),  # BPE, ~37k
@@ -35,9 +35,12 @@ def paper_config(*, size: str, target_lang: str, dropout_rate: float) -> config_
     cfg.seed = 0
     cfg.num_train_steps = shape["num_train_steps"]
     cfg.mesh = config_dict.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
-    cfg.checkpoint_every_steps = 1000
-    cfg.checkpoint_every_minutes = 10  # the paper averages checkpoints written every 10 min
-    cfg.keep_checkpoints = shape["keep_checkpoints"]  # averaged: last 5 (base), 20 (big)
+    cfg.checkpoint_every_steps = 1000  # full checkpoints (params, Adam moments, data position)
+    cfg.checkpoint_every_minutes = 10  # for resuming after preemption
+    cfg.keep_checkpoints = 3
+    cfg.params_every_minutes = 10  # the paper averages checkpoints written every 10 minutes:
+    cfg.params_keep = shape["average_last"]  # a params-only series keeps the last 5 (base) or
+    # 20 (big) for `python -m transformer.evaluate --average=N` (README, Reproducing the paper)
     cfg.eval_every_steps = 1000
     cfg.bleu_every_steps = 5000
     cfg.bleu_num_sentences = 500
@@ -55,7 +58,9 @@ def paper_config(*, size: str, target_lang: str, dropout_rate: float) -> config_
         data_dir=config_dict.placeholder(str),  # TFDS data_dir; None: TFDS's default
         manual_dir=config_dict.placeholder(str),  # raw WMT archives (README, Data)
         vocab_sample_pairs=500_000))  # SentencePiece trains on this many training pairs
-    cfg.grad_accum_steps = 1
+    cfg.data.max_rows_per_device = 32  # one microbatch, one device; lower it if memory binds
+    cfg.grad_accum_steps = 0  # 0: sized from the device count, the fewest microbatches that
+    # keep each device within data.max_rows_per_device: 1 on 8 devices, 4 on one
 
     cfg.model = config_dict.ConfigDict(dict(
         architecture="encoder_decoder",

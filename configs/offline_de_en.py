@@ -34,6 +34,8 @@ def get_config():
     cfg.checkpoint_every_steps = 250
     cfg.checkpoint_every_minutes = 10
     cfg.keep_checkpoints = 3
+    cfg.params_every_minutes = 0  # 0: no params-only series for averaging
+    cfg.params_keep = 0
     cfg.eval_every_steps = 250
     cfg.bleu_every_steps = 0  # BLEU needs decoding: evaluate.py after training
     cfg.bleu_num_sentences = 500

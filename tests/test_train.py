@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from transformer import sharding, train_lib
 from transformer.checkpoint import Checkpointer
 from transformer.data import make_source
-from transformer.loop import validate_config
+from transformer.loop import resolve_grad_accum, validate_config
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -178,6 +178,26 @@ def test_bad_config_fails_before_device_work(overrides, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")) as error:
         validate_config(cfg, 8)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("devices, accum", [(1, 4), (2, 2), (4, 1), (8, 1)])
+def test_paper_configs_size_accumulation_from_the_device_count(devices, accum):
+    cfg = runpy.run_path(str(ROOT / "configs" / "wmt14_ende_base.py"))["get_config"]()
+    assert cfg.grad_accum_steps == 0
+    validate_config(cfg, devices)
+    resolved = resolve_grad_accum(cfg, devices)
+    assert resolved.grad_accum_steps == accum and cfg.grad_accum_steps == 0
+    rows_per_device = cfg.data.batch_size // (accum * devices)
+    assert rows_per_device * accum * devices == 104
+    assert rows_per_device <= cfg.data.max_rows_per_device
+    assert resolved.model.vocab_size == resolved.data.vocab_size == 37_000
+
+
+def test_automatic_accumulation_needs_rows_that_split_over_the_devices():
+    cfg = runpy.run_path(str(ROOT / "configs" / "wmt14_ende_base.py"))["get_config"]()
+    with pytest.raises(ValueError, match="data.batch_size=104 is not divisible by mesh.data x "
+                                         "mesh.fsdp=16"):
+        validate_config(cfg, 16)
 
 
 def test_eval_batches_cover_each_example_once_whatever_the_process_slices():

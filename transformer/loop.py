@@ -19,10 +19,11 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from transformer import flops, metrics, sharding, train_lib
-from transformer.checkpoint import Checkpointer
+from transformer import evaluation, flops, metrics, sharding, train_lib
+from transformer.checkpoint import Checkpointer, ParamsSeries
 from transformer.data import make_source
 from transformer.model import TransformerConfig
+from transformer.translator import Translator
 
 log = logging.getLogger("transformer")
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "transformer")
@@ -33,22 +34,58 @@ def validate_config(cfg, num_devices: int) -> tuple[int, int, int]:
 
     Each problem is one line naming the key and what would fix it."""
     model_cfg = TransformerConfig.from_dict(cfg.model)
-    for key in ("num_train_steps", "keep_checkpoints", "grad_accum_steps", "log_every_steps"):
+    for key in ("num_train_steps", "keep_checkpoints", "log_every_steps"):
         if int(cfg[key]) < 1:
             raise ValueError(f"{key}={cfg[key]} must be >= 1")
-    for key in ("checkpoint_every_steps", "checkpoint_every_minutes", "eval_every_steps"):
-        if cfg[key] < 0:
+    if int(cfg.grad_accum_steps) < 0:
+        raise ValueError(f"grad_accum_steps={cfg.grad_accum_steps} must be >= 1, or 0 to size "
+                         f"it from the device count (data.max_rows_per_device)")
+    for key in ("checkpoint_every_steps", "checkpoint_every_minutes", "eval_every_steps",
+                "bleu_every_steps", "params_every_minutes"):
+        if cfg.get(key, 0) < 0:
             raise ValueError(f"{key}={cfg[key]} must be >= 0 (0 turns it off)")
+    if cfg.get("bleu_every_steps", 0) and int(cfg.bleu_num_sentences) < 1:
+        raise ValueError(f"bleu_num_sentences={cfg.bleu_num_sentences} must be >= 1 when "
+                         f"bleu_every_steps={cfg.bleu_every_steps} (0 turns BLEU off)")
+    if cfg.get("params_every_minutes", 0) and int(cfg.params_keep) < 1:
+        raise ValueError(f"params_keep={cfg.params_keep} must be >= 1 when "
+                         f"params_every_minutes={cfg.params_every_minutes}")
     if not 0.0 <= cfg.label_smoothing < 1.0:
         raise ValueError(f"label_smoothing={cfg.label_smoothing} must be in [0, 1)")
     shape = sharding.mesh_shape(cfg.mesh, num_devices)
     sharding.validate_mesh_for_model(shape, model_cfg)
     batch_shards = shape[0] * shape[1]
     per_update = int(cfg.data.batch_size)
-    if per_update % (cfg.grad_accum_steps * batch_shards):
+    accum = grad_accum_steps(cfg, batch_shards)
+    if per_update % (accum * batch_shards):
         raise ValueError(f"data.batch_size={per_update} is not divisible by grad_accum_steps="
-                         f"{cfg.grad_accum_steps} x mesh.data x mesh.fsdp={batch_shards}")
+                         f"{accum} x mesh.data x mesh.fsdp={batch_shards}")
     return shape
+
+
+def grad_accum_steps(cfg, batch_shards: int) -> int:
+    """`grad_accum_steps`, or where it is 0 the fewest microbatches that give each of the
+    `batch_shards` (mesh.data x mesh.fsdp) devices at most `data.max_rows_per_device` rows and
+    split `data.batch_size` evenly: the tokens per update stay the paper's on any device count."""
+    if int(cfg.grad_accum_steps):
+        return int(cfg.grad_accum_steps)
+    rows, most = int(cfg.data.batch_size), int(cfg.data.get("max_rows_per_device") or 0)
+    if most < 1:
+        raise ValueError("grad_accum_steps=0 sizes accumulation from data.max_rows_per_device, "
+                         "which must then be >= 1")
+    if rows % batch_shards:
+        raise ValueError(f"data.batch_size={rows} is not divisible by mesh.data x mesh.fsdp="
+                         f"{batch_shards}")
+    per_device = rows // batch_shards
+    return next(a for a in range(-(-per_device // most), per_device + 1) if per_device % a == 0)
+
+
+def resolve_grad_accum(cfg, num_devices: int):
+    """A copy of `cfg` with `grad_accum_steps` resolved for `num_devices` (see above)."""
+    shape = sharding.mesh_shape(cfg.mesh, num_devices)
+    resolved = cfg.copy_and_resolve_references()
+    resolved.grad_accum_steps = grad_accum_steps(cfg, shape[0] * shape[1])
+    return resolved
 
 
 def _prepared_source(cfg, workdir: str, *, batch_shards: int):
@@ -144,15 +181,39 @@ def evaluate(trainer, eval_step, params, source, rows, split="validation") -> di
     return train_lib.eval_metrics(totals)
 
 
+def validation_bleu(translator: Translator, source, num_sentences: int, target_lang: str,
+                    split: str = "validation") -> dict:
+    """Both BLEUs of the translations (the config's beam search) of the first `num_sentences`
+    pairs of `split`."""
+    pairs = source.raw_pairs(split, num_sentences)
+    hypotheses = translator.translate([s for s, _ in pairs])
+    return evaluation.bleu(hypotheses, [t for _, t in pairs], target_lang=target_lang)
+
+
+def _check_bleu_source(cfg, source) -> None:
+    if cfg.get("bleu_every_steps", 0) and not hasattr(source, "tokenizer"):
+        raise ValueError(f"bleu_every_steps={cfg.bleu_every_steps} needs a translation dataset "
+                         f"(data.dataset={cfg.data.dataset!r} has no tokenizer); set it to 0")
+
+
 def train_and_evaluate(cfg, workdir: str) -> train_lib.TrainState:
     """Trains `cfg` in `workdir` (resuming if it holds a checkpoint); returns the final state."""
     shape = validate_config(cfg, jax.device_count())
+    if not int(cfg.grad_accum_steps):
+        cfg = resolve_grad_accum(cfg, jax.device_count())
+        log.info("grad_accum_steps=0: %d microbatches of %d rows per update on %d devices",
+                 cfg.grad_accum_steps, cfg.data.batch_size // cfg.grad_accum_steps,
+                 jax.device_count())
     os.makedirs(workdir, exist_ok=True)
     source = _prepared_source(cfg, workdir, batch_shards=shape[0] * shape[1])
+    _check_bleu_source(cfg, source)
     mesh = sharding.make_mesh(cfg.mesh)
     trainer = train_lib.build_trainer(cfg, mesh)
     _write_config(cfg, workdir, mesh, source)
     checkpointer = Checkpointer(workdir, keep=int(cfg.keep_checkpoints))
+    series = (ParamsSeries(workdir, every_minutes=float(cfg.params_every_minutes),
+                           keep=int(cfg.params_keep))
+              if cfg.get("params_every_minutes", 0) else None)
     latest = checkpointer.latest_step()
     if latest is None:
         state, next_batch = train_lib.init_state(trainer, int(cfg.seed)), 0
@@ -166,6 +227,8 @@ def train_and_evaluate(cfg, workdir: str) -> train_lib.TrainState:
     train_step = _compile(train_lib.make_train_step(trainer, cfg), "train step",
                           state, train_lib.global_batch(mesh, source.train_batch(0, rows)))
     eval_step = train_lib.make_eval_step(trainer)
+    translator = (Translator(cfg, state.params, source.tokenizer)
+                  if cfg.get("bleu_every_steps", 0) else None)
     writer = metrics.MetricWriter(workdir)
     preemption = _Preemption()
     total = int(cfg.num_train_steps)
@@ -194,17 +257,35 @@ def train_and_evaluate(cfg, workdir: str) -> train_lib.TrainState:
                 _flush(pending, progress, writer, step, total, flops_per_token, peak, cfg,
                        last_saved)
                 pending = []
-            if cfg.eval_every_steps and (step % cfg.eval_every_steps == 0 or step == total):
-                writer.write(step, "validation",
-                             evaluate(trainer, eval_step, state.params, source, eval_rows))
+            due_loss = _due(cfg.eval_every_steps, step, total)
+            due_bleu = translator is not None and _due(cfg.bleu_every_steps, step, total)
+            if due_loss or due_bleu:
+                started = time.perf_counter()
+                figures = (evaluate(trainer, eval_step, state.params, source, eval_rows)
+                           if due_loss else {})
+                if due_bleu:
+                    translator.params = state.params
+                    figures |= validation_bleu(translator, source, int(cfg.bleu_num_sentences),
+                                               cfg.data.target_lang)
+                writer.write(step, "validation", figures)
+                metrics.log_evaluation(step, "validation", figures,
+                                       time.perf_counter() - started)
+                progress.exclude(time.perf_counter() - started)
             if _should_save(cfg, step, total, last_save_time) or preempted:
                 checkpointer.save(step, state, {"next_batch_index": next_batch})
                 last_save_time, last_saved = time.monotonic(), step
+            if series is not None:
+                if step == total or preempted:
+                    series.save(step, state.params)
+                else:
+                    series.maybe_save(step, state.params)
             if preempted:
                 log.warning("preempted: checkpoint %d saved, exiting", step)
                 break
     finally:
         checkpointer.close()
+        if series is not None:
+            series.close()
         writer.close()
         preemption.restore()
     return state
@@ -220,6 +301,11 @@ def _compile(jitted, what: str, *example_args):
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(f"{what} compiled")
     return compiled
+
+
+def _due(every: int, step: int, total: int) -> bool:
+    """Every `every` steps (0: never) and at the last step."""
+    return bool(every) and (step % every == 0 or step == total)
 
 
 def _should_save(cfg, step: int, total: int, last_save_time: float) -> bool:

@@ -94,6 +94,10 @@ class Progress:
     def add_tokens(self, tokens: float) -> None:
         self._tokens += tokens
 
+    def exclude(self, seconds: float) -> None:
+        """Leaves `seconds` (an evaluation) out of the current window's throughput."""
+        self._window_start += seconds
+
     def report(self, step: int) -> dict:
         """Figures since the last report; resets the window."""
         elapsed = max(time.perf_counter() - self._window_start, 1e-9)
@@ -125,3 +129,18 @@ def format_progress(step: int, total: int, values: dict) -> str:
 def log_progress(step: int, total: int, values: dict) -> None:
     if jax.process_index() == 0:
         log.info(format_progress(step, total, values))
+
+
+def log_evaluation(step: int, split: str, figures: dict, seconds: float) -> None:
+    """One console line for an evaluation: loss, perplexity and BLEU where computed."""
+    if jax.process_index() != 0:
+        return
+    parts = [f"step {step} {split}"]
+    if "loss" in figures:
+        parts += [f"loss {figures['loss']:.4f}", f"perplexity {figures['perplexity']:.2f}"]
+    if "bleu" in figures:
+        parts += [f"BLEU {figures['bleu']:.2f}",
+                  f"tokenized compound-split BLEU {figures['bleu_tok_compound']:.2f}",
+                  f"{figures['bleu_num_sentences']} sentences"]
+    parts.append(f"{seconds:.0f} s")
+    log.info(" | ".join(parts))

@@ -127,12 +127,12 @@ def make_train_step(trainer: Trainer, cfg) -> Callable:
                  jnp.zeros((), jnp.float32))
         (grads, loss_sum, z_sum), _ = jax.lax.scan(microbatch, zeros,
                                                    (batch, jnp.arange(num_micro)))
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = trainer.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         loss = loss_sum / total_weight
         finite = (jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-                  & jnp.isfinite(optax.global_norm(updates)))
+                  & jnp.isfinite(optax.tree.norm(updates)))
         params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
                                          (params, opt_state), (state.params, state.opt_state))
         metrics = {"loss": loss, "z_loss": z_sum / total_weight, "grad_norm": grad_norm,

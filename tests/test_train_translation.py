@@ -1,0 +1,81 @@
+"""Training on real translation data (the offline corpus fixture): validation BLEU during
+training, the params-only series for averaging, and the evaluate CLI agreeing with both."""
+
+import json
+import pathlib
+import runpy
+
+import pytest
+
+tfds = pytest.importorskip("tensorflow_datasets")
+
+from transformer import evaluate as evaluate_cli  # noqa: E402
+from transformer.checkpoint import list_steps  # noqa: E402
+from transformer.loop import train_and_evaluate  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+FIXTURE = ROOT / "tests" / "data" / "offline_de_en"
+
+
+def tiny_offline_config(data_dir):
+    cfg = runpy.run_path(str(ROOT / "configs" / "offline_de_en.py"))["get_config"]()
+    cfg.data.data_dir, cfg.data.vocab_size, cfg.data.max_length = str(data_dir), 200, 32
+    cfg.data.batch_size, cfg.data.eval_batch_size, cfg.data.tokens_per_batch = 8, 8, 256
+    cfg.model.update(dict(max_len=32, d_model=32, d_ff=64, num_heads=2, num_encoder_layers=1,
+                          num_decoder_layers=1))
+    cfg.num_train_steps, cfg.log_every_steps = 4, 2
+    cfg.eval_every_steps, cfg.bleu_every_steps, cfg.bleu_num_sentences = 2, 2, 2
+    cfg.checkpoint_every_steps, cfg.checkpoint_every_minutes = 0, 0
+    cfg.params_every_minutes, cfg.params_keep = 1e-6, 2  # a params save after every update
+    cfg.decode.max_extra_length = 4
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    from transformer.data import offline_de_en
+
+    data_dir = tmp_path_factory.mktemp("tfds")
+    offline_de_en.OfflineDeEn(data_dir=str(data_dir)).download_and_prepare(
+        file_format="array_record",
+        download_config=tfds.download.DownloadConfig(manual_dir=str(FIXTURE)))
+    workdir = tmp_path_factory.mktemp("run")
+    train_and_evaluate(tiny_offline_config(data_dir), str(workdir))
+    return workdir
+
+
+def validation_lines(workdir):
+    with open(workdir / "metrics.jsonl") as f:
+        lines = [json.loads(line) for line in f]
+    return [line for line in lines if line["split"] == "validation"]
+
+
+def test_validation_lines_carry_loss_and_both_bleus(run):
+    lines = validation_lines(run)
+    assert [line["step"] for line in lines] == [2, 4]
+    for line in lines:
+        assert line["loss"] > 0 and line["perplexity"] > 1
+        assert 0 <= line["bleu"] <= 100 and 0 <= line["bleu_tok_compound"] <= 100
+        assert line["bleu_num_sentences"] == 2
+        assert line["bleu_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a")
+
+
+def test_params_series_keeps_the_last_saves_and_the_final_step(run):
+    assert list_steps(str(run / "params")) == [3, 4]
+    assert list_steps(str(run / "checkpoints")) == [4]
+
+
+def test_evaluate_cli_reproduces_the_bleu_of_the_last_training_evaluation(run):
+    during_training = validation_lines(run)[-1]
+    figures = evaluate_cli.evaluate(str(run), "validation", num_sentences=2)
+    for key in ("loss", "bleu", "bleu_tok_compound", "bleu_num_sentences"):
+        assert figures[key] == pytest.approx(during_training[key], rel=1e-6), key
+    translations = (run / "eval" / "validation.latest.translation.txt").read_text()
+    assert len(translations.splitlines()) == 2
+
+
+def test_bleu_during_training_needs_a_translation_dataset(tmp_path):
+    cfg = runpy.run_path(str(ROOT / "configs" / "tiny.py"))["get_config"]()
+    cfg.bleu_every_steps, cfg.bleu_num_sentences = 10, 5
+    with pytest.raises(ValueError, match="bleu_every_steps=10 needs a translation dataset"):
+        train_and_evaluate(cfg, str(tmp_path))
