@@ -31,7 +31,7 @@ test-fast: lint
 # test split with beam search. WORKDIR=... trains elsewhere; rerunning resumes.
 WORKDIR ?= runs/default
 train: $(STAMP)
-	$(BIN)/python train.py --config=configs/offline_de_en.py --workdir=$(WORKDIR)
+	$(BIN)/python train.py --config=configs/default.py --workdir=$(WORKDIR)
 	$(BIN)/python -m transformer.evaluate --workdir=$(WORKDIR) --split=test
 
 clean:

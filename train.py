@@ -25,8 +25,7 @@ FLAGS = flags.FLAGS
 
 
 def _quiet_libraries():
-    """Our progress lines at INFO; orbax's and JAX's chatter (absl INFO) only as warnings."""
-    logging.set_verbosity(logging.WARNING)
+    """Our progress lines at INFO on stderr, with the time."""
     handler = pylogging.StreamHandler(sys.stderr)
     handler.setFormatter(pylogging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
     progress = pylogging.getLogger("transformer")
@@ -39,6 +38,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     cfg = FLAGS.config
+    logging.set_verbosity(logging.WARNING)  # JAX's backend probing and orbax's chatter
     if FLAGS.summary:
         from transformer.summary import summarize
 

@@ -158,7 +158,7 @@ def test_make_source_dispatches_offline_config(tmp_path):
     offline_de_en.OfflineDeEn(data_dir=str(data_dir)).download_and_prepare(
         file_format="array_record",
         download_config=tfds.download.DownloadConfig(manual_dir=str(FIXTURE)))
-    cfg = runpy.run_path(str(ROOT / "configs" / "offline_de_en.py"))["get_config"]()
+    cfg = runpy.run_path(str(ROOT / "configs" / "default.py"))["get_config"]()
     cfg.data.data_dir, cfg.data.vocab_size, cfg.data.max_length = str(data_dir), 200, 32
     cfg.model.max_len, cfg.data.batch_size, cfg.data.tokens_per_batch = 32, 4, 128
     source = make_source(cfg, workdir=str(tmp_path / "run"))

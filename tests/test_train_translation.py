@@ -18,7 +18,7 @@ FIXTURE = ROOT / "tests" / "data" / "offline_de_en"
 
 
 def tiny_offline_config(data_dir):
-    cfg = runpy.run_path(str(ROOT / "configs" / "offline_de_en.py"))["get_config"]()
+    cfg = runpy.run_path(str(ROOT / "configs" / "default.py"))["get_config"]()
     cfg.data.data_dir, cfg.data.vocab_size, cfg.data.max_length = str(data_dir), 200, 32
     cfg.data.batch_size, cfg.data.eval_batch_size, cfg.data.tokens_per_batch = 8, 8, 256
     cfg.model.update(dict(max_len=32, d_model=32, d_ff=64, num_heads=2, num_encoder_layers=1,
@@ -79,3 +79,13 @@ def test_bleu_during_training_needs_a_translation_dataset(tmp_path):
     cfg.bleu_every_steps, cfg.bleu_num_sentences = 10, 5
     with pytest.raises(ValueError, match="bleu_every_steps=10 needs a translation dataset"):
         train_and_evaluate(cfg, str(tmp_path))
+
+
+def test_decode_benchmark_reports_both_searches(run):
+    benchmark = runpy.run_path(str(ROOT / "benchmarks" / "decode.py"))["benchmark"]
+    rows = benchmark(str(run), "validation", 2, [2, 1], 2)
+    assert [r["beam_size"] for r in rows] == [2, 1]
+    for r in rows:
+        assert r["sentences"] == 2 and r["seconds"] > 0
+        assert r["sentences_per_sec"] == pytest.approx(2 / r["seconds"])
+        assert r["generated_tokens"] >= 0

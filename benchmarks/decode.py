@@ -1,0 +1,82 @@
+"""Decoding speed of a trained run: sentences/s and generated tokens/s, beam search and greedy.
+
+    python benchmarks/decode.py --workdir=runs/default [--split=test] [--num_sentences=500]
+        [--beam_sizes=4,1] [--batch_size=32]
+
+Loads the run like `transformer.load` (its latest checkpoint, its vocabulary), reads the first
+`--num_sentences` source sentences of the split, and for each beam size translates them twice
+through `Translator.translate`: the first pass compiles one search per length bucket (reported
+as warm-up time), the second is timed. Generated tokens are the SentencePiece pieces of the
+outputs (EOS excluded). Prints a table, then one JSON line per beam size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", required=True, help="A training run's workdir.")
+    parser.add_argument("--split", default="test", choices=["validation", "test"])
+    parser.add_argument("--num_sentences", type=int, default=500,
+                        help="Decode the first N sentences of the split.")
+    parser.add_argument("--beam_sizes", default="4,1", help="Beam sizes to time (1: greedy).")
+    parser.add_argument("--batch_size", type=int, default=32, help="Sentences per search call.")
+    return parser.parse_args(argv)
+
+
+def benchmark(workdir: str, split: str, num_sentences: int, beam_sizes: list[int],
+              batch_size: int) -> list[dict]:
+    import jax
+
+    from transformer.data import make_source
+    from transformer.translator import load
+
+    translator = load(workdir)
+    sources = [s for s, _ in make_source(translator.config, workdir).raw_pairs(
+        split, num_sentences)]
+    rows = []
+    for beam in beam_sizes:
+        started = time.perf_counter()
+        translator.translate(sources, beam_size=beam, batch_size=batch_size)
+        warmup = time.perf_counter() - started
+        started = time.perf_counter()
+        outputs = translator.translate(sources, beam_size=beam, batch_size=batch_size)
+        seconds = time.perf_counter() - started
+        tokens = sum(len(ids) for ids in translator.tokenizer.encode(outputs))
+        rows.append({"workdir": workdir, "split": split, "sentences": len(sources),
+                     "beam_size": beam, "batch_size": batch_size,
+                     "backend": jax.default_backend(),
+                     "device_kind": jax.devices()[0].device_kind,
+                     "first_pass_s": warmup, "seconds": seconds,
+                     "sentences_per_sec": len(sources) / seconds,
+                     "tokens_per_sec": tokens / seconds, "generated_tokens": tokens})
+    return rows
+
+
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
+    logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's INFO chatter
+    beams = [int(b) for b in args.beam_sizes.split(",")]
+    if args.num_sentences < 1 or args.batch_size < 1 or min(beams) < 1:
+        sys.exit("error: --num_sentences, --batch_size and --beam_sizes must be >= 1")
+    try:
+        rows = benchmark(args.workdir, args.split, args.num_sentences, beams, args.batch_size)
+    except ValueError as error:
+        sys.exit(f"error: {error}")
+    print(f"{'search':<8} {'sentences':>9} {'sent/s':>8} {'tokens/s':>9} {'first pass (s)':>15}")
+    for r in rows:
+        name = "greedy" if r["beam_size"] == 1 else f"beam {r['beam_size']}"
+        print(f"{name:<8} {r['sentences']:>9} {r['sentences_per_sec']:>8.1f} "
+              f"{r['tokens_per_sec']:>9,.0f} {r['first_pass_s']:>15.1f}")
+    for r in rows:
+        print(json.dumps(r))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
