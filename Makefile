@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	  test -n "$$py" || { echo "error: no Python >= 3.12 found; install one or pass PYTHON=/path/to/python3.12" >&2; exit 1; }; \
 	  echo "creating $(VENV) with $$py"; "$$py" -m venv $(VENV); }
 	$(BIN)/pip install --upgrade pip
-	$(BIN)/pip install -e ".[data,test]"
+	$(BIN)/pip install -e ".[data,viz,test]"
 	touch $(STAMP)
 
 lint: $(STAMP)

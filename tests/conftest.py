@@ -3,8 +3,10 @@
 Both must be configured before JAX starts its backend, hence at import time here.
 """
 
+import json
 import os
 import pathlib
+import runpy
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -12,8 +14,45 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
-CACHE_DIR = pathlib.Path(__file__).resolve().parent.parent / ".cache" / "jax"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CACHE_DIR = ROOT / ".cache" / "jax"
 jax.config.update("jax_compilation_cache_dir", str(CACHE_DIR))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+TRANSLATION_SENTENCES = [
+    "Specifies whether the chosen connections are pooled.",
+    "She goes often to the movies.",
+    "Die gewählten Verbindungen werden aufbewahrt.",
+    "Sie geht oft ins Kino.",
+    "Opens a dialog where you can select a file.",
+    "Öffnet einen Dialog, in dem Sie eine Datei auswählen können.",
+] * 20
+
+
+@pytest.fixture(scope="session")
+def untrained_translation_workdir(tmp_path_factory):
+    """config.json, vocab/ and one checkpoint of an untrained tiny translation model: what
+    `transformer.load` reads."""
+    from transformer import sharding, train_lib
+    from transformer.checkpoint import Checkpointer
+    from transformer.data import tokenizer as tokenizer_lib
+
+    path = tmp_path_factory.mktemp("untrained_run")
+    tokenizer = tokenizer_lib.train(TRANSLATION_SENTENCES, 96, seed=0)
+    tokenizer.save(str(path / "vocab"))
+    cfg = runpy.run_path(str(ROOT / "configs" / "tiny.py"))["get_config"]()
+    cfg.data.vocab_size = tokenizer.vocab_size
+    cfg.model.max_len = 24
+    cfg.data.target_lang = "de"
+    cfg.decode.max_extra_length = 6
+    (path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+    trainer = train_lib.build_trainer(cfg, mesh)
+    checkpointer = Checkpointer(str(path), keep=2)
+    checkpointer.save(1, train_lib.init_state(trainer, 0), {"next_batch_index": 1})
+    checkpointer.close()
+    return path

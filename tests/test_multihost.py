@@ -56,9 +56,17 @@ def output_of(process) -> str:
 
 
 def finish(procs, timeout=600):
+    """Waits for every process; on a failure shows the output of all of them (a hang in one
+    shows up as an error in another)."""
     for p in procs:
-        p.wait(timeout=timeout)
-        assert p.returncode == 0, output_of(p)
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    if any(p.returncode != 0 for p in procs):
+        pytest.fail("\n".join(f"--- process {i} exited {p.returncode}:\n{output_of(p)[-4000:]}"
+                               for i, p in enumerate(procs)))
 
 
 def figures(workdir) -> dict[tuple[int, str], float]:

@@ -1,49 +1,21 @@
 """The translation API and CLI on a small untrained workdir: order, empty lines, long lines,
 invalid input."""
 
-import json
 import pathlib
-import runpy
 import subprocess
 import sys
 
-import jax
 import pytest
 
-from transformer import sharding, train_lib
-from transformer.checkpoint import Checkpointer
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.translator import Translator, load
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SENTENCES = [
-    "Specifies whether the chosen connections are pooled.",
-    "She goes often to the movies.",
-    "Die gewählten Verbindungen werden aufbewahrt.",
-    "Sie geht oft ins Kino.",
-    "Opens a dialog where you can select a file.",
-    "Öffnet einen Dialog, in dem Sie eine Datei auswählen können.",
-] * 20
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    """config.json, vocab/ and one checkpoint of an untrained tiny model: what `load` reads."""
-    path = tmp_path_factory.mktemp("run")
-    tokenizer = tokenizer_lib.train(SENTENCES, 96, seed=0)
-    tokenizer.save(str(path / "vocab"))
-    cfg = runpy.run_path(str(ROOT / "configs" / "tiny.py"))["get_config"]()
-    cfg.data.vocab_size = tokenizer.vocab_size
-    cfg.model.max_len = 24
-    cfg.data.target_lang = "de"
-    cfg.decode.max_extra_length = 6
-    (path / "config.json").write_text(json.dumps(cfg.to_dict()))
-    mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
-    trainer = train_lib.build_trainer(cfg, mesh)
-    checkpointer = Checkpointer(str(path), keep=2)
-    checkpointer.save(1, train_lib.init_state(trainer, 0), {"next_batch_index": 1})
-    checkpointer.close()
-    return path
+def workdir(untrained_translation_workdir):
+    return untrained_translation_workdir
 
 
 def test_translate_keeps_order_and_empty_lines(workdir):

@@ -187,6 +187,9 @@ class MultiHeadAttention(nn.Module):
     `__call__(x [B,T,D], kv_inputs [B,S,D] or None for self-attention, ...) -> (y [B,T,D],
     cache)`. With a cache, self-attention writes the new keys/values at `cache_index` and
     attends over the whole cache; cross-attention projects `kv_inputs` once and reuses them.
+    Applied with `mutable=["intermediates"]`, it also records its attention weights [B,N,T,S]
+    (`attention.attention_weights`, the softmax the "xla" implementation multiplies V with) as
+    `intermediates/.../attention_weights` (the plots of `transformer.visualize`).
     """
 
     config: TransformerConfig
@@ -233,6 +236,9 @@ class MultiHeadAttention(nn.Module):
         y = self.attention_fn(q, k, v, mask=mask,
                               dropout_rate=0.0 if deterministic else cfg.attention_dropout_rate,
                               dropout_rng=dropout_rng)
+        if self.is_mutable_collection("intermediates"):  # asked for: apply(mutable=[...])
+            self.sow("intermediates", "attention_weights",
+                     attention.attention_weights(q, k, mask=mask))
         kernel, bias = Weights((n, hv, d), ("heads", "head_dim", "embed"), num_in_axes=2,
                                use_bias=cfg.use_bias, name="out")()
         out = jnp.einsum("btnh,nhd->btd", y.astype(dtype), kernel.astype(dtype))

@@ -1,0 +1,122 @@
+"""transformer.visualize: the plotted attention weights are the forward pass's own, and every
+figure kind is written; bad input ends in one line."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from transformer import attention, visualize  # noqa: E402
+from transformer.model import Transformer  # noqa: E402
+from transformer.translator import load  # noqa: E402
+
+SOURCE = "Sie geht oft ins Kino."
+TARGET = "She goes often to the movies."
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def translator(untrained_translation_workdir):
+    return load(str(untrained_translation_workdir))
+
+
+@pytest.fixture(scope="module")
+def maps(translator):
+    return visualize.attention_maps(translator, SOURCE, TARGET)
+
+
+def test_plotted_weights_reproduce_the_attention_outputs_of_the_forward_pass(translator, maps):
+    calls = []
+
+    def recording_attention(q, k, v, *, mask=None, **kwargs):
+        out = attention.dot_product_attention(q, k, v, mask=mask, **kwargs)
+        calls.append((np.asarray(v[0]), np.asarray(out[0])))
+        return out
+
+    source_ids = translator.encode([SOURCE])[0]
+    target_ids = translator.tokenizer.encode([TARGET])[0] + [3]
+    Transformer(translator.model_config, attention_fn=recording_attention).apply(
+        {"params": translator.params}, np.asarray([source_ids]), np.asarray([target_ids]))
+    cfg = translator.model_config
+    order = ([("encoder_self_attention", i) for i in range(cfg.num_encoder_layers)]
+             + [(kind, i) for i in range(cfg.num_decoder_layers)
+                for kind in ("decoder_self_attention", "cross_attention")])
+    assert len(calls) == len(order)
+    for (kind, layer), (v, out) in zip(order, calls, strict=True):
+        weights = maps.weights[kind][layer]  # [N, T, S]
+        np.testing.assert_allclose(np.einsum("nts,snh->tnh", weights, v), out, atol=1e-5,
+                                   err_msg=f"{kind} layer {layer}")
+
+
+def test_weights_are_distributions_and_the_decoder_never_looks_ahead(maps):
+    s, t = len(maps.source_pieces), len(maps.target_pieces)
+    assert maps.weights["encoder_self_attention"].shape[2:] == (s, s)
+    assert maps.weights["decoder_self_attention"].shape[2:] == (t, t)
+    assert maps.weights["cross_attention"].shape[2:] == (t, s)
+    for weights in maps.weights.values():
+        np.testing.assert_allclose(weights.sum(-1), 1.0, atol=1e-5)
+        assert (weights >= 0).all()
+    future = np.triu(np.ones((t, t), bool), 1)
+    assert (maps.weights["decoder_self_attention"][..., future] == 0).all()
+    assert maps.source_pieces[-1] == "</s>" and maps.decoder_input_pieces[0] == "<s>"
+    assert maps.decoder_input_pieces[1:] == maps.target_pieces[:-1]
+
+
+def test_attention_figures_are_written_for_every_layer_and_head(maps, tmp_path):
+    written = visualize.plot_attention(maps, str(tmp_path))
+    layers, heads = maps.weights["cross_attention"].shape[:2]
+    assert len(written) == 3 * (layers * heads + 1)
+    for kind in visualize.KINDS:
+        assert (tmp_path / f"{kind}.png").read_bytes().startswith(PNG)
+        assert (tmp_path / kind / f"layer{layers}_head{heads}.png").stat().st_size > 1000
+
+
+def test_curves_of_two_runs_keep_the_last_line_per_step(tmp_path):
+    for name, scale in (("a", 1.0), ("b", 2.0)):
+        run = tmp_path / name
+        run.mkdir()
+        lines = [{"step": s, "split": "train", "loss": scale * 5 / s, "learning_rate": 1e-3,
+                  "tokens_per_sec": 1000.0} for s in range(1, 11)]
+        lines += [{"step": 10, "split": "validation", "loss": 9.0, "perplexity": 8103.0},
+                  {"step": 10, "split": "validation", "loss": scale, "perplexity": 2.7,
+                   "bleu": 12.5, "bleu_signature": "nrefs:1"}]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    curves = visualize.read_metrics(str(tmp_path / "b"))
+    assert curves["validation"]["loss"] == [(10, 2.0)]
+    assert curves["validation"]["bleu"] == [(10, 12.5)]
+    assert "bleu_signature" not in curves["validation"]
+    out = visualize.plot_curves([str(tmp_path / "a"), str(tmp_path / "b")],
+                                str(tmp_path / "curves.png"))
+    assert (tmp_path / "curves.png").read_bytes().startswith(PNG) and out.endswith("curves.png")
+
+
+def test_positions_figure(tmp_path):
+    out = visualize.plot_positions(64, 50, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").read_bytes().startswith(PNG) and out.endswith("p.png")
+    with pytest.raises(ValueError, match="--d_model=63 must be even"):
+        visualize.plot_positions(63, 50, str(tmp_path / "q.png"))
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "transformer.visualize", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("case", ["no_run", "empty_source"])
+def test_cli_bad_input_is_one_line(case, untrained_translation_workdir, tmp_path):
+    if case == "no_run":
+        result = run_cli("attention", f"--workdir={tmp_path}", f"--source={SOURCE}")
+        expected = "has no config.json"
+    else:
+        result = run_cli("attention", f"--workdir={untrained_translation_workdir}",
+                         "--source=  ")
+        expected = "--source is empty"
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and expected in last
+    assert not (tmp_path / "plots").exists()

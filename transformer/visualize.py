@@ -1,0 +1,302 @@
+"""Look inside a trained model: attention maps, training curves, positional encodings.
+
+    python -m transformer.visualize attention --workdir=W --source="..." [--target="..."]
+    python -m transformer.visualize curves --workdir W [W2 ...]
+    python -m transformer.visualize positions [--d_model=512] [--length=100]
+
+`attention` runs the model once on the source and the target (by default the run's own beam
+search translation), and writes one heatmap per layer and head of encoder self-attention,
+decoder self-attention and cross-attention, labelled with SentencePiece pieces, plus an overview
+grid per kind, to `<workdir>/plots/attention/`. The weights are the ones the forward pass used:
+`MultiHeadAttention` records `attention.attention_weights` when applied with
+`mutable=["intermediates"]`. `curves` plots loss, perplexity, learning rate, BLEU and tokens/s
+against step from each run's `metrics.jsonl`; `positions` the sinusoidal encoding and the dot
+products between positions. Figures are PNGs (matplotlib, Agg backend: no display needed).
+
+Shape legend: L layers, N heads, T target length, S source length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+import numpy as np
+
+KINDS = ("encoder_self_attention", "decoder_self_attention", "cross_attention")
+CURVES = (("loss", "loss (NLL per target token)"), ("perplexity", "perplexity"),
+          ("learning_rate", "learning rate"), ("bleu", "sacreBLEU"),
+          ("tokens_per_sec", "tokens/s (non-pad target)"))
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+# --------------------------------------------------------------------------- attention
+
+
+@dataclasses.dataclass
+class AttentionMaps:
+    """Attention weights of one sentence pair, per kind [L, N, queries, keys], and the pieces
+    labelling the axes: source (+ EOS), decoder inputs (BOS + target) and outputs (target + EOS).
+    """
+
+    weights: dict[str, np.ndarray]
+    source_pieces: list[str]
+    decoder_input_pieces: list[str]
+    target_pieces: list[str]
+
+    def axes(self, kind: str) -> tuple[list[str], list[str]]:
+        """(query labels, key labels) of `kind`."""
+        return {"encoder_self_attention": (self.source_pieces, self.source_pieces),
+                "decoder_self_attention": (self.target_pieces, self.decoder_input_pieces),
+                "cross_attention": (self.target_pieces, self.source_pieces)}[kind]
+
+
+def attention_maps(translator, source: str, target: str | None = None) -> AttentionMaps:
+    """Runs `translator`'s model on (source, target) with teacher forcing and returns the
+    attention weights of every layer and head. `target` defaults to the model's translation."""
+    import jax.numpy as jnp
+
+    from transformer.checkpoint import unstack_layers
+    from transformer.model import BOS_ID, Transformer
+    from transformer.translator import EOS_ID
+
+    if not source.strip():
+        raise ValueError("--source is empty: give a sentence to translate")
+    if target is None:
+        target = translator.translate([source])[0]
+    if not target.strip():
+        raise ValueError("the target is empty (the model translated the source to nothing): "
+                         "pass --target")
+    cfg = dataclasses.replace(translator.model_config, scan_layers=False)
+    params = translator.params
+    if translator.model_config.scan_layers:
+        params = unstack_layers(params)
+    source_ids = translator.encode([source])[0]
+    target_ids = translator.tokenizer.encode([target])[0][: cfg.max_len - 1] + [EOS_ID]
+    _, state = Transformer(cfg).apply(
+        {"params": params}, jnp.asarray([source_ids]), jnp.asarray([target_ids]),
+        mutable=["intermediates"])
+    found = state["intermediates"]
+
+    def stacked(stack: str, num_layers: int, sublayer: str) -> np.ndarray:
+        return np.stack([np.asarray(found[stack][f"layers_{i}"][sublayer]
+                                    ["attention_weights"][0][0]) for i in range(num_layers)])
+
+    weights = {"encoder_self_attention": stacked("encoder", cfg.num_encoder_layers,
+                                                 "self_attention"),
+               "decoder_self_attention": stacked("decoder", cfg.num_decoder_layers,
+                                                 "self_attention"),
+               "cross_attention": stacked("decoder", cfg.num_decoder_layers, "cross_attention")}
+    pieces = translator.tokenizer.id_to_piece
+    target_pieces = [pieces(i) for i in target_ids]
+    return AttentionMaps(weights, [pieces(i) for i in source_ids],
+                         [pieces(BOS_ID)] + target_pieces[:-1], target_pieces)
+
+
+def _heatmap(ax, weights: np.ndarray, queries: list[str], keys: list[str], title: str,
+             labels: bool = True):
+    image = ax.imshow(weights, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
+    ax.set_title(title, fontsize=9)
+    if labels:
+        ax.set_xticks(range(len(keys)), keys, rotation=90, fontsize=7)
+        ax.set_yticks(range(len(queries)), queries, fontsize=7)
+        ax.set_xlabel("attends to (keys)")
+        ax.set_ylabel("query")
+    else:
+        ax.set_xticks([])
+        ax.set_yticks([])
+    return image
+
+
+def plot_attention(maps: AttentionMaps, out_dir: str) -> list[str]:
+    """One PNG per kind, layer and head, and one overview grid per kind; returns the paths."""
+    plt = _pyplot()
+    written = []
+    for kind in KINDS:
+        weights = maps.weights[kind]
+        queries, keys = maps.axes(kind)
+        num_layers, num_heads = weights.shape[:2]
+        title = kind.replace("_", " ")
+        os.makedirs(os.path.join(out_dir, kind), exist_ok=True)
+        size = (max(4.0, 0.25 * len(keys) + 2), max(3.5, 0.25 * len(queries) + 1.5))
+        for layer in range(num_layers):
+            for head in range(num_heads):
+                fig, ax = plt.subplots(figsize=size, layout="constrained")
+                image = _heatmap(ax, weights[layer, head], queries, keys,
+                                 f"{title}, layer {layer + 1}, head {head + 1}")
+                fig.colorbar(image, ax=ax, label="attention weight")
+                path = os.path.join(out_dir, kind, f"layer{layer + 1}_head{head + 1}.png")
+                fig.savefig(path, dpi=100)
+                plt.close(fig)
+                written.append(path)
+        fig, axes = plt.subplots(num_layers, num_heads, squeeze=False, layout="constrained",
+                                 figsize=(2.2 * num_heads + 1, 2.2 * num_layers + 0.6))
+        for layer in range(num_layers):
+            for head in range(num_heads):
+                image = _heatmap(axes[layer, head], weights[layer, head], queries, keys,
+                                 f"layer {layer + 1}, head {head + 1}", labels=False)
+        fig.suptitle(f"{title}: rows are queries, columns keys ({len(queries)} x {len(keys)} "
+                     f"pieces)")
+        fig.colorbar(image, ax=axes, label="attention weight", shrink=0.8)
+        path = os.path.join(out_dir, f"{kind}.png")
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+# --------------------------------------------------------------------------- curves
+
+
+def read_metrics(workdir: str) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """`{split: {metric: [(step, value), ...]}}` from `<workdir>/metrics.jsonl`, the last line
+    per (step, split) winning, steps ascending."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        raise ValueError(f"{path} does not exist: is {workdir} a training workdir?")
+    last: dict[tuple[int, str], dict] = {}
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                raise ValueError(f"{path}:{number} is not a JSON line") from None
+            last[(int(record["step"]), record["split"])] = record
+    curves: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    for (step, split), record in sorted(last.items()):
+        for key, value in record.items():
+            if key not in ("step", "split") and isinstance(value, int | float):
+                curves.setdefault(split, {}).setdefault(key, []).append((step, float(value)))
+    return curves
+
+
+def plot_curves(workdirs: list[str], out: str) -> str:
+    """Loss, perplexity, learning rate, BLEU and tokens/s against step, every run on the same
+    axes (one colour per run, one line style per split)."""
+    plt = _pyplot()
+    runs = [(os.path.basename(os.path.normpath(w)) or w, read_metrics(w)) for w in workdirs]
+    fig, grid = plt.subplots(2, 3, figsize=(14, 7.5), layout="constrained")
+    axes = grid.flat[:len(CURVES)]
+    for unused in grid.flat[len(CURVES):]:
+        unused.remove()
+    styles = {"train": "-", "validation": "--", "test": ":"}
+    for (key, label), ax in zip(CURVES, axes, strict=True):
+        for colour, (name, curves) in enumerate(runs):
+            for split, by_metric in curves.items():
+                points = by_metric.get(key)
+                if not points:
+                    continue
+                steps, values = zip(*points, strict=True)
+                ax.plot(steps, values, styles.get(split, "-."), color=f"C{colour}",
+                        marker="o" if len(points) < 20 else None, markersize=3,
+                        label=f"{name} ({split})")
+        ax.set_title(label)
+        ax.set_xlabel("step")
+        if key in ("loss", "perplexity"):
+            ax.set_yscale("log")
+        if ax.has_data():
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "not recorded", ha="center", va="center",
+                    transform=ax.transAxes)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+# --------------------------------------------------------------------------- positions
+
+
+def plot_positions(d_model: int, length: int, out: str) -> str:
+    """The sinusoidal encoding [length, d_model] and its dot products between positions: the
+    bands show that the similarity depends on the distance between positions only."""
+    from transformer.layers import sinusoidal_position_encoding
+
+    if d_model < 2 or d_model % 2 or length < 2:
+        raise ValueError(f"--d_model={d_model} must be even and >= 2, --length={length} >= 2")
+    plt = _pyplot()
+    table = np.asarray(sinusoidal_position_encoding(length, d_model))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5), layout="constrained")
+    image = left.imshow(table, cmap="RdBu", vmin=-1, vmax=1, aspect="auto")
+    left.set_title(f"sinusoidal encoding, d_model {d_model}")
+    left.set_xlabel("dimension (sin at even, cos at odd)")
+    left.set_ylabel("position")
+    fig.colorbar(image, ax=left)
+    image = right.imshow(table @ table.T, cmap="viridis", aspect="auto")
+    right.set_title("PE(pos) . PE(pos'): a function of pos - pos' only")
+    right.set_xlabel("position pos'")
+    right.set_ylabel("position pos")
+    fig.colorbar(image, ax=right)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m transformer.visualize",
+                                     description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    attention = commands.add_parser("attention", help="attention maps of one sentence pair")
+    attention.add_argument("--workdir", required=True)
+    attention.add_argument("--source", required=True, help="the source sentence")
+    attention.add_argument("--target", help="the target sentence (default: the translation)")
+    attention.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    attention.add_argument("--out_dir", help="default: <workdir>/plots/attention")
+    curves = commands.add_parser("curves", help="training curves of one or more runs")
+    curves.add_argument("--workdir", required=True, nargs="+", help="one or more workdirs")
+    curves.add_argument("extra_workdirs", nargs="*", help=argparse.SUPPRESS)
+    curves.add_argument("--out", help="default: <first workdir>/plots/curves.png")
+    positions = commands.add_parser("positions", help="the sinusoidal positional encoding")
+    positions.add_argument("--d_model", type=int, default=512)
+    positions.add_argument("--length", type=int, default=100)
+    positions.add_argument("--out", help="default: plots/positions_d<d_model>.png")
+    return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> list[str]:
+    """Writes the figures `args` ask for; returns their paths."""
+    if args.command == "attention":
+        from transformer.translator import load
+
+        maps = attention_maps(load(args.workdir, step=args.step), args.source, args.target)
+        return plot_attention(maps, args.out_dir or os.path.join(args.workdir, "plots",
+                                                                 "attention"))
+    if args.command == "curves":
+        workdirs = args.workdir + args.extra_workdirs
+        out = args.out or os.path.join(workdirs[0], "plots", "curves.png")
+        return [plot_curves(workdirs, out)]
+    out = args.out or os.path.join("plots", f"positions_d{args.d_model}.png")
+    return [plot_positions(args.d_model, args.length, out)]
+
+
+def main(argv: list[str]) -> None:
+    import logging
+
+    logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's INFO chatter
+    try:
+        written = run(parse_args(argv))
+    except ValueError as error:
+        sys.exit(f"error: {error}")
+    overviews = [p for p in written if not os.path.basename(p).startswith("layer")]
+    print(f"wrote {len(written)} figure(s)" + (f", per layer and head under "
+          f"{os.path.dirname(overviews[0])}/" if len(written) > len(overviews) else "") + ":")
+    print("\n".join(f"  {p}" for p in overviews))
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
