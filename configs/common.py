@@ -87,7 +87,7 @@ def paper_config(*, size: str, target_lang: str, dropout_rate: float) -> config_
         dtype="float32",
         scan_layers=False,
         remat_policy="none",
-        attention_implementation="xla",
+        attention_implementation="auto",
         norm_eps=1e-6,
     ))
 

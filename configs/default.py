@@ -56,7 +56,7 @@ def get_config():
         relu_dropout_rate=0.0, positional="sinusoidal", norm="layer_norm",
         norm_position="post", activation="relu", use_bias=True, share_embeddings=True,
         tie_output_embedding=True, max_len=128, dtype="float32", scan_layers=False,
-        remat_policy="none", attention_implementation="xla", norm_eps=1e-6))
+        remat_policy="none", attention_implementation="auto", norm_eps=1e-6))
     cfg.optimizer = config_dict.ConfigDict(dict(
         name="adam", schedule="cosine", learning_rate=2e-3, warmup_steps=300, end_fraction=0.0,
         b1=0.9, b2=0.98, eps=1e-9, weight_decay=0.0, clip_norm=1.0))

@@ -501,6 +501,45 @@ def test_cudnn_matches_xla_on_gpu():
                                atol=2e-2, rtol=2e-2)
 
 
+class _FakeDevice:
+    platform, device_kind = "gpu", "NVIDIA H200"
+
+    def __init__(self, capability):
+        self.compute_capability = capability
+
+
+@pytest.mark.parametrize("capability, dtype, h, s, dropout, expected", [
+    (None, jnp.float32, 64, 128, 0.0, "xla"),  # this CPU
+    (None, jnp.bfloat16, 64, 4096, 0.0, "chunked"),  # long: linear memory
+    (None, jnp.float32, 64, 4096, 0.1, "xla"),  # only xla has attention dropout
+    ("9.0", jnp.bfloat16, 64, 128, 0.0, "cudnn"),  # Hopper, bf16
+    ("8.0", jnp.float16, 128, 4096, 0.0, "cudnn"),  # Ampere, fp16, long
+    ("9.0", jnp.float32, 64, 128, 0.0, "xla"),  # cuDNN flash needs 16-bit inputs
+    ("9.0", jnp.bfloat16, 256, 128, 0.0, "xla"),  # head dim over 128
+    ("9.0", jnp.bfloat16, 64, 8192, 0.1, "xla"),  # dropout
+    ("7.0", jnp.bfloat16, 64, 128, 0.0, "xla"),  # V100: no cuDNN flash attention
+])
+def test_auto_picks_by_device_dtype_and_length(monkeypatch, capability, dtype, h, s, dropout,
+                                               expected):
+    if capability is not None:
+        monkeypatch.setattr(jax, "devices", lambda *a: [_FakeDevice(capability)])
+    elif jax.default_backend() == "gpu":
+        pytest.skip("the CPU cases")
+    q, k, v = (jax.ShapeDtypeStruct(shape, dtype)
+               for shape in ((1, 4, 2, h), (1, s, 2, h), (1, s, 2, h)))
+    assert attention.choose_implementation(q, k, v, dropout_rate=dropout) == expected
+
+
+@pytest.mark.parametrize("s", [6, 4096])
+def test_auto_gives_the_same_numbers_as_xla(s):
+    q, k, v = qkv(26, t=3, s=s, n=2, kh=1, h=8)
+    valid = jnp.asarray(np.arange(s)[None] < np.array([[s], [s - 2]]))
+    mask = attention.make_padding_mask(jnp.ones((B, 3), bool), valid)
+    out = attend(q, k, v, mask, implementation="auto", key_chunk_size=512)
+    np.testing.assert_allclose(out, reference_attention(q, k, v, mask), atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(out, attend(q, k, v, mask), atol=2e-6, rtol=1e-5)
+
+
 def test_unknown_implementation_and_bad_ranks_raise():
     q, k, v = qkv(22)
     with pytest.raises(ValueError, match="'flash'"):

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer import decoding
+from transformer import decoding, translator
 from transformer.model import BOS_ID, Transformer, TransformerConfig, init_cache
 
 EOS = 3
@@ -82,13 +82,13 @@ def test_greedy_equals_argmax_of_full_forward_passes(setup):
         np.testing.assert_array_equal(tokens[row], expected)
 
 
-def run_beam(setup, beam_size, alpha, max_lengths, max_length):
+def run_beam(setup, beam_size, alpha, max_lengths, max_length, beam_invariant=None):
     model, params, inputs, encoded = setup
     run = jit(lambda enc, inp: decoding.beam_search(
         decode_fn_for(model, params, enc, inp, repeat=beam_size),
         init_cache(CFG, 2 * beam_size, max_length), bos=jnp.full((2,), BOS_ID),
         max_lengths=jnp.array(max_lengths), max_length=max_length, beam_size=beam_size,
-        alpha=alpha, eos_id=EOS))
+        alpha=alpha, eos_id=EOS, beam_invariant=beam_invariant))
     seqs, scores = run(encoded, inputs)
     return np.asarray(seqs), np.asarray(scores)
 
@@ -130,3 +130,19 @@ def test_beam_respects_each_sentences_maximum_length(setup):
             assert hyp[length - 1] == EOS and length <= limit
             assert (hyp[length:] == 0).all()
     assert (np.diff(scores, axis=1) <= 1e-6).all()  # best first
+
+
+def test_beam_invariant_cache_leaves_are_left_in_place():
+    rows = jnp.arange(4.0)[:, None]  # 2 sentences x 2 beams
+    cache = {"layers_0": {"self_attention": {"key": rows}, "cross_attention": {"key": rows}}}
+    origin = jnp.array([[1, 1], [0, 0]])  # both beams continue beam 1, resp. beam 0
+    out = decoding._gather_beams(cache, origin, 2, 2, 0, translator._is_cross_attention)
+    np.testing.assert_array_equal(out["layers_0"]["self_attention"]["key"][:, 0], [1, 1, 2, 2])
+    np.testing.assert_array_equal(out["layers_0"]["cross_attention"]["key"][:, 0], [0, 1, 2, 3])
+
+
+def test_skipping_the_cross_attention_cache_changes_no_hypothesis(setup):
+    plain = run_beam(setup, 3, 0.6, [6, 4], 6)
+    skipped = run_beam(setup, 3, 0.6, [6, 4], 6, translator._is_cross_attention)
+    for a, b in zip(plain, skipped, strict=True):
+        np.testing.assert_array_equal(a, b)

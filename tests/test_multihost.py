@@ -28,15 +28,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(workdir, *, processes: int, devices: int, overrides=()) -> list[subprocess.Popen]:
-    """`processes` train.py processes with `devices` fake CPU devices each."""
+def launch(workdir, *, processes: int, devices: int, overrides=(),
+           common=tuple(COMMON)) -> list[subprocess.Popen]:
+    """`processes` train.py processes with `devices` fake CPU devices each: the `common` flags
+    (the tiny config) then `overrides`."""
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     # No persistent compilation cache: an executable compiled for 1 process x 8 devices has the
     # same cache key as one for 2 processes x 4 devices but no cross-process collectives
     # (loading it hangs the 2-process run), and 2-process runs sharing one cache hung in CI.
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    command = [sys.executable, "train.py", f"--workdir={workdir}", *COMMON, *overrides]
+    command = [sys.executable, "train.py", f"--workdir={workdir}", *common, *overrides]
     if processes > 1:
         port = free_port()
         command.append(f"--coordinator_address=127.0.0.1:{port}")
@@ -127,3 +129,32 @@ def test_a_dead_peer_stops_the_survivor_within_the_heartbeat_timeout(tmp_path):
     assert procs[0].returncode != 0
     assert elapsed < heartbeat + 30, elapsed
     assert "another task died" in output
+
+
+@pytest.mark.slow
+def test_two_processes_decode_validation_bleu(tmp_path):
+    tfds = pytest.importorskip("tensorflow_datasets")
+    from transformer.data import offline_de_en
+
+    data_dir = tmp_path / "tfds"
+    offline_de_en.OfflineDeEn(data_dir=str(data_dir)).download_and_prepare(
+        file_format="array_record", download_config=tfds.download.DownloadConfig(
+            manual_dir=str(ROOT / "tests" / "data" / "offline_de_en")))
+    workdir = tmp_path / "run"
+    overrides = [  # the default config, shrunk (as tests/test_train_translation.py)
+        "--config=configs/default.py", f"--config.data.data_dir={data_dir}",
+        "--config.data.vocab_size=200", "--config.data.max_length=32",
+        "--config.model.max_len=32", "--config.data.batch_size=8",
+        "--config.data.eval_batch_size=8", "--config.data.tokens_per_batch=256",
+        "--config.model.d_model=32", "--config.model.d_ff=64", "--config.model.num_heads=2",
+        "--config.model.num_encoder_layers=1", "--config.model.num_decoder_layers=1",
+        "--config.num_train_steps=2", "--config.eval_every_steps=2",
+        "--config.bleu_every_steps=2", "--config.bleu_num_sentences=2",
+        "--config.checkpoint_every_steps=0", "--config.checkpoint_every_minutes=0",
+        "--config.decode.max_extra_length=4", "--config.log_every_steps=1"]
+    finish(launch(workdir, processes=2, devices=4, overrides=overrides, common=()))
+    with open(workdir / "metrics.jsonl") as f:
+        lines = [json.loads(line) for line in f]
+    (validation,) = [line for line in lines if line["split"] == "validation"]
+    assert validation["step"] == 2 and validation["bleu_num_sentences"] == 2
+    assert 0 <= validation["bleu"] <= 100 and validation["loss"] > 0

@@ -14,6 +14,7 @@ Three implementations give the same numbers:
              custom VJP that recomputes the blocks in the backward pass (as flash attention
              does), so memory grows linearly with S in both passes.
   "cudnn"    cuDNN flash attention through `jax.nn.dot_product_attention` (NVIDIA GPUs).
+and "auto" picks one per call from the shapes, dtype and device (`choose_implementation`).
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ import jax.numpy as jnp
 
 from transformer.layers import dropout
 
-IMPLEMENTATIONS = ("xla", "chunked", "cudnn")
+IMPLEMENTATIONS = ("xla", "chunked", "cudnn", "auto")
 DEFAULT_KEY_CHUNK_SIZE = 512
+AUTO_CHUNKED_MIN_KEYS = 4096  # from here "auto" prefers the chunked kernel's linear memory
 _NEG_INF = float(jnp.finfo(jnp.float32).min)
 
 
@@ -139,6 +141,31 @@ def _cudnn_attention(q, k, v, mask, bias, scale, dropout_rate):
     return out * row_has_key.transpose(0, 2, 1)[..., None].astype(out.dtype)
 
 
+def cudnn_supports(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
+    """Whether cuDNN flash attention runs these inputs: an NVIDIA GPU of compute capability
+    8.0 or newer (Ampere, Hopper, ...), bfloat16 or float16, equal head dims that are a multiple
+    of 8 and at most 128."""
+    device = jax.devices()[0]
+    capability = getattr(device, "compute_capability", None)
+    return (device.platform == "gpu" and capability is not None
+            and float(capability) >= 8.0
+            and q.dtype in (jnp.bfloat16, jnp.float16) and q.dtype == k.dtype == v.dtype
+            and q.shape[-1] == v.shape[-1] and q.shape[-1] % 8 == 0 and q.shape[-1] <= 128)
+
+
+def choose_implementation(q: jax.Array, k: jax.Array, v: jax.Array, *,
+                          dropout_rate: float = 0.0) -> str:
+    """What implementation="auto" runs: "cudnn" where `cudnn_supports` the inputs, else
+    "chunked" from `AUTO_CHUNKED_MIN_KEYS` keys on (where the [B, N, T, S] weights of "xla"
+    would bind memory), else "xla"; always "xla" with attention dropout (only it has dropout).
+    Decided at trace time from static shapes and dtypes."""
+    if dropout_rate > 0.0:
+        return "xla"
+    if cudnn_supports(q, k, v):
+        return "cudnn"
+    return "chunked" if k.shape[1] >= AUTO_CHUNKED_MIN_KEYS else "xla"
+
+
 def dot_product_attention(
     q: jax.Array,
     k: jax.Array,
@@ -160,7 +187,7 @@ def dot_product_attention(
       bias: added to the logits, broadcastable to [B, N, T, S].
       scale: logit scale, 1/sqrt(H) by default.
       dropout_rate, dropout_rng: dropout on the attention weights ("xla" only).
-      implementation: "xla", "chunked" or "cudnn" (module docstring).
+      implementation: "xla", "chunked", "cudnn" or "auto" (module docstring).
       key_chunk_size: keys per block for "chunked".
     Returns:
       [B, T, N, Hv] in v's dtype.
@@ -168,6 +195,8 @@ def dot_product_attention(
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k, v must be [B,T,N,H], [B,S,K,H], [B,S,K,Hv]; got shapes "
                          f"{q.shape}, {k.shape}, {v.shape}")
+    if implementation == "auto":
+        implementation = choose_implementation(q, k, v, dropout_rate=dropout_rate)
     if implementation == "xla":
         return _xla_attention(q, k, v, mask, bias, scale, dropout_rate, dropout_rng)
     if implementation == "chunked":

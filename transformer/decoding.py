@@ -74,28 +74,35 @@ def greedy_search(decode_fn: DecodeFn, cache: Any, *, bos: jax.Array, max_length
     return jax.lax.while_loop(cond, body, init)[1]
 
 
-def _gather_beams(tree: Any, indices: jax.Array, batch: int, beam: int, batch_axis: int):
+def _gather_beams(tree: Any, indices: jax.Array, batch: int, beam: int, batch_axis: int,
+                  beam_invariant: Callable[[tuple], bool] | None = None):
     """Reorders the rows of every cache leaf [.., B*K, ..] (batch axis `batch_axis`) so that row
-    (b, k) takes row (b, indices[b, k])."""
+    (b, k) takes row (b, indices[b, k]). Leaves whose key path `beam_invariant` accepts hold the
+    same values for all beams of a sentence (e.g. projected encoder outputs): left as they are.
+    """
     flat = (indices + beam * jnp.arange(batch)[:, None]).reshape(-1)
 
-    def gather(leaf):
-        if leaf.ndim <= batch_axis or leaf.shape[batch_axis] != batch * beam:
+    def gather(path, leaf):
+        if leaf.ndim <= batch_axis or leaf.shape[batch_axis] != batch * beam or (
+                beam_invariant is not None and beam_invariant(path)):
             return leaf
         return jnp.take(leaf, flat, axis=batch_axis)
 
-    return jax.tree.map(gather, tree)
+    return jax.tree_util.tree_map_with_path(gather, tree)
 
 
 def beam_search(decode_fn: DecodeFn, cache: Any, *, bos: jax.Array, max_lengths: jax.Array,
                 max_length: int, beam_size: int, alpha: float, eos_id: int,
-                cache_batch_axis: int = 0) -> tuple[jax.Array, jax.Array]:
+                cache_batch_axis: int = 0,
+                beam_invariant: Callable[[tuple], bool] | None = None,
+                ) -> tuple[jax.Array, jax.Array]:
     """Finished hypotheses [B, K, L] and their scores [B, K] (log-probability over the length
     penalty), best first. Rows end at EOS (forced at `max_lengths` [B]), zeros after.
 
     `cache` and `decode_fn` work on B * K rows (sentence b's beams are rows b*K .. b*K+K-1);
     `bos` [B] holds the start tokens. `cache_batch_axis` is the rows axis of the cache leaves
-    (1 when layers are scanned).
+    (1 when layers are scanned). `beam_invariant(key_path)` marks cache leaves that are equal
+    across a sentence's beams (the cross-attention keys and values), which need no reordering.
     """
     batch, k = bos.shape[0], beam_size
     logits, cache = decode_fn(jnp.repeat(bos, k)[:, None], cache)
@@ -135,7 +142,8 @@ def beam_search(decode_fn: DecodeFn, cache: Any, *, bos: jax.Array, max_lengths:
         alive_logprobs, keep = jax.lax.top_k(jnp.where(is_eos, NEG_INF, top_logprobs), k)
         alive_seqs = jnp.take_along_axis(seqs, keep[..., None], axis=1)
         alive_origin = jnp.take_along_axis(origin, keep, axis=1)
-        cache = _gather_beams(state["cache"], alive_origin, batch, k, cache_batch_axis)
+        cache = _gather_beams(state["cache"], alive_origin, batch, k, cache_batch_axis,
+                              beam_invariant)
         last = jnp.take_along_axis(token, keep, axis=1).reshape(batch * k, 1)
         logits, cache = decode_fn(last, cache)
         return {"step": step + 1, "alive_seqs": alive_seqs, "alive_logprobs": alive_logprobs,

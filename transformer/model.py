@@ -67,7 +67,7 @@ class TransformerConfig:
     dtype: str = "float32"  # compute dtype; parameters are always float32
     scan_layers: bool = False
     remat_policy: str = "none"
-    attention_implementation: str = "xla"
+    attention_implementation: str = "auto"
     norm_eps: float = 1e-6
 
     def __post_init__(self):

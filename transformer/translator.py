@@ -20,6 +20,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from ml_collections import ConfigDict
 
 from transformer import checkpoint, decoding
@@ -93,7 +94,10 @@ class Translator:
         max_length = int(min(length + max_extra_length, self.model_config.max_len))
         search = _search_fn(self.model, beam_size, float(alpha), max_length,
                             self.model_config.scan_layers)
-        return np.asarray(search(self.params, jnp.asarray(inputs), jnp.asarray(max_lengths)))
+        tokens = search(self.params, inputs, max_lengths)
+        if not tokens.is_fully_addressable:  # params sharded over several processes
+            tokens = multihost_utils.process_allgather(tokens, tiled=True)
+        return np.asarray(tokens)
 
 
 @functools.lru_cache(maxsize=32)
@@ -119,10 +123,17 @@ def _search_fn(model: Transformer, beam_size: int, alpha: float, max_length: int
         seqs, _ = decoding.beam_search(decode_fn, cache, bos=bos, max_lengths=max_lengths,
                                        max_length=max_length, beam_size=beam_size,
                                        alpha=alpha, eos_id=EOS_ID,
-                                       cache_batch_axis=1 if scan_layers else 0)
+                                       cache_batch_axis=1 if scan_layers else 0,
+                                       beam_invariant=_is_cross_attention)
         return seqs[:, 0]
 
     return jax.jit(search)
+
+
+def _is_cross_attention(path: tuple) -> bool:
+    """Cache leaves of cross-attention: the encoder's keys and values, the same for every beam
+    of a sentence."""
+    return any(getattr(key, "key", None) == "cross_attention" for key in path)
 
 
 def load_config(workdir: str) -> ConfigDict:
