@@ -37,7 +37,7 @@ def bleu(hypotheses: list[str], references: list[str], *, target_lang: str = "de
         raise ValueError("BLEU of no sentences: give at least one hypothesis and reference")
     detok = BLEU()
     score = detok.corpus_score(hypotheses, [references]).score
-    paper = BLEU(tokenize="none", smooth_method="none")
+    paper = BLEU(tokenize="none", smooth_method="none", force=True)  # tokenized on purpose
     tok_hyps = [tokenize_compound_split(h, target_lang) for h in hypotheses]
     tok_refs = [tokenize_compound_split(r, target_lang) for r in references]
     return {"bleu": float(score), "bleu_signature": str(detok.get_signature()),
