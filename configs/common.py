@@ -38,7 +38,7 @@ def paper_config(*, size: str, target_lang: str, dropout_rate: float) -> config_
     cfg.checkpoint_every_steps = 1000  # full checkpoints (params, Adam moments, data position)
     cfg.checkpoint_every_minutes = 10  # for resuming after preemption
     cfg.keep_checkpoints = 3
-    cfg.params_every_minutes = 10  # the paper averages checkpoints written every 10 minutes:
+    cfg.params_every_minutes = 10.0  # the paper averages checkpoints written every 10 minutes:
     cfg.params_keep = shape["average_last"]  # a params-only series keeps the last 5 (base) or
     # 20 (big) for `python -m transformer.evaluate --average=N` (README, Reproducing the paper)
     cfg.eval_every_steps = 1000

@@ -21,7 +21,7 @@ def get_config():
     cfg.checkpoint_every_steps = 100
     cfg.checkpoint_every_minutes = 0  # 0: off
     cfg.keep_checkpoints = 3
-    cfg.params_every_minutes = 0  # 0: no params-only series for averaging
+    cfg.params_every_minutes = 0.0  # 0: no params-only series for averaging
     cfg.params_keep = 0
     cfg.eval_every_steps = 100
     cfg.bleu_every_steps = 0  # no BLEU on the synthetic task

@@ -148,7 +148,8 @@ def test_two_processes_decode_validation_bleu(tmp_path):
         "--config.data.eval_batch_size=8", "--config.data.tokens_per_batch=256",
         "--config.model.d_model=32", "--config.model.d_ff=64", "--config.model.num_heads=2",
         "--config.model.num_encoder_layers=1", "--config.model.num_decoder_layers=1",
-        "--config.num_train_steps=2", "--config.eval_every_steps=2",
+        "--config.num_train_steps=2", "--config.optimizer.warmup_steps=1",
+        "--config.eval_every_steps=2",
         "--config.bleu_every_steps=2", "--config.bleu_num_sentences=2",
         "--config.checkpoint_every_steps=0", "--config.checkpoint_every_minutes=0",
         "--config.decode.max_extra_length=4", "--config.log_every_steps=1"]

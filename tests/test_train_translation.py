@@ -23,7 +23,7 @@ def tiny_offline_config(data_dir):
     cfg.data.batch_size, cfg.data.eval_batch_size, cfg.data.tokens_per_batch = 8, 8, 256
     cfg.model.update(dict(max_len=32, d_model=32, d_ff=64, num_heads=2, num_encoder_layers=1,
                           num_decoder_layers=1))
-    cfg.num_train_steps, cfg.log_every_steps = 4, 2
+    cfg.num_train_steps, cfg.log_every_steps, cfg.optimizer.warmup_steps = 4, 2, 1
     cfg.eval_every_steps, cfg.bleu_every_steps, cfg.bleu_num_sentences = 2, 2, 2
     cfg.checkpoint_every_steps, cfg.checkpoint_every_minutes = 0, 0
     cfg.params_every_minutes, cfg.params_keep = 1e-6, 2  # a params save after every update
