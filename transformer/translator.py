@@ -42,7 +42,10 @@ class Translator:
     def __post_init__(self):
         self.model_config = TransformerConfig.from_dict(self.config.model)
         self.model = Transformer(self.model_config)
-        self.params = jax.device_put(self.params)
+        # Host arrays go to the default device; jax.Arrays (e.g. sharded by training, over
+        # several processes) stay where they are.
+        self.params = jax.tree.map(
+            lambda x: x if isinstance(x, jax.Array) else jax.device_put(x), self.params)
 
     @property
     def max_source_length(self) -> int:
