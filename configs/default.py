@@ -18,7 +18,12 @@ loss per minute); updates of ~1,000 target tokens (8 packed rows of 128) beat ~2
 seen; Adam with a cosine decay from 2e-3 (300 warmup steps) to 0 over 5,000 updates, about 5.5
 passes over the training split, dropout 0.1, label smoothing 0.1.
 
-Hardware and time: a 2-core CPU, see the README's results table for the measured figures.
+Hardware and time (measured, seed 0, README "Translate, evaluate, look inside"): a 2-core CPU
+VM; `make train` from a fresh clone took 47 min 46 s, 42 min 45 s of it for the 5,000 updates
+(1,770-2,300 target tokens/s) and 2.5 min for the test split with beam search.
+
+Expected: test sacreBLEU 15.9 (tokenized compound-split BLEU 16.7; copying the source scores
+4.7), test perplexity 22.6; validation loss 3.65 at update 2,500 and 3.08 at 5,000.
 """
 
 from ml_collections import config_dict
