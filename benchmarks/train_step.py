@@ -116,7 +116,8 @@ def _cost_flops(compiled) -> float | None:
     return float(cost["flops"]) if cost and "flops" in cost else None
 
 
-def benchmark(cfg, steps: int, warmup: int) -> dict:
+def benchmark(cfg, steps: int, warmup: int, *, gemm_size: int = 1024,
+              gemm_runs: int = 10) -> dict:
     num_devices = jax.device_count()
     validate_config(cfg, num_devices)
     cfg = resolve_grad_accum(cfg, num_devices)
@@ -169,8 +170,8 @@ def benchmark(cfg, steps: int, warmup: int) -> dict:
     peak = metrics.peak_flops_per_device(device)
     gemm_times = []
     if peak is None:
-        gemm, gemm_flops = make_gemm(FLAGS.gemm_size)
-        gemm_times += _times(gemm, FLAGS.gemm_runs)
+        gemm, gemm_flops = make_gemm(gemm_size)
+        gemm_times += _times(gemm, gemm_runs)
 
     # Blocked steps: one wall time per step.
     times, tokens = [], []
@@ -208,10 +209,10 @@ def benchmark(cfg, steps: int, warmup: int) -> dict:
     row["gemm_flops_per_sec_before_after"] = None
     if peak is None:
         before = gemm_flops / statistics.median(gemm_times)
-        gemm_times += _times(gemm, FLAGS.gemm_runs)
+        gemm_times += _times(gemm, gemm_runs)
         row["gemm_flops_per_sec"] = gemm_flops / statistics.median(gemm_times)
         row["gemm_flops_per_sec_before_after"] = [
-            before, gemm_flops / statistics.median(gemm_times[FLAGS.gemm_runs:])]
+            before, gemm_flops / statistics.median(gemm_times[gemm_runs:])]
         row["fraction_of_gemm"] = row["achieved_flops_per_sec"] / row["gemm_flops_per_sec"]
     return row
 
@@ -277,7 +278,8 @@ def main(argv):
         sys.exit("error: --steps must be >= 1 and --warmup >= 0")
     logging.set_verbosity(logging.WARNING)  # JAX's backend-probing chatter
     try:
-        row = benchmark(FLAGS.config, FLAGS.steps, FLAGS.warmup)
+        row = benchmark(FLAGS.config, FLAGS.steps, FLAGS.warmup, gemm_size=FLAGS.gemm_size,
+                        gemm_runs=FLAGS.gemm_runs)
     except ValueError as error:
         sys.exit(f"error: {error}")
     print(table(row))

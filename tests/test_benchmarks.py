@@ -1,0 +1,41 @@
+"""The benchmark scripts keep working: the GPU check end to end at its dry-run sizes on CPU."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_writes_every_result(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    env = dict(os.environ, PYTHON=sys.executable, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    with open(tmp_path / "log.txt", "w") as log:  # a file, not a pipe nobody reads
+        result = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--dry-run", f"--out={out}",
+                                 "--steps=1"], cwd=ROOT, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, timeout=600)
+    assert result.returncode == 0, (tmp_path / "log.txt").read_text()[-4000:]
+    rows = json.loads(out.read_text())
+    assert rows[0]["check"] == "device" and rows[0]["dry_run"] is True
+    by_check = {}
+    for row in rows[1:]:
+        assert "error" not in row, row
+        by_check.setdefault(row["check"], []).append(row)
+    parity = {r["implementation"]: r for r in by_check["attention"]}
+    assert set(parity) == {"xla", "chunked", "cudnn"} and "skipped" in parity["cudnn"]
+    for impl in ("xla", "chunked"):
+        assert parity[impl]["max_abs_diff_vs_f32_xla"] < 0.05  # bfloat16 inputs
+        assert parity[impl]["forward_backward_ms"] > 0
+    steps = by_check["train_step"]
+    assert [(r["model"], r["dtype"]) for r in steps] == [
+        ("base", "bfloat16"), ("base", "bfloat16"), ("big", "bfloat16"), ("big", "bfloat16")]
+    assert all(r["tokens_per_sec"] > 0 and r["compile_s"] > 0 for r in steps)
+    assert steps[0]["target_tokens_per_step"] < steps[1]["target_tokens_per_step"]
+    assert [r["beam_size"] for r in by_check["decode"]] == [4, 1]
+    assert all(r["sentences_per_sec"] > 0 for r in by_check["decode"])
