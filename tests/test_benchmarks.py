@@ -11,11 +11,17 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
+def one_cpu_device_env() -> dict:
+    """The environment of a user's shell: one CPU device (conftest fakes 8), no cache."""
+    env = dict(os.environ, PYTHON=sys.executable, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    return env
+
+
 @pytest.mark.slow
 def test_gpu_check_dry_run_writes_every_result(tmp_path):
     out = tmp_path / "gpu_check.json"
-    env = dict(os.environ, PYTHON=sys.executable, JAX_PLATFORMS="cpu", XLA_FLAGS="")
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    env = one_cpu_device_env()
     with open(tmp_path / "log.txt", "w") as log:  # a file, not a pipe nobody reads
         result = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--dry-run", f"--out={out}",
                                  "--steps=1"], cwd=ROOT, env=env, stdout=log,
@@ -39,3 +45,21 @@ def test_gpu_check_dry_run_writes_every_result(tmp_path):
     assert steps[0]["target_tokens_per_step"] < steps[1]["target_tokens_per_step"]
     assert [r["beam_size"] for r in by_check["decode"]] == [4, 1]
     assert all(r["sentences_per_sec"] > 0 for r in by_check["decode"])
+
+
+@pytest.mark.slow
+def test_sweep_writes_a_point_per_length_and_batch_and_a_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "sweep.png"
+    with open(tmp_path / "log.txt", "w") as log:
+        result = subprocess.run([sys.executable, "benchmarks/sweep.py",
+                                 "--config=configs/tiny.py", "--lengths=8,16", "--batches=4",
+                                 "--steps=1", f"--out={out}"], cwd=ROOT,
+                                env=one_cpu_device_env(), stdout=log,
+                                stderr=subprocess.STDOUT, timeout=600)
+    output = (tmp_path / "log.txt").read_text()
+    assert result.returncode == 0, output[-4000:]
+    points = [json.loads(line) for line in output.splitlines() if line.startswith('{"length"')]
+    assert [(p["length"], p["rows"]) for p in points] == [(8, 4), (16, 4)]
+    assert all(p["tokens_per_sec"] > 0 and p["peak_bytes"] > 0 for p in points)
+    assert out.read_bytes().startswith(b"\x89PNG")
