@@ -56,3 +56,28 @@ def untrained_translation_workdir(tmp_path_factory):
     checkpointer.save(1, train_lib.init_state(trainer, 0), {"next_batch_index": 1})
     checkpointer.close()
     return path
+
+
+# configs/default.py shrunk to seconds (dotted keys, as --config.<key>=<value> flags take them):
+# used in-process (test_train_translation.py) and by train.py processes (test_multihost.py).
+SHRUNK_DEFAULT = {
+    "data.vocab_size": 200, "data.max_length": 32, "model.max_len": 32, "data.batch_size": 8,
+    "data.eval_batch_size": 8, "data.tokens_per_batch": 256, "model.d_model": 32,
+    "model.d_ff": 64, "model.num_heads": 2, "model.num_encoder_layers": 1,
+    "model.num_decoder_layers": 1, "optimizer.warmup_steps": 1, "eval_every_steps": 2,
+    "bleu_every_steps": 2, "bleu_num_sentences": 2, "checkpoint_every_steps": 0,
+    "checkpoint_every_minutes": 0, "decode.max_extra_length": 4}
+
+
+@pytest.fixture(scope="session")
+def offline_fixture_data_dir(tmp_path_factory):
+    """A TFDS data_dir holding `offline_de_en` built from the committed help pages
+    (tests/data/offline_de_en: 56 train, 2 validation, 6 test pairs)."""
+    tfds = pytest.importorskip("tensorflow_datasets")
+    from transformer.data import offline_de_en
+
+    data_dir = tmp_path_factory.mktemp("offline_tfds")
+    offline_de_en.OfflineDeEn(data_dir=str(data_dir)).download_and_prepare(
+        file_format="array_record", download_config=tfds.download.DownloadConfig(
+            manual_dir=str(ROOT / "tests" / "data" / "offline_de_en")))
+    return data_dir

@@ -151,13 +151,8 @@ def test_packed_rows_never_attend_across_pairs(source):
         np.testing.assert_allclose(logits[0][at[segment]], expected, atol=2e-5, rtol=2e-5)
 
 
-def test_make_source_dispatches_offline_config(tmp_path):
-    from transformer.data import offline_de_en
-
-    data_dir = tmp_path / "tfds"
-    offline_de_en.OfflineDeEn(data_dir=str(data_dir)).download_and_prepare(
-        file_format="array_record",
-        download_config=tfds.download.DownloadConfig(manual_dir=str(FIXTURE)))
+def test_make_source_dispatches_offline_config(offline_fixture_data_dir, tmp_path):
+    data_dir = offline_fixture_data_dir
     cfg = runpy.run_path(str(ROOT / "configs" / "default.py"))["get_config"]()
     cfg.data.data_dir, cfg.data.vocab_size, cfg.data.max_length = str(data_dir), 200, 32
     cfg.model.max_len, cfg.data.batch_size, cfg.data.tokens_per_batch = 32, 4, 128

@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import SHRUNK_DEFAULT
 
 _RUNS = itertools.count()
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -132,27 +133,12 @@ def test_a_dead_peer_stops_the_survivor_within_the_heartbeat_timeout(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_processes_decode_validation_bleu(tmp_path):
-    tfds = pytest.importorskip("tensorflow_datasets")
-    from transformer.data import offline_de_en
-
-    data_dir = tmp_path / "tfds"
-    offline_de_en.OfflineDeEn(data_dir=str(data_dir)).download_and_prepare(
-        file_format="array_record", download_config=tfds.download.DownloadConfig(
-            manual_dir=str(ROOT / "tests" / "data" / "offline_de_en")))
+def test_two_processes_decode_validation_bleu(offline_fixture_data_dir, tmp_path):
     workdir = tmp_path / "run"
-    overrides = [  # the default config, shrunk (as tests/test_train_translation.py)
-        "--config=configs/default.py", f"--config.data.data_dir={data_dir}",
-        "--config.data.vocab_size=200", "--config.data.max_length=32",
-        "--config.model.max_len=32", "--config.data.batch_size=8",
-        "--config.data.eval_batch_size=8", "--config.data.tokens_per_batch=256",
-        "--config.model.d_model=32", "--config.model.d_ff=64", "--config.model.num_heads=2",
-        "--config.model.num_encoder_layers=1", "--config.model.num_decoder_layers=1",
-        "--config.num_train_steps=2", "--config.optimizer.warmup_steps=1",
-        "--config.eval_every_steps=2",
-        "--config.bleu_every_steps=2", "--config.bleu_num_sentences=2",
-        "--config.checkpoint_every_steps=0", "--config.checkpoint_every_minutes=0",
-        "--config.decode.max_extra_length=4", "--config.log_every_steps=1"]
+    overrides = ["--config=configs/default.py",
+                 f"--config.data.data_dir={offline_fixture_data_dir}",
+                 "--config.num_train_steps=2", "--config.log_every_steps=1",
+                 *(f"--config.{key}={value}" for key, value in SHRUNK_DEFAULT.items())]
     finish(launch(workdir, processes=2, devices=4, overrides=overrides, common=()))
     with open(workdir / "metrics.jsonl") as f:
         lines = [json.loads(line) for line in f]

@@ -7,40 +7,35 @@ import runpy
 
 import pytest
 
-tfds = pytest.importorskip("tensorflow_datasets")
+pytest.importorskip("tensorflow_datasets")
+
+from conftest import SHRUNK_DEFAULT  # noqa: E402
 
 from transformer import evaluate as evaluate_cli  # noqa: E402
 from transformer.checkpoint import list_steps  # noqa: E402
 from transformer.loop import train_and_evaluate  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-FIXTURE = ROOT / "tests" / "data" / "offline_de_en"
 
 
 def tiny_offline_config(data_dir):
     cfg = runpy.run_path(str(ROOT / "configs" / "default.py"))["get_config"]()
-    cfg.data.data_dir, cfg.data.vocab_size, cfg.data.max_length = str(data_dir), 200, 32
-    cfg.data.batch_size, cfg.data.eval_batch_size, cfg.data.tokens_per_batch = 8, 8, 256
-    cfg.model.update(dict(max_len=32, d_model=32, d_ff=64, num_heads=2, num_encoder_layers=1,
-                          num_decoder_layers=1))
-    cfg.num_train_steps, cfg.log_every_steps, cfg.optimizer.warmup_steps = 4, 2, 1
-    cfg.eval_every_steps, cfg.bleu_every_steps, cfg.bleu_num_sentences = 2, 2, 2
-    cfg.checkpoint_every_steps, cfg.checkpoint_every_minutes = 0, 0
+    for key, value in SHRUNK_DEFAULT.items():
+        *path, last = key.split(".")
+        target = cfg
+        for name in path:
+            target = target[name]
+        target[last] = value
+    cfg.data.data_dir = str(data_dir)
+    cfg.num_train_steps, cfg.log_every_steps = 4, 2
     cfg.params_every_minutes, cfg.params_keep = 1e-6, 2  # a params save after every update
-    cfg.decode.max_extra_length = 4
     return cfg
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    from transformer.data import offline_de_en
-
-    data_dir = tmp_path_factory.mktemp("tfds")
-    offline_de_en.OfflineDeEn(data_dir=str(data_dir)).download_and_prepare(
-        file_format="array_record",
-        download_config=tfds.download.DownloadConfig(manual_dir=str(FIXTURE)))
+def run(offline_fixture_data_dir, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("run")
-    train_and_evaluate(tiny_offline_config(data_dir), str(workdir))
+    train_and_evaluate(tiny_offline_config(offline_fixture_data_dir), str(workdir))
     return workdir
 
 
