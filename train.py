@@ -1,10 +1,13 @@
 """Train a Transformer: `python train.py --config=configs/<x>.py --workdir=<dir>`.
 
 Overrides: `--config.a.b=value`. `--summary` prints parameters and FLOPs without allocating
-anything (no workdir needed). Rerunning with the same workdir resumes from its latest checkpoint.
+anything (no workdir needed). `--compile_only --mesh_devices=N` compiles the train step for N
+(fake CPU) devices on abstract arrays and prints the memory each device would need (no workdir).
+Rerunning with the same workdir resumes from its latest checkpoint.
 """
 
 import logging as pylogging
+import os
 import sys
 
 from absl import app, flags, logging
@@ -34,6 +37,34 @@ def _quiet_libraries():
     progress.propagate = False
 
 
+def _compile_only(cfg, mesh_devices: int | None):
+    """Plans memory on `mesh_devices` fake CPU devices (default: the devices present)."""
+    if mesh_devices is not None:
+        if mesh_devices < 1:
+            sys.exit(f"error: --mesh_devices={mesh_devices} must be >= 1")
+        if "jax" in sys.modules:
+            sys.exit("error: --mesh_devices must set up fake devices before JAX starts, but jax "
+                     "was imported already (by the config file?); run without --mesh_devices")
+        flags_ = [f for f in os.environ.get("XLA_FLAGS", "").split()
+                  if not f.startswith("--xla_force_host_platform_device_count")]
+        os.environ["XLA_FLAGS"] = " ".join(
+            flags_ + [f"--xla_force_host_platform_device_count={mesh_devices}"])
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+
+    from transformer import memory
+    from transformer.loop import resolve_grad_accum, validate_config
+
+    num_devices = jax.device_count() if mesh_devices is None else mesh_devices
+    try:
+        validate_config(cfg, num_devices)
+        if not int(cfg.grad_accum_steps):
+            cfg = resolve_grad_accum(cfg, num_devices)
+        print(memory.compile_report(cfg, num_devices))
+    except ValueError as error:
+        sys.exit(f"error: {error}")
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
@@ -45,7 +76,8 @@ def main(argv):
         print(summarize(cfg))
         return
     if FLAGS.compile_only:
-        sys.exit("--compile_only is not available yet")
+        _compile_only(cfg, FLAGS.mesh_devices)
+        return
     if not FLAGS.workdir:
         sys.exit("error: --workdir is required to train (or pass --summary)")
     _quiet_libraries()

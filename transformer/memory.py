@@ -1,0 +1,306 @@
+"""Will a config fit? Per-device memory of the real train step, planned without allocating it.
+
+`compile_report(cfg, num_devices)` is what `train.py --compile_only` prints. It builds the mesh,
+the abstract train state (`jax.ShapeDtypeStruct`s carrying their `NamedSharding`s) and an
+abstract batch, lowers and compiles the jitted train step for them, and sets two accounts side
+by side, per device:
+
+- **analytic**: bytes of params, optimizer state and gradients from the state's shardings
+  (shard shape x itemsize, so FSDP, tensor sharding and replicated leaves are honoured), plus
+  an estimate of the activations under the config's remat policy (`activation_bytes`);
+- **compiled**: XLA's `Compiled.memory_analysis()` (arguments, outputs, donated aliases,
+  temporaries, generated code). On a CPU backend (fake devices) it is the CPU compiler's buffer
+  assignment: an estimate of what an accelerator would need, not a measurement of one.
+
+Shape legend: A accumulation microbatches, B rows per microbatch on one device, S source length,
+T target length, N query heads, K kv heads, H head dim (d_k), Hv value head dim (d_v), D d_model,
+F d_ff, V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from transformer import attention, flops, sharding, train_lib
+from transformer.model import TransformerConfig
+
+GiB = 1024 ** 3
+# Nominal memory per device (GiB) of common accelerators; a runtime keeps a few % for itself.
+ACCELERATOR_MEMORY_GIB = (("TPU v5e", 16), ("TPU v4", 32), ("TPU v6e", 32), ("A100 40GB", 40),
+                          ("A100 80GB", 80), ("H100", 80), ("TPU v5p", 95), ("H200", 141),
+                          ("B200", 180))
+
+
+def batch_shapes(cfg) -> dict[str, tuple[int, int, int]]:
+    """The global train batch's keys and shapes [A, rows per microbatch, length], from the
+    config alone (no dataset is read). `grad_accum_steps` must be resolved (>= 1).
+
+    Language-model configs (`data.objective` causal | prefix | masked) and translation configs
+    use rows of `data.max_length`; the synthetic task's targets carry one more token (EOS)."""
+    accum = int(cfg.grad_accum_steps)
+    rows, length = int(cfg.data.batch_size) // accum, int(cfg.data.max_length)
+    objective = cfg.data.get("objective")
+    if objective in ("causal", "prefix"):
+        keys = ["targets", "targets_positions", "targets_segmentation"]
+        keys += ["targets_prefix"] if objective == "prefix" else []
+        return {k: (accum, rows, length) for k in keys}
+    if objective == "masked":
+        return {k: (accum, rows, length) for k in ("inputs", "inputs_positions",
+                                                   "inputs_segmentation", "targets")}
+    if objective is not None:
+        raise ValueError(f"data.objective={objective!r} is not one of causal, prefix, masked")
+    if cfg.data.dataset == "synthetic":
+        from transformer.data.synthetic import SyntheticTask
+
+        task = SyntheticTask(cfg.data.task, int(cfg.data.vocab_size), int(cfg.data.min_length),
+                             length, int(cfg.seed))
+        return {"inputs": (accum, rows, task.source_length),
+                "targets": (accum, rows, task.target_length)}
+    return {k: (accum, rows, length) for k in train_lib.BATCH_KEYS}
+
+
+def abstract_batch(cfg, mesh) -> dict[str, jax.ShapeDtypeStruct]:
+    """The global batch as int32 `ShapeDtypeStruct`s sharded P(None, ("data", "fsdp"))."""
+    batch_sharding = NamedSharding(mesh, P(None, sharding.BATCH_AXES))
+    return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding)
+            for k, shape in batch_shapes(cfg).items()}
+
+
+def device_bytes(tree) -> int:
+    """Bytes one device holds of a tree of sharded `ShapeDtypeStruct`s: each leaf's shard shape
+    times its itemsize (a replicated leaf counts in full on every device)."""
+    return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+               for leaf in jax.tree.leaves(tree))
+
+
+def _local(size: int, parts: int) -> int:
+    """A dimension's share on one device: split if `parts` divides it, else replicated."""
+    return size // parts if size % parts == 0 else size
+
+
+def _materialises_weights(model: TransformerConfig, kv_len: int) -> bool:
+    """Whether attention keeps the [B, N, T, S] weights ("xla"; "auto" below the chunked
+    threshold as on a CPU compile, where it never picks cuDNN)."""
+    if model.attention_implementation == "auto":
+        return model.attention_dropout_rate > 0.0 or kv_len < attention.AUTO_CHUNKED_MIN_KEYS
+    return model.attention_implementation == "xla"
+
+
+def _attention_elements(model, tensor, q_len, kv_len, policy) -> tuple[int, int]:
+    """(compute-dtype, float32) elements one attention sublayer saves per sequence."""
+    n, k = _local(model.num_heads, tensor), _local(model.num_kv_heads, tensor)
+    d, h, hv = model.d_model, model.d_k, model.d_v
+    projections = q_len * n * h + kv_len * k * (h + hv)  # q, k, v
+    context = q_len * n * hv  # A V
+    weights = n * q_len * kv_len if _materialises_weights(model, kv_len) else 0
+    if policy == "none":  # + input, out-projection, residual sum, norm output
+        return projections + context + 4 * q_len * d, weights
+    if policy == "dots":  # every matmul output: q, k, v, Q K^T (float32), A V, out-projection
+        return projections + context + q_len * d, weights
+    if policy == "dots_no_batch":  # matmuls without batch dims: q, k, v, out-projection
+        return projections + q_len * d, 0
+    return 0, 0  # full: nothing inside the layer
+
+
+def _ffn_elements(model, tensor, length, policy) -> int:
+    """Compute-dtype elements one feed-forward sublayer saves per sequence."""
+    f, d = _local(model.d_ff, tensor), model.d_model
+    matmuls_in = 2 if model.activation == "swiglu" else 1  # ff_in (and ff_gate)
+    if policy == "none":  # hidden before/after the activation (and the gate), out, residual, norm
+        return length * (f * (matmuls_in + 1) + 3 * d)
+    if policy in ("dots", "dots_no_batch"):  # ff_in (ff_gate) and ff_out outputs
+        return length * (f * matmuls_in + d)
+    return 0
+
+
+def _layer_bytes(model, tensor, q_len, kv_len, cross_len, policy) -> int:
+    """Bytes one layer saves per sequence: self-attention over `kv_len`, cross-attention to
+    `cross_len` source tokens (0: none), feed-forward; plus the layer input (always kept)."""
+    itemsize = jnp.dtype(model.dtype).itemsize
+    compute, f32 = _attention_elements(model, tensor, q_len, kv_len, policy)
+    if cross_len:
+        cross = _attention_elements(model, tensor, q_len, cross_len, policy)
+        compute, f32 = compute + cross[0], f32 + cross[1]
+    compute += _ffn_elements(model, tensor, q_len, policy) + q_len * model.d_model
+    return compute * itemsize + f32 * 4
+
+
+def activation_bytes(model: TransformerConfig, *, rows: int, source_length: int,
+                     target_length: int, tensor: int = 1) -> int:
+    """Estimated bytes of activations one device keeps for the backward pass of one microbatch
+    of `rows` sequences (B), under `model.remat_policy`; `tensor` splits heads, d_ff and vocab.
+
+    Per sequence and layer, in the compute dtype unless marked float32 (attention over q_len
+    queries and kv_len keys; FFN over q_len tokens):
+
+        always      the layer input                                   q_len·D
+        none        attention: q, k, v, A·V, input, out-proj, residual, norm
+                        q_len·N·H + kv_len·K·(H + Hv) + q_len·N·Hv + 4·q_len·D
+                    + softmax weights N·q_len·kv_len (float32, only where attention
+                      materialises them: "xla", or "auto" below AUTO_CHUNKED_MIN_KEYS keys)
+                    FFN: hidden before and after the activation (SwiGLU: and the gate), out,
+                    residual, norm            q_len·F·(2 | 3) + 3·q_len·D
+        dots        matmul outputs only: q, k, v, Q·K^T (float32), A·V, out-proj; ff_in
+                    (ff_gate), ff_out
+        dots_no_batch   as dots without Q·K^T and A·V (they have batch dimensions)
+        full        nothing but the layer input
+
+    An encoder layer attends S to S; a decoder layer T to T, then (encoder-decoder) T to S.
+    With remat, the backward pass recomputes one layer at a time: one layer's "none" figure is
+    added. Outside the layers: the embedded inputs of each stack (S·D, T·D) and the logits,
+    counted as two float32 copies of T·V (S·V encoder-only): kept for the loss's backward and
+    their gradient. Not counted: masks, dropout masks, norm statistics, XLA's fusion buffers.
+    """
+    policy, s, t = model.remat_policy, source_length, target_length
+    itemsize = jnp.dtype(model.dtype).itemsize
+    stacks = []  # (layers, q_len, kv_len, cross_len)
+    if model.architecture != "decoder":
+        stacks.append((model.num_encoder_layers, s, s, 0))
+    if model.architecture != "encoder":
+        cross = s if model.architecture == "encoder_decoder" else 0
+        stacks.append((model.num_decoder_layers, t, t, cross))
+    per_sequence = sum(num * _layer_bytes(model, tensor, q, kv, c, policy)
+                       for num, q, kv, c in stacks)
+    if policy != "none":
+        per_sequence += max(_layer_bytes(model, tensor, q, kv, c, "none")
+                            for _, q, kv, c in stacks)
+    per_sequence += sum(q * model.d_model * itemsize for _, q, _, _ in stacks)
+    output_length = s if model.architecture == "encoder" else t
+    per_sequence += 2 * 4 * output_length * _local(model.vocab_size, tensor)
+    return rows * per_sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Per-device bytes, analytic and compiled, of one config's train step on a mesh."""
+
+    mesh_shape: dict[str, int]
+    platform: str
+    batch: dict[str, tuple[int, int, int]]  # key -> [A, rows per microbatch, length]
+    param_count: int
+    analytic: dict[str, int]  # params, optimizer_state, gradients, activations, batch
+    compiled: dict[str, int]  # arguments, outputs, aliased, temporaries, generated_code
+    lower_seconds: float
+    compile_seconds: float
+
+    @property
+    def analytic_total(self) -> int:
+        return sum(self.analytic.values())
+
+    @property
+    def compiled_total(self) -> int:
+        """Arguments + outputs - aliased (donated inputs reused as outputs) + temporaries +
+        generated code: the program's peak as XLA's buffer assignment sees it."""
+        c = self.compiled
+        return (c["arguments"] + c["outputs"] - c["aliased"] + c["temporaries"]
+                + c["generated_code"])
+
+
+def plan(cfg, mesh) -> MemoryPlan:
+    """Lowers and compiles the real train step on abstract state and batch (nothing is
+    allocated) and accounts for its memory. `cfg.grad_accum_steps` must be resolved."""
+    model = TransformerConfig.from_dict(cfg.model)
+    trainer = train_lib.build_trainer(cfg, mesh)
+    batch = abstract_batch(cfg, mesh)
+    started = time.perf_counter()
+    lowered = train_lib.make_train_step(trainer, cfg).lower(trainer.abstract_state, batch)
+    lowered_at = time.perf_counter()
+    stats = lowered.compile().memory_analysis()
+    compiled_at = time.perf_counter()
+
+    shapes = batch_shapes(cfg)
+    accum, global_rows = shapes["targets"][0], shapes["targets"][1]
+    rows = global_rows // (mesh.shape["data"] * mesh.shape["fsdp"])
+    lengths = {k: shape[2] for k, shape in shapes.items()}
+    source = lengths.get("inputs", lengths["targets"])
+    params = device_bytes(trainer.abstract_state.params)
+    analytic = {
+        "params": params,
+        "optimizer_state": device_bytes(trainer.abstract_state.opt_state),
+        "gradients": params * (2 if accum > 1 else 1),
+        "activations": activation_bytes(model, rows=rows, source_length=source,
+                                        target_length=lengths["targets"],
+                                        tensor=mesh.shape["tensor"]),
+        "batch": device_bytes(batch),
+    }
+    compiled = {
+        "arguments": stats.argument_size_in_bytes,
+        "outputs": stats.output_size_in_bytes,
+        "aliased": stats.alias_size_in_bytes,
+        "temporaries": stats.temp_size_in_bytes,
+        "generated_code": stats.generated_code_size_in_bytes,
+    }
+    return MemoryPlan(dict(mesh.shape), mesh.devices.flat[0].platform, shapes,
+                      flops.param_counts(model)["total"], analytic, compiled,
+                      lowered_at - started, compiled_at - lowered_at)
+
+
+def _human(num_bytes: int) -> str:
+    for unit, size in (("GiB", GiB), ("MiB", 1024 ** 2), ("KiB", 1024)):
+        if abs(num_bytes) >= size:
+            return f"{num_bytes / size:.2f} {unit}"
+    return f"{num_bytes} B"
+
+
+def format_report(cfg, memory: MemoryPlan) -> str:
+    """The table `--compile_only` prints; its last line, `per_device_bytes: key=value ...`, is
+    for tools to read."""
+    model = TransformerConfig.from_dict(cfg.model)
+    mesh = " x ".join(f"{axis} {size}" for axis, size in memory.mesh_shape.items())
+    devices = math.prod(memory.mesh_shape.values())
+    accum, rows, _ = memory.batch["targets"]
+    per_device = rows // (memory.mesh_shape["data"] * memory.mesh_shape["fsdp"])
+    lengths = ", ".join(f"{k} {shape[2]}" for k, shape in memory.batch.items()
+                        if k in ("inputs", "targets"))
+    a, c = memory.analytic, memory.compiled
+    row = "{:<34}{:>14}{:>14}".format
+    lines = [
+        f"compile only: {devices} {memory.platform} devices, mesh {mesh}",
+        f"batch: {accum * rows} rows per update = {accum} microbatch(es) x {rows} rows "
+        f"({per_device} per device), lengths {lengths}",
+        f"model: {memory.param_count:,} params (float32), compute {model.dtype}, remat "
+        f"{model.remat_policy}, scan_layers {model.scan_layers}",
+        f"train step lowered in {memory.lower_seconds:.1f} s, compiled in "
+        f"{memory.compile_seconds:.1f} s",
+        "",
+        row("per device", "analytic", "compiled"),
+        row("params", _human(a["params"]), ""),
+        row("optimizer state", _human(a["optimizer_state"]), ""),
+        row("gradients" + (" + accumulator" if accum > 1 else ""), _human(a["gradients"]), ""),
+        row(f"activations (remat {model.remat_policy})", _human(a["activations"]), ""),
+        row("batch", _human(a["batch"]), ""),
+        row("arguments (state, batch)", "", _human(c["arguments"])),
+        row("outputs (state, metrics)", "", _human(c["outputs"])),
+        row("aliased (donated state)", "", "-" + _human(c["aliased"])),
+        row("temporaries", "", _human(c["temporaries"])),
+        row("generated code", "", _human(c["generated_code"])),
+        row("total", _human(memory.analytic_total), _human(memory.compiled_total)),
+    ]
+    if memory.platform == "cpu":
+        lines.append("(compiled on CPU: XLA's CPU buffer assignment, an estimate of an "
+                     "accelerator's)")
+    need = max(memory.analytic_total, memory.compiled_total)
+    lines += ["", f"fits? the larger total, {_human(need)}, against nominal memory per device:"]
+    lines += [f"  {name:<10} {gib:>4} GiB  {need / (gib * GiB):>7.0%}  "
+              f"{'fits' if need <= gib * GiB else 'does not fit'}"
+              for name, gib in ACCELERATOR_MEMORY_GIB]
+    figures = {f"analytic_{k}": v for k, v in a.items()}
+    figures |= {"analytic_total": memory.analytic_total}
+    figures |= {f"compiled_{k}": v for k, v in c.items()}
+    figures |= {"compiled_total": memory.compiled_total}
+    lines.append("per_device_bytes: " + " ".join(f"{k}={v}" for k, v in figures.items()))
+    return "\n".join(lines)
+
+
+def compile_report(cfg, num_devices: int) -> str:
+    """The `--compile_only` report for `cfg` on the first `num_devices` devices.
+    `grad_accum_steps` must be resolved and the config validated for `num_devices`."""
+    mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:num_devices])
+    return format_report(cfg, plan(cfg, mesh))
