@@ -199,7 +199,7 @@ def test_repeated_kills_at_random_moments_lose_nothing(tmp_path, reference):
     kills = []
     for _ in range(5):
         done = max(train_losses(workdir), default=0)
-        target = rng.randint(done + 1, min(done + 2 * EVERY, TOTAL - EVERY))
+        target = min(rng.randint(done + 1, done + EVERY + 2), TOTAL - 3)
         sig = rng.choice([signal.SIGKILL, signal.SIGTERM])
         process = start(workdir)
         wait_until_step(process, workdir, target)
