@@ -75,7 +75,7 @@ def main(argv):
     try:
         figures = evaluate(FLAGS.workdir, FLAGS.split, step=FLAGS.step, average=FLAGS.average,
                            num_sentences=FLAGS.num_sentences, beam_size=FLAGS.beam_size)
-    except ValueError as error:
+    except (ValueError, OSError) as error:
         sys.exit(f"error: {error}")
     print(f"{FLAGS.split}: perplexity {figures['perplexity']:.2f} | sacreBLEU "
           f"{figures['bleu']:.2f} ({figures['bleu_signature']}) | tokenized compound-split BLEU "

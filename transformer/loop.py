@@ -7,6 +7,7 @@ saves a checkpoint and returns cleanly.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -29,10 +30,38 @@ log = logging.getLogger("transformer")
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "transformer")
 
 
+_KINDS = {"int": int, "float": (int, float), "str": str, "bool": bool}
+# Top-level keys and the types validate_config reads them as (a config file can set anything).
+_TOP_LEVEL = {"seed": "int", "num_train_steps": "int", "keep_checkpoints": "int",
+              "log_every_steps": "int", "grad_accum_steps": "int",
+              "checkpoint_every_steps": "int", "eval_every_steps": "int",
+              "bleu_every_steps": "int", "bleu_num_sentences": "int", "params_keep": "int",
+              "checkpoint_every_minutes": "float", "params_every_minutes": "float",
+              "label_smoothing": "float", "data.batch_size": "int"}
+
+
+def _check_types(cfg) -> None:
+    """A value of the wrong type (e.g. `d_model = "512"` in a config file) is one line naming
+    the key, instead of an error deep inside the model."""
+    fields = {f"model.{f.name}": str(f.type) for f in dataclasses.fields(TransformerConfig)}
+    flat = {f"model.{k}": v for k, v in cfg.model.items()}
+    flat |= {k: cfg.get(k) for k in _TOP_LEVEL if "." not in k and k in cfg}
+    flat["data.batch_size"] = cfg.data.get("batch_size")
+    for key, value in flat.items():
+        kinds = (fields.get(key) or _TOP_LEVEL.get(key, "")).split(" | ")
+        if (value is None and key.startswith("model.")) or kinds == [""]:
+            continue  # None: a model default; unknown model keys: from_dict names them
+        if not any(isinstance(value, _KINDS[k]) and (k == "bool") == isinstance(value, bool)
+                   for k in kinds if k in _KINDS):
+            raise ValueError(f"{key}={value!r} must be {' or '.join(kinds)}, not "
+                             f"{type(value).__name__}")
+
+
 def validate_config(cfg, num_devices: int) -> tuple[int, int, int]:
     """Checks everything that can be checked before touching devices; returns the mesh shape.
 
     Each problem is one line naming the key and what would fix it."""
+    _check_types(cfg)
     model_cfg = TransformerConfig.from_dict(cfg.model)
     for key in ("num_train_steps", "keep_checkpoints", "log_every_steps"):
         if int(cfg[key]) < 1:
@@ -191,9 +220,10 @@ def validation_bleu(translator: Translator, source, num_sentences: int, target_l
 
 
 def _check_bleu_source(cfg, source) -> None:
-    if cfg.get("bleu_every_steps", 0) and not hasattr(source, "tokenizer"):
+    if cfg.get("bleu_every_steps", 0) and not hasattr(source, "raw_pairs"):
         raise ValueError(f"bleu_every_steps={cfg.bleu_every_steps} needs a translation dataset "
-                         f"(data.dataset={cfg.data.dataset!r} has no tokenizer); set it to 0")
+                         f"(data.dataset={cfg.data.dataset!r} gives no sentence pairs); set it "
+                         f"to 0")
 
 
 def train_and_evaluate(cfg, workdir: str) -> train_lib.TrainState:
@@ -214,12 +244,12 @@ def train_and_evaluate(cfg, workdir: str) -> train_lib.TrainState:
     series = (ParamsSeries(workdir, every_minutes=float(cfg.params_every_minutes),
                            keep=int(cfg.params_keep))
               if cfg.get("params_every_minutes", 0) else None)
-    latest = checkpointer.latest_step()
-    if latest is None:
-        state, next_batch = train_lib.init_state(trainer, int(cfg.seed)), 0
+    restored = checkpointer.restore_latest(trainer.abstract_state)
+    if restored is None:
+        latest, state, next_batch = None, train_lib.init_state(trainer, int(cfg.seed)), 0
     else:
+        latest, state, data_state = restored
         log.info("resuming from %s/%d", checkpointer.directory, latest)
-        state, data_state = checkpointer.restore(latest, trainer.abstract_state)
         next_batch = int(data_state["next_batch_index"])
     step = int(jax.device_get(state.step))
     rows = train_lib.process_rows(mesh, source.rows_per_batch)
@@ -227,6 +257,7 @@ def train_and_evaluate(cfg, workdir: str) -> train_lib.TrainState:
     train_step = _compile(train_lib.make_train_step(trainer, cfg), "train step",
                           state, train_lib.global_batch(mesh, source.train_batch(0, rows)))
     eval_step = train_lib.make_eval_step(trainer)
+    eval_split = getattr(source, "validation_split", "validation")  # lm1b has no validation
     translator = (Translator(cfg, state.params, source.tokenizer)
                   if cfg.get("bleu_every_steps", 0) else None)
     writer = metrics.MetricWriter(workdir)
@@ -261,14 +292,14 @@ def train_and_evaluate(cfg, workdir: str) -> train_lib.TrainState:
             due_bleu = translator is not None and _due(cfg.bleu_every_steps, step, total)
             if due_loss or due_bleu:
                 started = time.perf_counter()
-                figures = (evaluate(trainer, eval_step, state.params, source, eval_rows)
-                           if due_loss else {})
+                figures = (evaluate(trainer, eval_step, state.params, source, eval_rows,
+                                    eval_split) if due_loss else {})
                 if due_bleu:
                     translator.params = state.params
                     figures |= validation_bleu(translator, source, int(cfg.bleu_num_sentences),
                                                cfg.data.target_lang)
-                writer.write(step, "validation", figures)
-                metrics.log_evaluation(step, "validation", figures,
+                writer.write(step, eval_split, figures)
+                metrics.log_evaluation(step, eval_split, figures,
                                        time.perf_counter() - started)
                 progress.exclude(time.perf_counter() - started)
             if _should_save(cfg, step, total, last_save_time) or preempted:
@@ -282,12 +313,12 @@ def train_and_evaluate(cfg, workdir: str) -> train_lib.TrainState:
             if preempted:
                 log.warning("preempted: checkpoint %d saved, exiting", step)
                 break
-    finally:
-        checkpointer.close()
-        if series is not None:
-            series.close()
+    finally:  # the checkpointer last: a failed save raises there, after the rest is closed
         writer.close()
         preemption.restore()
+        if series is not None:
+            series.close()
+        checkpointer.close()
     return state
 
 
@@ -328,7 +359,7 @@ class NonFiniteLoss(RuntimeError):
 def _flush(pending, progress, writer, step, total, flops_per_token, peak, cfg, last_saved):
     """Fetches the pending step metrics, writes one train line per step, logs progress."""
     fetched = jax.device_get([m for _, m in pending])
-    tokens = sum(float(m["target_tokens"]) for m in fetched)
+    tokens = sum(float(m["sequence_tokens"]) for m in fetched)
     progress.add_tokens(tokens)
     window = progress.report(step)
     if peak is not None:

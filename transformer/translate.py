@@ -26,25 +26,12 @@ flags.mark_flags_as_required(["workdir"])
 FLAGS = flags.FLAGS
 
 
-def read_lines(data: bytes, name: str) -> list[str]:
-    """UTF-8 lines of `data`; a line that is not UTF-8 raises ValueError naming it."""
-    lines = []
-    for number, raw in enumerate(data.splitlines(), 1):
-        try:
-            lines.append(raw.decode("utf-8").rstrip("\r"))
-        except UnicodeDecodeError as error:
-            raise ValueError(f"{name} line {number} is not UTF-8 ({error.reason} at byte "
-                             f"{error.start})") from None
-        if "\x00" in lines[-1]:
-            raise ValueError(f"{name} line {number} holds a NUL byte: binary input?")
-    return lines
-
-
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax's INFO chatter
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
+    from transformer.text_input import read_lines
     from transformer.translator import load
 
     try:

@@ -155,11 +155,21 @@ def load(workdir: str, *, step: int | None = None, average: int | None = None) -
     """Config, parameters (checkpoint `step`, the latest, or the average of the last
     `average`) and tokenizer of a trained workdir."""
     from transformer.data import tokenizer as tokenizer_lib
+    from transformer.data.translation import recorded_vocabulary
 
     config = load_config(workdir)
     vocab = os.path.join(workdir, "vocab", tokenizer_lib.MODEL_FILE)
     if not os.path.exists(vocab):
         raise ValueError(f"{vocab} is missing: this run has no SentencePiece vocabulary "
                          f"(was it trained on a translation dataset?)")
+    tokenizer = tokenizer_lib.Tokenizer.load(vocab)
+    recorded = recorded_vocabulary(workdir)
+    if tokenizer.vocab_size != config.model.vocab_size or recorded not in (None,
+                                                                           tokenizer.sha256):
+        raise tokenizer_lib.VocabularyMismatch(
+            f"{vocab} ({tokenizer.vocab_size} pieces, sha256 {tokenizer.sha256[:12]}…) is not "
+            f"the vocabulary this run was trained with ({config.model.vocab_size} pieces"
+            f"{f', sha256 {recorded[:12]}…' if recorded else ''} in config.json): restore the "
+            f"run's vocab/ directory")
     params = checkpoint.load_params(workdir, step=step, average=average)
-    return Translator(config, params, tokenizer_lib.Tokenizer.load(vocab))
+    return Translator(config, params, tokenizer)
