@@ -6,8 +6,11 @@ abstract batch, lowers and compiles the jitted train step for them, and sets two
 by side, per device:
 
 - **analytic**: bytes of params, optimizer state and gradients from the state's shardings
-  (shard shape x itemsize, so FSDP, tensor sharding and replicated leaves are honoured), plus
-  an estimate of the activations under the config's remat policy (`activation_bytes`);
+  (shard shape x itemsize, so FSDP, tensor sharding and replicated leaves are honoured); the
+  update's temporaries, 2 x params (the updates, needed whole for the non-finite check, and
+  the new moments beside the old state the check may keep: what XLA's CPU buffer assignment
+  of this step shows); and an estimate of the activations under the config's remat policy
+  (`activation_bytes`);
 - **compiled**: XLA's `Compiled.memory_analysis()` (arguments, outputs, donated aliases,
   temporaries, generated code). On a CPU backend (fake devices) it is the CPU compiler's buffer
   assignment: an estimate of what an accelerator would need, not a measurement of one.
@@ -32,6 +35,8 @@ from transformer import attention, flops, sharding, train_lib
 from transformer.model import TransformerConfig
 
 GiB = 1024 ** 3
+TRANSLATION_KEYS = ("inputs", "targets", "inputs_positions", "targets_positions",
+                    "inputs_segmentation", "targets_segmentation")
 # Nominal memory per device (GiB) of common accelerators; a runtime keeps a few % for itself.
 ACCELERATOR_MEMORY_GIB = (("TPU v5e", 16), ("TPU v4", 32), ("TPU v6e", 32), ("A100 40GB", 40),
                           ("A100 80GB", 80), ("H100", 80), ("TPU v5p", 95), ("H200", 141),
@@ -63,7 +68,7 @@ def batch_shapes(cfg) -> dict[str, tuple[int, int, int]]:
                              length, int(cfg.seed))
         return {"inputs": (accum, rows, task.source_length),
                 "targets": (accum, rows, task.target_length)}
-    return {k: (accum, rows, length) for k in train_lib.BATCH_KEYS}
+    return {k: (accum, rows, length) for k in TRANSLATION_KEYS}
 
 
 def abstract_batch(cfg, mesh) -> dict[str, jax.ShapeDtypeStruct]:
@@ -185,7 +190,7 @@ class MemoryPlan:
     platform: str
     batch: dict[str, tuple[int, int, int]]  # key -> [A, rows per microbatch, length]
     param_count: int
-    analytic: dict[str, int]  # params, optimizer_state, gradients, activations, batch
+    analytic: dict[str, int]  # params, optimizer_state, gradients, update, activations, batch
     compiled: dict[str, int]  # arguments, outputs, aliased, temporaries, generated_code
     lower_seconds: float
     compile_seconds: float
@@ -225,6 +230,7 @@ def plan(cfg, mesh) -> MemoryPlan:
         "params": params,
         "optimizer_state": device_bytes(trainer.abstract_state.opt_state),
         "gradients": params * (2 if accum > 1 else 1),
+        "update": 2 * params,
         "activations": activation_bytes(model, rows=rows, source_length=source,
                                         target_length=lengths["targets"],
                                         tensor=mesh.shape["tensor"]),
@@ -274,6 +280,7 @@ def format_report(cfg, memory: MemoryPlan) -> str:
         row("params", _human(a["params"]), ""),
         row("optimizer state", _human(a["optimizer_state"]), ""),
         row("gradients" + (" + accumulator" if accum > 1 else ""), _human(a["gradients"]), ""),
+        row("optimizer update temporaries", _human(a["update"]), ""),
         row(f"activations (remat {model.remat_policy})", _human(a["activations"]), ""),
         row("batch", _human(a["batch"]), ""),
         row("arguments (state, batch)", "", _human(c["arguments"])),

@@ -1,0 +1,157 @@
+"""`train.py --compile_only`: the memory plan's accounting (in-process, small configs) and the
+CLI on large configs over 8 fake devices, which must report memory and allocate nothing large."""
+
+import os
+import pathlib
+import runpy
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from transformer import flops, memory, sharding, train_lib
+from transformer.model import TransformerConfig
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _config(name: str, **overrides):
+    cfg = runpy.run_path(str(ROOT / "configs" / name))["get_config"]()
+    for dotted, value in overrides.items():
+        *parents, key = dotted.split(".")
+        node = cfg
+        for parent in parents:
+            node = node[parent]
+        node[key] = value
+    return cfg
+
+
+def test_state_bytes_on_one_device_are_the_parameter_count_times_four():
+    cfg = _config("tiny.py")
+    mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
+    state = train_lib.build_trainer(cfg, mesh).abstract_state
+    count = flops.param_counts(TransformerConfig.from_dict(cfg.model))["total"]
+    assert memory.device_bytes(state.params) == 4 * count
+    # Adam's two float32 moments, plus two int32 step counts (Adam's and the schedule's)
+    assert memory.device_bytes(state.opt_state) == 8 * count + 8
+
+
+def test_activation_bytes_match_the_docstring_formula_by_hand():
+    """configs/tiny.py (D 64, F 128, N = K = 4, H = 16, V 32, 2 + 2 layers, float32), S = 12,
+    T = 13 (the synthetic targets end in EOS), remat "full", per sequence:
+    layer inputs 4 x 4·(2·12 + 2·13)·64 = 12,800; the largest layer without remat (a decoder
+    layer) 4 x [self 13·64 + 13·128 + 13·64 + 4·13·64 = 6,656; cross 13·64 + 12·128 + 13·64 +
+    4·13·64 = 6,528; FFN 13·(2·128 + 3·64) = 5,824; input 832] + float32 weights 4 x 4·(13·13 +
+    13·12) = 79,360 + 5,200; embedded inputs 4·(12 + 13)·64 = 6,400; logits 2·4·13·32 = 3,328."""
+    model = TransformerConfig.from_dict(_config("tiny.py", **{"model.remat_policy": "full"}).model)
+    per_sequence = 12_800 + 79_360 + 5_200 + 6_400 + 3_328
+    assert memory.activation_bytes(model, rows=2, source_length=12,
+                                   target_length=13) == 2 * per_sequence
+
+
+def test_abstract_batch_follows_each_batch_layout():
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 4, "tensor": 1})
+    tiny = _config("tiny.py", grad_accum_steps=2)
+    batch = memory.abstract_batch(tiny, mesh)
+    assert {k: v.shape for k, v in batch.items()} == {"inputs": (2, 16, 12),
+                                                      "targets": (2, 16, 13)}
+    assert batch["inputs"].sharding.spec == jax.P(None, ("data", "fsdp"))
+    wmt = _config("wmt14_ende_base.py", grad_accum_steps=1)
+    assert set(memory.batch_shapes(wmt)) == set(memory.TRANSLATION_KEYS)
+    assert set(memory.batch_shapes(wmt).values()) == {(1, 104, 256)}
+    lm = _config("wmt14_ende_base.py", grad_accum_steps=4)
+    expected = {"causal": {"targets", "targets_positions", "targets_segmentation"},
+                "prefix": {"targets", "targets_positions", "targets_segmentation",
+                           "targets_prefix"},
+                "masked": {"inputs", "inputs_positions", "inputs_segmentation", "targets"}}
+    for objective, keys in expected.items():
+        lm.data.objective = objective
+        shapes = memory.batch_shapes(lm)
+        assert set(shapes) == keys and set(shapes.values()) == {(4, 26, 256)}
+
+
+def _compile_only(tmp_path, args: list[str]) -> tuple[int, str, str, int]:
+    """Runs `train.py --compile_only` (outside pytest's 8-device JAX): (status, stdout,
+    stderr, the child's own peak RSS in bytes)."""
+    out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        child = subprocess.Popen([sys.executable, "train.py", "--compile_only", *args],
+                                 stdout=stdout, stderr=stderr, cwd=ROOT, env=env)
+        _, status, usage = os.wait4(child.pid, 0)
+    return os.waitstatus_to_exitcode(status), out.read_text(), err.read_text(), \
+        usage.ru_maxrss * 1024
+
+
+def _figures(report: str) -> dict[str, int]:
+    last = report.strip().splitlines()[-1]
+    assert last.startswith("per_device_bytes: "), report
+    return {k: int(v) for k, v in (item.split("=") for item in last.split()[1:])}
+
+
+def _check_report(tmp_path, config_name: str, overrides: dict) -> tuple[dict, int, int]:
+    """Runs the CLI on 8 devices and checks its state accounting against the abstract state
+    built here; returns (figures, full params bytes, the child's peak RSS)."""
+    args = [f"--config=configs/{config_name}", "--mesh_devices=8"]
+    args += [f"--config.{k}={v}" for k, v in overrides.items()]
+    status, report, stderr, peak_rss = _compile_only(tmp_path, args)
+    assert status == 0, stderr
+    figures = _figures(report)
+
+    cfg = _config(config_name, **overrides)
+    state = train_lib.build_trainer(cfg, sharding.make_mesh(cfg.mesh)).abstract_state
+    leaves = jax.tree.leaves(state.params)
+    full = 4 * sum(leaf.size for leaf in leaves)
+    replicated = 4 * sum(leaf.size for leaf in leaves if leaf.sharding.is_fully_replicated)
+    assert full // 4 == flops.param_counts(TransformerConfig.from_dict(cfg.model))["total"]
+    assert replicated < full / 100  # only norms (and biases) escape FSDP
+    assert figures["analytic_params"] == (full - replicated) // 8 + replicated
+    assert 0 <= figures["analytic_optimizer_state"] - 2 * figures["analytic_params"] <= 64
+    # The state and batch XLA takes as arguments are the analytic ones to the byte (+ step).
+    assert figures["compiled_arguments"] == (figures["analytic_params"] + figures[
+        "analytic_optimizer_state"] + figures["analytic_batch"] + 4)
+    for key in ("outputs", "aliased", "temporaries", "total"):
+        assert figures[f"compiled_{key}"] > 0
+    assert figures["analytic_activations"] > 0
+    assert "fits? the larger total" in report and "H100" in report
+    return figures, full, peak_rss
+
+
+@pytest.mark.slow
+def test_compile_only_wmt14_big_fsdp8(tmp_path):
+    """About a minute on 2 CPU cores (the unscanned 12-layer step compiles in ~20-55 s)."""
+    figures, full, peak_rss = _check_report(tmp_path, "wmt14_ende_big.py",
+                                            {"mesh.fsdp": 8, "mesh.data": 1})
+    # Nothing of the program's size was allocated: the process stays under its full state
+    # (params and Adam moments, 2.6 GB) and far under one device's compiled total.
+    assert peak_rss < min(2 * 1024 ** 3, 3 * full, figures["compiled_total"] / 4)
+
+
+def test_compile_only_lm_8b_allocates_nothing_large(tmp_path):
+    """The 7.2B-parameter LM (scanned layers) compiles in seconds; its float32 params alone are
+    29 GB, the process stays well under 2 GB."""
+    if not (ROOT / "configs" / "lm_8b.py").exists():
+        pytest.skip("configs/lm_8b.py is not there yet")
+    figures, full, peak_rss = _check_report(tmp_path, "lm_8b.py", {})
+    assert full > 28e9
+    assert figures["analytic_gradients"] == 2 * figures["analytic_params"]  # + accumulator
+    assert peak_rss < min(2 * 1024 ** 3, full / 10)
+
+
+def test_compile_only_rejects_a_mesh_the_devices_do_not_fill(tmp_path):
+    status, _, stderr, _ = _compile_only(tmp_path, [
+        "--config=configs/wmt14_ende_big.py", "--mesh_devices=3", "--config.mesh.fsdp=8",
+        "--config.mesh.data=1"])
+    assert status == 1
+    assert stderr.strip().splitlines() == [
+        "error: mesh.data=1, mesh.fsdp=8, mesh.tensor=1 needs 8 devices, but 3 are available; "
+        "make the product 3 or set one axis to -1"]
+
+
+def test_bytes_per_device_of_a_sharded_leaf():
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 8, "tensor": 1})
+    sharded = jax.ShapeDtypeStruct((64, 3), "float32",
+                                   sharding=jax.NamedSharding(mesh, jax.P("fsdp")))
+    replicated = jax.ShapeDtypeStruct((5,), "bfloat16", sharding=sharding.replicated(mesh))
+    assert memory.device_bytes({"a": sharded, "b": replicated}) == 8 * 3 * 4 + 5 * 2
