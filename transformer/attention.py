@@ -53,6 +53,14 @@ def make_segment_mask(q_segment_ids: jax.Array, kv_segment_ids: jax.Array) -> ja
     return same & make_padding_mask(q_segment_ids != 0, kv_segment_ids != 0)
 
 
+def make_prefix_lm_mask(in_prefix: jax.Array) -> jax.Array:
+    """[B, 1, T, T] for a prefix LM: causal, except that positions of the prefix (in_prefix
+    [B, T], True or nonzero) attend to each other in both directions."""
+    in_prefix = in_prefix.astype(jnp.bool_)
+    both = in_prefix[:, None, :, None] & in_prefix[:, None, None, :]
+    return make_causal_mask(in_prefix.shape[1]) | both
+
+
 def combine_masks(*masks: jax.Array | None) -> jax.Array | None:
     """Logical and of the masks that are not None (None if all are)."""
     masks = [m for m in masks if m is not None]

@@ -1,4 +1,5 @@
-"""Greedy and beam search over an explicit KV cache, as pure functions (jit-compatible).
+"""Greedy search, beam search and sampling over an explicit KV cache, as pure functions
+(jit-compatible).
 
 `decode_fn(tokens [R, 1], cache) -> (logits [R, 1, V], cache)` runs one decoder step for R rows
 (R = B for greedy, B * K for beam search, rows of one sentence adjacent). The first call receives
@@ -11,6 +12,11 @@ output length input length + 50 per sentence, and early termination: a sentence 
 alive hypothesis can still beat its best finished one. Each step expands the K alive hypotheses
 into their 2K best continuations; those among the best K that end in EOS finish (as in fairseq),
 the best K that do not stay alive.
+
+Sampling (language models) draws each token from softmax(logits / temperature), restricted to
+the `top_k` most likely tokens and to the smallest set whose probability reaches `top_p`
+(nucleus sampling, Holtzman et al., 2019); temperature 0 is greedy. Each row has its own key,
+so a row's tokens do not depend on the other rows of its batch.
 
 Shape legend: B batch, K beam size, L maximum output length, V vocab.
 """
@@ -160,3 +166,59 @@ def beam_search(decode_fn: DecodeFn, cache: Any, *, bos: jax.Array, max_lengths:
 
     state = jax.lax.while_loop(undecided, expand, state)
     return state["finished_seqs"], state["finished_scores"]
+
+
+def filter_logits(logits: jax.Array, *, temperature: float, top_k: int = 0,
+                  top_p: float = 1.0) -> jax.Array:
+    """Logits [..., V] / temperature with everything outside the top-k (0: all) and outside
+    the nucleus of probability `top_p` (1.0: all) set to NEG_INF. The most likely token always
+    stays; ties at the k-th value are all kept."""
+    logits = logits.astype(jnp.float32) / temperature
+    if top_k > 0:
+        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
+        logits = jnp.where(logits < kth, NEG_INF, logits)
+    if top_p < 1.0:
+        ordered = jnp.sort(logits, axis=-1)[..., ::-1]
+        before = jnp.cumsum(jax.nn.softmax(ordered, axis=-1), axis=-1) - jax.nn.softmax(
+            ordered, axis=-1)  # probability of the more likely tokens
+        cutoff = jnp.min(jnp.where(before < top_p, ordered, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < cutoff, NEG_INF, logits)
+    return logits
+
+
+def sample(decode_fn: DecodeFn, cache: Any, logits: jax.Array, *, keys: jax.Array,
+           max_length: int, eos_id: int, temperature: float = 1.0, top_k: int = 0,
+           top_p: float = 1.0) -> jax.Array:
+    """Tokens [B, L] (L = max_length) drawn after a prompt, each row ending at its first EOS,
+    zeros after.
+
+    `logits` [B, 1, V] are the prompt's last (from the call that filled the cache), `keys` [B]
+    one PRNG key per row; token i of a row is drawn with `fold_in(key, i)`. Temperature 0 is
+    greedy (top_k and top_p then change nothing).
+    """
+    batch = logits.shape[0]
+
+    def choose(logits, step):
+        logits = logits[:, 0].astype(jnp.float32)
+        logits = jnp.where(jnp.arange(logits.shape[-1]) == PAD_ID, NEG_INF, logits)
+        if temperature == 0.0:
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        filtered = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+        step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, step)
+        return jax.vmap(jax.random.categorical)(step_keys, filtered).astype(jnp.int32)
+
+    def body(state):
+        step, tokens, finished, logits, cache = state
+        token = jnp.where(finished, 0, choose(logits, step))
+        tokens = tokens.at[:, step].set(token)
+        finished = finished | (token == eos_id)
+        logits, cache = decode_fn(token[:, None], cache)
+        return step + 1, tokens, finished, logits, cache
+
+    def cond(state):
+        step, _, finished, _, _ = state
+        return (step < max_length) & ~finished.all()
+
+    init = (jnp.zeros((), jnp.int32), jnp.zeros((batch, max_length), jnp.int32),
+            jnp.zeros((batch,), bool), logits, cache)
+    return jax.lax.while_loop(cond, body, init)[1]

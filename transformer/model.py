@@ -486,6 +486,13 @@ def shift_right(targets: jax.Array, segmentation: jax.Array | None = None) -> ja
     return jnp.where(segmentation != previous, BOS_ID, shifted)
 
 
+def prefix_inputs(targets_prefix: jax.Array, segmentation: jax.Array | None = None) -> jax.Array:
+    """[B, T] bool: the decoder inputs that belong to a prefix LM's prefix, from the targets
+    that do (`targets_prefix` [B, T]): each segment's BOS and the inputs that are prefix
+    targets shifted right. (`shift_right` puts BOS, nonzero, at every segment start.)"""
+    return shift_right(targets_prefix.astype(jnp.int32), segmentation) != 0
+
+
 # --------------------------------------------------------------------------- the model
 
 
@@ -527,21 +534,29 @@ class Transformer(nn.Module):
                             inputs_segmentation=inputs_segmentation, deterministic=deterministic)
 
     def decode(self, encoded, inputs, targets, *, targets_positions=None,
-               inputs_segmentation=None, targets_segmentation=None, cache=None,
-               deterministic=True):
+               inputs_segmentation=None, targets_segmentation=None, targets_prefix=None,
+               cache=None, deterministic=True):
         """Logits [B, T, V] of the next tokens.
 
         Training (cache None): `targets` [B, T] are shifted right inside. Incremental decoding:
         `targets` [B, t] are the decoder's input tokens for positions index..index+t-1 (BOS
         first); returns (logits, updated cache). `encoded`/`inputs` are None for decoder-only.
+
+        Prefix LM (decoder-only): `targets_prefix` [B, T] marks the targets that belong to the
+        prefix (nonzero); the decoder inputs of the prefix (BOS and the prefix tokens) attend to
+        each other in both directions, the rest causally. With a cache it marks the decoder
+        input tokens of this call that form the prefix (a prompt prefilled in one call).
         """
         cfg = self.config
         if cache is None:
             _check_length(cfg, targets.shape[1], "target")
             tokens = shift_right(targets, targets_segmentation)
             positions = _positions(targets, targets_positions)
+            causal = (attention.make_causal_mask(targets.shape[1]) if targets_prefix is None
+                      else attention.make_prefix_lm_mask(
+                          prefix_inputs(targets_prefix, targets_segmentation)))
             self_mask = attention.combine_masks(
-                attention.make_causal_mask(targets.shape[1]),
+                causal,
                 attention.make_segment_mask(targets_segmentation, targets_segmentation)
                 if targets_segmentation is not None
                 else attention.make_padding_mask(targets != 0, targets != 0))
@@ -552,6 +567,13 @@ class Transformer(nn.Module):
             max_length = jax.tree.leaves(cache["layers" if cfg.scan_layers else "layers_0"]
                                          ["self_attention"])[0].shape[-3]
             self_mask = (jnp.arange(max_length)[None, :] <= positions[0][:, None])[None, None]
+            if targets_prefix is not None:
+                in_prefix = targets_prefix.astype(jnp.bool_)
+                key_in_prefix = jax.lax.dynamic_update_slice(
+                    jnp.zeros((targets.shape[0], max_length), jnp.bool_), in_prefix,
+                    (0, cache["index"]))
+                self_mask = self_mask | (in_prefix[:, None, :, None]
+                                         & key_in_prefix[:, None, None, :])
             q_valid = jnp.ones_like(targets)
         cross_mask = None
         if encoded is not None:
@@ -565,7 +587,8 @@ class Transformer(nn.Module):
         return logits if cache is None else (logits, new_cache)
 
     def __call__(self, inputs, targets, *, inputs_positions=None, targets_positions=None,
-                 inputs_segmentation=None, targets_segmentation=None, deterministic=True):
+                 inputs_segmentation=None, targets_segmentation=None, targets_prefix=None,
+                 deterministic=True):
         cfg = self.config
         if cfg.architecture == "encoder":
             encoded = self.encode(inputs, inputs_positions=inputs_positions,
@@ -580,7 +603,7 @@ class Transformer(nn.Module):
         return self.decode(encoded, inputs, targets, targets_positions=targets_positions,
                            inputs_segmentation=inputs_segmentation,
                            targets_segmentation=targets_segmentation,
-                           deterministic=deterministic)
+                           targets_prefix=targets_prefix, deterministic=deterministic)
 
 
 def init_cache(config: TransformerConfig, batch_size: int, max_length: int) -> Cache:

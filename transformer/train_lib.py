@@ -29,7 +29,7 @@ from transformer.evaluation import perplexity
 from transformer.model import Transformer, TransformerConfig
 
 BATCH_KEYS = ("inputs", "targets", "inputs_positions", "targets_positions",
-              "inputs_segmentation", "targets_segmentation")
+              "inputs_segmentation", "targets_segmentation", "targets_prefix")
 
 
 @flax.struct.dataclass
@@ -85,12 +85,30 @@ def _model_kwargs(batch: dict) -> dict:
     return {k: batch[k] for k in BATCH_KEYS[2:] if k in batch}
 
 
+def loss_weights(batch: dict) -> jax.Array:
+    """1.0 where a target token counts in the loss: not padding (0) and, for a prefix LM, not
+    in the prefix. (A masked LM's targets are 0 except at the masked positions.)"""
+    counted = batch["targets"] != 0
+    if "targets_prefix" in batch:
+        counted = counted & (batch["targets_prefix"] == 0)
+    return counted.astype(jnp.float32)
+
+
+def sequence_tokens(config: TransformerConfig, batch: dict) -> jax.Array:
+    """Non-pad tokens of the sequence FLOPs are counted per (`flops.train_flops_per_token`):
+    the inputs of an encoder-only model, else the targets, prefix included. For translation
+    and causal LMs these are the loss's target tokens; a masked LM reads ~7x its 15%."""
+    side = "inputs" if config.architecture == "encoder" else "targets"
+    segments = batch.get(f"{side}_segmentation", batch[side])
+    return (segments != 0).sum().astype(jnp.float32)
+
+
 def _loss_sums(trainer: Trainer, params, batch, *, label_smoothing, z_loss, dropout_rng):
     deterministic = dropout_rng is None
     logits = trainer.model.apply(
         {"params": params}, batch.get("inputs"), batch["targets"], **_model_kwargs(batch),
         deterministic=deterministic, rngs=None if deterministic else {"dropout": dropout_rng})
-    weights = (batch["targets"] != 0).astype(jnp.float32)
+    weights = loss_weights(batch)
     return optim.cross_entropy_loss(logits, batch["targets"], weights,
                                     label_smoothing=label_smoothing, z_loss=z_loss)
 
@@ -99,14 +117,15 @@ def make_train_step(trainer: Trainer, cfg) -> Callable:
     """`train_step(state, batch) -> (state, metrics)`, jitted with the state donated.
 
     The loss is the sum over all devices and accumulation steps divided by the global count of
-    non-pad target tokens, so accumulating A microbatches equals one batch A times larger. An
-    update whose loss, gradient or update is not finite is never applied (metric `nonfinite`).
+    target tokens in the loss (`loss_weights`), so accumulating A microbatches equals one batch
+    A times larger. An update whose loss, gradient or update is not finite is never applied
+    (metric `nonfinite`).
     """
     label_smoothing, z_loss = float(cfg.label_smoothing), float(cfg.get("z_loss", 0.0))
     seed = int(cfg.seed)
 
     def train_step(state: TrainState, batch: dict):
-        total_weight = jnp.maximum((batch["targets"] != 0).sum().astype(jnp.float32), 1.0)
+        total_weight = jnp.maximum(loss_weights(batch).sum(), 1.0)
         step_rng = jax.random.fold_in(jax.random.key(seed), state.step + 1)
 
         def microbatch(grads_and_sums, xs):
@@ -138,6 +157,7 @@ def make_train_step(trainer: Trainer, cfg) -> Callable:
         metrics = {"loss": loss, "z_loss": z_sum / total_weight, "grad_norm": grad_norm,
                    "learning_rate": trainer.schedule(state.step),
                    "target_tokens": total_weight,
+                   "sequence_tokens": sequence_tokens(trainer.model.config, batch),
                    "source_tokens": (batch["inputs"] != 0).sum() if "inputs" in batch else 0,
                    "nonfinite": ~finite}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics

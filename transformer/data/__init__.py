@@ -44,7 +44,8 @@ class Source(Protocol):
 
 
 def make_source(cfg, workdir: str | None = None):
-    """The batch source `cfg.data.dataset` names (the contract is `Source`).
+    """The batch source `cfg.data.dataset` names (the contract is `Source`): a language-model
+    source when `cfg.data.objective` is set (causal, prefix, masked), else translation pairs.
 
     `workdir` holds what a translation source derives once and reuses on resume: the
     SentencePiece model and the tokenized training split (`<workdir>/vocab/`). Without it they
@@ -62,8 +63,10 @@ def make_source(cfg, workdir: str | None = None):
     try:
         import tensorflow_datasets  # noqa: F401
 
-        from transformer.data import translation
+        from transformer.data import language_model, translation
     except ImportError as e:
         raise ValueError(f"data.dataset={name!r} needs the data extra ({e.name} is missing): "
                          f"pip install -e '.[data]', or use data.dataset='synthetic'") from None
+    if cfg.data.get("objective"):
+        return language_model.from_config(cfg, workdir)
     return translation.from_config(cfg, workdir)

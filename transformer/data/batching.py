@@ -62,14 +62,18 @@ def _find_row(src_used, tgt_used, first_open, s, t, length) -> int:
     return -1
 
 
-def first_fit(source_lengths, target_lengths, rows: int, length: int):
+def first_fit(source_lengths, target_lengths, rows: int, length: int, *, drop: bool = False):
     """(row, source offset, target offset) of each example in turn, first-fit into `rows` rows.
-    Raises ValueError if one does not fit (the plan guarantees they do)."""
+    An example that finds no room raises ValueError (the plan guarantees they fit) or, with
+    `drop`, is placed nowhere: None."""
     src_used, tgt_used = [0] * rows, [0] * rows
     placement = []
     for s, t in zip(np.asarray(source_lengths).tolist(), np.asarray(target_lengths).tolist(),
                     strict=True):
         row = _find_row(src_used, tgt_used, 0, s, t, length)
+        if row < 0 and drop:
+            placement.append(None)
+            continue
         if row < 0:
             raise ValueError(f"an example of lengths ({s}, {t}) does not fit the batch")
         placement.append((row, src_used[row], tgt_used[row]))
@@ -86,13 +90,15 @@ def empty_batch(rows: int, source_length: int, target_length: int) -> dict[str, 
 def pack(pieces, placement, row_range: tuple[int, int], source_length: int,
          target_length: int) -> dict[str, np.ndarray]:
     """Rows [start, stop) of a packed batch. `pieces[i]` is example i's (source ids, target ids)
-    (EOS included) or None when it lands outside the range; `placement` is `first_fit`'s."""
+    (EOS included) or None when it lands outside the range; `placement` is `first_fit`'s
+    (None: dropped)."""
     start, stop = row_range
     batch = empty_batch(stop - start, source_length, target_length)
     segment = {}
-    for piece, (row, src_off, tgt_off) in zip(pieces, placement, strict=True):
-        if not start <= row < stop:
+    for piece, place in zip(pieces, placement, strict=True):
+        if place is None or not start <= place[0] < stop:
             continue
+        row, src_off, tgt_off = place
         r = row - start
         segment[r] = seg = segment.get(r, 0) + 1
         for side, ids, off in (("inputs", piece[0], src_off), ("targets", piece[1], tgt_off)):

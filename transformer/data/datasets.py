@@ -144,3 +144,28 @@ def read_pairs(source, indices, source_lang: str, target_lang: str):
         records = get_many(chunk) if get_many else [source[j] for j in chunk]
         pairs.extend((_text(r, source_lang), _text(r, target_lang)) for r in records)
     return pairs
+
+
+def text_features(builder) -> list[str]:
+    """The text features of a TFDS dataset: a translation dataset's languages (`offline_de_en`:
+    de, en), else its `Text` features (`lm1b`, `c4`: text)."""
+    import tensorflow_datasets as tfds
+
+    features = builder.info.features
+    if hasattr(features, "languages"):
+        return sorted(features.languages)
+    return sorted(k for k, f in features.items() if isinstance(f, tfds.features.Text))
+
+
+def read_documents(source, indices, keys: list[str]) -> list[str]:
+    """The texts of documents `indices` of a data source, where document d is text feature
+    keys[d % len(keys)] of record d // len(keys)."""
+    indices = [int(i) for i in indices]
+    get_many = getattr(source, "__getitems__", None)
+    records = sorted({i // len(keys) for i in indices})
+    fetched = {}
+    for i in range(0, len(records), CHUNK):
+        chunk = records[i:i + CHUNK]
+        fetched.update(zip(chunk, get_many(chunk) if get_many else [source[j] for j in chunk],
+                           strict=True))
+    return [_text(fetched[d // len(keys)], keys[d % len(keys)]) for d in indices]

@@ -202,7 +202,7 @@ class TranslationSource:
             return tokenizer_lib.train(sentences(), vocab_size, seed=self.seed)
         return tokenizer_lib.load_or_train(
             os.path.join(self.workdir, "vocab"), vocab_size, seed=self.seed,
-            sentences=sentences, expected_sha256=_recorded_vocabulary(self.workdir), info=info)
+            sentences=sentences, expected_sha256=recorded_vocabulary(self.workdir), info=info)
 
     def _tokenized(self, split: str) -> TokenizedSplit:
         dtype = np.uint16 if self.tokenizer.vocab_size <= np.iinfo(np.uint16).max else np.int32
@@ -311,7 +311,7 @@ def _truncate(data: TokenizedSplit, length: int) -> TokenizedSplit:
     return TokenizedSplit(**arrays)
 
 
-def _recorded_vocabulary(workdir: str) -> str | None:
+def recorded_vocabulary(workdir: str) -> str | None:
     """The vocabulary sha256 the run recorded in config.json (None on a fresh run)."""
     try:
         with open(os.path.join(workdir, "config.json")) as f:

@@ -1,0 +1,293 @@
+"""The `Source` for language-model pretraining on TFDS text: `lm1b`, `c4/en`, and the offline
+corpus `offline_de_en` read as monolingual text (each side of a pair is a document).
+
+Objectives (`data.objective`):
+- "causal": next-token prediction, decoder-only. Keys `targets`, `targets_segmentation`,
+  `targets_positions`.
+- "prefix": the same plus `targets_prefix`: the first k tokens of each segment (k uniform in
+  1..n-1) form a prefix the model reads in both directions and is not scored on.
+- "masked": BERT's masked LM, encoder-only. Of the real tokens, `data.mask_rate` (15%) are
+  selected; of those 80% become [MASK], 10% a random piece, 10% stay. `inputs` hold the result,
+  `targets` the original piece at the selected positions and 0 elsewhere, so the loss counts
+  the selected positions alone. Keys `inputs`, `inputs_segmentation`, `inputs_positions`,
+  `targets`.
+
+Documents: document d is text feature `keys[d % F]` of record `d // F` (F text features per
+record). Training batch `index` is a pure function of (seed, index): epoch e is a seeded
+permutation of the training documents cut into runs of `docs_per_batch`; a run is tokenized
+(EOS appended), each document cut into pieces of at most `data.max_length` tokens (each piece
+its own segment: positions restart and no token attends across pieces), and the pieces placed
+first-fit (`batching.first_fit`) into the update's rows. A piece that finds no room is dropped:
+`docs_per_batch` is the update's capacity in tokens over the mean document length of a seeded
+sample, so a few percent are. Masks and prefixes are drawn from generators seeded by
+(seed, index, global row), so each process computes only its own rows.
+
+Evaluation reads the first `data.eval_documents` documents of `data.eval_split`, cut the same
+way and packed in order with nothing dropped (`batching.plan_epoch`); its masks and prefixes
+are seeded by (seed, batch, row) and so the same at every evaluation.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+
+import numpy as np
+
+from transformer.data import batching
+from transformer.data import tokenizer as tokenizer_lib
+from transformer.data.datasets import (
+    CHUNK,
+    open_split,
+    prepare_dataset,
+    read_documents,
+    text_features,
+)
+from transformer.data.translation import recorded_vocabulary
+
+log = logging.getLogger("transformer")
+OBJECTIVES = {"causal": "decoder", "prefix": "decoder", "masked": "encoder"}
+MASK_SPLIT = (0.8, 0.1)  # of the selected tokens: [MASK], random piece; the rest stay
+LENGTH_SAMPLE = 2000  # documents whose mean length sizes docs_per_batch
+_TRAIN, _EVAL = 0, 1  # random streams
+
+
+def cut_pieces(sequences, length: int) -> list[np.ndarray]:
+    """Each id sequence with EOS appended, cut into consecutive pieces of at most `length`."""
+    pieces = []
+    for seq in sequences:
+        ids = np.append(np.asarray(seq, np.int32), np.int32(tokenizer_lib.EOS_ID))
+        pieces.extend(ids[i:i + length] for i in range(0, len(ids), length))
+    return pieces
+
+
+def apply_objective(packed: dict[str, np.ndarray], objective: str, rngs, *, mask_id: int,
+                    vocab_size: int, mask_rate: float) -> dict[str, np.ndarray]:
+    """The batch keys of `objective` from packed rows (`targets`, `targets_segmentation`,
+    `targets_positions`, [R, L]); `rngs[r]` draws row r's mask or prefixes."""
+    tokens = packed["targets"]
+    segments, positions = packed["targets_segmentation"], packed["targets_positions"]
+    if objective == "causal":
+        return {"targets": tokens, "targets_segmentation": segments,
+                "targets_positions": positions}
+    if objective == "prefix":
+        prefix = np.zeros_like(tokens)
+        for r, rng in enumerate(rngs):
+            for segment in np.unique(segments[r][segments[r] > 0]).tolist():
+                where = segments[r] == segment
+                n = int(where.sum())
+                k = int(rng.integers(1, n)) if n > 1 else 0
+                prefix[r] |= (where & (positions[r] < k)).astype(prefix.dtype)
+        return {"targets": tokens, "targets_segmentation": segments,
+                "targets_positions": positions, "targets_prefix": prefix}
+    inputs, targets = tokens.copy(), np.zeros_like(tokens)
+    first_piece = mask_id + 1
+    for r, rng in enumerate(rngs):
+        real = segments[r] > 0
+        selected = real & (rng.random(tokens.shape[1]) < mask_rate)
+        kind = rng.random(tokens.shape[1])
+        random_ids = rng.integers(first_piece, vocab_size, tokens.shape[1])
+        masked = selected & (kind < MASK_SPLIT[0])
+        randomised = selected & (kind >= MASK_SPLIT[0]) & (kind < sum(MASK_SPLIT))
+        inputs[r] = np.where(masked, mask_id, np.where(randomised, random_ids, tokens[r]))
+        targets[r] = np.where(selected, tokens[r], 0)
+    return {"inputs": inputs, "inputs_segmentation": segments, "inputs_positions": positions,
+            "targets": targets}
+
+
+class LanguageModelSource:
+    """Packed language-model batches from a TFDS text dataset (the `Source` contract)."""
+
+    def __init__(self, dataset: str, *, objective: str, vocab_size: int, max_length: int,
+                 batch_size: int, grad_accum_steps: int = 1, eval_batch_size: int | None = None,
+                 eval_split: str = "validation", eval_documents: int = 2000,
+                 mask_rate: float = 0.15, seed: int = 0, data_dir: str | None = None,
+                 manual_dir: str | None = None, workdir: str | None = None,
+                 vocab_sample_documents: int = 200_000,
+                 tokenizer: tokenizer_lib.Tokenizer | None = None):
+        if objective not in OBJECTIVES:
+            raise ValueError(f"data.objective={objective!r} is not one of "
+                             f"{', '.join(OBJECTIVES)}")
+        if not 0.0 < mask_rate < 1.0:
+            raise ValueError(f"data.mask_rate={mask_rate} must be in (0, 1)")
+        if int(max_length) < 2:
+            raise ValueError(f"data.max_length={max_length} must be >= 2")
+        if int(batch_size) < 1 or int(batch_size) % int(grad_accum_steps):
+            raise ValueError(f"data.batch_size={batch_size} (rows per update) must be a "
+                             f"positive multiple of grad_accum_steps={grad_accum_steps}")
+        if int(eval_documents) < 1:
+            raise ValueError(f"data.eval_documents={eval_documents} must be >= 1")
+        self.dataset, self.objective, self.seed = dataset, objective, int(seed)
+        self.max_length, self.mask_rate = int(max_length), float(mask_rate)
+        self.grad_accum_steps = int(grad_accum_steps)
+        self.rows_per_batch = int(batch_size) // self.grad_accum_steps
+        self.eval_rows_per_batch = int(eval_batch_size or self.rows_per_batch)
+        self.source_length = self.target_length = self.max_length
+        self.validation_split, self.eval_documents = eval_split, int(eval_documents)
+        self.workdir = workdir
+        self._sources: dict[str, object] = {}
+        self.builder = prepare_dataset(dataset, data_dir, manual_dir)
+        self.keys = text_features(self.builder)
+        if not self.keys:
+            raise ValueError(f"data.dataset={dataset!r} has no text feature to model")
+        splits = sorted(self.builder.info.splits)
+        for key, split in (("train split", "train"), ("data.eval_split", eval_split)):
+            if split not in splits:
+                raise ValueError(f"{key}={split!r} is not a split of {dataset} "
+                                 f"({', '.join(splits)})")
+            if not len(self._split(split)):
+                raise ValueError(f"{dataset}: the {split!r} split is empty; prepare the "
+                                 f"dataset again or choose another data.eval_split")
+        self.num_train_documents = len(self._split("train")) * len(self.keys)
+        self.tokenizer = tokenizer or self._tokenizer(int(vocab_size),
+                                                      int(vocab_sample_documents))
+        if self.tokenizer.vocab_size != int(vocab_size):
+            raise tokenizer_lib.VocabularyMismatch(
+                f"the tokenizer has {self.tokenizer.vocab_size} pieces but "
+                f"data.vocab_size={vocab_size}")
+        self.docs_per_batch = self._docs_per_batch()
+        self.batches_per_epoch = self.num_train_documents // self.docs_per_batch
+        if self.batches_per_epoch < 1:
+            raise ValueError(f"{dataset} has {self.num_train_documents} training documents, "
+                             f"fewer than one batch needs ({self.docs_per_batch}); lower "
+                             f"data.batch_size")
+        log.info("%s: %d training documents, %d per batch of %d x %d tokens", dataset,
+                 self.num_train_documents, self.docs_per_batch, int(batch_size),
+                 self.max_length)
+        self._lock = threading.Lock()
+
+    # ----------------------------------------------------------------- pieces
+
+    def _split(self, split: str):
+        if split not in self._sources:
+            self._sources[split] = open_split(self.builder, split)
+        return self._sources[split]
+
+    def _texts(self, split: str, documents) -> list[str]:
+        return read_documents(self._split(split), documents, self.keys)
+
+    def _tokenizer(self, vocab_size: int, sample_documents: int) -> tokenizer_lib.Tokenizer:
+        sample = np.sort(np.random.default_rng([self.seed, 7]).permutation(
+            self.num_train_documents)[:sample_documents])
+
+        def sentences():
+            for i in range(0, len(sample), CHUNK):
+                yield from self._texts("train", sample[i:i + CHUNK])
+
+        info = {"dataset": self.builder.info.full_name, "sample_documents": int(len(sample)),
+                "features": self.keys}
+        if self.workdir is None:
+            return tokenizer_lib.train(sentences(), vocab_size, seed=self.seed)
+        return tokenizer_lib.load_or_train(
+            os.path.join(self.workdir, "vocab"), vocab_size, seed=self.seed,
+            sentences=sentences, expected_sha256=recorded_vocabulary(self.workdir), info=info)
+
+    def _docs_per_batch(self) -> int:
+        """Documents per update: its capacity in tokens over the mean tokens of a document."""
+        rng = np.random.default_rng([self.seed, 11])
+        sample = np.sort(rng.permutation(self.num_train_documents)[:LENGTH_SAMPLE])
+        lengths = [len(ids) + 1 for ids in self.tokenizer.encode(self._texts("train", sample))]
+        capacity = self.rows_per_batch * self.grad_accum_steps * self.max_length
+        return max(1, round(capacity / float(np.mean(lengths))))
+
+    def _row_rngs(self, stream: int, index: int, rows: range) -> list[np.random.Generator]:
+        return [np.random.default_rng([self.seed, stream, index, r]) for r in rows]
+
+    def _objective(self, packed, stream: int, index: int, rows: range):
+        return apply_objective(packed, self.objective, self._row_rngs(stream, index, rows),
+                               mask_id=self.tokenizer.mask_id,
+                               vocab_size=self.tokenizer.vocab_size, mask_rate=self.mask_rate)
+
+    def fingerprint(self) -> str:
+        return (f"{self.builder.info.full_name} {self.objective} features={','.join(self.keys)}"
+                f" documents={self.num_train_documents} max_length={self.max_length} "
+                f"docs_per_batch={self.docs_per_batch}")
+
+    def vocabulary_fingerprint(self) -> str:
+        return self.tokenizer.fingerprint()
+
+    # ----------------------------------------------------------------- batches
+
+    def batch_documents(self, index: int) -> np.ndarray:
+        """The training documents of global batch `index`, in placement order."""
+        if index < 0:
+            raise ValueError(f"batch index {index} < 0")
+        epoch, b = divmod(index, self.batches_per_epoch)
+        order = np.random.default_rng([self.seed, epoch]).permutation(self.num_train_documents)
+        return order[b * self.docs_per_batch:(b + 1) * self.docs_per_batch]
+
+    def train_pieces(self, index: int) -> tuple[list[np.ndarray], list]:
+        """The pieces of global batch `index` and their first-fit placement (None: dropped)."""
+        with self._lock:
+            texts = self._texts("train", self.batch_documents(index))
+        pieces = cut_pieces(self.tokenizer.encode(texts), self.max_length)
+        placement = batching.first_fit(np.zeros(len(pieces), np.int64), [len(p) for p in pieces],
+                                       self.rows_per_batch * self.grad_accum_steps,
+                                       self.max_length, drop=True)
+        return pieces, placement
+
+    def _pack(self, pieces, placement, rows: tuple[int, int]) -> dict[str, np.ndarray]:
+        empty = np.zeros(0, np.int32)
+        wanted = [(empty, p) if place is not None and rows[0] <= place[0] < rows[1] else None
+                  for p, place in zip(pieces, placement, strict=True)]
+        return batching.pack(wanted, placement, rows, 0, self.max_length)
+
+    def train_batch(self, index: int, rows: tuple[int, int]) -> dict[str, np.ndarray]:
+        pieces, placement = self.train_pieces(index)
+        micro = []
+        for a in range(self.grad_accum_steps):
+            global_rows = (a * self.rows_per_batch + rows[0], a * self.rows_per_batch + rows[1])
+            micro.append(self._objective(self._pack(pieces, placement, global_rows), _TRAIN,
+                                         index, range(*global_rows)))
+        return {k: np.stack([m[k] for m in micro]) for k in micro[0]}
+
+    @functools.cached_property
+    def _eval_plan(self) -> tuple[list[np.ndarray], np.ndarray]:
+        count = min(self.eval_documents, len(self._split(self.validation_split)) * len(self.keys))
+        texts = self._texts(self.validation_split, range(count))
+        pieces = cut_pieces(self.tokenizer.encode(texts), self.max_length)
+        lengths = np.array([len(p) for p in pieces], np.int64)
+        starts = batching.plan_epoch(np.zeros_like(lengths), lengths, np.arange(len(pieces)),
+                                     self.eval_rows_per_batch, self.max_length)
+        return pieces, starts
+
+    def eval_batches(self, split: str, rows: tuple[int, int]):
+        if split != self.validation_split:
+            raise ValueError(f"split={split!r}: this source evaluates data.eval_split="
+                             f"{self.validation_split!r}")
+        pieces, starts = self._eval_plan
+        for b in range(len(starts) - 1):
+            chunk = pieces[starts[b]:starts[b + 1]]
+            placement = batching.first_fit(np.zeros(len(chunk), np.int64),
+                                           [len(p) for p in chunk], self.eval_rows_per_batch,
+                                           self.max_length)
+            batch = self._objective(self._pack(chunk, placement, rows), _EVAL, b, range(*rows))
+            yield {k: v[None] for k, v in batch.items()}
+
+
+def from_config(cfg, workdir: str | None = None) -> LanguageModelSource:
+    """`LanguageModelSource` from the config's `data` keys (see configs/lm_default.py)."""
+    data = cfg.data
+    objective = data.objective
+    wanted = OBJECTIVES.get(objective)
+    if wanted and cfg.model.architecture != wanted:
+        raise ValueError(f"data.objective={objective!r} trains a model.architecture="
+                         f"{wanted!r}, not {cfg.model.architecture!r}")
+    if int(cfg.model.vocab_size) != int(data.vocab_size):
+        raise ValueError(f"model.vocab_size={cfg.model.vocab_size} differs from "
+                         f"data.vocab_size={data.vocab_size}")
+    if cfg.model.get("positional") in ("sinusoidal", "learned") and \
+            int(data.max_length) > int(cfg.model.max_len):
+        raise ValueError(f"data.max_length={data.max_length} exceeds model.max_len="
+                         f"{cfg.model.max_len}")
+    return LanguageModelSource(
+        data.dataset, objective=objective, vocab_size=int(data.vocab_size),
+        max_length=int(data.max_length), batch_size=int(data.batch_size),
+        grad_accum_steps=int(cfg.grad_accum_steps), eval_batch_size=data.get("eval_batch_size"),
+        eval_split=data.get("eval_split") or "validation",
+        eval_documents=int(data.get("eval_documents") or 2000),
+        mask_rate=float(data.get("mask_rate") or 0.15), seed=int(cfg.seed),
+        data_dir=data.get("data_dir"), manual_dir=data.get("manual_dir"), workdir=workdir,
+        vocab_sample_documents=int(data.get("vocab_sample_documents") or 200_000))

@@ -1,0 +1,67 @@
+"""Continue prompts with a trained decoder-only language model, one prompt a line.
+
+    python -m transformer.generate --workdir=runs/lm_default --prompt="Click the"
+    python -m transformer.generate --workdir=runs/lm_default < prompts.txt \\
+        [--max_new_tokens=40] [--temperature=0.8] [--top_k=0] [--top_p=0.95] [--seed=0]
+
+`--prompt` (repeatable) or stdin (or `--input`); writes each prompt with its continuation on
+one line to stdout (or `--output`). `--temperature=0` is greedy; unset options come from the
+run's config (`generate.*`). The same seed gives the same continuations (batched or not).
+"""
+
+import logging
+import sys
+
+from absl import app, flags
+from absl import logging as absl_logging
+
+flags.DEFINE_string("workdir", None, "The training run's workdir.")
+flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+flags.DEFINE_multi_string("prompt", None, "A prompt (repeatable); default: stdin or --input.")
+flags.DEFINE_string("input", None, "Prompts file, one a line (default: stdin).")
+flags.DEFINE_string("output", None, "Output file (default: stdout).")
+flags.DEFINE_integer("max_new_tokens", None, "Tokens to add at most (default: the config's).")
+flags.DEFINE_float("temperature", None, "Softmax temperature; 0 is greedy.")
+flags.DEFINE_integer("top_k", None, "Sample from the k most likely tokens (0: all).")
+flags.DEFINE_float("top_p", None, "Sample from the smallest set of this probability (1: all).")
+flags.DEFINE_integer("seed", 0, "Sampling seed.")
+flags.DEFINE_integer("batch_size", 32, "Prompts generated together.")
+flags.mark_flags_as_required(["workdir"])
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    absl_logging.set_verbosity(absl_logging.WARNING)  # orbax's INFO chatter
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
+    from transformer.generator import load_generator
+    from transformer.text_input import read_lines
+
+    try:
+        if FLAGS.prompt:
+            prompts = list(FLAGS.prompt)
+        elif FLAGS.input:
+            with open(FLAGS.input, "rb") as f:
+                prompts = read_lines(f.read(), FLAGS.input)
+        else:
+            prompts = read_lines(sys.stdin.buffer.read(), "stdin")
+        if not prompts:
+            raise ValueError("no prompt: pass --prompt=... or one prompt a line on stdin")
+        generator = load_generator(FLAGS.workdir, step=FLAGS.step)
+        texts = generator.generate(prompts, max_new_tokens=FLAGS.max_new_tokens,
+                                   temperature=FLAGS.temperature, top_k=FLAGS.top_k,
+                                   top_p=FLAGS.top_p, seed=FLAGS.seed,
+                                   batch_size=FLAGS.batch_size)
+    except (ValueError, OSError) as error:
+        sys.exit(f"error: {error}")
+    text = "".join(t.replace("\n", " ") + "\n" for t in texts)
+    if FLAGS.output:
+        with open(FLAGS.output, "w", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+
+
+if __name__ == "__main__":
+    app.run(main)
