@@ -128,9 +128,10 @@ def test_compile_only_wmt14_big_fsdp8(tmp_path):
     assert peak_rss < min(2 * 1024 ** 3, 3 * full, figures["compiled_total"] / 4)
 
 
+@pytest.mark.slow
 def test_compile_only_lm_8b_allocates_nothing_large(tmp_path):
-    """The 7.2B-parameter LM (scanned layers) compiles in seconds; its float32 params alone are
-    29 GB, the process stays well under 2 GB."""
+    """The 7.2B-parameter LM (scanned layers) compiles in 5-20 s (15-25 s the test); its float32
+    params alone are 29 GB, the process stays well under 2 GB."""
     if not (ROOT / "configs" / "lm_8b.py").exists():
         pytest.skip("configs/lm_8b.py is not there yet")
     figures, full, peak_rss = _check_report(tmp_path, "lm_8b.py", {})

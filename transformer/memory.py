@@ -255,26 +255,29 @@ def _human(num_bytes: int) -> str:
     return f"{num_bytes} B"
 
 
-def format_report(cfg, memory: MemoryPlan) -> str:
+def format_report(cfg, memory_plan: MemoryPlan) -> str:
     """The table `--compile_only` prints; its last line, `per_device_bytes: key=value ...`, is
     for tools to read."""
     model = TransformerConfig.from_dict(cfg.model)
-    mesh = " x ".join(f"{axis} {size}" for axis, size in memory.mesh_shape.items())
-    devices = math.prod(memory.mesh_shape.values())
-    accum, rows, _ = memory.batch["targets"]
-    per_device = rows // (memory.mesh_shape["data"] * memory.mesh_shape["fsdp"])
-    lengths = ", ".join(f"{k} {shape[2]}" for k, shape in memory.batch.items()
+    mesh = " x ".join(f"{axis} {size}" for axis, size in memory_plan.mesh_shape.items())
+    devices = math.prod(memory_plan.mesh_shape.values())
+    accum, rows, _ = memory_plan.batch["targets"]
+    per_device = rows // (memory_plan.mesh_shape["data"] * memory_plan.mesh_shape["fsdp"])
+    lengths = ", ".join(f"{k} {shape[2]}" for k, shape in memory_plan.batch.items()
                         if k in ("inputs", "targets"))
-    a, c = memory.analytic, memory.compiled
-    row = "{:<34}{:>14}{:>14}".format
+    a, c = memory_plan.analytic, memory_plan.compiled
+
+    def row(name: str, analytic: str, compiled: str) -> str:
+        return f"{name:<34}{analytic:>14}{compiled:>14}".rstrip()
+
     lines = [
-        f"compile only: {devices} {memory.platform} devices, mesh {mesh}",
+        f"compile only: {devices} {memory_plan.platform} devices, mesh {mesh}",
         f"batch: {accum * rows} rows per update = {accum} microbatch(es) x {rows} rows "
         f"({per_device} per device), lengths {lengths}",
-        f"model: {memory.param_count:,} params (float32), compute {model.dtype}, remat "
+        f"model: {memory_plan.param_count:,} params (float32), compute {model.dtype}, remat "
         f"{model.remat_policy}, scan_layers {model.scan_layers}",
-        f"train step lowered in {memory.lower_seconds:.1f} s, compiled in "
-        f"{memory.compile_seconds:.1f} s",
+        f"train step lowered in {memory_plan.lower_seconds:.1f} s, compiled in "
+        f"{memory_plan.compile_seconds:.1f} s",
         "",
         row("per device", "analytic", "compiled"),
         row("params", _human(a["params"]), ""),
@@ -288,20 +291,20 @@ def format_report(cfg, memory: MemoryPlan) -> str:
         row("aliased (donated state)", "", "-" + _human(c["aliased"])),
         row("temporaries", "", _human(c["temporaries"])),
         row("generated code", "", _human(c["generated_code"])),
-        row("total", _human(memory.analytic_total), _human(memory.compiled_total)),
+        row("total", _human(memory_plan.analytic_total), _human(memory_plan.compiled_total)),
     ]
-    if memory.platform == "cpu":
+    if memory_plan.platform == "cpu":
         lines.append("(compiled on CPU: XLA's CPU buffer assignment, an estimate of an "
                      "accelerator's)")
-    need = max(memory.analytic_total, memory.compiled_total)
+    need = max(memory_plan.analytic_total, memory_plan.compiled_total)
     lines += ["", f"fits? the larger total, {_human(need)}, against nominal memory per device:"]
     lines += [f"  {name:<10} {gib:>4} GiB  {need / (gib * GiB):>7.0%}  "
               f"{'fits' if need <= gib * GiB else 'does not fit'}"
               for name, gib in ACCELERATOR_MEMORY_GIB]
     figures = {f"analytic_{k}": v for k, v in a.items()}
-    figures |= {"analytic_total": memory.analytic_total}
+    figures |= {"analytic_total": memory_plan.analytic_total}
     figures |= {f"compiled_{k}": v for k, v in c.items()}
-    figures |= {"compiled_total": memory.compiled_total}
+    figures |= {"compiled_total": memory_plan.compiled_total}
     lines.append("per_device_bytes: " + " ".join(f"{k}={v}" for k, v in figures.items()))
     return "\n".join(lines)
 
