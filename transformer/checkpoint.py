@@ -5,12 +5,28 @@ Layout (DESIGN.md): `<workdir>/checkpoints/<step>/` is an orbax Composite with i
 (params, opt_state, step) and item "data" (the input iterator: the next global batch index).
 Restoring into abstract arrays that carry new shardings moves a checkpoint onto another mesh or
 device count.
+
+Faults. Orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it into place last, so
+a save cut short is never listed as a step (and is removed when the next run starts).
+`Checkpointer.restore_latest` skips a checkpoint that fails to restore (a corrupted or truncated
+file), moving it to `<workdir>/skipped_checkpoints/<step>` with one log line saying why, and
+resumes from the one before. A save that fails (a full disk) raises `CheckpointSaveError`, one
+line naming the step and the checkpoint still intact.
+
+Fault injection (tests): `TRANSFORMER_FAULT_INJECT=kill@<step>` makes the process SIGKILL itself
+while saving step <step>, after every file is written and before the rename that completes it;
+`enospc@<step>` makes that save fail there with `OSError(ENOSPC)` instead.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import logging
 import os
 import re
+import shutil
+import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,20 +38,76 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 _LAYER = re.compile(r"^layers_(\d+)$")
+FAULT_ENV = "TRANSFORMER_FAULT_INJECT"
+SKIPPED = "skipped_checkpoints"
+log = logging.getLogger("transformer")
+
+
+class CheckpointSaveError(ValueError):
+    """A checkpoint could not be written (e.g. the disk is full); the message is one line."""
+
+
+def _fault_injecting_path(spec: str) -> type:
+    """Orbax's atomic-rename temporary path, failing as `spec` (`kill@N` or `enospc@N`) says
+    when step N's directory is about to be renamed into place."""
+    fault, _, step = spec.partition("@")
+    if fault not in ("kill", "enospc") or not step.isdigit():
+        raise ValueError(f"{FAULT_ENV}={spec!r}: expected kill@<step> or enospc@<step>")
+
+    class FaultInjecting(ocp.path.atomicity.AtomicRenameTemporaryPath):
+        async def finalize(self, *args, **kwargs):
+            if self.get_final().name == step:
+                if fault == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.get()))
+            await super().finalize(*args, **kwargs)
+
+    return FaultInjecting
+
+
+class _ReraisedSaveErrors(logging.Filter):
+    """Drops orbax's tracebacks of a failed background save: Checkpointer raises it as one line."""
+
+    def filter(self, record):
+        error = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(error, OSError) and "save" in record.getMessage().lower())
+
+
+logging.getLogger("absl").addFilter(_ReraisedSaveErrors())
+
+
+def _one_line(error: BaseException, limit: int = 300) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:limit]
+
+
+def _path_str(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+                    for k in path)
+
+
+def _shapes(tree) -> dict[str, tuple]:
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {_path_str(path): tuple(leaf.shape) for path, leaf in leaves}
 
 
 class Checkpointer:
     """Async saves of (state, data) under `<workdir>/checkpoints`, keeping the last `keep`."""
 
     def __init__(self, workdir: str, *, keep: int, use_async: bool = True):
-        self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+        self.directory = os.path.join(os.path.abspath(workdir), CHECKPOINTS)
+        fault = os.environ.get(FAULT_ENV)
         options = ocp.CheckpointManagerOptions(
             preservation_policy=ocp.checkpoint_managers.LatestN(keep),
             enable_async_checkpointing=use_async,
             cleanup_tmp_directories=True,
+            temporary_path_class=_fault_injecting_path(fault) if fault else None,
         )
-        self._manager = ocp.CheckpointManager(self.directory, item_names=("state", "data"),
-                                              options=options)
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options,
+            item_handlers={"state": ocp.StandardCheckpointHandler(),
+                           "data": ocp.JsonCheckpointHandler()})
+        self._saving: int | None = None  # the step of the save in flight
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -45,8 +117,12 @@ class Checkpointer:
 
     def save(self, step: int, state: Any, data_state: dict) -> None:
         """Starts an async save of step `step` (waits for the previous save first)."""
-        self._manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)), force=True)
+        self.wait()
+        self._saving = step
+        with self._save_errors():
+            self._manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)),
+                force=True)
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
         """The state at `step`, placed as `abstract_state`'s shardings, and the data state."""
@@ -54,12 +130,90 @@ class Checkpointer:
             state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
         return restored["state"], restored["data"]
 
+    def shape_problem(self, step: int, abstract_state: Any) -> str | None:
+        """How checkpoint `step` disagrees with `abstract_state` (the config's): the first array
+        whose shape differs, with both shapes; None if they agree. Reading a damaged
+        checkpoint's metadata raises."""
+        saved = _shapes(self._manager.item_metadata(step)["state"])
+        for path, shape in _shapes(abstract_state).items():
+            if path not in saved:
+                problem = f"has no {path} (the config's shape {shape})"
+            elif saved[path] != shape:
+                problem = f"holds {path} with shape {saved[path]} but the config gives {shape}"
+            else:
+                continue
+            return (f"checkpoint {step} in {self.directory} {problem}: resume with the config "
+                    f"it was trained with (its config.json) or use a new --workdir")
+        return None
+
+    def restore_latest(self, abstract_state: Any) -> tuple[int, Any, dict] | None:
+        """(step, state, data state) of the newest checkpoint that restores; None when there is
+        none. One that fails to restore is moved to `<workdir>/skipped_checkpoints/` with a
+        warning naming it and why; one whose shapes disagree with the config raises ValueError."""
+        skipped = []
+        for step in sorted(self.all_steps(), reverse=True):
+            failure = problem = None
+            try:
+                problem = self.shape_problem(step, abstract_state)
+                if problem is None:
+                    state, data_state = self.restore(step, abstract_state)
+            except Exception as error:  # any failure to read it back: a damaged checkpoint
+                failure = error
+            if jax.process_count() > 1:  # all processes skip it, or none does
+                elsewhere = multihost_utils.process_allgather(np.array(failure is not None))
+                if failure is None and elsewhere.any():
+                    failure = RuntimeError("another process could not restore it")
+            if problem is not None:
+                raise ValueError(problem)
+            if failure is None:
+                return step, state, data_state
+            skipped.append(f"{step} ({_one_line(failure, 120)})")
+            moved = self._move_aside(step)
+            log.warning("checkpoint %d does not restore (%s): moved to %s; trying the "
+                        "previous one", step, _one_line(failure), moved)
+        if skipped:
+            raise ValueError(f"no checkpoint in {self.directory} restores: {'; '.join(skipped)};"
+                             f" they were moved to {self._skipped_dir()}; start afresh with a new"
+                             f" --workdir")
+        return None
+
+    def _skipped_dir(self) -> str:
+        return os.path.join(os.path.dirname(self.directory), SKIPPED)
+
+    def _move_aside(self, step: int) -> str:
+        """Moves checkpoint `step` to `skipped_checkpoints/` (process 0; all processes wait)."""
+        target, suffix = os.path.join(self._skipped_dir(), str(step)), 1
+        while os.path.exists(target):
+            target, suffix = os.path.join(self._skipped_dir(), f"{step}.{suffix}"), suffix + 1
+        if jax.process_index() == 0:
+            os.makedirs(self._skipped_dir(), exist_ok=True)
+            shutil.move(os.path.join(self.directory, str(step)), target)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"checkpoint {step} moved aside")
+        self._manager.reload()
+        return target
+
+    @contextlib.contextmanager
+    def _save_errors(self):
+        """An OSError of the save of step `self._saving` becomes a one-line CheckpointSaveError."""
+        try:
+            yield
+        except OSError as error:
+            steps = list_steps(self.directory)
+            intact = f"checkpoint {steps[-1]} is intact" if steps else "no checkpoint was saved"
+            what = "disk full" if error.errno == errno.ENOSPC else _one_line(error)
+            raise CheckpointSaveError(
+                f"{what} while saving checkpoint {self._saving} in {self.directory}; free space "
+                f"(or use another --workdir) and rerun to resume: {intact}") from error
+
     def wait(self) -> None:
-        self._manager.wait_until_finished()
+        with self._save_errors():
+            self._manager.wait_until_finished()
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        """Waits for the save in flight (a failed one raises CheckpointSaveError) and closes."""
+        with self._save_errors():
+            self._manager.close()
 
 
 def unstack_layers(params: dict) -> dict:
