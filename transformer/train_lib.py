@@ -105,9 +105,14 @@ def sequence_tokens(config: TransformerConfig, batch: dict) -> jax.Array:
 
 def _loss_sums(trainer: Trainer, params, batch, *, label_smoothing, z_loss, dropout_rng):
     deterministic = dropout_rng is None
-    logits = trainer.model.apply(
-        {"params": params}, batch.get("inputs"), batch["targets"], **_model_kwargs(batch),
-        deterministic=deterministic, rngs=None if deterministic else {"dropout": dropout_rng})
+    # The model's activation constraints (`nn.with_logical_constraint`) need the rules and the
+    # mesh in scope; without them they do nothing and XLA may gather FSDP activations whole.
+    with nn.logical_axis_rules(sharding.LOGICAL_AXIS_RULES), \
+            jax.sharding.use_abstract_mesh(trainer.mesh.abstract_mesh):
+        logits = trainer.model.apply(
+            {"params": params}, batch.get("inputs"), batch["targets"], **_model_kwargs(batch),
+            deterministic=deterministic,
+            rngs=None if deterministic else {"dropout": dropout_rng})
     weights = loss_weights(batch)
     return optim.cross_entropy_loss(logits, batch["targets"], weights,
                                     label_smoothing=label_smoothing, z_loss=z_loss)
