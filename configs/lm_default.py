@@ -10,7 +10,8 @@ and German). SentencePiece (BPE, 8,000 pieces) trains on them in seconds. Prefix
 
 Model: the Llama-style block of `lm_common.py` (pre-RMSNorm, RoPE, SwiGLU, 4 query heads
 sharing 2 key/value heads, no biases, untied output) at d_model 256, 4 layers, float32;
-rows of 128 tokens, 16 rows per update; AdamW 3e-3 with 200 warmup steps, cosine to 10%.
+rows of 128 tokens, 16 rows per update; AdamW 3e-3 with 100 warmup steps, cosine to 10% at
+update 1,500.
 
 Hardware and time: see the README's "Language models" section for the measured figures.
 """
@@ -24,7 +25,7 @@ lm_config = runpy.run_path(str(pathlib.Path(__file__).with_name("lm_common.py"))
 def get_config():
     cfg = lm_config(objective="causal", dataset="offline_de_en", vocab_size=8000, max_length=128,
                     batch_size=16, num_layers=4, d_model=256, d_ff=704, num_heads=4,
-                    num_kv_heads=2, num_train_steps=3000, learning_rate=3e-3, warmup_steps=200,
+                    num_kv_heads=2, num_train_steps=1500, learning_rate=3e-3, warmup_steps=100,
                     mesh=dict(data=-1, fsdp=1, tensor=1), dtype="float32", scan_layers=False)
     cfg.log_every_steps = 25
     cfg.eval_every_steps = 500

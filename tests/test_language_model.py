@@ -350,3 +350,20 @@ def test_generate_cli_is_seeded_and_batch_independent(lm_config, tmp_path):
     assert empty.returncode != 0
     assert empty.stderr.decode().strip().splitlines()[-1] == (
         "error: no prompt: pass --prompt=... or one prompt a line on stdin")
+
+
+@pytest.mark.parametrize("name, eval_split", [("lm1b", "test"), ("c4/en", "validation")])
+def test_tfds_text_datasets_give_packed_rows_of_their_text(name, eval_split, tmp_path):
+    tfds = pytest.importorskip("tensorflow_datasets")
+    from transformer.data.language_model import LanguageModelSource
+
+    with tfds.testing.mock_data(num_examples=200, policy=tfds.testing.MockPolicy.USE_CODE):
+        source = LanguageModelSource(name, objective="causal", vocab_size=120, max_length=32,
+                                     batch_size=4, eval_split=eval_split, eval_documents=20,
+                                     data_dir=str(tmp_path))
+        assert source.keys == ["text"]  # c4's url and timestamp are not modelled
+        assert source.num_train_documents == 200
+        batch = source.train_batch(3, (0, 4))
+        assert batch["targets"].shape == (1, 4, 32)
+        assert (batch["targets_segmentation"] > 0).mean() > 0.7
+        assert sum(1 for _ in source.eval_batches(eval_split, (0, 4))) >= 1

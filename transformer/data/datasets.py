@@ -147,13 +147,16 @@ def read_pairs(source, indices, source_lang: str, target_lang: str):
 
 
 def text_features(builder) -> list[str]:
-    """The text features of a TFDS dataset: a translation dataset's languages (`offline_de_en`:
-    de, en), else its `Text` features (`lm1b`, `c4`: text)."""
+    """The text features of a TFDS dataset to model: a translation dataset's languages
+    (`offline_de_en`: de, en), else its feature `text` (`lm1b`, `c4`; c4's url and timestamp
+    are text too), else all its `Text` features."""
     import tensorflow_datasets as tfds
 
     features = builder.info.features
     if hasattr(features, "languages"):
         return sorted(features.languages)
+    if "text" in features:
+        return ["text"]
     return sorted(k for k, f in features.items() if isinstance(f, tfds.features.Text))
 
 
@@ -161,11 +164,5 @@ def read_documents(source, indices, keys: list[str]) -> list[str]:
     """The texts of documents `indices` of a data source, where document d is text feature
     keys[d % len(keys)] of record d // len(keys)."""
     indices = [int(i) for i in indices]
-    get_many = getattr(source, "__getitems__", None)
-    records = sorted({i // len(keys) for i in indices})
-    fetched = {}
-    for i in range(0, len(records), CHUNK):
-        chunk = records[i:i + CHUNK]
-        fetched.update(zip(chunk, get_many(chunk) if get_many else [source[j] for j in chunk],
-                           strict=True))
+    fetched = {r: source[r] for r in sorted({i // len(keys) for i in indices})}
     return [_text(fetched[d // len(keys)], keys[d % len(keys)]) for d in indices]
