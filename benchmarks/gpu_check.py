@@ -16,6 +16,9 @@ only speed and numerical agreement are measured here.
    device's dense bf16 peak.
 3. Decoding (run before the train steps, which take longest): the base model's beam search
    (beam 4) and greedy search over 256 synthetic source sentences of 32 tokens: sentences/s.
+4. Language model (run before the paper's train steps): `configs/lm_125m.py`'s model in
+   bfloat16 on 8 rows of 2,048 tokens per step (`benchmarks/workloads/lm_125m.py`): tokens/s
+   and MFU per device.
 
 Prints one line per result and writes them all as JSON, rewritten after each check so that
 the 5-minute limit of gpu_check.sh keeps whatever finished. `--dry-run` shrinks every size so the
@@ -119,6 +122,21 @@ def train_throughput(dry: bool, steps: int) -> list[dict]:
     return rows
 
 
+def lm_throughput(dry: bool, steps: int) -> list[dict]:
+    """The 125M language model's train step in bfloat16, 8 rows of 2,048 tokens."""
+    benchmark = runpy.run_path(str(ROOT / "benchmarks" / "train_step.py"))["benchmark"]
+    cfg = runpy.run_path(str(ROOT / "benchmarks" / "workloads" / "lm_125m.py"))["get_config"]()
+    cfg.model.dtype = "bfloat16"
+    cfg.data.batch_size = 2 if dry else 8
+    if dry:
+        cfg.data.update(dict(vocab_size=512, min_length=31, max_length=31))
+        cfg.model.update(dict(vocab_size=512, num_decoder_layers=1, d_model=64, d_ff=128,
+                              num_heads=4, num_kv_heads=2, max_len=32))
+    result = benchmark(cfg, steps, 1 if dry else 3, gemm_size=256 if dry else 1024,
+                       gemm_runs=2 if dry else 10)
+    return [{"check": "lm_train_step", "model": "lm_125m"} | result]
+
+
 def decode_speed(dry: bool) -> list[dict]:
     """Beam 4 and greedy search of a randomly initialised base model, sentences/s."""
     from transformer import sharding, train_lib
@@ -168,6 +186,7 @@ def main(argv: list[str]) -> int:
     results, failed = [header], []
     for name, check in (("attention", lambda: attention_parity(args.dry_run)),
                         ("decode", lambda: decode_speed(args.dry_run)),
+                        ("lm_train_step", lambda: lm_throughput(args.dry_run, args.steps)),
                         ("train_step", lambda: train_throughput(args.dry_run, args.steps))):
         started = time.perf_counter()
         try:

@@ -43,6 +43,8 @@ def test_gpu_check_dry_run_writes_every_result(tmp_path):
         ("base", "bfloat16"), ("base", "bfloat16"), ("big", "bfloat16"), ("big", "bfloat16")]
     assert all(r["tokens_per_sec"] > 0 and r["compile_s"] > 0 for r in steps)
     assert steps[0]["target_tokens_per_step"] < steps[1]["target_tokens_per_step"]
+    (lm,) = by_check["lm_train_step"]
+    assert lm["dtype"] == "bfloat16" and lm["layers"] == [0, 1] and lm["tokens_per_sec"] > 0
     assert [r["beam_size"] for r in by_check["decode"]] == [4, 1]
     assert all(r["sentences_per_sec"] > 0 for r in by_check["decode"])
 
