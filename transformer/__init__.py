@@ -4,7 +4,9 @@ The pure functions (`attention`, `layers`) and the Linen modules (`model`) impor
 
     from transformer import dot_product_attention, TransformerConfig, Transformer
 
-`transformer.load(workdir)` loads a trained translation run (`translator.Translator`).
+`transformer.load(workdir)` loads a trained translation run (`translator.Translator`),
+`transformer.load_generator(workdir)` a trained decoder-only language model
+(`generator.Generator`).
 """
 
 from transformer.attention import (
@@ -13,6 +15,7 @@ from transformer.attention import (
     dot_product_attention,
     make_causal_mask,
     make_padding_mask,
+    make_prefix_lm_mask,
     make_segment_mask,
 )
 from transformer.layers import (
@@ -36,18 +39,22 @@ from transformer.model import (
 
 
 def __getattr__(name):
-    """`transformer.load(workdir)` (the translation API) without importing orbax up front."""
+    """`transformer.load` and `transformer.load_generator` without importing orbax up front."""
     if name == "load":
         from transformer.translator import load
 
         return load
+    if name == "load_generator":
+        from transformer.generator import load_generator
+
+        return load_generator
     raise AttributeError(f"module 'transformer' has no attribute {name!r}")
 
 
 __all__ = [
     "Decoder", "DecoderBlock", "Encoder", "EncoderBlock", "MultiHeadAttention", "Transformer",
-    "TransformerConfig", "apply_rope", "load", "attention_weights", "combine_masks",
-    "dot_product_attention", "feed_forward", "init_cache", "layer_norm", "make_causal_mask",
-    "make_padding_mask", "make_segment_mask", "rms_norm", "shift_right",
-    "sinusoidal_position_encoding",
+    "TransformerConfig", "apply_rope", "attention_weights", "combine_masks",
+    "dot_product_attention", "feed_forward", "init_cache", "layer_norm", "load", "load_generator",
+    "make_causal_mask", "make_padding_mask", "make_prefix_lm_mask", "make_segment_mask",
+    "rms_norm", "shift_right", "sinusoidal_position_encoding",
 ]
