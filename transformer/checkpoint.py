@@ -2,7 +2,8 @@
 per-layer parameters.
 
 Layout (DESIGN.md): `<workdir>/checkpoints/<step>/` is an orbax Composite with item "state"
-(params, opt_state, step) and item "data" (the input iterator: the next global batch index).
+(params, opt_state, step) and item "data" (the input iterator: the next global batch index; and
+a checksum of each array of the state, checked on restore).
 Restoring into abstract arrays that carry new shardings moves a checkpoint onto another mesh or
 device count.
 
@@ -27,6 +28,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -40,6 +42,7 @@ from jax.experimental import multihost_utils
 _LAYER = re.compile(r"^layers_(\d+)$")
 FAULT_ENV = "TRANSFORMER_FAULT_INJECT"
 SKIPPED = "skipped_checkpoints"
+CHECKSUMS = "state_checksums"  # key of the data item: `checksums` of the saved state
 log = logging.getLogger("transformer")
 
 
@@ -74,6 +77,40 @@ class _ReraisedSaveErrors(logging.Filter):
 
 
 logging.getLogger("absl").addFilter(_ReraisedSaveErrors())
+
+
+@jax.jit
+def _leaf_checksums(state: Any) -> jax.Array:
+    """One uint32 per leaf of `state`: the sum, modulo 2**32, of each element's bits times an
+    odd weight from its position. Integer sums do not depend on the order of addition, so every
+    mesh gives the same digests; any single changed element changes its leaf's."""
+    sums = []
+    for leaf in jax.tree.leaves(state):
+        unsigned = jnp.dtype(f"uint{8 * leaf.dtype.itemsize}")
+        bits = jax.lax.bitcast_convert_type(leaf, unsigned).astype(jnp.uint32)
+        index, stride = jnp.zeros(leaf.shape, jnp.uint32), 1
+        for axis in reversed(range(leaf.ndim)):
+            index = index + jax.lax.broadcasted_iota(jnp.uint32, leaf.shape, axis) * stride
+            stride = stride * leaf.shape[axis] % 2**32
+        sums.append(jnp.sum(bits * (2 * index + 1), dtype=jnp.uint32))
+    return jnp.stack(sums)
+
+
+def checksums(state: Any) -> list[int]:
+    """`_leaf_checksums` as plain ints (on every process)."""
+    digest = _leaf_checksums(state)
+    if jax.process_count() > 1:
+        digest = multihost_utils.process_allgather(digest, tiled=True)
+    return [int(x) for x in np.asarray(digest)]
+
+
+def _drop_closed_loop_callbacks(unraisable, previous=sys.unraisablehook) -> None:
+    """After a restore fails, tensorstore still completes the other reads and posts each result
+    to orbax's event loop, closed by then: one `Event loop is closed` traceback per array. The
+    failure itself is reported in one line; these carry no news."""
+    error = unraisable.exc_value
+    if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+        previous(unraisable)
 
 
 def _one_line(error: BaseException, limit: int = 300) -> str:
@@ -119,16 +156,25 @@ class Checkpointer:
         """Starts an async save of step `step` (waits for the previous save first)."""
         self.wait()
         self._saving = step
+        data_state = data_state | {CHECKSUMS: checksums(state)}
         with self._save_errors():
             self._manager.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)),
                 force=True)
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
-        """The state at `step`, placed as `abstract_state`'s shardings, and the data state."""
+        """The state at `step`, placed as `abstract_state`'s shardings, and the data state.
+        Raises ValueError naming the first array that does not match its saved checksum."""
         restored = self._manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
-        return restored["state"], restored["data"]
+        state, data_state = restored["state"], dict(restored["data"])
+        saved = data_state.pop(CHECKSUMS, None)
+        if saved is not None:
+            paths = list(_shapes(state))
+            for path, want, got in zip(paths, saved, checksums(state), strict=True):
+                if want != got:
+                    raise ValueError(f"{path} does not match the checksum saved with it")
+        return state, data_state
 
     def shape_problem(self, step: int, abstract_state: Any) -> str | None:
         """How checkpoint `step` disagrees with `abstract_state` (the config's): the first array
@@ -159,6 +205,7 @@ class Checkpointer:
                     state, data_state = self.restore(step, abstract_state)
             except Exception as error:  # any failure to read it back: a damaged checkpoint
                 failure = error
+                sys.unraisablehook = _drop_closed_loop_callbacks
             if jax.process_count() > 1:  # all processes skip it, or none does
                 elsewhere = multihost_utils.process_allgather(np.array(failure is not None))
                 if failure is None and elsewhere.any():
