@@ -150,6 +150,11 @@ def test_a_checkpoint_with_other_shapes_names_the_parameter_and_both_shapes(tmp_
         f" but the config gives (16, 3): resume with the config it was trained with (its "
         f"config.json) or use a new --workdir")
     assert files_of(tmp_path) == before  # not mistaken for damage: nothing moved
+    fewer = abstract(tree(0))
+    del fewer["params"]["dense"]["bias"]
+    with pytest.raises(ValueError, match=r"checkpoint 1 in .* holds params/dense/bias \(3,\), "
+                                         r"which the config does not have"):
+        Checkpointer(str(tmp_path), keep=5).restore_latest(fewer)
 
 
 def test_a_full_disk_fails_the_save_in_one_line_and_keeps_the_previous_one(tmp_path,

@@ -181,16 +181,16 @@ class Checkpointer:
         whose shape differs, with both shapes; None if they agree. Reading a damaged
         checkpoint's metadata raises."""
         saved = _shapes(self._manager.item_metadata(step)["state"])
-        for path, shape in _shapes(abstract_state).items():
-            if path not in saved:
-                problem = f"has no {path} (the config's shape {shape})"
-            elif saved[path] != shape:
-                problem = f"holds {path} with shape {saved[path]} but the config gives {shape}"
-            else:
-                continue
-            return (f"checkpoint {step} in {self.directory} {problem}: resume with the config "
-                    f"it was trained with (its config.json) or use a new --workdir")
-        return None
+        wanted = _shapes(abstract_state)
+        problems = [f"has no {path} (the config's shape {shape})" if path not in saved else
+                    f"holds {path} with shape {saved[path]} but the config gives {shape}"
+                    for path, shape in wanted.items() if saved.get(path) != shape]
+        problems += [f"holds {path} {shape}, which the config does not have"
+                     for path, shape in saved.items() if path not in wanted]
+        if not problems:
+            return None
+        return (f"checkpoint {step} in {self.directory} {problems[0]}: resume with the config "
+                f"it was trained with (its config.json) or use a new --workdir")
 
     def restore_latest(self, abstract_state: Any) -> tuple[int, Any, dict] | None:
         """(step, state, data state) of the newest checkpoint that restores; None when there is
@@ -248,9 +248,10 @@ class Checkpointer:
         except OSError as error:
             steps = list_steps(self.directory)
             intact = f"checkpoint {steps[-1]} is intact" if steps else "no checkpoint was saved"
-            what = "disk full" if error.errno == errno.ENOSPC else _one_line(error)
+            what, fix = (("disk full", "free space") if error.errno == errno.ENOSPC
+                         else (_one_line(error), "fix that"))
             raise CheckpointSaveError(
-                f"{what} while saving checkpoint {self._saving} in {self.directory}; free space "
+                f"{what} while saving checkpoint {self._saving} in {self.directory}; {fix} "
                 f"(or use another --workdir) and rerun to resume: {intact}") from error
 
     def wait(self) -> None:
