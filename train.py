@@ -92,5 +92,18 @@ def main(argv):
         sys.exit(f"error: {error}")
 
 
+def _parse_flags(argv):
+    """absl's parsing, with an unknown --config.<key> as one line too (ml_collections raises
+    AttributeError for it while absl parses the flags, before main)."""
+    try:
+        return app.parse_flags_with_usage(argv)
+    except AttributeError as error:
+        text = str(error).replace("\\n", "\n").replace("\\'", "'").replace("'", "").strip('"')
+        name, *hint = text.splitlines()
+        bad = next((a.split("=")[0] for a in argv[1:] if a.startswith("--config.")
+                    and name in a.split("=")[0].split(".")), "a --config.<key> override")
+        sys.exit(f"error: {bad}: the config has no key {name!r}{'; ' + hint[0] if hint else ''}")
+
+
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=_parse_flags)

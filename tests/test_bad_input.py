@@ -71,7 +71,8 @@ BAD_CONFIGS = {
                                                   "(d_ff); resume with the same model or use a "
                                                   "new --workdir"),
     "TFDS name with a typo": ({"data.dataset": "offline_de_eng"},
-                              "data.dataset='offline_de_eng': Dataset offline_de_eng not found."),
+                              "data.dataset='offline_de_eng': Dataset offline_de_eng not found.; "
+                              "did you mean 'offline_de_en'?"),
     "missing dataset": ({"data.dataset": "wmt14_translate/de-en", "data.source_lang": "de",
                          "data.target_lang": "en"},
                         "wmt14_translate/de-en is not prepared in"),
@@ -104,6 +105,28 @@ def test_checkpoints_of_another_model_name_the_parameter_and_both_shapes(run_wor
         f"(256,): resume with the config it was trained with (its config.json) or use a new "
         f"--workdir")
     assert snapshot(workdir / "checkpoints") == before
+
+
+@pytest.mark.parametrize("kind", ["translation", "language model"])
+def test_an_empty_training_split_is_named_before_any_work(kind, tmp_path):
+    tfds = pytest.importorskip("tensorflow_datasets")
+    from transformer.data.language_model import LanguageModelSource
+    from transformer.data.translation import TranslationSource
+
+    with tfds.testing.mock_data(num_examples=0, policy=tfds.testing.MockPolicy.USE_CODE):
+        with pytest.raises(ValueError) as error:
+            if kind == "translation":
+                TranslationSource("ted_hrlr_translate/pt_to_en", source_lang="pt",
+                                  target_lang="en", vocab_size=100, max_length=16, batch_size=4,
+                                  data_dir=str(tmp_path), workdir=str(tmp_path / "run"))
+            else:
+                LanguageModelSource("lm1b", objective="causal", vocab_size=100, max_length=16,
+                                    batch_size=4, eval_split="test", data_dir=str(tmp_path),
+                                    workdir=str(tmp_path / "run"))
+    name = "ted_hrlr_translate/pt_to_en" if kind == "translation" else "lm1b"
+    assert str(error.value).startswith(f"{name}: the 'train' split is empty; prepare the "
+                                       f"dataset again")
+    assert not (tmp_path / "run").exists()  # no vocabulary trained, nothing written
 
 
 # --------------------------------------------------------------------------- the CLIs
@@ -190,10 +213,9 @@ TRAIN_FLAG_MISTAKES = {
     "impossible value": ("--config.num_train_steps=-3", "error: num_train_steps=-3 must be >= 1"),
     "wrong type": ("--config.model.d_model=1.5", "flag --config.model.d_model=1.5: invalid "
                                                  "literal for int() with base 10: '1.5'"),
-    "unknown key": pytest.param("--config.num_train_step=3", "num_train_step", marks=(
-        pytest.mark.xfail(strict=True, reason="ml_collections raises AttributeError while absl "
-                          "parses the flags, before train.py's main: train.py must catch it "
-                          "(docs/reliability.md)"))),
+    "unknown key": ("--config.num_train_step=3", "error: --config.num_train_step: the config "
+                    "has no key 'num_train_step'; Did you mean \"num_train_steps\" instead of "
+                    "\"num_train_step\"?"),
 }
 
 

@@ -7,7 +7,6 @@ import logging
 import os
 import pathlib
 import random
-import runpy
 import shutil
 import signal
 import subprocess
@@ -310,10 +309,6 @@ def test_a_killed_coordinator_stops_its_peer_and_the_run_resumes_exactly(tmp_pat
     overrides = ["--config.eval_every_steps=0", f"--config.num_train_steps={total}",
                  f"--config.distributed.heartbeat_timeout_seconds={heartbeat}",
                  "--config.checkpoint_every_steps=3"]
-    # config.json first: on a fresh workdir process 1 can read it while process 0 writes it
-    # (loop._write_config is not atomic; docs/reliability.md).
-    tiny = runpy.run_path(str(ROOT / "configs" / "tiny.py"))["get_config"]()
-    (tmp_path / "config.json").write_text(json.dumps({"model": tiny.model.to_dict()}))
     procs = launch(tmp_path, processes=2, devices=4, overrides=overrides)
     deadline = time.monotonic() + 600
     while max(train_losses(tmp_path), default=0) < target:

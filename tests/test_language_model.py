@@ -350,6 +350,22 @@ def test_generate_cli_is_seeded_and_batch_independent(lm_config, tmp_path):
     assert empty.returncode != 0
     assert empty.stderr.decode().strip().splitlines()[-1] == (
         "error: no prompt: pass --prompt=... or one prompt a line on stdin")
+    translate = subprocess.run([sys.executable, "-m", "transformer.translate",
+                                f"--workdir={tmp_path}"], input=b"Hello\n", capture_output=True,
+                               cwd=ROOT, env=env, timeout=300)
+    assert translate.returncode != 0
+    assert translate.stderr.decode().strip().splitlines()[-1] == (
+        f"error: {tmp_path} holds a language model (model.architecture='decoder'), not a "
+        f"translation model: continue text with python -m transformer.generate; its perplexity "
+        f"is in metrics.jsonl")
+
+
+def test_generation_refuses_a_translation_run(untrained_translation_workdir):
+    from transformer.generator import load_generator
+
+    with pytest.raises(ValueError, match="generation needs a decoder-only model; this run's "
+                       "model.architecture is 'encoder_decoder'"):
+        load_generator(str(untrained_translation_workdir))
 
 
 @pytest.mark.parametrize("name, eval_split", [("lm1b", "test"), ("c4/en", "validation")])

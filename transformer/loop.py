@@ -172,9 +172,10 @@ def _write_config(cfg, workdir: str, mesh, source) -> None:
             raise ValueError(f"{path} was written with other model settings ({', '.join(changed)})"
                              f"; resume with the same model or use a new --workdir")
         return
-    if jax.process_index() == 0:
-        with open(path, "w") as f:
+    if jax.process_index() == 0:  # atomically: other processes may read it meanwhile
+        with open(f"{path}.tmp", "w") as f:
             json.dump(resolved | {"provenance": _provenance(cfg, mesh, source)}, f, indent=2)
+        os.replace(f"{path}.tmp", path)
 
 
 class _Preemption:

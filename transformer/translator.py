@@ -158,6 +158,11 @@ def load(workdir: str, *, step: int | None = None, average: int | None = None) -
     from transformer.data.translation import recorded_vocabulary
 
     config = load_config(workdir)
+    architecture = config.model.get("architecture", "encoder_decoder")
+    if architecture != "encoder_decoder":
+        raise ValueError(f"{workdir} holds a language model (model.architecture={architecture!r}"
+                         f"), not a translation model: continue text with python -m "
+                         f"transformer.generate; its perplexity is in metrics.jsonl")
     vocab = os.path.join(workdir, "vocab", tokenizer_lib.MODEL_FILE)
     if not os.path.exists(vocab):
         raise ValueError(f"{vocab} is missing: this run has no SentencePiece vocabulary "

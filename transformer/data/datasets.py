@@ -8,6 +8,7 @@ files. `offline_de_en` builds itself from Debian packages (`offline_de_en.py`).
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 
@@ -60,7 +61,10 @@ def prepare_dataset(name: str, data_dir: str | None = None, manual_dir: str | No
     try:
         builder = tfds.builder(name, data_dir=data_dir)
     except Exception as e:  # unknown name or config
-        raise DataUnavailable(f"data.dataset={name!r}: {str(e).splitlines()[0]}") from None
+        close = difflib.get_close_matches(name.split("/")[0],
+                                          tfds.list_builders() + ["offline_de_en"], n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise DataUnavailable(f"data.dataset={name!r}: {str(e).splitlines()[0]}{hint}") from None
     if builder.is_prepared():
         return _ensure_array_record(builder)
     kwargs = {}

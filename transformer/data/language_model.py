@@ -40,6 +40,7 @@ from transformer.data import batching
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.data.datasets import (
     CHUNK,
+    DataUnavailable,
     open_split,
     prepare_dataset,
     read_documents,
@@ -138,8 +139,9 @@ class LanguageModelSource:
                 raise ValueError(f"{key}={split!r} is not a split of {dataset} "
                                  f"({', '.join(splits)})")
             if not len(self._split(split)):
-                raise ValueError(f"{dataset}: the {split!r} split is empty; prepare the "
-                                 f"dataset again or choose another data.eval_split")
+                fix = "prepare the dataset again" + (
+                    "" if split == "train" else " or choose another data.eval_split")
+                raise DataUnavailable(f"{dataset}: the {split!r} split is empty; {fix}")
         self.num_train_documents = len(self._split("train")) * len(self.keys)
         self.tokenizer = tokenizer or self._tokenizer(int(vocab_size),
                                                       int(vocab_sample_documents))

@@ -36,6 +36,7 @@ from transformer.data import batching
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.data.datasets import (
     CHUNK,
+    DataUnavailable,
     open_split,
     prepare_dataset,
     read_pairs,
@@ -153,6 +154,11 @@ class TranslationSource:
                 raise ValueError(f"data.{key}={lang!r} is not a language of {dataset} "
                                  f"({', '.join(languages)})")
         self._sources: dict[str, object] = {}
+        for split in ("train", "validation"):
+            if (split == "train" or split in self.builder.info.splits) and \
+                    not len(self._source(split)):
+                raise DataUnavailable(f"{dataset}: the {split!r} split is empty; prepare the "
+                                      f"dataset again (or point data.data_dir elsewhere)")
         self.tokenizer = tokenizer or self._tokenizer(int(vocab_size), int(vocab_sample_pairs))
         if self.tokenizer.vocab_size != int(vocab_size):
             raise tokenizer_lib.VocabularyMismatch(
