@@ -59,6 +59,8 @@ BAD_CONFIGS = {
                                         "mesh.data=3, mesh.fsdp=-1, mesh.tensor=1 cannot fill"),
     "mesh needs other devices": ({"mesh.data": 2, "mesh.fsdp": 2}, "needs 4 devices, but 8"),
     "negative steps": ({"num_train_steps": -5}, "num_train_steps=-5 must be >= 1"),
+    "warmup longer than the run": ({"optimizer.schedule": "cosine", "optimizer.warmup_steps": 10},
+                                   "optimizer.warmup_steps=10 must be < num_train_steps=4"),
     "batch not divisible by data axes": ({"data.batch_size": 12},
                                          "data.batch_size=12 is not divisible by "
                                          "grad_accum_steps=1 x mesh.data x mesh.fsdp=8"),

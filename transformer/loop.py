@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from transformer import evaluation, flops, metrics, sharding, train_lib
+from transformer import evaluation, flops, metrics, optim, sharding, train_lib
 from transformer.checkpoint import Checkpointer, ParamsSeries
 from transformer.data import make_source
 from transformer.model import TransformerConfig
@@ -63,6 +63,8 @@ def validate_config(cfg, num_devices: int) -> tuple[int, int, int]:
     Each problem is one line naming the key and what would fix it."""
     _check_types(cfg)
     model_cfg = TransformerConfig.from_dict(cfg.model)
+    optim.make_optimizer(cfg.optimizer, d_model=model_cfg.d_model,  # its checks; no arrays
+                         total_steps=int(cfg.num_train_steps))
     for key in ("num_train_steps", "keep_checkpoints", "log_every_steps"):
         if int(cfg[key]) < 1:
             raise ValueError(f"{key}={cfg[key]} must be >= 1")
