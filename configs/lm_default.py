@@ -13,7 +13,10 @@ sharing 2 key/value heads, no biases, untied output) at d_model 256, 4 layers, f
 rows of 128 tokens, 16 rows per update; AdamW 3e-3 with 100 warmup steps, cosine to 10% at
 update 1,500.
 
-Hardware and time: see the README's "Language models" section for the measured figures.
+Hardware and time (measured, seed 0): a 2-core CPU VM, 1,500 updates in 45 min wall while
+shared with other jobs (~2,000 tokens/s when free: 20-25 min), 1.7 GB peak host memory.
+Expected: validation perplexity 96 at update 500, 58 at 1,000, 46 at 1,500 (README, "Language
+models").
 """
 
 import pathlib
