@@ -76,7 +76,15 @@ class _ReraisedSaveErrors(logging.Filter):
         return not (isinstance(error, OSError) and "save" in record.getMessage().lower())
 
 
+class _ReadOnlyNotice(logging.Filter):
+    """Drops orbax's warning that a manager opened read-only (to read params) is read-only."""
+
+    def filter(self, record):
+        return not record.getMessage().startswith("Given directory is read only")
+
+
 logging.getLogger("absl").addFilter(_ReraisedSaveErrors())
+logging.getLogger("absl").addFilter(_ReadOnlyNotice())
 
 
 @jax.jit
@@ -377,7 +385,7 @@ def _restore_params(workdir: str, source: str, step: int) -> dict:
     handlers = {item: ocp.PyTreeCheckpointHandler()}
     if source == CHECKPOINTS:
         handlers["data"] = ocp.JsonCheckpointHandler()  # known, so orbax does not warn; not read
-    options = ocp.CheckpointManagerOptions(read_only=True, create=False)
+    options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
     with ocp.CheckpointManager(os.path.join(workdir, source), options=options,
                                item_handlers=handlers) as manager:
         metadata = manager.item_metadata(step)[item]
