@@ -145,3 +145,26 @@ def test_two_processes_decode_validation_bleu(offline_fixture_data_dir, tmp_path
     (validation,) = [line for line in lines if line["split"] == "validation"]
     assert validation["step"] == 2 and validation["bleu_num_sentences"] == 2
     assert 0 <= validation["bleu"] <= 100 and validation["loss"] > 0
+
+
+@pytest.mark.slow
+def test_a_masked_language_model_trains_alike_on_one_and_two_processes(offline_fixture_data_dir,
+                                                                        tmp_path):
+    """The LM source feeds each process its rows (masks drawn per global row): 2 processes x 4
+    devices give the losses of 1 process x 8, to float32 rounding."""
+    shrink = {"data.data_dir": offline_fixture_data_dir, "data.vocab_size": 200,
+              "data.max_length": 32, "model.max_len": 32, "data.batch_size": 8,
+              "model.d_model": 32, "model.d_ff": 64, "model.num_heads": 2,
+              "model.num_kv_heads": 1, "model.num_encoder_layers": 1,
+              "optimizer.warmup_steps": 1, "num_train_steps": 3, "eval_every_steps": 3,
+              "checkpoint_every_steps": 0, "checkpoint_every_minutes": 0,
+              "log_every_steps": 1}
+    overrides = ["--config=configs/mlm_default.py",
+                 *(f"--config.{key}={value}" for key, value in shrink.items())]
+    finish(launch(tmp_path / "one", processes=1, devices=8, overrides=overrides, common=()))
+    finish(launch(tmp_path / "two", processes=2, devices=4, overrides=overrides, common=()))
+    one, two = figures(tmp_path / "one"), figures(tmp_path / "two")
+    assert sorted(one) == sorted(two) == [(1, "train"), (2, "train"), (3, "train"),
+                                          (3, "validation")]
+    np.testing.assert_allclose([two[k] for k in sorted(two)], [one[k] for k in sorted(one)],
+                               rtol=1e-5)
