@@ -56,13 +56,23 @@ def greedy_search(decode_fn: DecodeFn, cache: Any, *, bos: jax.Array, max_length
 
     `bos` [B] holds the start tokens, `max_lengths` [B] each row's output limit (<= L).
     """
-    batch = bos.shape[0]
     logits, cache = decode_fn(bos[:, None], cache)
-    tokens = jnp.zeros((batch, max_length), jnp.int32)
 
     def choose(logits, step):
         logprobs = _next_logprobs(logits, step, max_lengths, eos_id)[:, 0]
         return jnp.argmax(logprobs, axis=-1).astype(jnp.int32)
+
+    return _token_by_token(decode_fn, cache, logits, choose, max_length=max_length,
+                           eos_id=eos_id)
+
+
+def _token_by_token(decode_fn: DecodeFn, cache: Any, logits: jax.Array,
+                    choose: Callable[[jax.Array, jax.Array], jax.Array], *, max_length: int,
+                    eos_id: int) -> jax.Array:
+    """Tokens [B, L]: `choose(logits [B, 1, V], step) -> [B]` picks each row's next token from
+    the last logits, `decode_fn` feeds it back; a row stops at its first EOS (zeros after), the
+    loop when every row has or at L tokens."""
+    batch = logits.shape[0]
 
     def body(state):
         step, tokens, finished, logits, cache = state
@@ -76,7 +86,8 @@ def greedy_search(decode_fn: DecodeFn, cache: Any, *, bos: jax.Array, max_length
         step, _, finished, _, _ = state
         return (step < max_length) & ~finished.all()
 
-    init = (jnp.zeros((), jnp.int32), tokens, jnp.zeros((batch,), bool), logits, cache)
+    init = (jnp.zeros((), jnp.int32), jnp.zeros((batch, max_length), jnp.int32),
+            jnp.zeros((batch,), bool), logits, cache)
     return jax.lax.while_loop(cond, body, init)[1]
 
 
@@ -196,8 +207,6 @@ def sample(decode_fn: DecodeFn, cache: Any, logits: jax.Array, *, keys: jax.Arra
     one PRNG key per row; token i of a row is drawn with `fold_in(key, i)`. Temperature 0 is
     greedy (top_k and top_p then change nothing).
     """
-    batch = logits.shape[0]
-
     def choose(logits, step):
         logits = logits[:, 0].astype(jnp.float32)
         logits = jnp.where(jnp.arange(logits.shape[-1]) == PAD_ID, NEG_INF, logits)
@@ -207,18 +216,5 @@ def sample(decode_fn: DecodeFn, cache: Any, logits: jax.Array, *, keys: jax.Arra
         step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, step)
         return jax.vmap(jax.random.categorical)(step_keys, filtered).astype(jnp.int32)
 
-    def body(state):
-        step, tokens, finished, logits, cache = state
-        token = jnp.where(finished, 0, choose(logits, step))
-        tokens = tokens.at[:, step].set(token)
-        finished = finished | (token == eos_id)
-        logits, cache = decode_fn(token[:, None], cache)
-        return step + 1, tokens, finished, logits, cache
-
-    def cond(state):
-        step, _, finished, _, _ = state
-        return (step < max_length) & ~finished.all()
-
-    init = (jnp.zeros((), jnp.int32), jnp.zeros((batch, max_length), jnp.int32),
-            jnp.zeros((batch,), bool), logits, cache)
-    return jax.lax.while_loop(cond, body, init)[1]
+    return _token_by_token(decode_fn, cache, logits, choose, max_length=max_length,
+                           eos_id=eos_id)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +25,7 @@ from ml_collections import ConfigDict
 
 from transformer import checkpoint, decoding
 from transformer.model import BOS_ID, Transformer, TransformerConfig, init_cache
-from transformer.translator import load_config
+from transformer.translator import load_config, load_tokenizer
 
 log = logging.getLogger("transformer")
 EOS_ID = 3
@@ -143,13 +142,7 @@ def _sample_fn(model: Transformer, prefix_lm: bool, max_new_tokens: int, tempera
 def load_generator(workdir: str, *, step: int | None = None) -> Generator:
     """Config, parameters (checkpoint `step` or the latest) and tokenizer of a trained
     decoder-only workdir."""
-    from transformer.data import tokenizer as tokenizer_lib
-
     config = load_config(workdir)
     _require_decoder(config.model.architecture)
-    vocab = os.path.join(workdir, "vocab", tokenizer_lib.MODEL_FILE)
-    if not os.path.exists(vocab):
-        raise ValueError(f"{vocab} is missing: this run has no SentencePiece vocabulary "
-                         f"(generation needs a run trained on text, e.g. configs/lm_default.py)")
-    params = checkpoint.load_params(workdir, step=step)
-    return Generator(config, params, tokenizer_lib.Tokenizer.load(vocab))
+    tokenizer = load_tokenizer(workdir, config)
+    return Generator(config, checkpoint.load_params(workdir, step=step), tokenizer)

@@ -151,22 +151,16 @@ def load_config(workdir: str) -> ConfigDict:
     return ConfigDict(values)
 
 
-def load(workdir: str, *, step: int | None = None, average: int | None = None) -> Translator:
-    """Config, parameters (checkpoint `step`, the latest, or the average of the last
-    `average`) and tokenizer of a trained workdir."""
+def load_tokenizer(workdir: str, config: ConfigDict):
+    """The run's SentencePiece model (`<workdir>/vocab/`), refused unless it is the vocabulary
+    the run was trained with (its size, and the sha256 recorded in config.json)."""
     from transformer.data import tokenizer as tokenizer_lib
     from transformer.data.translation import recorded_vocabulary
 
-    config = load_config(workdir)
-    architecture = config.model.get("architecture", "encoder_decoder")
-    if architecture != "encoder_decoder":
-        raise ValueError(f"{workdir} holds a language model (model.architecture={architecture!r}"
-                         f"), not a translation model: continue text with python -m "
-                         f"transformer.generate; its perplexity is in metrics.jsonl")
     vocab = os.path.join(workdir, "vocab", tokenizer_lib.MODEL_FILE)
     if not os.path.exists(vocab):
         raise ValueError(f"{vocab} is missing: this run has no SentencePiece vocabulary "
-                         f"(was it trained on a translation dataset?)")
+                         f"(was it trained on text, not the synthetic task?)")
     tokenizer = tokenizer_lib.Tokenizer.load(vocab)
     recorded = recorded_vocabulary(workdir)
     if tokenizer.vocab_size != config.model.vocab_size or recorded not in (None,
@@ -176,5 +170,18 @@ def load(workdir: str, *, step: int | None = None, average: int | None = None) -
             f"the vocabulary this run was trained with ({config.model.vocab_size} pieces"
             f"{f', sha256 {recorded[:12]}…' if recorded else ''} in config.json): restore the "
             f"run's vocab/ directory")
+    return tokenizer
+
+
+def load(workdir: str, *, step: int | None = None, average: int | None = None) -> Translator:
+    """Config, parameters (checkpoint `step`, the latest, or the average of the last
+    `average`) and tokenizer of a trained workdir."""
+    config = load_config(workdir)
+    architecture = config.model.get("architecture", "encoder_decoder")
+    if architecture != "encoder_decoder":
+        raise ValueError(f"{workdir} holds a language model (model.architecture={architecture!r}"
+                         f"), not a translation model: continue text with python -m "
+                         f"transformer.generate; its perplexity is in metrics.jsonl")
+    tokenizer = load_tokenizer(workdir, config)
     params = checkpoint.load_params(workdir, step=step, average=average)
     return Translator(config, params, tokenizer)
