@@ -205,6 +205,8 @@ class Checkpointer:
         none. One that fails to restore is moved to `<workdir>/skipped_checkpoints/` with a
         warning naming it and why; one whose shapes disagree with the config raises ValueError."""
         skipped = []
+        # Before any attempt: a failing restore's stray callbacks can fire before it raises.
+        sys.unraisablehook = _drop_closed_loop_callbacks
         for step in sorted(self.all_steps(), reverse=True):
             failure = problem = None
             try:
@@ -213,7 +215,6 @@ class Checkpointer:
                     state, data_state = self.restore(step, abstract_state)
             except Exception as error:  # any failure to read it back: a damaged checkpoint
                 failure = error
-                sys.unraisablehook = _drop_closed_loop_callbacks
             if jax.process_count() > 1:  # all processes skip it, or none does
                 elsewhere = multihost_utils.process_allgather(np.array(failure is not None))
                 if failure is None and elsewhere.any():
