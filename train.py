@@ -37,7 +37,7 @@ def _quiet_libraries():
     progress.propagate = False
 
 
-def _compile_only(cfg, mesh_devices: int | None):
+def _compile_only(cfg, mesh_devices: int | None, config_file: str):
     """Plans memory on `mesh_devices` fake CPU devices (default: the devices present)."""
     if mesh_devices is not None:
         if mesh_devices < 1:
@@ -57,7 +57,7 @@ def _compile_only(cfg, mesh_devices: int | None):
 
     num_devices = jax.device_count() if mesh_devices is None else mesh_devices
     try:
-        validate_config(cfg, num_devices)
+        validate_config(cfg, num_devices, config_file=config_file)
         if not int(cfg.grad_accum_steps):
             cfg = resolve_grad_accum(cfg, num_devices)
         print(memory.compile_report(cfg, num_devices))
@@ -69,6 +69,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     cfg = FLAGS.config
+    config_file = config_flags.get_config_filename(FLAGS["config"])
     logging.set_verbosity(logging.WARNING)  # JAX's backend probing and orbax's chatter
     if FLAGS.summary:
         from transformer.summary import summarize
@@ -76,7 +77,7 @@ def main(argv):
         print(summarize(cfg))
         return
     if FLAGS.compile_only:
-        _compile_only(cfg, FLAGS.mesh_devices)
+        _compile_only(cfg, FLAGS.mesh_devices, config_file)
         return
     if not FLAGS.workdir:
         sys.exit("error: --workdir is required to train (or pass --summary)")
@@ -87,7 +88,7 @@ def main(argv):
     try:
         distributed.initialize(cfg.distributed, coordinator_address=FLAGS.coordinator_address,
                                num_processes=FLAGS.num_processes, process_id=FLAGS.process_id)
-        train_and_evaluate(cfg, FLAGS.workdir)
+        train_and_evaluate(cfg, FLAGS.workdir, config_file=config_file)
     except (ValueError, NonFiniteLoss) as error:
         sys.exit(f"error: {error}")
 

@@ -1,4 +1,5 @@
-"""The language-model recipe as one ConfigDict, shared by the `lm_*` and `mlm_*` configs.
+"""The language-model recipe as one ConfigDict, shared by the `lm_*` configs (and
+`mlm_default.py` through `lm_default.py`).
 
 Not a config itself (no `get_config`); the config files load it by path, as the `wmt14_*`
 configs load `common.py`:

@@ -25,15 +25,24 @@ import runpy
 lm_config = runpy.run_path(str(pathlib.Path(__file__).with_name("lm_common.py")))["lm_config"]
 
 
-def get_config():
-    cfg = lm_config(objective="causal", dataset="offline_de_en", vocab_size=8000, max_length=128,
+def cpu_config(objective: str, *, num_train_steps: int, learning_rate: float,
+               warmup_steps: int):
+    """This file's data, model and cadence for any `data.objective` (`mlm_default.py` uses it
+    for the masked LM)."""
+    cfg = lm_config(objective=objective, dataset="offline_de_en", vocab_size=8000, max_length=128,
                     batch_size=16, num_layers=4, d_model=256, d_ff=704, num_heads=4,
-                    num_kv_heads=2, num_train_steps=1500, learning_rate=3e-3, warmup_steps=100,
-                    mesh=dict(data=-1, fsdp=1, tensor=1), dtype="float32", scan_layers=False)
+                    num_kv_heads=2, num_train_steps=num_train_steps, learning_rate=learning_rate,
+                    warmup_steps=warmup_steps, mesh=dict(data=-1, fsdp=1, tensor=1),
+                    dtype="float32", scan_layers=False)
     cfg.log_every_steps = 25
     cfg.eval_every_steps = 500
     cfg.checkpoint_every_steps = 500
     cfg.checkpoint_every_minutes = 10
     cfg.z_loss = 0.0
+    return cfg
+
+
+def get_config():
+    cfg = cpu_config("causal", num_train_steps=1500, learning_rate=3e-3, warmup_steps=100)
     cfg.generate.max_new_tokens = 40
     return cfg

@@ -10,17 +10,8 @@ perplexity) counts the selected positions alone (`transformer/data/language_mode
 import pathlib
 import runpy
 
-lm_config = runpy.run_path(str(pathlib.Path(__file__).with_name("lm_common.py")))["lm_config"]
+cpu_config = runpy.run_path(str(pathlib.Path(__file__).with_name("lm_default.py")))["cpu_config"]
 
 
 def get_config():
-    cfg = lm_config(objective="masked", dataset="offline_de_en", vocab_size=8000, max_length=128,
-                    batch_size=16, num_layers=4, d_model=256, d_ff=704, num_heads=4,
-                    num_kv_heads=2, num_train_steps=3000, learning_rate=2e-3, warmup_steps=200,
-                    mesh=dict(data=-1, fsdp=1, tensor=1), dtype="float32", scan_layers=False)
-    cfg.log_every_steps = 25
-    cfg.eval_every_steps = 500
-    cfg.checkpoint_every_steps = 500
-    cfg.checkpoint_every_minutes = 10
-    cfg.z_loss = 0.0
-    return cfg
+    return cpu_config("masked", num_train_steps=3000, learning_rate=2e-3, warmup_steps=200)

@@ -64,7 +64,10 @@ BAD_CONFIGS = {
     "batch not divisible by data axes": ({"data.batch_size": 12},
                                          "data.batch_size=12 is not divisible by "
                                          "grad_accum_steps=1 x mesh.data x mesh.fsdp=8"),
-    "unknown model key": ({"model.d_modle": 64}, "unknown model config keys ['d_modle']"),
+    "unknown model key": ({"model.d_modle": 64}, "unknown config key 'model.d_modle'; did "
+                                                 "you mean 'model.d_model'?"),
+    "unknown top-level key": ({"optimiser": {"name": "adam"}}, "unknown config key "
+                              "'optimiser'; did you mean 'optimizer'?"),
     "wrong type in a config file": ({"model.d_model": "64"},
                                     "model.d_model='64' must be int, not str"),
     "wrong type of a top-level key": ({"num_train_steps": 4.5},
@@ -209,6 +212,19 @@ def test_evaluate_a_workdir_without_a_checkpoint(translation_run):
     result = cli("-m", "transformer.evaluate", f"--workdir={translation_run}")
     assert_one_line_error(result, f"no checkpoint in {translation_run}")
     assert snapshot(translation_run) == before  # no eval/, no metrics.jsonl line
+
+
+def test_train_py_names_the_config_file_that_sets_an_unknown_key(tmp_path):
+    config = tmp_path / "typo.py"
+    config.write_text(f"import runpy\n\n\ndef get_config():\n"
+                      f"    cfg = runpy.run_path({str(ROOT / 'configs' / 'tiny.py')!r})"
+                      f"['get_config']()\n"
+                      f"    cfg.optimizer.warmup_step = 10\n"
+                      f"    return cfg\n")
+    result = cli("train.py", f"--config={config}", f"--workdir={tmp_path / 'run'}")
+    assert_one_line_error(result, f"error: unknown config key 'optimizer.warmup_step' in "
+                                  f"{config}; did you mean 'optimizer.warmup_steps'?")
+    assert not (tmp_path / "run").exists()
 
 
 TRAIN_FLAG_MISTAKES = {

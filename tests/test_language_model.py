@@ -246,6 +246,23 @@ def test_sampling_matches_the_filtered_distribution_and_is_seeded():
 # --------------------------------------------------------------------------- data source
 
 
+def test_mlm_default_is_lm_default_as_a_masked_lm():
+    def flat(name):  # {"seed": 0, ..., "model.d_model": 256, ...}
+        values = runpy.run_path(str(ROOT / "configs" / name))["get_config"]().to_dict()
+        return {k: v for k, v in values.items() if not isinstance(v, dict)} | {
+            f"{section}.{k}": v for section, keys in values.items() if isinstance(keys, dict)
+            for k, v in keys.items()}
+
+    lm, mlm = flat("lm_default.py"), flat("mlm_default.py")
+    assert set(lm) == set(mlm)
+    assert {k: mlm[k] for k in lm if lm[k] != mlm[k]} == {
+        "data.objective": "masked", "model.architecture": "encoder",
+        "model.num_encoder_layers": 4, "model.num_decoder_layers": 0,
+        "model.tie_output_embedding": True, "num_train_steps": 3000,
+        "optimizer.learning_rate": 2e-3, "optimizer.warmup_steps": 200,
+        "generate.max_new_tokens": 64}
+
+
 @pytest.fixture(scope="module")
 def lm_config(offline_fixture_data_dir):
     cfg = runpy.run_path(str(ROOT / "configs" / "lm_default.py"))["get_config"]()
@@ -378,6 +395,7 @@ def test_tfds_text_datasets_give_packed_rows_of_their_text(name, eval_split, tmp
                                      batch_size=4, eval_split=eval_split, eval_documents=20,
                                      data_dir=str(tmp_path))
         assert source.keys == ["text"]  # c4's url and timestamp are not modelled
+        assert source.validation_split == eval_split  # what the training loop evaluates
         assert source.num_train_documents == 200
         batch = source.train_batch(3, (0, 4))
         assert batch["targets"].shape == (1, 4, 32)

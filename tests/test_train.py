@@ -180,6 +180,49 @@ def test_bad_config_fails_before_device_work(overrides, message):
     assert "\n" not in str(error.value)
 
 
+CONFIG_FILES = sorted(str(p.relative_to(ROOT)) for p in [
+    *(ROOT / "configs").glob("*.py"), *(ROOT / "benchmarks" / "workloads").glob("*.py")]
+    if "def get_config" in p.read_text())
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES)
+def test_every_config_file_validates(path):
+    """No config in configs/ or benchmarks/workloads/ sets a key the project does not know (or
+    a value it refuses); on one device, which every mesh of them fills."""
+    cfg = runpy.run_path(str(ROOT / path))["get_config"]()
+    validate_config(cfg, 1, config_file=path)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("optimiser", {"name": "adam"}, "unknown config key 'optimiser' in configs/typo.py; did you "
+                                    "mean 'optimizer'?"),
+    ("optimizer.warmup_step", 10, "unknown config key 'optimizer.warmup_step' in "
+                                  "configs/typo.py; did you mean 'optimizer.warmup_steps'?"),
+    ("data.batchsize", 16, "unknown config key 'data.batchsize' in configs/typo.py; did you "
+                           "mean 'data.batch_size'?"),
+    ("model.d_modle", 64, "did you mean 'model.d_model'?"),
+    ("learning_rate", 1e-3, "did you mean 'optimizer.learning_rate'?"),  # in the wrong place
+    ("vocab_size", 64, "did you mean 'model.vocab_size' or 'data.vocab_size'?"),
+    ("mesh.model", 2, "unknown config key 'mesh.model' in configs/typo.py; known: data, fsdp, "
+                      "tensor"),
+])
+def test_unknown_config_keys_are_named_with_the_closest_known_key(key, value, message):
+    cfg = tiny_config()
+    *path, last = key.split(".")
+    (cfg[path[0]] if path else cfg)[last] = value
+    with pytest.raises(ValueError) as error:
+        validate_config(cfg, 8, config_file="configs/typo.py")
+    assert message in str(error.value) and "\n" not in str(error.value)
+    cfg = tiny_config()  # without the file: the same line, less its name
+    (cfg[path[0]] if path else cfg)[last] = value
+    with pytest.raises(ValueError, match=f"^unknown config key '{key}'; "):
+        validate_config(cfg, 8)
+
+
+def test_every_source_names_the_split_the_loop_evaluates():
+    assert make_source(tiny_config()).validation_split == "validation"
+
+
 @pytest.mark.parametrize("devices, accum", [(1, 4), (2, 2), (4, 1), (8, 1)])
 def test_paper_configs_size_accumulation_from_the_device_count(devices, accum):
     cfg = runpy.run_path(str(ROOT / "configs" / "wmt14_ende_base.py"))["get_config"]()

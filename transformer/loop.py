@@ -8,6 +8,7 @@ saves a checkpoint and returns cleanly.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import logging
 import os
@@ -15,11 +16,13 @@ import signal
 import subprocess
 import time
 from importlib import metadata
+from typing import NoReturn
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from transformer import data as data_lib
 from transformer import evaluation, flops, metrics, optim, sharding, train_lib
 from transformer.checkpoint import Checkpointer, ParamsSeries
 from transformer.data import make_source
@@ -37,7 +40,49 @@ _TOP_LEVEL = {"seed": "int", "num_train_steps": "int", "keep_checkpoints": "int"
               "checkpoint_every_steps": "int", "eval_every_steps": "int",
               "bleu_every_steps": "int", "bleu_num_sentences": "int", "params_keep": "int",
               "checkpoint_every_minutes": "float", "params_every_minutes": "float",
-              "label_smoothing": "float", "data.batch_size": "int"}
+              "label_smoothing": "float", "z_loss": "float",
+              "skip_nonfinite_updates": "bool", "profile_start_step": "int",
+              "profile_num_steps": "int", "data.batch_size": "int"}
+# The sections beside them and the keys each may hold: the model's fields, the mesh axes, any
+# data source's keys, and what optim.make_optimizer, the Translator (decode), the Generator
+# (generate) and distributed.initialize read. Any other key is refused (_check_keys).
+_SECTIONS = {
+    "model": frozenset(f.name for f in dataclasses.fields(TransformerConfig)),
+    "mesh": frozenset(sharding.MESH_AXES),
+    "data": data_lib.CONFIG_KEYS,
+    "optimizer": frozenset({"name", "schedule", "learning_rate", "warmup_steps", "end_fraction",
+                            "b1", "b2", "eps", "weight_decay", "clip_norm"}),
+    "decode": frozenset({"beam_size", "alpha", "max_extra_length"}),
+    "generate": frozenset({"max_new_tokens", "temperature", "top_k", "top_p"}),
+    "distributed": frozenset({"initialization_timeout_seconds", "heartbeat_timeout_seconds"}),
+}
+_KNOWN = frozenset(k for k in _TOP_LEVEL if "." not in k) | frozenset(_SECTIONS)
+
+
+def _check_keys(cfg, config_file: str | None = None) -> None:
+    """A key the project does not read (a typo such as `optimiser`, `optimizer.warmup_step`)
+    is one line naming it, the config file and the closest known key, instead of being
+    silently ignored. `--config.<key>` flags cannot add keys (train.py refuses them)."""
+    for key, value in cfg.items():
+        if key not in _KNOWN:
+            _unknown_key(key, _KNOWN, config_file)
+        if key in _SECTIONS and hasattr(value, "items"):
+            for name in value:
+                if name not in _SECTIONS[key]:
+                    _unknown_key(f"{key}.{name}", _SECTIONS[key], config_file)
+
+
+def _unknown_key(key: str, known, config_file: str | None) -> NoReturn:
+    section, _, name = key.rpartition(".")
+    if section:
+        close = [f"{section}.{k}" for k in difflib.get_close_matches(name, sorted(known), n=1)]
+    else:  # a section's key set at the top level, or a typo
+        close = ([f"{s}.{name}" for s, keys in _SECTIONS.items() if name in keys]
+                 or difflib.get_close_matches(name, sorted(known), n=1))
+    where = f" in {config_file}" if config_file else ""
+    hint = (f"did you mean {' or '.join(repr(k) for k in close)}?" if close else
+            f"known: {', '.join(sorted(known))}")
+    raise ValueError(f"unknown config key {key!r}{where}; {hint}")
 
 
 def _check_types(cfg) -> None:
@@ -50,17 +95,20 @@ def _check_types(cfg) -> None:
     for key, value in flat.items():
         kinds = (fields.get(key) or _TOP_LEVEL.get(key, "")).split(" | ")
         if (value is None and key.startswith("model.")) or kinds == [""]:
-            continue  # None: a model default; unknown model keys: from_dict names them
+            continue  # None: a model default; unknown keys: _check_keys named them
         if not any(isinstance(value, _KINDS[k]) and (k == "bool") == isinstance(value, bool)
                    for k in kinds if k in _KINDS):
             raise ValueError(f"{key}={value!r} must be {' or '.join(kinds)}, not "
                              f"{type(value).__name__}")
 
 
-def validate_config(cfg, num_devices: int) -> tuple[int, int, int]:
+def validate_config(cfg, num_devices: int, *,
+                    config_file: str | None = None) -> tuple[int, int, int]:
     """Checks everything that can be checked before touching devices; returns the mesh shape.
 
-    Each problem is one line naming the key and what would fix it."""
+    Each problem is one line naming the key and what would fix it (and for a key the project
+    does not know, `config_file`, the file that set it)."""
+    _check_keys(cfg, config_file)
     _check_types(cfg)
     model_cfg = TransformerConfig.from_dict(cfg.model)
     optim.make_optimizer(cfg.optimizer, d_model=model_cfg.d_model,  # its checks; no arrays
@@ -229,9 +277,11 @@ def _check_bleu_source(cfg, source) -> None:
                          f"to 0")
 
 
-def train_and_evaluate(cfg, workdir: str) -> train_lib.TrainState:
-    """Trains `cfg` in `workdir` (resuming if it holds a checkpoint); returns the final state."""
-    shape = validate_config(cfg, jax.device_count())
+def train_and_evaluate(cfg, workdir: str, *,
+                       config_file: str | None = None) -> train_lib.TrainState:
+    """Trains `cfg` in `workdir` (resuming if it holds a checkpoint); returns the final state.
+    `config_file`, where `cfg` came from, is named in errors about its keys."""
+    shape = validate_config(cfg, jax.device_count(), config_file=config_file)
     if not int(cfg.grad_accum_steps):
         cfg = resolve_grad_accum(cfg, jax.device_count())
         log.info("grad_accum_steps=0: %d microbatches of %d rows per update on %d devices",
@@ -260,7 +310,7 @@ def train_and_evaluate(cfg, workdir: str) -> train_lib.TrainState:
     train_step = _compile(train_lib.make_train_step(trainer, cfg), "train step",
                           state, train_lib.global_batch(mesh, source.train_batch(0, rows)))
     eval_step = train_lib.make_eval_step(trainer)
-    eval_split = getattr(source, "validation_split", "validation")  # lm1b has no validation
+    eval_split = source.validation_split  # a language model's data.eval_split (lm1b: "test")
     translator = (Translator(cfg, state.params, source.tokenizer)
                   if cfg.get("bleu_every_steps", 0) else None)
     writer = metrics.MetricWriter(workdir)
@@ -300,7 +350,7 @@ def train_and_evaluate(cfg, workdir: str) -> train_lib.TrainState:
                 if due_bleu:
                     translator.params = state.params
                     figures |= validation_bleu(translator, source, int(cfg.bleu_num_sentences),
-                                               cfg.data.target_lang)
+                                               cfg.data.target_lang, eval_split)
                 writer.write(step, eval_split, figures)
                 metrics.log_evaluation(step, eval_split, figures,
                                        time.perf_counter() - started)

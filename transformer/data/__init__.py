@@ -13,6 +13,16 @@ import numpy as np
 
 Batch = dict[str, np.ndarray]
 
+# The `data.*` keys a config may set: every source's, since a config may carry keys its source
+# does not read (configs/tiny.py's empty source_lang). validate_config names any other key.
+CONFIG_KEYS = frozenset({
+    "dataset", "vocab_size", "max_length", "batch_size", "eval_batch_size",  # every source
+    "max_rows_per_device", "data_dir", "manual_dir",
+    "source_lang", "target_lang", "tokens_per_batch", "vocab_sample_pairs",  # translation
+    "objective", "eval_split", "eval_documents", "mask_rate", "vocab_sample_documents",  # LM
+    "task", "min_length", "eval_examples",  # synthetic
+})
+
 
 class Source(Protocol):
     """What the training loop reads. Batches are dicts of int32 arrays: "inputs" [.., S] and
@@ -21,13 +31,14 @@ class Source(Protocol):
 
     A global batch has `num_microbatches` (A, gradient accumulation) microbatches of
     `rows_per_batch` rows; mesh axes data x fsdp split the rows, and each process asks only for
-    its own contiguous `rows` = (start, stop).
+    its own contiguous `rows` = (start, stop). The loop evaluates `validation_split`.
     """
 
     source_length: int  # S of a batch (for FLOPs accounting)
     target_length: int  # T
     rows_per_batch: int  # global rows of one microbatch
     eval_rows_per_batch: int  # global rows of one eval batch
+    validation_split: str  # split the loop evaluates: "validation", or data.eval_split (LMs)
 
     def train_batch(self, index: int, rows: tuple[int, int]) -> Batch:
         """Rows [start, stop) of every microbatch of global batch `index`: [A, stop-start, L].

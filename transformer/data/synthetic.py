@@ -82,6 +82,7 @@ class SyntheticSource:
     batch_size: int
     grad_accum_steps: int
     eval_examples: int  # size of the validation and test splits
+    validation_split: str = "validation"  # the split the training loop evaluates
 
     @property
     def source_length(self) -> int:

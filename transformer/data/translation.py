@@ -146,6 +146,7 @@ class TranslationSource:
         self.rows_per_batch = int(batch_size) // self.grad_accum_steps
         self.eval_rows_per_batch = int(eval_batch_size or self.rows_per_batch)
         self.source_length = self.target_length = self.max_length
+        self.validation_split = "validation"  # the split the training loop evaluates
         self.workdir = workdir
         self.builder = prepare_dataset(dataset, data_dir, manual_dir)
         languages = tuple(self.builder.info.features.languages)
@@ -154,7 +155,7 @@ class TranslationSource:
                 raise ValueError(f"data.{key}={lang!r} is not a language of {dataset} "
                                  f"({', '.join(languages)})")
         self._sources: dict[str, object] = {}
-        for split in ("train", "validation"):
+        for split in ("train", self.validation_split):
             if (split == "train" or split in self.builder.info.splits) and \
                     not len(self._source(split)):
                 raise DataUnavailable(f"{dataset}: the {split!r} split is empty; prepare the "
