@@ -7,9 +7,15 @@ continue prompts.
 
 A prompt is SentencePiece-encoded with the run's vocabulary, read after BOS in one decoder call
 that fills the KV cache (a prefix LM reads it in both directions, as in training), then tokens
-are drawn one at a time (`decoding.sample`) until EOS or `max_new_tokens`. Prompts of the same
-length in pieces share a batch; each prompt has its own key (`fold_in(key(seed), prompt
-index)`), so its continuation does not depend on the other prompts.
+are drawn one at a time (`decoding.sample`) until EOS or `max_new_tokens`.
+
+Prompts are padded at the end into length buckets (`translator.bucket_length`, as translation
+sources) and batches to a power of two rows, so a stream of prompts compiles one program per
+(bucket, rows), not one per prompt length. Padding changes no result: the pad positions come
+after the prompt (no prompt position sees them), and each row's cache index restarts at its own
+prompt length, so its first new token overwrites the first pad, with that position, and a
+position never attends to a pad. Each prompt has its own key (`fold_in(key(seed), prompt
+index)`), so its continuation does not depend on the other prompts of its batch.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from ml_collections import ConfigDict
 
 from transformer import checkpoint, decoding
 from transformer.model import BOS_ID, Transformer, TransformerConfig, init_cache
-from transformer.translator import load_config, load_tokenizer
+from transformer.translator import bucket_length, load_config, load_tokenizer
 
 log = logging.getLogger("transformer")
 EOS_ID = 3
@@ -77,29 +83,59 @@ class Generator:
             top_k=int(defaults.top_k if top_k is None else top_k),
             top_p=float(defaults.top_p if top_p is None else top_p))
         _check_options(**options)
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be >= 1")
         encoded = self.encode(prompts, options["max_new_tokens"])
-        by_length: dict[int, list[int]] = {}
+        by_bucket: dict[int, list[int]] = {}
         for i, ids in enumerate(encoded):
-            by_length.setdefault(len(ids), []).append(i)
+            length = self.bucket(len(ids), options["max_new_tokens"])
+            by_bucket.setdefault(length, []).append(i)
         out = [""] * len(prompts)
-        for _, members in sorted(by_length.items()):
+        for length, members in sorted(by_bucket.items()):
             for start in range(0, len(members), batch_size):
                 chunk = members[start:start + batch_size]
                 tokens = self.generate_ids([encoded[i] for i in chunk], prompt_indices=chunk,
-                                           seed=seed, **options)
+                                           seed=seed, length=length,
+                                           rows=min(_power_of_two(len(chunk)), batch_size),
+                                           **options)
                 for i, row in zip(chunk, tokens, strict=True):
                     out[i] = self.tokenizer.decode(encoded[i] + row.tolist())
         return out
 
+    def bucket(self, prompt_length: int, max_new_tokens: int) -> int:
+        """The padded length of the decoder's prompt input (BOS and `prompt_length` pieces):
+        a multiple of `translator.BUCKET`, capped where the prompt and `max_new_tokens` fill
+        model.max_len."""
+        return bucket_length(1 + prompt_length, self.model_config.max_len - max_new_tokens)
+
     def generate_ids(self, prompts: list[list[int]], *, prompt_indices: list[int], seed: int,
-                     max_new_tokens: int, temperature: float, top_k: int,
-                     top_p: float) -> np.ndarray:
-        """New tokens [B, max_new_tokens] after prompts of one length; zeros after EOS."""
-        inputs = np.array([[BOS_ID] + ids for ids in prompts], np.int32)
+                     max_new_tokens: int, temperature: float, top_k: int, top_p: float,
+                     length: int | None = None, rows: int | None = None) -> np.ndarray:
+        """New tokens [len(prompts), max_new_tokens] after prompts (piece ids, any lengths);
+        zeros after EOS. Prompt `prompt_indices[i]` draws with `fold_in(key(seed), index)`.
+
+        The prompts are read after BOS, padded to `length` (default: the bucket of the
+        longest), and the batch to `rows` (default: the next power of two) with copies of the
+        first prompt; neither changes any prompt's tokens.
+        """
+        longest = 1 + max(len(ids) for ids in prompts)
+        length = self.bucket(longest - 1, max_new_tokens) if length is None else length
+        rows = _power_of_two(len(prompts)) if rows is None else rows
+        if length < longest or rows < len(prompts):
+            raise ValueError(f"cannot pad {len(prompts)} prompts of up to {longest} decoder "
+                             f"inputs to {rows} rows of {length}")
+        # Rows beyond the prompts repeat the first (input, length and key): they finish with
+        # it, so they never lengthen the loop; their tokens are dropped.
+        order = list(range(len(prompts))) + [0] * (rows - len(prompts))
+        inputs = np.zeros((rows, length), np.int32)
+        for row, i in enumerate(order):
+            inputs[row, :1 + len(prompts[i])] = [BOS_ID] + prompts[i]
+        lengths = np.array([1 + len(prompts[i]) for i in order], np.int32)
+        indices = np.asarray(prompt_indices, np.uint32)[order]
         keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(
-            jax.random.key(seed), jnp.asarray(prompt_indices, jnp.uint32))
+            jax.random.key(seed), jnp.asarray(indices))
         run = _sample_fn(self.model, self.prefix_lm, max_new_tokens, temperature, top_k, top_p)
-        return np.asarray(run(self.params, inputs, keys))
+        return np.asarray(run(self.params, inputs, lengths, keys))[:len(prompts)]
 
 
 def _require_decoder(architecture: str) -> None:
@@ -117,24 +153,48 @@ def _check_options(*, max_new_tokens, temperature, top_k, top_p) -> None:
             raise ValueError(f"{name}={value} must be {want}")
 
 
+def _power_of_two(n: int) -> int:
+    """The smallest power of two >= n."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _map_layers(fn, cache: dict) -> dict:
+    """`fn` applied to every array of a decoding cache but its index."""
+    return {name: value if name == "index" else jax.tree.map(fn, value)
+            for name, value in cache.items()}
+
+
 @functools.lru_cache(maxsize=32)
 def _sample_fn(model: Transformer, prefix_lm: bool, max_new_tokens: int, temperature: float,
                top_k: int, top_p: float):
-    """A jitted `(params, inputs [B, 1 + P], keys [B]) -> tokens [B, max_new_tokens]`."""
+    """A jitted `(params, inputs [B, P], lengths [B], keys [B]) -> tokens [B, max_new_tokens]`:
+    row b's decoder input is `inputs[b, :lengths[b]]` (BOS and its prompt), then padding."""
+    batch_axis = 1 if model.config.scan_layers else 0  # of the cache's layer leaves
 
-    def run(params, inputs, keys):
+    def run(params, inputs, lengths, keys):
         batch, length = inputs.shape
-
-        def decode_fn(tokens, cache, **kwargs):
-            return model.apply({"params": params}, None, None, tokens, cache=cache,
-                               method="decode", **kwargs)
-
+        # The prompts in one call; a prompt position sees no padding (it comes after them).
         cache = init_cache(model.config, batch, length + max_new_tokens)
-        prefix = jnp.ones_like(inputs) if prefix_lm else None
-        logits, cache = decode_fn(inputs, cache, targets_prefix=prefix)
-        return decoding.sample(decode_fn, cache, logits[:, -1:], keys=keys,
-                               max_length=max_new_tokens, eos_id=EOS_ID,
-                               temperature=temperature, top_k=top_k, top_p=top_p)
+        prefix = jnp.arange(length)[None, :] < lengths[:, None] if prefix_lm else None
+        logits, cache = model.apply({"params": params}, None, None, inputs, cache=cache,
+                                    targets_prefix=prefix, method="decode")
+        last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)
+        # Each row goes on from its own length: the cache index becomes one per row, and each
+        # step is the model on one row (batch 1, a scalar index), vmapped over the rows.
+        cache = {**cache, "index": lengths}
+        axes = {name: 0 if name == "index" else batch_axis for name in cache}
+
+        def decode_row(token, row_cache):
+            logits, row_cache = model.apply(
+                {"params": params}, None, None, token[None],
+                cache=_map_layers(lambda x: jnp.expand_dims(x, batch_axis), row_cache),
+                method="decode")
+            return logits[0], _map_layers(lambda x: jnp.squeeze(x, batch_axis), row_cache)
+
+        decode_fn = jax.vmap(decode_row, in_axes=(0, axes), out_axes=(0, axes))
+        return decoding.sample(decode_fn, cache, last, keys=keys, max_length=max_new_tokens,
+                               eos_id=EOS_ID, temperature=temperature, top_k=top_k,
+                               top_p=top_p)
 
     return jax.jit(run)
 

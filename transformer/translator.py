@@ -28,7 +28,13 @@ from transformer.model import BOS_ID, Transformer, TransformerConfig, init_cache
 
 log = logging.getLogger("transformer")
 EOS_ID = 3
-BUCKET = 16  # source lengths are padded up to a multiple of this
+BUCKET = 16  # source (and prompt) lengths are padded up to a multiple of this
+
+
+def bucket_length(length: int, limit: int) -> int:
+    """`length` padded up to a multiple of BUCKET, but not past `limit` (nor below `length`):
+    one compiled program per bucket, not one per length."""
+    return max(length, min(-(-length // BUCKET) * BUCKET, limit))
 
 
 @dataclasses.dataclass
@@ -88,7 +94,7 @@ class Translator:
                       max_extra_length: int) -> np.ndarray:
         """Best hypotheses [B, L] for source id lists (EOS included); zeros after EOS."""
         longest = max(len(s) for s in sources)
-        length = min(-(-longest // BUCKET) * BUCKET, self.max_source_length)
+        length = bucket_length(longest, self.max_source_length)
         inputs = np.zeros((len(sources), length), np.int32)
         for row, ids in enumerate(sources):
             inputs[row, : len(ids)] = ids
