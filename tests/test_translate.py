@@ -73,3 +73,32 @@ def test_cli_on_a_workdir_without_a_run(tmp_path):
     assert result.returncode != 0
     assert "has no config.json" in result.stderr.decode()
     assert "Traceback" not in result.stderr.decode()
+
+
+def test_cli_text_in_and_out(tmp_path, capsys):
+    """transformer.text_input.run, shared by translate and generate: lines in, one text a line
+    out, and a failure is one line that leaves an earlier output file alone."""
+    from transformer import text_input
+
+    source = tmp_path / "in.txt"
+    source.write_bytes(b"eins\n\nzwei\r\n")
+    output = tmp_path / "out.txt"
+    text_input.run(lambda lines: [f"<{line}>\nx\r" for line in lines],
+                   input_path=str(source), output_path=str(output))
+    assert output.read_text() == "<eins> x \n<> x \n<zwei> x \n"
+    text_input.run(lambda lines: lines[::-1], lines=["a", "b"])
+    assert capsys.readouterr().out == "b\na\n"
+
+    def fail(lines):
+        raise ValueError("the workdir has no checkpoint")
+
+    for kwargs, message in [
+            (dict(process=fail, input_path=str(source)), "error: the workdir has no checkpoint"),
+            (dict(process=len, input_path=str(tmp_path / "missing.txt")), "missing.txt"),
+            (dict(process=len, lines=["a"], output_path=str(tmp_path)), "is a directory"),
+            (dict(process=len, lines=["a"], output_path=str(tmp_path / "no" / "out.txt")),
+             "does not exist")]:
+        with pytest.raises(SystemExit) as exit_:
+            text_input.run(output_path=kwargs.pop("output_path", str(output)), **kwargs)
+        assert message in str(exit_.value) and str(exit_.value).startswith("error: ")
+        assert output.read_text() == "<eins> x \n<> x \n<zwei> x \n"  # untouched

@@ -35,32 +35,20 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax's INFO chatter
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
+    from transformer import text_input
     from transformer.generator import load_generator
-    from transformer.text_input import read_lines
 
-    try:
-        if FLAGS.prompt:
-            prompts = list(FLAGS.prompt)
-        elif FLAGS.input:
-            with open(FLAGS.input, "rb") as f:
-                prompts = read_lines(f.read(), FLAGS.input)
-        else:
-            prompts = read_lines(sys.stdin.buffer.read(), "stdin")
+    def continue_prompts(prompts: list[str]) -> list[str]:
         if not prompts:
             raise ValueError("no prompt: pass --prompt=... or one prompt a line on stdin")
         generator = load_generator(FLAGS.workdir, step=FLAGS.step)
-        texts = generator.generate(prompts, max_new_tokens=FLAGS.max_new_tokens,
-                                   temperature=FLAGS.temperature, top_k=FLAGS.top_k,
-                                   top_p=FLAGS.top_p, seed=FLAGS.seed,
-                                   batch_size=FLAGS.batch_size)
-    except (ValueError, OSError) as error:
-        sys.exit(f"error: {error}")
-    text = "".join(t.replace("\n", " ") + "\n" for t in texts)
-    if FLAGS.output:
-        with open(FLAGS.output, "w", encoding="utf-8") as f:
-            f.write(text)
-    else:
-        sys.stdout.write(text)
+        return generator.generate(prompts, max_new_tokens=FLAGS.max_new_tokens,
+                                  temperature=FLAGS.temperature, top_k=FLAGS.top_k,
+                                  top_p=FLAGS.top_p, seed=FLAGS.seed,
+                                  batch_size=FLAGS.batch_size)
+
+    text_input.run(continue_prompts, input_path=FLAGS.input, output_path=FLAGS.output,
+                   lines=FLAGS.prompt or None)
 
 
 if __name__ == "__main__":

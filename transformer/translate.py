@@ -31,26 +31,15 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax's INFO chatter
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
-    from transformer.text_input import read_lines
+    from transformer import text_input
     from transformer.translator import load
 
-    try:
-        if FLAGS.input:
-            with open(FLAGS.input, "rb") as f:
-                lines = read_lines(f.read(), FLAGS.input)
-        else:
-            lines = read_lines(sys.stdin.buffer.read(), "stdin")
+    def translate(lines: list[str]) -> list[str]:
         translator = load(FLAGS.workdir, step=FLAGS.step, average=FLAGS.average)
-        translations = translator.translate(lines, beam_size=FLAGS.beam_size,
-                                            alpha=FLAGS.alpha, batch_size=FLAGS.batch_size)
-    except (ValueError, OSError) as error:
-        sys.exit(f"error: {error}")
-    text = "".join(t + "\n" for t in translations)
-    if FLAGS.output:
-        with open(FLAGS.output, "w", encoding="utf-8") as f:
-            f.write(text)
-    else:
-        sys.stdout.write(text)
+        return translator.translate(lines, beam_size=FLAGS.beam_size, alpha=FLAGS.alpha,
+                                    batch_size=FLAGS.batch_size)
+
+    text_input.run(translate, input_path=FLAGS.input, output_path=FLAGS.output)
 
 
 if __name__ == "__main__":
