@@ -107,6 +107,10 @@ def paper_config(*, size: str, target_lang: str, dropout_rate: float) -> config_
         heartbeat_timeout_seconds=100))  # a dead peer stops the others after this long
     cfg.label_smoothing = 0.1
     cfg.z_loss = 0.0
+    # Target tokens per device whose logits the loss computes at once (their softmax gradient
+    # too, never the logits [B, T, V] whole); 0: all at once; -1: by backend (512 on a CPU,
+    # where a chunk then stays in cache; 8192 on an accelerator, where chunks bound memory).
+    cfg.loss_chunk_tokens = -1
     cfg.skip_nonfinite_updates = False  # True: skip (and count) non-finite updates; else stop
     cfg.log_every_steps = 100
     cfg.profile_start_step = 0

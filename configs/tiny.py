@@ -47,6 +47,7 @@ def get_config():
         b1=0.9, b2=0.98, eps=1e-9, weight_decay=0.0, clip_norm=1.0))
     cfg.label_smoothing = 0.1
     cfg.z_loss = 0.0
+    cfg.loss_chunk_tokens = -1  # logits a chunk at a time, sized by backend (common.py)
     cfg.skip_nonfinite_updates = False
     cfg.profile_start_step = 0
     cfg.profile_num_steps = 0  # > 0: a jax.profiler trace of that many steps in <workdir>/profile

@@ -189,6 +189,102 @@ def test_z_loss_matches_numpy(batch):
     np.testing.assert_allclose(sums.loss_sum, loss + z_expected, rtol=1e-5)
 
 
+# ---- the projected (chunked) cross-entropy -------------------------------------------------------
+
+
+@pytest.fixture
+def projection():
+    """hidden [3, 7, 4], an embedding [13, 4], targets with padding (id 0, weight 0)."""
+    rng = np.random.default_rng(1)
+    hidden = rng.normal(size=(3, 7, 4)).astype(np.float32)
+    embedding = rng.normal(size=(13, 4)).astype(np.float32)
+    targets = rng.integers(1, 13, size=(3, 7)).astype(np.int32)
+    targets[0, 5:] = 0
+    targets[2, 2:] = 0
+    return hidden, embedding, targets, (targets != 0).astype(np.float32)
+
+
+def numpy_projected_ce(hidden, embedding, targets, weights, eps, z):
+    """Loss sum and its gradients for hidden and embedding, written out: with p the softmax of
+    logits = hidden @ embedding.T and q = (1-eps)*onehot + eps/V, d loss / d logits =
+    w * (p * (1 + 2 z lse) - q)."""
+    h, e = hidden.astype(np.float64), embedding.astype(np.float64)
+    logits = h @ e.T
+    logp = numpy_log_softmax(logits)
+    lse = logits - logp
+    lse = lse[..., 0]
+    vocab = e.shape[0]
+    q = (1 - eps) * np.eye(vocab)[targets] + eps / vocab
+    loss = ((-(q * logp).sum(-1) + z * lse**2) * weights).sum()
+    d_logits = weights[..., None] * (np.exp(logp) * (1 + 2 * z * lse[..., None]) - q)
+    return loss, d_logits @ e, np.einsum("btv,btd->vd", d_logits, h)
+
+
+@pytest.mark.parametrize("chunk_length", [None, 1, 3, 7, 50])
+@pytest.mark.parametrize("vocab_axis", [0, 1])
+def test_projected_loss_and_gradients_match_numpy(projection, chunk_length, vocab_axis):
+    hidden, embedding, targets, weights = projection
+    kernel = embedding if vocab_axis == 0 else embedding.T
+
+    def loss(h, k):
+        sums = optim.projected_cross_entropy_loss(
+            h, k, targets, weights, vocab_axis=vocab_axis, label_smoothing=0.1, z_loss=1e-2,
+            chunk_length=chunk_length)
+        return sums.loss_sum, sums
+
+    (loss_sum, sums), (d_hidden, d_kernel) = jax.jit(
+        jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(hidden, kernel)
+    expected, expected_d_hidden, expected_d_embedding = numpy_projected_ce(
+        hidden, embedding, targets, weights, 0.1, 1e-2)
+    np.testing.assert_allclose(loss_sum, expected, rtol=1e-5)
+    np.testing.assert_allclose(d_hidden, expected_d_hidden, rtol=1e-4, atol=1e-6)
+    d_embedding = d_kernel if vocab_axis == 0 else d_kernel.T
+    np.testing.assert_allclose(d_embedding, expected_d_embedding, rtol=1e-4, atol=1e-6)
+    # The same figures as the unchunked loss of the whole logits.
+    whole = optim.cross_entropy_loss(hidden @ embedding.T, targets, weights,
+                                     label_smoothing=0.1, z_loss=1e-2)
+    for name in ("loss_sum", "weight_sum", "z_loss_sum"):
+        np.testing.assert_allclose(getattr(sums, name), getattr(whole, name), rtol=1e-5)
+    # Without differentiation (eval) the primal pass gives the same sums.
+    plain = jax.jit(loss)(hidden, kernel)[1]
+    np.testing.assert_allclose(plain.loss_sum, loss_sum, rtol=1e-6)
+
+
+def test_projected_loss_gradients_equal_autodiff_of_the_logits(projection):
+    """Against jax.grad through the materialised logits, scaled as the train step scales
+    (loss_sum / token count), and under jax.vmap."""
+    hidden, embedding, targets, weights = projection
+
+    def whole(h, e):
+        return optim.cross_entropy_loss(jnp.einsum("btd,vd->btv", h, e), targets, weights,
+                                        label_smoothing=0.1).loss_sum / weights.sum()
+
+    def chunked(h, e):
+        return optim.projected_cross_entropy_loss(h, e, targets, weights, label_smoothing=0.1,
+                                                  chunk_length=2).loss_sum / weights.sum()
+
+    for expected, actual in zip(jax.grad(whole, (0, 1))(hidden, embedding),
+                                jax.grad(chunked, (0, 1))(hidden, embedding), strict=True):
+        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-7)
+    batched = jax.vmap(jax.grad(chunked), in_axes=(None, 0))(hidden, np.stack([embedding] * 2))
+    np.testing.assert_allclose(batched[1], jax.grad(whole)(hidden, embedding), rtol=1e-5,
+                               atol=1e-7)
+
+
+def test_projected_loss_in_bfloat16_is_float32_and_close(projection):
+    hidden, embedding, targets, weights = projection
+    h, e = jnp.asarray(hidden, jnp.bfloat16), jnp.asarray(embedding, jnp.bfloat16)
+    sums = optim.projected_cross_entropy_loss(h, e, targets, weights, label_smoothing=0.1,
+                                              chunk_length=3)
+    assert all(x.dtype == jnp.float32 for x in sums)
+    expected = optim.cross_entropy_loss(jnp.einsum("btd,vd->btv", h, e), targets, weights,
+                                        label_smoothing=0.1)
+    np.testing.assert_allclose(sums.loss_sum, expected.loss_sum, rtol=1e-5)
+    grads = jax.grad(lambda h: optim.projected_cross_entropy_loss(
+        h, e, targets, weights, chunk_length=3).loss_sum)(h)
+    assert grads.dtype == jnp.bfloat16
+
+
 # ---- optimizers --------------------------------------------------------------------------------
 
 

@@ -117,6 +117,27 @@ def test_params_after_one_step_agree_across_meshes(reference):
     assert_params_close(one.params, eight.params, max_key_bias_drift=3e-3 / 50)
 
 
+@pytest.mark.parametrize("shape", [(1, 1, 1), (2, 2, 2)])
+def test_chunked_loss_trains_as_the_whole_logits(shape):
+    """The loss computed one position at a time (loss_chunk_tokens = the rows per device: 13
+    chunks; the vocabulary sharded over `tensor` on the 2 x 2 x 2 mesh) gives the losses and
+    parameters of the logits held whole."""
+    mesh = mesh_of(shape, int(np.prod(shape)))
+    whole, whole_losses, _ = run(tiny_config(loss_chunk_tokens=0), mesh, 3)
+    rows_per_device = 16 // (shape[0] * shape[1])
+    chunked, chunked_losses, trainer = run(tiny_config(loss_chunk_tokens=rows_per_device), mesh,
+                                           3)
+    assert trainer.loss_chunk_tokens == rows_per_device
+    np.testing.assert_allclose(chunked_losses, whole_losses, rtol=1e-5)
+    assert_params_close(whole.params, chunked.params, max_key_bias_drift=3 * 3e-3 / 50)
+
+
+def test_loss_chunks_are_sized_by_backend_unless_set():
+    assert train_lib.resolve_loss_chunk_tokens(-1) == train_lib.AUTO_LOSS_CHUNK_TOKENS["cpu"]
+    assert train_lib.resolve_loss_chunk_tokens(0) == 0
+    assert train_lib.resolve_loss_chunk_tokens(96) == 96
+
+
 def test_gradient_accumulation_equals_large_batch():
     cfg = tiny_config(**{"model.dropout_rate": 0.0})
     mesh = mesh_of((2, 1, 1), 2)

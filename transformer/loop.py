@@ -40,7 +40,7 @@ _TOP_LEVEL = {"seed": "int", "num_train_steps": "int", "keep_checkpoints": "int"
               "checkpoint_every_steps": "int", "eval_every_steps": "int",
               "bleu_every_steps": "int", "bleu_num_sentences": "int", "params_keep": "int",
               "checkpoint_every_minutes": "float", "params_every_minutes": "float",
-              "label_smoothing": "float", "z_loss": "float",
+              "label_smoothing": "float", "z_loss": "float", "loss_chunk_tokens": "int",
               "skip_nonfinite_updates": "bool", "profile_start_step": "int",
               "profile_num_steps": "int", "data.batch_size": "int"}
 # The sections beside them and the keys each may hold: the model's fields, the mesh axes, any
@@ -131,6 +131,9 @@ def validate_config(cfg, num_devices: int, *,
                          f"params_every_minutes={cfg.params_every_minutes}")
     if not 0.0 <= cfg.label_smoothing < 1.0:
         raise ValueError(f"label_smoothing={cfg.label_smoothing} must be in [0, 1)")
+    if cfg.get("loss_chunk_tokens", -1) < -1:
+        raise ValueError(f"loss_chunk_tokens={cfg.loss_chunk_tokens} must be >= 0 (0: the logits "
+                         f"whole), or -1 to size chunks by backend")
     shape = sharding.mesh_shape(cfg.mesh, num_devices)
     sharding.validate_mesh_for_model(shape, model_cfg)
     batch_shards = shape[0] * shape[1]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -433,9 +433,24 @@ class Encoder(nn.Module):
         return x
 
 
+class OutputHead(NamedTuple):
+    """The final hidden states and the output projection, unapplied: for a loss that projects
+    a chunk at a time (`optim.projected_cross_entropy_loss`) instead of holding [B, T, V]."""
+
+    hidden: jax.Array  # [B, T, D], compute dtype
+    kernel: jax.Array  # [V, D] (tied to the embedding, vocab_axis 0) or [D, V] (vocab_axis 1)
+    vocab_axis: int
+
+    def logits(self) -> jax.Array:
+        """[B, T, V] in the compute dtype."""
+        spec = "btd,vd->btv" if self.vocab_axis == 0 else "btd,dv->btv"
+        logits = jnp.einsum(spec, self.hidden.astype(self.kernel.dtype), self.kernel)
+        return _activation_constraint(logits, ("batch", "length", "vocab"))
+
+
 class Decoder(nn.Module):
     """N decoder blocks and the output projection: decoder input tokens [B, T] -> logits
-    [B, T, V]. Masks come from `Transformer.decode`."""
+    [B, T, V] (`project=False`: an `OutputHead`). Masks come from `Transformer.decode`."""
 
     config: TransformerConfig
     embedding: nn.Module
@@ -443,7 +458,7 @@ class Decoder(nn.Module):
 
     @nn.compact
     def __call__(self, tokens, encoded, self_mask, cross_mask, positions, *, cache=None,
-                 deterministic=True):
+                 deterministic=True, project=True):
         cfg = self.config
         x = _Embedder(cfg, self.embedding, name="embedder")(tokens, positions, deterministic)
         index = None if cache is None else cache["index"]
@@ -467,13 +482,13 @@ class Decoder(nn.Module):
         if cfg.norm_position == "pre":
             x = Norm(cfg, name="norm")(x)
         if cfg.tie_output_embedding:
-            logits = self.embedding.attend(x.astype(cfg.compute_dtype))
+            head = OutputHead(x.astype(cfg.compute_dtype),
+                              self.embedding.embedding.astype(cfg.compute_dtype), 0)
         else:
             kernel, _ = Weights((cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
                                 use_bias=False, name="logits")()
-            logits = jnp.einsum("btd,dv->btv", x, kernel.astype(cfg.compute_dtype))
-        logits = _activation_constraint(logits, ("batch", "length", "vocab"))
-        return logits, new_cache
+            head = OutputHead(x.astype(cfg.compute_dtype), kernel.astype(cfg.compute_dtype), 1)
+        return (head if not project else head.logits()), new_cache
 
 
 def shift_right(targets: jax.Array, segmentation: jax.Array | None = None) -> jax.Array:
@@ -501,8 +516,9 @@ class Transformer(nn.Module):
 
     `__call__(inputs [B,S], targets [B,T]) -> logits [B,T,V]` (teacher forcing: the decoder
     reads `targets` shifted right). Encoder-only returns [B,S,V] from `inputs`; decoder-only
-    models `targets` (inputs may be None). Token id 0 is padding; packed rows pass positions and
-    segment ids (0 = padding).
+    models `targets` (inputs may be None). `project=False` returns an `OutputHead` (hidden
+    states and output kernel) instead of the logits, for a loss that projects by chunks.
+    Token id 0 is padding; packed rows pass positions and segment ids (0 = padding).
     """
 
     config: TransformerConfig
@@ -535,8 +551,8 @@ class Transformer(nn.Module):
 
     def decode(self, encoded, inputs, targets, *, targets_positions=None,
                inputs_segmentation=None, targets_segmentation=None, targets_prefix=None,
-               cache=None, deterministic=True):
-        """Logits [B, T, V] of the next tokens.
+               cache=None, deterministic=True, project=True):
+        """Logits [B, T, V] of the next tokens (`project=False`: an `OutputHead`).
 
         Training (cache None): `targets` [B, T] are shifted right inside. Incremental decoding:
         `targets` [B, t] are the decoder's input tokens for positions index..index+t-1 (BOS
@@ -583,18 +599,21 @@ class Transformer(nn.Module):
             else:
                 cross_mask = attention.make_padding_mask(q_valid != 0, inputs != 0)
         logits, new_cache = self.decoder(tokens, encoded, self_mask, cross_mask, positions,
-                                         cache=cache, deterministic=deterministic)
+                                         cache=cache, deterministic=deterministic,
+                                         project=project)
         return logits if cache is None else (logits, new_cache)
 
     def __call__(self, inputs, targets, *, inputs_positions=None, targets_positions=None,
                  inputs_segmentation=None, targets_segmentation=None, targets_prefix=None,
-                 deterministic=True):
+                 deterministic=True, project=True):
         cfg = self.config
         if cfg.architecture == "encoder":
             encoded = self.encode(inputs, inputs_positions=inputs_positions,
                                   inputs_segmentation=inputs_segmentation,
                                   deterministic=deterministic)
-            return self.embedding.attend(encoded)
+            head = OutputHead(encoded.astype(cfg.compute_dtype),
+                              self.embedding.embedding.astype(cfg.compute_dtype), 0)
+            return head.logits() if project else head
         encoded = None
         if cfg.architecture == "encoder_decoder":
             encoded = self.encode(inputs, inputs_positions=inputs_positions,
@@ -603,7 +622,8 @@ class Transformer(nn.Module):
         return self.decode(encoded, inputs, targets, targets_positions=targets_positions,
                            inputs_segmentation=inputs_segmentation,
                            targets_segmentation=targets_segmentation,
-                           targets_prefix=targets_prefix, deterministic=deterministic)
+                           targets_prefix=targets_prefix, deterministic=deterministic,
+                           project=project)
 
 
 def init_cache(config: TransformerConfig, batch_size: int, max_length: int) -> Cache:

@@ -11,14 +11,16 @@ Step convention: optax calls a schedule with the 0-based count of updates alread
 every schedule here evaluates its formula at ``step = count + 1``: the k-th update (1-based, the
 ``step`` of metrics.jsonl) uses the formula at k, never at 0.
 
-Shape legend: B batch, T target length, V vocab.
+Shape legend: B batch, T target length, D d_model, V vocab.
 """
 
+import functools
 import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 SCHEDULES = ("paper_rsqrt", "cosine", "rsqrt", "constant")
@@ -214,3 +216,119 @@ def nll_sum(
     ratio): ``cross_entropy_loss`` with label_smoothing 0 and no z-loss."""
     sums = cross_entropy_loss(logits, targets, weights)
     return sums.loss_sum, sums.weight_sum
+
+
+def projected_cross_entropy_loss(
+    hidden: jax.Array,
+    kernel: jax.Array,
+    targets: jax.Array,
+    weights: jax.Array | None = None,
+    *,
+    vocab_axis: int = 0,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    chunk_length: int | None = None,
+) -> LossSums:
+    """``cross_entropy_loss(hidden @ kernel, ...)`` a chunk of positions at a time, so the
+    logits [B,T,V] are never held whole.
+
+    hidden [B,T,D] (the final hidden states, compute dtype); kernel the output projection,
+    [V,D] (``vocab_axis=0``: a tied embedding) or [D,V] (``vocab_axis=1``); targets, weights,
+    label_smoothing and z_loss as in ``cross_entropy_loss``, whose formula each chunk applies.
+    ``chunk_length`` positions of every row go at once (None: all T; T is zero-padded up to a
+    multiple). Under differentiation the forward pass also computes the gradient of each chunk
+    (softmax minus smoothed targets, times the weights) and at once its products with the kernel
+    and the hidden states; the kernel's gradient accumulates over chunks in float32. The
+    backward pass only scales them. Memory holds one chunk's logits; on a CPU the chunk stays
+    in cache. Gradients flow through ``loss_sum``; ``z_loss_sum`` is a figure, not
+    differentiable (it is part of ``loss_sum``).
+    """
+    if weights is None:
+        weights = jnp.ones(targets.shape, jnp.float32)
+    weights = weights.astype(jnp.float32)
+    length = targets.shape[1]
+    chunk = length if chunk_length is None else max(1, min(int(chunk_length), length))
+    loss_sum, z_loss_sum = _projected_loss(hidden, kernel, targets, weights, vocab_axis,
+                                           float(label_smoothing), float(z_loss), chunk)
+    return LossSums(loss_sum=loss_sum, weight_sum=jnp.sum(weights),
+                    z_loss_sum=jax.lax.stop_gradient(z_loss_sum))
+
+
+def _chunks(x: jax.Array, chunk: int) -> jax.Array:
+    """[B, T, ...] -> [T/chunk, B, chunk, ...] (T zero-padded up to a multiple of chunk)."""
+    pad = -x.shape[1] % chunk
+    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    x = x.reshape(x.shape[0], x.shape[1] // chunk, chunk, *x.shape[2:])
+    return jnp.moveaxis(x, 1, 0)
+
+
+def _chunk_loss(hidden, kernel, targets, weights, vocab_axis, label_smoothing, z_loss,
+                with_grad):
+    """One chunk: (loss_sum, z_loss_sum) and, with_grad, (d hidden, d kernel as [D, V])."""
+    spec = "bcd,vd->bcv" if vocab_axis == 0 else "bcd,dv->bcv"
+
+    def sums(logits):
+        out = cross_entropy_loss(logits, targets, weights, label_smoothing=label_smoothing,
+                                 z_loss=z_loss)
+        return out.loss_sum, out.z_loss_sum
+
+    logits = jnp.einsum(spec, hidden, kernel)
+    if not with_grad:
+        return sums(logits), None
+    (loss_sum, z_loss_sum), grad_fn = jax.vjp(sums, logits)
+    (d_logits,) = grad_fn((jnp.ones_like(loss_sum), jnp.zeros_like(z_loss_sum)))
+    d_logits = d_logits.astype(hidden.dtype)
+    d_hidden = jnp.einsum("bcv,vd->bcd" if vocab_axis == 0 else "bcv,dv->bcd", d_logits, kernel)
+    d_kernel = jnp.einsum("bcd,bcv->dv", hidden, d_logits, preferred_element_type=jnp.float32)
+    return (loss_sum, z_loss_sum), (d_hidden, d_kernel)
+
+
+def _scan_chunks(hidden, kernel, targets, weights, vocab_axis, label_smoothing, z_loss, chunk,
+                 with_grad):
+    """Sums over all chunks and, with_grad, d hidden [B,T,D] and d kernel (kernel's layout)."""
+    batch, length = targets.shape
+    vocab = kernel.shape[vocab_axis]
+
+    def body(carry, xs):
+        loss_sum, z_loss_sum, d_kernel = carry
+        hidden_chunk, targets_chunk, weights_chunk = xs
+        (loss, z), grads = _chunk_loss(hidden_chunk, kernel, targets_chunk, weights_chunk,
+                                       vocab_axis, label_smoothing, z_loss, with_grad)
+        if grads is None:
+            return (loss_sum + loss, z_loss_sum + z, d_kernel), None
+        return (loss_sum + loss, z_loss_sum + z, d_kernel + grads[1]), grads[0]
+
+    zero = jnp.zeros((), jnp.float32)
+    d_kernel = jnp.zeros((hidden.shape[-1], vocab) if with_grad else (), jnp.float32)
+    (loss_sum, z_loss_sum, d_kernel), d_hidden = jax.lax.scan(
+        body, (zero, zero, d_kernel),
+        (_chunks(hidden, chunk), _chunks(targets, chunk), _chunks(weights, chunk)))
+    if not with_grad:
+        return (loss_sum, z_loss_sum), None
+    d_hidden = jnp.moveaxis(d_hidden, 0, 1).reshape(batch, -1, hidden.shape[-1])[:, :length]
+    d_kernel = (d_kernel.T if vocab_axis == 0 else d_kernel).astype(kernel.dtype)
+    return (loss_sum, z_loss_sum), (d_hidden, d_kernel)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _projected_loss(hidden, kernel, targets, weights, vocab_axis, label_smoothing, z_loss,
+                    chunk):
+    return _scan_chunks(hidden, kernel, targets, weights, vocab_axis, label_smoothing, z_loss,
+                        chunk, with_grad=False)[0]
+
+
+def _projected_loss_fwd(hidden, kernel, targets, weights, vocab_axis, label_smoothing, z_loss,
+                        chunk):
+    sums, grads = _scan_chunks(hidden, kernel, targets, weights, vocab_axis, label_smoothing,
+                               z_loss, chunk, with_grad=True)
+    return sums, (grads, targets, weights)
+
+
+def _projected_loss_bwd(vocab_axis, label_smoothing, z_loss, chunk, residuals, cotangents):
+    (d_hidden, d_kernel), targets, weights = residuals
+    scale = cotangents[0]  # the loss_sum's; z_loss_sum is stopped (see the public function)
+    return ((d_hidden * scale).astype(d_hidden.dtype), (d_kernel * scale).astype(d_kernel.dtype),
+            np.zeros(targets.shape, jax.dtypes.float0), jnp.zeros_like(weights))
+
+
+_projected_loss.defvjp(_projected_loss_fwd, _projected_loss_bwd)

@@ -49,6 +49,7 @@ class Trainer:
     mesh: jax.sharding.Mesh = flax.struct.field(pytree_node=False)
     state_shardings: Any = flax.struct.field(pytree_node=False)
     abstract_state: Any = flax.struct.field(pytree_node=False)
+    loss_chunk_tokens: int = flax.struct.field(pytree_node=False, default=0)
 
 
 def build_trainer(cfg, mesh) -> Trainer:
@@ -61,7 +62,24 @@ def build_trainer(cfg, mesh) -> Trainer:
     shardings = sharding.tree_shardings(boxed, mesh)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             nn.unbox(boxed), shardings)
-    return Trainer(model, tx, schedule, mesh, shardings, abstract)
+    return Trainer(model, tx, schedule, mesh, shardings, abstract,
+                   loss_chunk_tokens=resolve_loss_chunk_tokens(cfg.get("loss_chunk_tokens", -1)))
+
+
+# Target tokens per device whose logits the loss computes at once, by backend, for
+# `loss_chunk_tokens=-1`: on a CPU a chunk's [tokens, V] logits should stay in cache (512 x 8,192
+# float32 is 16 MiB; README, "Benchmarks"); on an accelerator chunks only bound memory and must
+# stay large enough to keep the matmuls efficient.
+AUTO_LOSS_CHUNK_TOKENS = {"cpu": 512}
+AUTO_LOSS_CHUNK_TOKENS_ACCELERATOR = 8192
+
+
+def resolve_loss_chunk_tokens(value: int) -> int:
+    """The config's `loss_chunk_tokens` (-1: by backend) as tokens per device (0: unchunked)."""
+    value = int(value)
+    if value >= 0:
+        return value
+    return AUTO_LOSS_CHUNK_TOKENS.get(jax.default_backend(), AUTO_LOSS_CHUNK_TOKENS_ACCELERATOR)
 
 
 def _init_boxed(model: Transformer, tx, rng) -> TrainState:
@@ -107,15 +125,23 @@ def _loss_sums(trainer: Trainer, params, batch, *, label_smoothing, z_loss, drop
     deterministic = dropout_rng is None
     # The model's activation constraints (`nn.with_logical_constraint`) need the rules and the
     # mesh in scope; without them they do nothing and XLA may gather FSDP activations whole.
+    chunked = trainer.loss_chunk_tokens > 0
     with nn.logical_axis_rules(sharding.LOGICAL_AXIS_RULES), \
             jax.sharding.use_abstract_mesh(trainer.mesh.abstract_mesh):
-        logits = trainer.model.apply(
+        output = trainer.model.apply(
             {"params": params}, batch.get("inputs"), batch["targets"], **_model_kwargs(batch),
-            deterministic=deterministic,
+            deterministic=deterministic, project=not chunked,
             rngs=None if deterministic else {"dropout": dropout_rng})
     weights = loss_weights(batch)
-    return optim.cross_entropy_loss(logits, batch["targets"], weights,
-                                    label_smoothing=label_smoothing, z_loss=z_loss)
+    if not chunked:
+        return optim.cross_entropy_loss(output, batch["targets"], weights,
+                                        label_smoothing=label_smoothing, z_loss=z_loss)
+    rows = output.hidden.shape[0]
+    rows_per_device = max(1, rows // (trainer.mesh.shape["data"] * trainer.mesh.shape["fsdp"]))
+    return optim.projected_cross_entropy_loss(
+        output.hidden, output.kernel, batch["targets"], weights, vocab_axis=output.vocab_axis,
+        label_smoothing=label_smoothing, z_loss=z_loss,
+        chunk_length=max(1, trainer.loss_chunk_tokens // rows_per_device))
 
 
 def make_train_step(trainer: Trainer, cfg) -> Callable:
