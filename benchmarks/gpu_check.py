@@ -19,6 +19,9 @@ only speed and numerical agreement are measured here.
 4. Language model (run before the paper's train steps): `configs/lm_125m.py`'s model in
    bfloat16 on 8 rows of 2,048 tokens per step (`benchmarks/workloads/lm_125m.py`): tokens/s
    and MFU per device.
+5. Loss chunks (last): the base model at ~25k tokens with the training loss's logits whole
+   and in chunks of 8,192 and 2,048 tokens (`loss_chunk_tokens`): step time and memory, to
+   size the accelerator default.
 
 Prints one line per result and writes them all as JSON, rewritten after each check so that
 the 5-minute limit of gpu_check.sh keeps whatever finished. `--dry-run` shrinks every size so the
@@ -122,6 +125,22 @@ def train_throughput(dry: bool, steps: int) -> list[dict]:
     return rows
 
 
+def loss_chunks(dry: bool, steps: int) -> list[dict]:
+    """The base model at ~25k target tokens with the loss's logits whole (loss_chunk_tokens 0)
+    and in chunks of 8,192 (the accelerator default) and 2,048 tokens: what chunking costs or
+    saves in step time and memory on this GPU (`train_lib.AUTO_LOSS_CHUNK_TOKENS_ACCELERATOR`)."""
+    benchmark = runpy.run_path(str(ROOT / "benchmarks" / "train_step.py"))["benchmark"]
+    rows = []
+    for chunk in ((0, 64) if dry else (0, 8192, 2048)):
+        cfg = _synthetic_config("base", 4 if dry else 98, 32 if dry else 256, dry)
+        cfg.loss_chunk_tokens = chunk
+        result = benchmark(cfg, steps, 1 if dry else 3, gemm_size=256 if dry else 1024,
+                           gemm_runs=2 if dry else 10)
+        rows.append({"check": "loss_chunks", "model": "base", "loss_chunk_tokens": chunk}
+                    | result)
+    return rows
+
+
 def lm_throughput(dry: bool, steps: int) -> list[dict]:
     """The 125M language model's train step in bfloat16, 8 rows of 2,048 tokens."""
     benchmark = runpy.run_path(str(ROOT / "benchmarks" / "train_step.py"))["benchmark"]
@@ -187,7 +206,8 @@ def main(argv: list[str]) -> int:
     for name, check in (("attention", lambda: attention_parity(args.dry_run)),
                         ("decode", lambda: decode_speed(args.dry_run)),
                         ("lm_train_step", lambda: lm_throughput(args.dry_run, args.steps)),
-                        ("train_step", lambda: train_throughput(args.dry_run, args.steps))):
+                        ("train_step", lambda: train_throughput(args.dry_run, args.steps)),
+                        ("loss_chunks", lambda: loss_chunks(args.dry_run, args.steps))):
         started = time.perf_counter()
         try:
             rows = check()

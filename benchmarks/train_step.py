@@ -135,6 +135,7 @@ def benchmark(cfg, steps: int, warmup: int, *, gemm_size: int = 1024,
            "source_length": source.source_length, "target_length": source.target_length}
 
     trainer = train_lib.build_trainer(cfg, mesh)
+    row["loss_chunk_tokens"] = trainer.loss_chunk_tokens
     start = time.perf_counter()
     state = jax.block_until_ready(train_lib.init_state(trainer, int(cfg.seed)))
     row["init_s"] = time.perf_counter() - start

@@ -70,6 +70,7 @@ def lm_config(*, objective: str, dataset: str, vocab_size: int, max_length: int,
         b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, clip_norm=1.0))
     cfg.label_smoothing = 0.0
     cfg.z_loss = 1e-4  # keeps the softmax normaliser near 1 in bfloat16 (PaLM)
+    cfg.loss_chunk_tokens = -1  # logits a chunk at a time, sized by backend (common.py)
     cfg.skip_nonfinite_updates = False
     cfg.profile_start_step = 0
     cfg.profile_num_steps = 0

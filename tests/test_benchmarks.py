@@ -45,6 +45,9 @@ def test_gpu_check_dry_run_writes_every_result(tmp_path):
     assert steps[0]["target_tokens_per_step"] < steps[1]["target_tokens_per_step"]
     (lm,) = by_check["lm_train_step"]
     assert lm["dtype"] == "bfloat16" and lm["layers"] == [0, 1] and lm["tokens_per_sec"] > 0
+    whole, chunked = by_check["loss_chunks"]
+    assert (whole["loss_chunk_tokens"], chunked["loss_chunk_tokens"]) == (0, 64)
+    assert chunked["temp_bytes"] < whole["temp_bytes"]  # no [B, T, V] logits held whole
     assert [r["beam_size"] for r in by_check["decode"]] == [4, 1]
     assert all(r["sentences_per_sec"] > 0 for r in by_check["decode"])
 

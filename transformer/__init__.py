@@ -31,6 +31,7 @@ from transformer.model import (
     Encoder,
     EncoderBlock,
     MultiHeadAttention,
+    OutputHead,
     Transformer,
     TransformerConfig,
     init_cache,
@@ -52,8 +53,8 @@ def __getattr__(name):
 
 
 __all__ = [
-    "Decoder", "DecoderBlock", "Encoder", "EncoderBlock", "MultiHeadAttention", "Transformer",
-    "TransformerConfig", "apply_rope", "attention_weights", "combine_masks",
+    "Decoder", "DecoderBlock", "Encoder", "EncoderBlock", "MultiHeadAttention", "OutputHead",
+    "Transformer", "TransformerConfig", "apply_rope", "attention_weights", "combine_masks",
     "dot_product_attention", "feed_forward", "init_cache", "layer_norm", "load", "load_generator",
     "make_causal_mask", "make_padding_mask", "make_prefix_lm_mask", "make_segment_mask",
     "rms_norm", "shift_right", "sinusoidal_position_encoding",

@@ -138,7 +138,7 @@ def _layer_bytes(model, tensor, q_len, kv_len, cross_len, policy) -> int:
 
 
 def activation_bytes(model: TransformerConfig, *, rows: int, source_length: int,
-                     target_length: int, tensor: int = 1) -> int:
+                     target_length: int, tensor: int = 1, loss_chunk_tokens: int = 0) -> int:
     """Estimated bytes of activations one device keeps for the backward pass of one microbatch
     of `rows` sequences (B), under `model.remat_policy`; `tensor` splits heads, d_ff and vocab.
 
@@ -161,7 +161,10 @@ def activation_bytes(model: TransformerConfig, *, rows: int, source_length: int,
     With remat, the backward pass recomputes one layer at a time: one layer's "none" figure is
     added. Outside the layers: the embedded inputs of each stack (S·D, T·D) and the logits,
     counted as two float32 copies of T·V (S·V encoder-only): kept for the loss's backward and
-    their gradient. Not counted: masks, dropout masks, norm statistics, XLA's fusion buffers.
+    their gradient; with `loss_chunk_tokens` > 0 (`optim.projected_cross_entropy_loss`) two
+    float32 copies of one chunk's logits, the hidden states' gradient (T·D) and the output
+    kernel's (float32 D·V) instead. Not counted: masks, dropout masks, norm statistics, XLA's
+    fusion buffers.
     """
     policy, s, t = model.remat_policy, source_length, target_length
     itemsize = jnp.dtype(model.dtype).itemsize
@@ -178,8 +181,12 @@ def activation_bytes(model: TransformerConfig, *, rows: int, source_length: int,
                             for _, q, kv, c in stacks)
     per_sequence += sum(q * model.d_model * itemsize for _, q, _, _ in stacks)
     output_length = s if model.architecture == "encoder" else t
-    per_sequence += 2 * 4 * output_length * _local(model.vocab_size, tensor)
-    return rows * per_sequence
+    vocab = _local(model.vocab_size, tensor)
+    if loss_chunk_tokens <= 0:
+        return rows * (per_sequence + 2 * 4 * output_length * vocab)
+    chunk_tokens = rows * min(output_length, max(1, loss_chunk_tokens // rows))
+    return (rows * (per_sequence + output_length * model.d_model * itemsize)
+            + 2 * 4 * chunk_tokens * vocab + 4 * model.d_model * vocab)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,6 +219,11 @@ def plan(cfg, mesh) -> MemoryPlan:
     """Lowers and compiles the real train step on abstract state and batch (nothing is
     allocated) and accounts for its memory. `cfg.grad_accum_steps` must be resolved."""
     model = TransformerConfig.from_dict(cfg.model)
+    if jax.default_backend() == "cpu" and int(cfg.get("loss_chunk_tokens", -1)) == -1:
+        # Fake CPU devices stand in for accelerators: size the loss's chunks as there.
+        cfg = cfg.copy_and_resolve_references()
+        with cfg.unlocked():
+            cfg.loss_chunk_tokens = train_lib.AUTO_LOSS_CHUNK_TOKENS_ACCELERATOR
     trainer = train_lib.build_trainer(cfg, mesh)
     batch = abstract_batch(cfg, mesh)
     started = time.perf_counter()
@@ -233,6 +245,7 @@ def plan(cfg, mesh) -> MemoryPlan:
         "update": 2 * params,
         "activations": activation_bytes(model, rows=rows, source_length=source,
                                         target_length=lengths["targets"],
+                                        loss_chunk_tokens=trainer.loss_chunk_tokens,
                                         tensor=mesh.shape["tensor"]),
         "batch": device_bytes(batch),
     }

@@ -235,19 +235,21 @@ def projected_cross_entropy_loss(
     hidden [B,T,D] (the final hidden states, compute dtype); kernel the output projection,
     [V,D] (``vocab_axis=0``: a tied embedding) or [D,V] (``vocab_axis=1``); targets, weights,
     label_smoothing and z_loss as in ``cross_entropy_loss``, whose formula each chunk applies.
-    ``chunk_length`` positions of every row go at once (None: all T; T is zero-padded up to a
-    multiple). Under differentiation the forward pass also computes the gradient of each chunk
-    (softmax minus smoothed targets, times the weights) and at once its products with the kernel
-    and the hidden states; the kernel's gradient accumulates over chunks in float32. The
-    backward pass only scales them. Memory holds one chunk's logits; on a CPU the chunk stays
-    in cache. Gradients flow through ``loss_sum``; ``z_loss_sum`` is a figure, not
-    differentiable (it is part of ``loss_sum``).
+    At most ``chunk_length`` positions of every row go at once (None: all T), in chunks of
+    equal length (T zero-padded up to a multiple). Under differentiation the forward pass also
+    computes the gradient of each chunk (softmax minus smoothed targets, times the weights)
+    and at once its products with the kernel and the hidden states; the kernel's gradient
+    accumulates over chunks in float32. The backward pass only scales them. Memory holds one
+    chunk's logits; on a CPU the chunk stays in cache. Gradients flow through ``loss_sum``;
+    ``z_loss_sum`` is a figure, not differentiable (it is part of ``loss_sum``).
     """
     if weights is None:
         weights = jnp.ones(targets.shape, jnp.float32)
     weights = weights.astype(jnp.float32)
     length = targets.shape[1]
-    chunk = length if chunk_length is None else max(1, min(int(chunk_length), length))
+    # As many chunks as chunk_length asks for, of equal length (the least padding).
+    num_chunks = 1 if chunk_length is None else -(-length // max(1, int(chunk_length)))
+    chunk = -(-length // num_chunks)
     loss_sum, z_loss_sum = _projected_loss(hidden, kernel, targets, weights, vocab_axis,
                                            float(label_smoothing), float(z_loss), chunk)
     return LossSums(loss_sum=loss_sum, weight_sum=jnp.sum(weights),

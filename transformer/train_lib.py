@@ -132,6 +132,9 @@ def _loss_sums(trainer: Trainer, params, batch, *, label_smoothing, z_loss, drop
             {"params": params}, batch.get("inputs"), batch["targets"], **_model_kwargs(batch),
             deterministic=deterministic, project=not chunked,
             rngs=None if deterministic else {"dropout": dropout_rng})
+        if chunked:  # the kernel gathered over fsdp once, not in every chunk
+            kernel = nn.with_logical_constraint(
+                output.kernel, ("vocab", None) if output.vocab_axis == 0 else (None, "vocab"))
     weights = loss_weights(batch)
     if not chunked:
         return optim.cross_entropy_loss(output, batch["targets"], weights,
@@ -139,7 +142,7 @@ def _loss_sums(trainer: Trainer, params, batch, *, label_smoothing, z_loss, drop
     rows = output.hidden.shape[0]
     rows_per_device = max(1, rows // (trainer.mesh.shape["data"] * trainer.mesh.shape["fsdp"]))
     return optim.projected_cross_entropy_loss(
-        output.hidden, output.kernel, batch["targets"], weights, vocab_axis=output.vocab_axis,
+        output.hidden, kernel, batch["targets"], weights, vocab_axis=output.vocab_axis,
         label_smoothing=label_smoothing, z_loss=z_loss,
         chunk_length=max(1, trainer.loss_chunk_tokens // rows_per_device))
 
