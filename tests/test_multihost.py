@@ -106,8 +106,11 @@ def test_two_processes_match_one_then_restore_on_one(tmp_path):
     resumed = figures(workdir)
     assert sorted(resumed) == sorted(expected)
     keys = sorted(expected)
+    # Another mesh (tensor 2 -> 1) sums in another order; Adam (eps 1e-9) turns that rounding
+    # into +-lr steps on the key biases (test_train.assert_params_close), so the difference
+    # grows with the steps: 1.2e-4 at step 20 in one CI run, < 1e-4 before it.
     np.testing.assert_allclose([resumed[k] for k in keys], [expected[k] for k in keys],
-                               rtol=1e-4)
+                               rtol=3e-4)
 
 
 @pytest.mark.slow
