@@ -48,6 +48,12 @@ def test_activation_bytes_match_the_docstring_formula_by_hand():
     per_sequence = 12_800 + 79_360 + 5_200 + 6_400 + 3_328
     assert memory.activation_bytes(model, rows=2, source_length=12,
                                    target_length=13) == 2 * per_sequence
+    # The loss by chunks of 8 tokens per device (4 positions of the 2 rows): two float32 copies
+    # of one chunk's logits 2·4·(2·4)·32 = 2,048, the hidden states' gradient 4·13·64 = 3,328
+    # per row, and the output kernel's float32 gradient 4·64·32 = 8,192, instead of the logits.
+    assert memory.activation_bytes(model, rows=2, source_length=12, target_length=13,
+                                   loss_chunk_tokens=8) == (
+        2 * (per_sequence - 3_328) + 2 * 3_328 + 2_048 + 8_192)  # logits out, d hidden in
 
 
 def test_abstract_batch_follows_each_batch_layout():
