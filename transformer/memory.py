@@ -219,12 +219,11 @@ def plan(cfg, mesh) -> MemoryPlan:
     """Lowers and compiles the real train step on abstract state and batch (nothing is
     allocated) and accounts for its memory. `cfg.grad_accum_steps` must be resolved."""
     model = TransformerConfig.from_dict(cfg.model)
+    trainer = train_lib.build_trainer(cfg, mesh)
     if jax.default_backend() == "cpu" and int(cfg.get("loss_chunk_tokens", -1)) == -1:
         # Fake CPU devices stand in for accelerators: size the loss's chunks as there.
-        cfg = cfg.copy_and_resolve_references()
-        with cfg.unlocked():
-            cfg.loss_chunk_tokens = train_lib.AUTO_LOSS_CHUNK_TOKENS_ACCELERATOR
-    trainer = train_lib.build_trainer(cfg, mesh)
+        trainer = trainer.replace(
+            loss_chunk_tokens=train_lib.AUTO_LOSS_CHUNK_TOKENS_ACCELERATOR)
     batch = abstract_batch(cfg, mesh)
     started = time.perf_counter()
     lowered = train_lib.make_train_step(trainer, cfg).lower(trainer.abstract_state, batch)
@@ -234,7 +233,7 @@ def plan(cfg, mesh) -> MemoryPlan:
 
     shapes = batch_shapes(cfg)
     accum, global_rows = shapes["targets"][0], shapes["targets"][1]
-    rows = global_rows // (mesh.shape["data"] * mesh.shape["fsdp"])
+    rows = global_rows // sharding.batch_shards(mesh.shape)
     lengths = {k: shape[2] for k, shape in shapes.items()}
     source = lengths.get("inputs", lengths["targets"])
     params = device_bytes(trainer.abstract_state.params)
@@ -275,7 +274,7 @@ def format_report(cfg, memory_plan: MemoryPlan) -> str:
     mesh = " x ".join(f"{axis} {size}" for axis, size in memory_plan.mesh_shape.items())
     devices = math.prod(memory_plan.mesh_shape.values())
     accum, rows, _ = memory_plan.batch["targets"]
-    per_device = rows // (memory_plan.mesh_shape["data"] * memory_plan.mesh_shape["fsdp"])
+    per_device = rows // sharding.batch_shards(memory_plan.mesh_shape)
     lengths = ", ".join(f"{k} {shape[2]}" for k, shape in memory_plan.batch.items()
                         if k in ("inputs", "targets"))
     a, c = memory_plan.analytic, memory_plan.compiled

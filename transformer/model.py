@@ -448,6 +448,13 @@ class OutputHead(NamedTuple):
         return _activation_constraint(logits, ("batch", "length", "vocab"))
 
 
+def _tied_output_head(cfg: TransformerConfig, embedding: nn.Embed, x) -> OutputHead:
+    """x [B, T, D] and the embedding [V, D] as the output projection (pre-softmax = target
+    embedding), both in the compute dtype."""
+    return OutputHead(x.astype(cfg.compute_dtype), embedding.embedding.astype(cfg.compute_dtype),
+                      0)
+
+
 class Decoder(nn.Module):
     """N decoder blocks and the output projection: decoder input tokens [B, T] -> logits
     [B, T, V] (`project=False`: an `OutputHead`). Masks come from `Transformer.decode`."""
@@ -482,8 +489,7 @@ class Decoder(nn.Module):
         if cfg.norm_position == "pre":
             x = Norm(cfg, name="norm")(x)
         if cfg.tie_output_embedding:
-            head = OutputHead(x.astype(cfg.compute_dtype),
-                              self.embedding.embedding.astype(cfg.compute_dtype), 0)
+            head = _tied_output_head(cfg, self.embedding, x)
         else:
             kernel, _ = Weights((cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
                                 use_bias=False, name="logits")()
@@ -611,8 +617,7 @@ class Transformer(nn.Module):
             encoded = self.encode(inputs, inputs_positions=inputs_positions,
                                   inputs_segmentation=inputs_segmentation,
                                   deterministic=deterministic)
-            head = OutputHead(encoded.astype(cfg.compute_dtype),
-                              self.embedding.embedding.astype(cfg.compute_dtype), 0)
+            head = _tied_output_head(cfg, self.embedding, encoded)
             return head.logits() if project else head
         encoded = None
         if cfg.architecture == "encoder_decoder":

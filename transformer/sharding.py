@@ -9,7 +9,7 @@ divide is replicated instead (e.g. a single kv head under tensor parallelism: mu
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import flax.linen as nn
 import jax
@@ -92,6 +92,11 @@ def tree_shardings(boxed_abstract_tree, mesh: Mesh):
     unboxed leaves (e.g. step counters) are replicated."""
     specs = nn.get_partition_spec(boxed_abstract_tree)
     return logical_to_sharding(specs, nn.unbox(boxed_abstract_tree), mesh)
+
+
+def batch_shards(mesh_shape: Mapping[str, int]) -> int:
+    """How many ways the batch is split: the product of the BATCH_AXES sizes (`mesh.shape`)."""
+    return math.prod(mesh_shape[axis] for axis in BATCH_AXES)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -140,7 +140,7 @@ def _loss_sums(trainer: Trainer, params, batch, *, label_smoothing, z_loss, drop
         return optim.cross_entropy_loss(output, batch["targets"], weights,
                                         label_smoothing=label_smoothing, z_loss=z_loss)
     rows = output.hidden.shape[0]
-    rows_per_device = max(1, rows // (trainer.mesh.shape["data"] * trainer.mesh.shape["fsdp"]))
+    rows_per_device = max(1, rows // sharding.batch_shards(trainer.mesh.shape))
     return optim.projected_cross_entropy_loss(
         output.hidden, kernel, batch["targets"], weights, vocab_axis=output.vocab_axis,
         label_smoothing=label_smoothing, z_loss=z_loss,
@@ -226,7 +226,7 @@ def process_rows(mesh, global_batch: int) -> tuple[int, int]:
     starts = sorted({idx[0].start or 0 for idx in index_map.values()})
     stops = sorted({idx[0].stop or global_batch for idx in index_map.values()})
     start, stop = starts[0], stops[-1]
-    per_device = global_batch // mesh.shape["data"] // mesh.shape["fsdp"]
+    per_device = global_batch // sharding.batch_shards(mesh.shape)
     if (stop - start) != per_device * len(starts):
         raise ValueError(f"process {jax.process_index()} feeds non-contiguous batch rows")
     return start, stop
