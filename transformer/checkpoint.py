@@ -121,6 +121,20 @@ def _drop_closed_loop_callbacks(unraisable, previous=sys.unraisablehook) -> None
         previous(unraisable)
 
 
+class _DropOrphanedReads(logging.Filter):
+    """The same after-failure noise through asyncio's logger: "Task exception was never
+    retrieved" for each read of a failed restore under `directory`, one traceback per array."""
+
+    def __init__(self, directory: str):
+        super().__init__()
+        self.directory = os.path.abspath(directory)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("Task exception was never retrieved")
+                    and self.directory in message)
+
+
 def _one_line(error: BaseException, limit: int = 300) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"[:limit]
@@ -207,6 +221,7 @@ class Checkpointer:
         skipped = []
         # Before any attempt: a failing restore's stray callbacks can fire before it raises.
         sys.unraisablehook = _drop_closed_loop_callbacks
+        logging.getLogger("asyncio").addFilter(_DropOrphanedReads(self.directory))
         for step in sorted(self.all_steps(), reverse=True):
             failure = problem = None
             try:
