@@ -52,17 +52,13 @@ def _compile_only(cfg, mesh_devices: int | None, config_file: str):
         os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
 
-    from transformer import memory
-    from transformer.loop import resolve_grad_accum, validate_config
+    from transformer import cli, memory
+    from transformer.config import resolve
 
     num_devices = jax.device_count() if mesh_devices is None else mesh_devices
-    try:
-        validate_config(cfg, num_devices, config_file=config_file)
-        if not int(cfg.grad_accum_steps):
-            cfg = resolve_grad_accum(cfg, num_devices)
-        print(memory.compile_report(cfg, num_devices))
-    except ValueError as error:
-        sys.exit(f"error: {error}")
+    with cli.one_line_errors():
+        print(memory.compile_report(resolve(cfg, num_devices, config_file=config_file),
+                                    num_devices))
 
 
 def main(argv):
@@ -72,9 +68,12 @@ def main(argv):
     config_file = config_flags.get_config_filename(FLAGS["config"])
     logging.set_verbosity(logging.WARNING)  # JAX's backend probing and orbax's chatter
     if FLAGS.summary:
+        from transformer import cli
+        from transformer.config import resolve
         from transformer.summary import summarize
 
-        print(summarize(cfg))
+        with cli.one_line_errors():
+            print(summarize(resolve(cfg, config_file=config_file)))
         return
     if FLAGS.compile_only:
         _compile_only(cfg, FLAGS.mesh_devices, config_file)

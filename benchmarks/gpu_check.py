@@ -159,13 +159,15 @@ def lm_throughput(dry: bool, steps: int) -> list[dict]:
 def decode_speed(dry: bool) -> list[dict]:
     """Beam 4 and greedy search of a randomly initialised base model, sentences/s."""
     from transformer import sharding, train_lib
+    from transformer.config import resolve
     from transformer.translator import Translator
 
     cfg = _synthetic_config("base", 8, 128, dry)
     cfg.model.dtype = "float32" if dry else "bfloat16"
     mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
-    params = train_lib.init_state(train_lib.build_trainer(cfg, mesh), 0).params
-    translator = Translator(cfg, params, tokenizer=None)
+    run = resolve(cfg, 1)
+    params = train_lib.init_state(train_lib.build_trainer(run, mesh), 0).params
+    translator = Translator(run.config, run.model, params, tokenizer=None)
     rng = np.random.default_rng(1)
     count, length = (8, 8) if dry else (256, 32)
     sources = [list(rng.integers(4, cfg.data.vocab_size, size=length - 1)) + [3]

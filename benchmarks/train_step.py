@@ -67,9 +67,8 @@ from ml_collections import config_flags  # noqa: E402
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from transformer import flops, metrics, sharding, train_lib  # noqa: E402
+from transformer.config import resolve  # noqa: E402
 from transformer.data import make_source  # noqa: E402
-from transformer.loop import resolve_grad_accum, validate_config  # noqa: E402
-from transformer.model import TransformerConfig  # noqa: E402
 
 config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).", lock_config=True)
 flags.DEFINE_integer("steps", 20, "Timed steps (after the warm-up).")
@@ -119,9 +118,8 @@ def _cost_flops(compiled) -> float | None:
 def benchmark(cfg, steps: int, warmup: int, *, gemm_size: int = 1024,
               gemm_runs: int = 10) -> dict:
     num_devices = jax.device_count()
-    validate_config(cfg, num_devices)
-    cfg = resolve_grad_accum(cfg, num_devices)
-    model_cfg = TransformerConfig.from_dict(cfg.model)
+    run = resolve(cfg, num_devices)
+    cfg, model_cfg = run.config, run.model
     source = make_source(cfg)
     mesh = sharding.make_mesh(cfg.mesh)
     device = jax.devices()[0]
@@ -134,7 +132,7 @@ def benchmark(cfg, steps: int, warmup: int, *, gemm_size: int = 1024,
            "grad_accum_steps": int(cfg.grad_accum_steps),
            "source_length": source.source_length, "target_length": source.target_length}
 
-    trainer = train_lib.build_trainer(cfg, mesh)
+    trainer = train_lib.build_trainer(run, mesh)
     row["loss_chunk_tokens"] = trainer.loss_chunk_tokens
     start = time.perf_counter()
     state = jax.block_until_ready(train_lib.init_state(trainer, int(cfg.seed)))

@@ -23,6 +23,26 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+def _load_config(name: str, **overrides):
+    """The config of `configs/<name>` (or of `name`, a path from the repository root) with
+    dotted-key overrides, as `--config.<key>=<value>` flags give them."""
+    path = ROOT / "configs" / name
+    cfg = runpy.run_path(str(path if path.exists() else ROOT / name))["get_config"]()
+    for key, value in overrides.items():
+        *sections, last = key.split(".")
+        target = cfg
+        for section in sections:
+            target = target[section]
+        target[last] = value
+    return cfg
+
+
+@pytest.fixture(scope="session")
+def load_config():
+    """`load_config("tiny.py", **{"model.d_model": 32})`: a config file with overrides."""
+    return _load_config
+
+
 TRANSLATION_SENTENCES = [
     "Specifies whether the chosen connections are pooled.",
     "She goes often to the movies.",
@@ -39,19 +59,18 @@ def untrained_translation_workdir(tmp_path_factory):
     `transformer.load` reads."""
     from transformer import sharding, train_lib
     from transformer.checkpoint import Checkpointer
+    from transformer.config import resolve
     from transformer.data import tokenizer as tokenizer_lib
 
     path = tmp_path_factory.mktemp("untrained_run")
     tokenizer = tokenizer_lib.train(TRANSLATION_SENTENCES, 96, seed=0)
     tokenizer.save(str(path / "vocab"))
-    cfg = runpy.run_path(str(ROOT / "configs" / "tiny.py"))["get_config"]()
-    cfg.data.vocab_size = tokenizer.vocab_size
-    cfg.model.max_len = 24
-    cfg.data.target_lang = "de"
-    cfg.decode.max_extra_length = 6
+    cfg = _load_config("tiny.py", **{"data.vocab_size": tokenizer.vocab_size,
+                                      "model.max_len": 24, "data.target_lang": "de",
+                                      "decode.max_extra_length": 6})
     (path / "config.json").write_text(json.dumps(cfg.to_dict()))
     mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
-    trainer = train_lib.build_trainer(cfg, mesh)
+    trainer = train_lib.build_trainer(resolve(cfg, 1), mesh)
     checkpointer = Checkpointer(str(path), keep=2)
     checkpointer.save(1, train_lib.init_state(trainer, 0), {"next_batch_index": 1})
     checkpointer.close()

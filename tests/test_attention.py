@@ -26,7 +26,7 @@ def reference_attention(q, k, v, mask=None, bias=None, scale=None):
     n, kh = q.shape[2], k.shape[2]
     k, v = np.repeat(k, n // kh, axis=2), np.repeat(v, n // kh, axis=2)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    logits = np.einsum("btnh,bsnh->bnts", q, k) * scale
+    logits = np.einsum("BTNH,BSNH->BNTS", q, k) * scale
     if bias is not None:
         logits = logits + np.asarray(bias, np.float64)
     allowed = np.ones(logits.shape, bool)
@@ -38,7 +38,7 @@ def reference_attention(q, k, v, mask=None, bias=None, scale=None):
     e = np.where(allowed, np.exp(logits - row_max), 0.0)
     denom = e.sum(axis=-1, keepdims=True)
     weights = np.divide(e, denom, out=np.zeros_like(e), where=denom > 0)
-    return np.einsum("bnts,bsnh->btnh", weights, v)
+    return np.einsum("BNTS,BSNE->BTNE", weights, v)
 
 
 def qkv(seed, b=B, t=T, s=S, n=N, kh=N, h=H, hv=None, dtype=jnp.float32):
@@ -128,6 +128,58 @@ def test_make_segment_mask_padding_never_attends_nor_is_attended():
                                                [0, 0, 0, 0, 0]])  # id 0 == id 0 is no match
     mask = attention.make_segment_mask(jnp.asarray(SEGMENTS), jnp.asarray(SEGMENTS))
     np.testing.assert_array_equal(mask, np_segment(SEGMENTS, SEGMENTS))
+
+
+def test_make_decoder_mask_is_causal_within_segments():
+    mask = attention.make_decoder_mask(jnp.asarray(SEGMENTS))
+    assert mask.shape == (B, 1, T, T) and mask.dtype == jnp.bool_
+    np.testing.assert_array_equal(mask, np_causal(T) & np_segment(SEGMENTS, SEGMENTS))
+    # A row of one sequence passes tokens != 0: causal over its real tokens.
+    tokens = np.array([[7, 4, 9, 0]])
+    np.testing.assert_array_equal(attention.make_decoder_mask(jnp.asarray(tokens != 0))[0, 0],
+                                  [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0]])
+
+
+def test_make_decoder_mask_of_a_prefix_lm():
+    # Segment 1 = positions 0-3 with prefix 0-1; segment 2 = positions 4-5 with prefix 4.
+    segments = np.array([[1, 1, 1, 1, 2, 2]])
+    in_prefix = np.array([[1, 1, 0, 0, 1, 0]])
+    mask = attention.make_decoder_mask(jnp.asarray(segments), jnp.asarray(in_prefix))
+    np.testing.assert_array_equal(mask[0, 0], [[1, 1, 0, 0, 0, 0],
+                                               [1, 1, 0, 0, 0, 0],
+                                               [1, 1, 1, 0, 0, 0],
+                                               [1, 1, 1, 1, 0, 0],
+                                               [0, 0, 0, 0, 1, 0],
+                                               [0, 0, 0, 0, 1, 1]])
+
+
+def test_make_cache_mask_by_hand():
+    # 2 new queries at positions 3 and 4 of a cache of 6: keys up to their own position.
+    mask = attention.make_cache_mask(jnp.asarray(3), 2, 6)
+    assert mask.shape == (1, 1, 2, 6) and mask.dtype == jnp.bool_
+    np.testing.assert_array_equal(mask[0, 0], [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0]])
+    # A prompt prefilled in one call (positions 0-3): its prefix (0-2) attends both ways.
+    prefixed = attention.make_cache_mask(0, 4, 6, jnp.array([[1, 1, 1, 0], [1, 0, 0, 0]]))
+    assert prefixed.shape == (2, 1, 4, 6)
+    np.testing.assert_array_equal(prefixed[0, 0], [[1, 1, 1, 0, 0, 0],
+                                                   [1, 1, 1, 0, 0, 0],
+                                                   [1, 1, 1, 0, 0, 0],
+                                                   [1, 1, 1, 1, 0, 0]])
+    np.testing.assert_array_equal(prefixed[1, 0], np.tril(np.ones((4, 6), bool)))
+
+
+def test_make_cache_mask_equals_the_rows_of_the_full_mask():
+    """Decoding the prompt in one call and the rest one position at a time sees what the
+    full prefix-LM mask of the row shows at those positions."""
+    length, prompt = 7, 3
+    in_prefix = np.arange(length) < prompt
+    full = np.asarray(attention.make_decoder_mask(jnp.ones((1, length), jnp.int32),
+                                                  jnp.asarray(in_prefix[None])))[0, 0]
+    first = attention.make_cache_mask(0, prompt, length, jnp.ones((1, prompt), bool))
+    np.testing.assert_array_equal(first[0, 0], full[:prompt])
+    for index in range(prompt, length):
+        step = attention.make_cache_mask(jnp.asarray(index), 1, length)
+        np.testing.assert_array_equal(step[0, 0, 0], full[index])
 
 
 def test_combine_masks():
@@ -401,11 +453,11 @@ def test_bfloat16_inputs_softmax_in_float32(implementation):
     error = np.abs(np.asarray(out, np.float64) - expected).max()
 
     # What rounding the logits to bf16 (a softmax in bf16) would do to the same inputs.
-    logits = np.einsum("btnh,bsnh->bnts", *(np.asarray(x, np.float64) for x in (q, k))) / 4
+    logits = np.einsum("BTNH,BSNH->BNTS", *(np.asarray(x, np.float64) for x in (q, k))) / 4
     logits_bf16 = np.asarray(jnp.asarray(logits, jnp.bfloat16), np.float64)
     weights = np.exp(logits_bf16 - logits_bf16.max(-1, keepdims=True))
     weights /= weights.sum(-1, keepdims=True)
-    bf16_softmax = np.einsum("bnts,bsnh->btnh", weights, np.asarray(v, np.float64))
+    bf16_softmax = np.einsum("BNTS,BSNE->BTNE", weights, np.asarray(v, np.float64))
     bf16_error = np.abs(bf16_softmax - expected).max()
 
     assert error < 0.02 < bf16_error, (error, bf16_error)

@@ -3,7 +3,6 @@ the params-only series; loading params by step or average; one-line errors."""
 
 import os
 import pathlib
-import runpy
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from transformer import checkpoint, sharding, train_lib
 from transformer.checkpoint import Checkpointer, ParamsSeries
+from transformer.config import resolve
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STEPS = (10, 20, 30)
@@ -141,11 +141,11 @@ def test_params_series_keeps_the_last_k_and_is_preferred(workdir):
         checkpoint.average_checkpoints(workdir, last=5)
 
 
-def test_real_train_state(tmp_path):
+def test_real_train_state(tmp_path, load_config):
     """The tiny model's TrainState from build_trainer/init_state on one device."""
-    cfg = runpy.run_path(str(ROOT / "configs" / "tiny.py"))["get_config"]()
+    cfg = load_config("tiny.py")
     mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
-    state = train_lib.init_state(train_lib.build_trainer(cfg, mesh), cfg.seed)
+    state = train_lib.init_state(train_lib.build_trainer(resolve(cfg, 1), mesh), cfg.seed)
     checkpointer = Checkpointer(str(tmp_path), keep=3)
     trees = []
     for k in (1, 2, 3):

@@ -3,7 +3,6 @@ CLI on large configs over 8 fake devices, which must report memory and allocate 
 
 import os
 import pathlib
-import runpy
 import subprocess
 import sys
 
@@ -11,40 +10,30 @@ import jax
 import pytest
 
 from transformer import flops, memory, sharding, train_lib
+from transformer.config import resolve
 from transformer.model import TransformerConfig
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def _config(name: str, **overrides):
-    cfg = runpy.run_path(str(ROOT / "configs" / name))["get_config"]()
-    for dotted, value in overrides.items():
-        *parents, key = dotted.split(".")
-        node = cfg
-        for parent in parents:
-            node = node[parent]
-        node[key] = value
-    return cfg
-
-
-def test_state_bytes_on_one_device_are_the_parameter_count_times_four():
-    cfg = _config("tiny.py")
+def test_state_bytes_on_one_device_are_the_parameter_count_times_four(load_config):
+    cfg = load_config("tiny.py")
     mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
-    state = train_lib.build_trainer(cfg, mesh).abstract_state
+    state = train_lib.build_trainer(resolve(cfg, 1), mesh).abstract_state
     count = flops.param_counts(TransformerConfig.from_dict(cfg.model))["total"]
     assert memory.device_bytes(state.params) == 4 * count
     # Adam's two float32 moments, plus two int32 step counts (Adam's and the schedule's)
     assert memory.device_bytes(state.opt_state) == 8 * count + 8
 
 
-def test_activation_bytes_match_the_docstring_formula_by_hand():
+def test_activation_bytes_match_the_docstring_formula_by_hand(load_config):
     """configs/tiny.py (D 64, F 128, N = K = 4, H = 16, V 32, 2 + 2 layers, float32), S = 12,
     T = 13 (the synthetic targets end in EOS), remat "full", per sequence:
     layer inputs 4 x 4·(2·12 + 2·13)·64 = 12,800; the largest layer without remat (a decoder
     layer) 4 x [self 13·64 + 13·128 + 13·64 + 4·13·64 = 6,656; cross 13·64 + 12·128 + 13·64 +
     4·13·64 = 6,528; FFN 13·(2·128 + 3·64) = 5,824; input 832] + float32 weights 4 x 4·(13·13 +
     13·12) = 79,360 + 5,200; embedded inputs 4·(12 + 13)·64 = 6,400; logits 2·4·13·32 = 3,328."""
-    model = TransformerConfig.from_dict(_config("tiny.py", **{"model.remat_policy": "full"}).model)
+    model = resolve(load_config("tiny.py", **{"model.remat_policy": "full"})).model
     per_sequence = 12_800 + 79_360 + 5_200 + 6_400 + 3_328
     assert memory.activation_bytes(model, rows=2, source_length=12,
                                    target_length=13) == 2 * per_sequence
@@ -56,17 +45,17 @@ def test_activation_bytes_match_the_docstring_formula_by_hand():
         2 * (per_sequence - 3_328) + 2 * 3_328 + 2_048 + 8_192)  # logits out, d hidden in
 
 
-def test_abstract_batch_follows_each_batch_layout():
+def test_abstract_batch_follows_each_batch_layout(load_config):
     mesh = sharding.make_mesh({"data": 2, "fsdp": 4, "tensor": 1})
-    tiny = _config("tiny.py", grad_accum_steps=2)
+    tiny = load_config("tiny.py", grad_accum_steps=2)
     batch = memory.abstract_batch(tiny, mesh)
     assert {k: v.shape for k, v in batch.items()} == {"inputs": (2, 16, 12),
                                                       "targets": (2, 16, 13)}
     assert batch["inputs"].sharding.spec == jax.P(None, ("data", "fsdp"))
-    wmt = _config("wmt14_ende_base.py", grad_accum_steps=1)
+    wmt = load_config("wmt14_ende_base.py", grad_accum_steps=1)
     assert set(memory.batch_shapes(wmt)) == set(memory.TRANSLATION_KEYS)
     assert set(memory.batch_shapes(wmt).values()) == {(1, 104, 256)}
-    lm = _config("wmt14_ende_base.py", grad_accum_steps=4)
+    lm = load_config("wmt14_ende_base.py", grad_accum_steps=4)
     expected = {"causal": {"targets", "targets_positions", "targets_segmentation"},
                 "prefix": {"targets", "targets_positions", "targets_segmentation",
                            "targets_prefix"},
@@ -96,7 +85,8 @@ def _figures(report: str) -> dict[str, int]:
     return {k: int(v) for k, v in (item.split("=") for item in last.split()[1:])}
 
 
-def _check_report(tmp_path, config_name: str, overrides: dict) -> tuple[dict, int, int]:
+def _check_report(tmp_path, load_config, config_name: str,
+                  overrides: dict) -> tuple[dict, int, int]:
     """Runs the CLI on 8 devices and checks its state accounting against the abstract state
     built here; returns (figures, full params bytes, the child's peak RSS)."""
     args = [f"--config=configs/{config_name}", "--mesh_devices=8"]
@@ -105,8 +95,8 @@ def _check_report(tmp_path, config_name: str, overrides: dict) -> tuple[dict, in
     assert status == 0, stderr
     figures = _figures(report)
 
-    cfg = _config(config_name, **overrides)
-    state = train_lib.build_trainer(cfg, sharding.make_mesh(cfg.mesh)).abstract_state
+    cfg = load_config(config_name, **overrides)
+    state = train_lib.build_trainer(resolve(cfg, 8), sharding.make_mesh(cfg.mesh)).abstract_state
     leaves = jax.tree.leaves(state.params)
     full = 4 * sum(leaf.size for leaf in leaves)
     replicated = 4 * sum(leaf.size for leaf in leaves if leaf.sharding.is_fully_replicated)
@@ -125,9 +115,9 @@ def _check_report(tmp_path, config_name: str, overrides: dict) -> tuple[dict, in
 
 
 @pytest.mark.slow
-def test_compile_only_wmt14_big_fsdp8(tmp_path):
+def test_compile_only_wmt14_big_fsdp8(tmp_path, load_config):
     """About a minute on 2 CPU cores (the unscanned 12-layer step compiles in ~20-55 s)."""
-    figures, full, peak_rss = _check_report(tmp_path, "wmt14_ende_big.py",
+    figures, full, peak_rss = _check_report(tmp_path, load_config, "wmt14_ende_big.py",
                                             {"mesh.fsdp": 8, "mesh.data": 1})
     # Nothing of the program's size was allocated: the process stays under its full state
     # (params and Adam moments, 2.6 GB) and far under one device's compiled total.
@@ -135,12 +125,12 @@ def test_compile_only_wmt14_big_fsdp8(tmp_path):
 
 
 @pytest.mark.slow
-def test_compile_only_lm_8b_allocates_nothing_large(tmp_path):
+def test_compile_only_lm_8b_allocates_nothing_large(tmp_path, load_config):
     """The 7.2B-parameter LM (scanned layers) compiles in 5-20 s (15-25 s the test); its float32
     params alone are 29 GB, the process stays well under 2 GB."""
     if not (ROOT / "configs" / "lm_8b.py").exists():
         pytest.skip("configs/lm_8b.py is not there yet")
-    figures, full, peak_rss = _check_report(tmp_path, "lm_8b.py", {})
+    figures, full, peak_rss = _check_report(tmp_path, load_config, "lm_8b.py", {})
     assert full > 28e9
     assert figures["analytic_gradients"] == 2 * figures["analytic_params"]  # + accumulator
     assert peak_rss < min(2 * 1024 ** 3, full / 10)

@@ -3,7 +3,6 @@ LibreOffice-help pairs, exactly-once epochs, budgets, per-process rows, packed r
 attend across pairs, evaluation coverage, the config dispatch, and missing-data errors."""
 
 import pathlib
-import runpy
 
 import jax
 import numpy as np
@@ -151,9 +150,9 @@ def test_packed_rows_never_attend_across_pairs(source):
         np.testing.assert_allclose(logits[0][at[segment]], expected, atol=2e-5, rtol=2e-5)
 
 
-def test_make_source_dispatches_offline_config(offline_fixture_data_dir, tmp_path):
+def test_make_source_dispatches_offline_config(offline_fixture_data_dir, tmp_path, load_config):
     data_dir = offline_fixture_data_dir
-    cfg = runpy.run_path(str(ROOT / "configs" / "default.py"))["get_config"]()
+    cfg = load_config("default.py")
     cfg.data.data_dir, cfg.data.vocab_size, cfg.data.max_length = str(data_dir), 200, 32
     cfg.model.max_len, cfg.data.batch_size, cfg.data.tokens_per_batch = 32, 4, 128
     source = make_source(cfg, workdir=str(tmp_path / "run"))

@@ -45,10 +45,25 @@ def sequence_logprob(model, params, encoded, inputs, row, seq):
     """log P(seq | inputs[row]) by one teacher-forced forward pass, with EOS forced at the
     last allowed position as the searches do (other tokens are not renormalised away)."""
     targets = jnp.array([seq], jnp.int32)
-    logits = model.apply({"params": params}, encoded[row:row + 1], inputs[row:row + 1],
-                         targets, method="decode")
+    logits, _ = model.apply({"params": params}, encoded[row:row + 1], inputs[row:row + 1],
+                            targets, method="decode")
     logprobs = jax.nn.log_softmax(logits[0].astype(jnp.float32))
     return float(sum(logprobs[t, token] for t, token in enumerate(seq)))
+
+
+def test_write_cache_writes_at_the_index_in_the_caches_dtype():
+    rng = np.random.default_rng(0)
+    cache = {"key": jnp.zeros((2, 5, 3, 4), jnp.bfloat16),
+             "value": jnp.ones((2, 5, 3, 6), jnp.bfloat16)}
+    key, value = rng.normal(size=(2, 2, 3, 4)), rng.normal(size=(2, 2, 3, 6))
+    out = jax.jit(decoding.write_cache)(cache, jnp.asarray(key, jnp.float32),
+                                        jnp.asarray(value, jnp.float32), jnp.asarray(2))
+    expected_key, expected_value = np.zeros((2, 5, 3, 4)), np.ones((2, 5, 3, 6))
+    expected_key[:, 2:4], expected_value[:, 2:4] = key, value
+    assert out["key"].dtype == out["value"].dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(out["key"], np.float32), expected_key, rtol=1e-2)
+    np.testing.assert_allclose(np.asarray(out["value"], np.float32), expected_value, rtol=1e-2)
+    np.testing.assert_array_equal(np.asarray(out["key"][:, [0, 1, 4]], np.float32), 0.0)
 
 
 def test_length_penalty_is_gnmt():
@@ -69,8 +84,9 @@ def test_greedy_equals_argmax_of_full_forward_passes(setup):
     for row, limit in enumerate([6, 4]):
         seq = []
         while len(seq) < limit:
-            logits = model.apply({"params": params}, encoded[row:row + 1], inputs[row:row + 1],
-                                 jnp.array([seq + [1]], jnp.int32), method="decode")
+            logits, _ = model.apply({"params": params}, encoded[row:row + 1],
+                                    inputs[row:row + 1], jnp.array([seq + [1]], jnp.int32),
+                                    method="decode")
             logprobs = np.array(jax.nn.log_softmax(logits[0, len(seq)]))
             logprobs[0] = -np.inf  # padding is never decoded
             if len(seq) == limit - 1:
@@ -117,7 +133,7 @@ def test_wide_beam_finds_the_exhaustive_optimum_under_the_length_penalty(setup, 
         best_score, best = scored[0]
         np.testing.assert_array_equal(seqs[row, 0], best + [0] * (max_length - len(best)))
         np.testing.assert_allclose(scores[row, 0], best_score, rtol=1e-5)
-        # The K best finished hypotheses are the K best of all candidates, in order.
+        # The W best finished hypotheses are the W best of all candidates, in order.
         np.testing.assert_allclose(scores[row, :5], [s for s, _ in scored[:5]], rtol=1e-5)
 
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer import checkpoint
+from transformer import checkpoint, checkpoint_hooks
 from transformer.checkpoint import Checkpointer, CheckpointSaveError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -158,14 +158,14 @@ def test_a_checkpoint_with_other_shapes_names_the_parameter_and_both_shapes(tmp_
 
 def test_a_full_disk_fails_the_save_in_one_line_and_keeps_the_previous_one(tmp_path,
                                                                            monkeypatch):
-    monkeypatch.setenv(checkpoint.FAULT_ENV, "enospc@2")
+    monkeypatch.setenv(checkpoint_hooks.FAULT_ENV, "enospc@2")
     with pytest.raises(CheckpointSaveError) as error:
         save_steps(tmp_path, [1, 2])
     assert str(error.value) == (
         f"disk full while saving checkpoint 2 in {tmp_path / 'checkpoints'}; free space (or use "
         f"another --workdir) and rerun to resume: checkpoint 1 is intact")
     assert isinstance(error.value, ValueError)  # what train.py reports as `error: ...`
-    monkeypatch.delenv(checkpoint.FAULT_ENV)
+    monkeypatch.delenv(checkpoint_hooks.FAULT_ENV)
     step, state, _ = Checkpointer(str(tmp_path), keep=5).restore_latest(abstract(tree(0)))
     assert step == 1
     for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(tree(1)), strict=True):
@@ -174,7 +174,7 @@ def test_a_full_disk_fails_the_save_in_one_line_and_keeps_the_previous_one(tmp_p
 
 
 def test_the_fault_injection_setting_is_checked(tmp_path, monkeypatch):
-    monkeypatch.setenv(checkpoint.FAULT_ENV, "explode@3")
+    monkeypatch.setenv(checkpoint_hooks.FAULT_ENV, "explode@3")
     with pytest.raises(ValueError, match="expected kill@<step> or enospc@<step>"):
         Checkpointer(str(tmp_path), keep=1)
 
@@ -193,9 +193,9 @@ def start(workdir, fault=None) -> subprocess.Popen:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
                JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(ROOT / ".cache" / "jax"),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5")
-    env.pop(checkpoint.FAULT_ENV, None)
+    env.pop(checkpoint_hooks.FAULT_ENV, None)
     if fault:
-        env[checkpoint.FAULT_ENV] = fault
+        env[checkpoint_hooks.FAULT_ENV] = fault
     log = open(f"{workdir}.{next(_RUNS)}.log", "w")
     process = subprocess.Popen([sys.executable, "train.py", f"--workdir={workdir}", *COMMON],
                                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)

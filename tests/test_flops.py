@@ -2,12 +2,11 @@
 the summary built on them."""
 
 import dataclasses
-import pathlib
-import runpy
 
 import pytest
 
 from transformer import flops, summary
+from transformer.config import resolve
 from transformer.model import TransformerConfig
 
 BASE = TransformerConfig(vocab_size=37000)
@@ -114,27 +113,20 @@ def test_base_flops_exact_and_near_six_n():
     assert 6 * non_embedding < per_token < 6 * counts["total"] + attention_terms
 
 
-CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
-
-
-def _paper_config(name):
-    return runpy.run_path(str(CONFIGS / f"{name}.py"))["get_config"]()
-
-
 @pytest.mark.parametrize("name, total", [("wmt14_ende_base", 63_082_496),
                                          ("wmt14_ende_big", 214_245_376),
                                          ("wmt14_enfr_big", paper_param_count(32000, 1024, 4096))])
-def test_paper_configs_build_the_paper_models(name, total):
-    cfg = _paper_config(name)
+def test_paper_configs_build_the_paper_models(name, total, load_config):
+    cfg = load_config(f"{name}.py")
     model = TransformerConfig.from_dict(cfg.model)
     assert {f.name for f in dataclasses.fields(TransformerConfig)} == set(cfg.model)
     assert model.vocab_size == cfg.data.vocab_size
     assert flops.param_counts(model)["total"] == total
 
 
-def test_summary_of_the_base_config():
-    cfg = _paper_config("wmt14_ende_base")
-    text = summary.summarize(cfg)
+def test_summary_of_the_base_config(load_config):
+    cfg = load_config("wmt14_ende_base.py")
+    text = summary.summarize(resolve(cfg))
     assert text.splitlines()[-1] == "total_params: 63082496"
     assert "layer.cross_attention" in text and "tied to embedding" in text
     per_token = flops.train_flops_per_token(TransformerConfig.from_dict(cfg.model),

@@ -10,6 +10,7 @@ from ml_collections import ConfigDict
 
 from transformer import generator as generator_lib
 from transformer import model as M
+from transformer.data import tokenizer as tokenizer_lib
 from transformer.translator import BUCKET
 
 V = 32
@@ -40,7 +41,8 @@ def tiny_generator(objective="causal", **model):
         lambda path, x: x * next((scale for name, scale in SCALES.items()
                                   if name in jax.tree_util.keystr(path)), 1.0), params)
     config = ConfigDict({"model": values, "data": {"objective": objective}})
-    return generator_lib.Generator(config, params, CharTokenizer())
+    return generator_lib.Generator(config, M.TransformerConfig(**values), params,
+                                   CharTokenizer())
 
 
 def prompts_of(lengths, seed=0):
@@ -85,7 +87,7 @@ def test_greedy_generation_follows_the_argmax_of_the_full_forward_pass():
         logits[0] = -np.inf  # padding is never drawn
         sequence.append(int(logits.argmax()))
     generated = sequence[len(prompt):]
-    assert generator_lib.EOS_ID not in generated  # (this prompt runs to max_new_tokens)
+    assert tokenizer_lib.EOS_ID not in generated  # (this prompt runs to max_new_tokens)
     np.testing.assert_array_equal(tokens, generated)
 
 

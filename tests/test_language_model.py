@@ -264,8 +264,8 @@ def test_mlm_default_is_lm_default_as_a_masked_lm():
 
 
 @pytest.fixture(scope="module")
-def lm_config(offline_fixture_data_dir):
-    cfg = runpy.run_path(str(ROOT / "configs" / "lm_default.py"))["get_config"]()
+def lm_config(offline_fixture_data_dir, load_config):
+    cfg = load_config("lm_default.py")
     cfg.data.update(dict(data_dir=str(offline_fixture_data_dir), vocab_size=200, max_length=32,
                          batch_size=8))
     cfg.model.update(dict(d_model=32, d_ff=64, num_heads=2, num_kv_heads=1,

@@ -449,6 +449,39 @@ def test_scan_layers_equals_unrolled_layers_in_forward_and_decoding():
     np.testing.assert_allclose(stepped, unrolled, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_remat_changes_no_logits(scan_layers):
+    variables = random_params(BASE)
+    inputs, targets = std_batch(14)
+    expected = forward(BASE)(variables, inputs, targets)
+    if scan_layers:
+        variables = {"params": stack_layers(variables["params"])}
+    cfg = dataclasses.replace(BASE, remat_policy="full", scan_layers=scan_layers)
+    np.testing.assert_allclose(forward(cfg)(variables, inputs, targets), expected, atol=2e-5)
+
+
+def test_output_head_and_decode_without_a_cache():
+    """`output_head` is the logits unprojected; `decode` always returns (logits, cache)."""
+    cfg = tiny(tie_output_embedding=False)
+    variables = random_params(cfg)
+    inputs, targets = std_batch(15)
+    model = M.Transformer(cfg)
+
+    @jit
+    def run(variables):
+        head = model.apply(variables, inputs, targets, method=M.Transformer.output_head)
+        encoded = model.apply(variables, inputs, method=M.Transformer.encode)
+        decoded = model.apply(variables, encoded, inputs, targets, method=M.Transformer.decode)
+        return head, model.apply(variables, inputs, targets), decoded
+
+    head, logits, (decoded, cache) = run(variables)
+    assert cache is None
+    assert head.hidden.shape == (B, T0, D) and head.kernel.shape == (D, V)
+    assert head.vocab_axis == 1
+    np.testing.assert_allclose(head.logits(), logits, atol=1e-5)
+    np.testing.assert_allclose(decoded, logits, atol=1e-5)
+
+
 def test_init_cache_layout():
     cfg = tiny(num_kv_heads=2, d_v=6, dtype="bfloat16")
     cache = M.init_cache(cfg, 3, 5)

@@ -18,24 +18,14 @@ from transformer.loop import train_and_evaluate  # noqa: E402
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def tiny_offline_config(data_dir):
-    cfg = runpy.run_path(str(ROOT / "configs" / "default.py"))["get_config"]()
-    for key, value in SHRUNK_DEFAULT.items():
-        *path, last = key.split(".")
-        target = cfg
-        for name in path:
-            target = target[name]
-        target[last] = value
-    cfg.data.data_dir = str(data_dir)
-    cfg.num_train_steps, cfg.log_every_steps = 4, 2
-    cfg.params_every_minutes, cfg.params_keep = 1e-6, 2  # a params save after every update
-    return cfg
-
-
 @pytest.fixture(scope="module")
-def run(offline_fixture_data_dir, tmp_path_factory):
+def run(offline_fixture_data_dir, tmp_path_factory, load_config):
     workdir = tmp_path_factory.mktemp("run")
-    train_and_evaluate(tiny_offline_config(offline_fixture_data_dir), str(workdir))
+    cfg = load_config("default.py", **SHRUNK_DEFAULT, **{
+        "data.data_dir": str(offline_fixture_data_dir), "num_train_steps": 4,
+        "log_every_steps": 2, "params_every_minutes": 1e-6,  # a params save after every update
+        "params_keep": 2})
+    train_and_evaluate(cfg, str(workdir))
     return workdir
 
 
@@ -69,9 +59,8 @@ def test_evaluate_cli_reproduces_the_bleu_of_the_last_training_evaluation(run):
     assert len(translations.splitlines()) == 2
 
 
-def test_bleu_during_training_needs_a_translation_dataset(tmp_path):
-    cfg = runpy.run_path(str(ROOT / "configs" / "tiny.py"))["get_config"]()
-    cfg.bleu_every_steps, cfg.bleu_num_sentences = 10, 5
+def test_bleu_during_training_needs_a_translation_dataset(tmp_path, load_config):
+    cfg = load_config("tiny.py", bleu_every_steps=10, bleu_num_sentences=5)
     with pytest.raises(ValueError, match="bleu_every_steps=10 needs a translation dataset"):
         train_and_evaluate(cfg, str(tmp_path))
 

@@ -1,23 +1,39 @@
 """The Transformer of "Attention Is All You Need" in JAX/Flax.
 
-The pure functions (`attention`, `layers`) and the Linen modules (`model`) import no TensorFlow:
+The pure functions (`attention`, `layers`, `decoding`), the Linen modules (`blocks`, `model`) and
+their `TransformerConfig` (`model_config`) import no TensorFlow:
 
     from transformer import dot_product_attention, TransformerConfig, Transformer
 
 `transformer.load(workdir)` loads a trained translation run (`translator.Translator`),
 `transformer.load_generator(workdir)` a trained decoder-only language model
 (`generator.Generator`).
+
+Shape legend, for the einsums, comments and docstrings of every module (one meaning a letter):
+
+    B   batch                              D  d_model
+    T   query / target length              F  d_ff
+    S   key / value / source length        V  vocab
+    N   query heads                        L  layers (the scan axis)
+    K   kv heads                           W  beam size
+    G   query heads per kv head (N / K)    R  rows of a decoding step (B, or B*W in beam search)
+    H   head dim d_k                       A  microbatches per step (gradient accumulation)
+    Hv  value head dim d_v (E in einsums)  C  chunk length (keys per block of chunked attention,
+                                              positions per chunk of the projected loss)
 """
 
 from transformer.attention import (
     attention_weights,
     combine_masks,
     dot_product_attention,
+    make_cache_mask,
     make_causal_mask,
+    make_decoder_mask,
     make_padding_mask,
     make_prefix_lm_mask,
     make_segment_mask,
 )
+from transformer.blocks import DecoderBlock, EncoderBlock, MultiHeadAttention
 from transformer.layers import (
     apply_rope,
     feed_forward,
@@ -27,16 +43,13 @@ from transformer.layers import (
 )
 from transformer.model import (
     Decoder,
-    DecoderBlock,
     Encoder,
-    EncoderBlock,
-    MultiHeadAttention,
     OutputHead,
     Transformer,
-    TransformerConfig,
     init_cache,
     shift_right,
 )
+from transformer.model_config import TransformerConfig
 
 
 def __getattr__(name):
@@ -56,6 +69,7 @@ __all__ = [
     "Decoder", "DecoderBlock", "Encoder", "EncoderBlock", "MultiHeadAttention", "OutputHead",
     "Transformer", "TransformerConfig", "apply_rope", "attention_weights", "combine_masks",
     "dot_product_attention", "feed_forward", "init_cache", "layer_norm", "load", "load_generator",
-    "make_causal_mask", "make_padding_mask", "make_prefix_lm_mask", "make_segment_mask",
+    "make_cache_mask", "make_causal_mask", "make_decoder_mask", "make_padding_mask",
+    "make_prefix_lm_mask", "make_segment_mask",
     "rms_norm", "shift_right", "sinusoidal_position_encoding",
 ]

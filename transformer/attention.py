@@ -2,8 +2,8 @@
 
     Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V            (Vaswani et al., eq. 1)
 
-Shape legend: B batch, T query length, S key/value length, N query heads, K kv heads,
-H head dim (d_k), Hv value head dim (d_v), G = N // K query heads per kv head.
+Shapes are written in the package's legend (`transformer/__init__.py`): q [B, T, N, H],
+k [B, S, K, H], v [B, S, K, Hv]; grouped-query attention views q as [B, T, K, G, H].
 
 Masks are boolean, True = attend, and broadcast to [B, N, T, S]. Logits and softmax are
 float32 whatever the input dtype. A query row with no key to attend to returns zeros.
@@ -61,6 +61,37 @@ def make_prefix_lm_mask(in_prefix: jax.Array) -> jax.Array:
     return make_causal_mask(in_prefix.shape[1]) | both
 
 
+def make_decoder_mask(segment_ids: jax.Array, in_prefix: jax.Array | None = None) -> jax.Array:
+    """[B, 1, T, T], a decoder's self-attention over a whole row (training): causal, or a
+    prefix LM's mask (`make_prefix_lm_mask(in_prefix)`), within each segment.
+
+    segment_ids [B, T]: the packed segments, id 0 = padding (a row of one sequence passes
+    `tokens != 0`).
+    """
+    causal = (make_causal_mask(segment_ids.shape[1]) if in_prefix is None
+              else make_prefix_lm_mask(in_prefix))
+    return combine_masks(causal, make_segment_mask(segment_ids, segment_ids))
+
+
+def make_cache_mask(index: jax.Array | int, query_length: int, cache_length: int,
+                    in_prefix: jax.Array | None = None) -> jax.Array:
+    """[1, 1, T, S] ([B, 1, T, S] with `in_prefix`), incremental decoding's self-attention:
+    the T new queries at positions index..index+T-1 attend to the S cache positions up to
+    their own.
+
+    in_prefix [B, T] (True or nonzero): the new tokens that form a prefix LM's prefix, which
+    attend to each other in both directions (the whole prefix comes in one call).
+    """
+    positions = index + jnp.arange(query_length)
+    mask = (jnp.arange(cache_length)[None, :] <= positions[:, None])[None, None]
+    if in_prefix is None:
+        return mask
+    in_prefix = in_prefix.astype(jnp.bool_)
+    key_in_prefix = jax.lax.dynamic_update_slice(
+        jnp.zeros((in_prefix.shape[0], cache_length), jnp.bool_), in_prefix, (0, index))
+    return mask | (in_prefix[:, None, :, None] & key_in_prefix[:, None, None, :])
+
+
 def combine_masks(*masks: jax.Array | None) -> jax.Array | None:
     """Logical and of the masks that are not None (None if all are)."""
     masks = [m for m in masks if m is not None]
@@ -107,7 +138,7 @@ def attention_weights(
     num_kv_heads = k.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     logits = jnp.einsum(
-        "btkgh,bskh->bkgts", _group_queries(q, num_kv_heads), k,
+        "BTKGH,BSKH->BKGTS", _group_queries(q, num_kv_heads), k,
         preferred_element_type=jnp.float32,
     ) * scale
     bias5, mask5 = _as_5d(bias, num_kv_heads), _as_5d(mask, num_kv_heads)
@@ -128,7 +159,7 @@ def _xla_attention(q, k, v, mask, bias, scale, dropout_rate, dropout_rng):
     b, n, t, s = weights.shape
     num_kv_heads = k.shape[2]
     weights = weights.reshape(b, num_kv_heads, n // num_kv_heads, t, s).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskh->btkgh", weights, v)
+    out = jnp.einsum("BKGTS,BSKE->BTKGE", weights, v)
     return out.reshape(b, t, n, v.shape[-1])
 
 
@@ -254,11 +285,11 @@ class _KeyBlocks:
     num_kv_heads: int
     chunk: int
 
-    def kv(self, x):  # [B, S, K, H] -> [C, B, chunk, K, H]
+    def kv(self, x):  # [B, S, K, H] -> [S/C, B, C, K, H]
         b, s, kh, h = x.shape
         return x.reshape(b, s // self.chunk, self.chunk, kh, h).swapaxes(0, 1)
 
-    def _split(self, x):  # [..., T, S] (S may be 1 = broadcast) -> [C|1, ..., T, chunk|1]
+    def _split(self, x):  # [..., T, S] (S may be 1 = broadcast) -> [S/C|1, ..., T, C|1]
         if x.shape[-1] == 1:
             return x[None]
         lead = x.shape[:-1]
@@ -273,8 +304,8 @@ class _KeyBlocks:
 
 
 def _block_logits(q, k_blk, mask_blk, bias_blk, scale):
-    """Scaled, biased, masked logits of one key block: [B, K, G, T, chunk] float32."""
-    logits = jnp.einsum("btkgh,bskh->bkgts", q, k_blk,
+    """Scaled, biased, masked logits of one key block: [B, K, G, T, C] float32."""
+    logits = jnp.einsum("BTKGH,BCKH->BKGTC", q, k_blk,
                         preferred_element_type=jnp.float32) * scale
     if bias_blk is not None:
         logits = logits + bias_blk.astype(jnp.float32)
@@ -311,7 +342,7 @@ def _forward(blocks, scale, q, k, v, mask_blocks, bias_blocks):
             p = jnp.where(mask_blk, p, 0.0)
         correction = jnp.exp(m - m_new)
         l = l * correction + p.sum(axis=-1)
-        pv = jnp.einsum("bkgts,bskh->btkgh", p.astype(v.dtype), blk["v"],
+        pv = jnp.einsum("BKGTC,BCKE->BTKGE", p.astype(v.dtype), blk["v"],
                         preferred_element_type=jnp.float32)
         acc = acc * correction.transpose(0, 3, 1, 2)[..., None] + pv
         return (m_new, l, acc), None
@@ -339,7 +370,7 @@ def _chunked_bwd(blocks, scale, residuals, d_out):
     """Recomputes each block's weights from the saved logsumexp (flash attention's backward)."""
     q, k, v, mask_blocks, bias_blocks, out, logsumexp = residuals
     d_out = d_out.astype(jnp.float32)
-    delta = jnp.einsum("btkgh,btkgh->bkgt", d_out, out.astype(jnp.float32))
+    delta = jnp.einsum("BTKGE,BTKGE->BKGT", d_out, out.astype(jnp.float32))
     xs, const = _scan_inputs(blocks, k, v, mask_blocks, bias_blocks)
 
     def step(dq, blk):
@@ -348,11 +379,11 @@ def _chunked_bwd(blocks, scale, residuals, d_out):
         p = jnp.exp(logits - logsumexp[..., None])
         if mask_blk is not None:
             p = jnp.where(mask_blk, p, 0.0)
-        dv = jnp.einsum("bkgts,btkgh->bskh", p, d_out)
-        dp = jnp.einsum("btkgh,bskh->bkgts", d_out, blk["v"].astype(jnp.float32))
+        dv = jnp.einsum("BKGTC,BTKGE->BCKE", p, d_out)
+        dp = jnp.einsum("BTKGE,BCKE->BKGTC", d_out, blk["v"].astype(jnp.float32))
         ds = p * (dp - delta[..., None])
-        dq = dq + jnp.einsum("bkgts,bskh->btkgh", ds, blk["k"].astype(jnp.float32)) * scale
-        dk = jnp.einsum("bkgts,btkgh->bskh", ds, q.astype(jnp.float32)) * scale
+        dq = dq + jnp.einsum("BKGTC,BCKH->BTKGH", ds, blk["k"].astype(jnp.float32)) * scale
+        dk = jnp.einsum("BKGTC,BTKGH->BCKH", ds, q.astype(jnp.float32)) * scale
         dbias = None
         if bias_blocks is not None:
             broadcast = [i for i in range(ds.ndim) if bias_blk.shape[i] == 1 != ds.shape[i]]

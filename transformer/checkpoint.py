@@ -14,9 +14,8 @@ file), moving it to `<workdir>/skipped_checkpoints/<step>` with one log line say
 resumes from the one before. A save that fails (a full disk) raises `CheckpointSaveError`, one
 line naming the step and the checkpoint still intact.
 
-Fault injection (tests): `TRANSFORMER_FAULT_INJECT=kill@<step>` makes the process SIGKILL itself
-while saving step <step>, after every file is written and before the rename that completes it;
-`enospc@<step>` makes that save fail there with `OSError(ENOSPC)` instead.
+Fault injection for tests and the filters of orbax's log noise live beside this module, in
+`checkpoint_hooks`, and are installed when a Checkpointer is created.
 """
 
 from __future__ import annotations
@@ -27,8 +26,6 @@ import logging
 import os
 import re
 import shutil
-import signal
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -39,52 +36,16 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from transformer import checkpoint_hooks
+from transformer.workdir import AVERAGED, CHECKPOINTS, PARAMS_SERIES, SKIPPED_CHECKPOINTS
+
 _LAYER = re.compile(r"^layers_(\d+)$")
-FAULT_ENV = "TRANSFORMER_FAULT_INJECT"
-SKIPPED = "skipped_checkpoints"
 CHECKSUMS = "state_checksums"  # key of the data item: `checksums` of the saved state
 log = logging.getLogger("transformer")
 
 
 class CheckpointSaveError(ValueError):
     """A checkpoint could not be written (e.g. the disk is full); the message is one line."""
-
-
-def _fault_injecting_path(spec: str) -> type:
-    """Orbax's atomic-rename temporary path, failing as `spec` (`kill@N` or `enospc@N`) says
-    when step N's directory is about to be renamed into place."""
-    fault, _, step = spec.partition("@")
-    if fault not in ("kill", "enospc") or not step.isdigit():
-        raise ValueError(f"{FAULT_ENV}={spec!r}: expected kill@<step> or enospc@<step>")
-
-    class FaultInjecting(ocp.path.atomicity.AtomicRenameTemporaryPath):
-        async def finalize(self, *args, **kwargs):
-            if self.get_final().name == step:
-                if fault == "kill":
-                    os.kill(os.getpid(), signal.SIGKILL)
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.get()))
-            await super().finalize(*args, **kwargs)
-
-    return FaultInjecting
-
-
-class _ReraisedSaveErrors(logging.Filter):
-    """Drops orbax's tracebacks of a failed background save: Checkpointer raises it as one line."""
-
-    def filter(self, record):
-        error = record.exc_info[1] if record.exc_info else None
-        return not (isinstance(error, OSError) and "save" in record.getMessage().lower())
-
-
-class _ReadOnlyNotice(logging.Filter):
-    """Drops orbax's warning that a manager opened read-only (to read params) is read-only."""
-
-    def filter(self, record):
-        return not record.getMessage().startswith("Given directory is read only")
-
-
-logging.getLogger("absl").addFilter(_ReraisedSaveErrors())
-logging.getLogger("absl").addFilter(_ReadOnlyNotice())
 
 
 @jax.jit
@@ -112,29 +73,6 @@ def checksums(state: Any) -> list[int]:
     return [int(x) for x in np.asarray(digest)]
 
 
-def _drop_closed_loop_callbacks(unraisable, previous=sys.unraisablehook) -> None:
-    """After a restore fails, tensorstore still completes the other reads and posts each result
-    to orbax's event loop, closed by then: one `Event loop is closed` traceback per array. The
-    failure itself is reported in one line; these carry no news."""
-    error = unraisable.exc_value
-    if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
-        previous(unraisable)
-
-
-class _DropOrphanedReads(logging.Filter):
-    """The same after-failure noise through asyncio's logger: "Task exception was never
-    retrieved" for each read of a failed restore under `directory`, one traceback per array."""
-
-    def __init__(self, directory: str):
-        super().__init__()
-        self.directory = os.path.abspath(directory)
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        return not (message.startswith("Task exception was never retrieved")
-                    and self.directory in message)
-
-
 def _one_line(error: BaseException, limit: int = 300) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"[:limit]
@@ -155,12 +93,12 @@ class Checkpointer:
 
     def __init__(self, workdir: str, *, keep: int, use_async: bool = True):
         self.directory = os.path.join(os.path.abspath(workdir), CHECKPOINTS)
-        fault = os.environ.get(FAULT_ENV)
+        checkpoint_hooks.install_log_filters()
         options = ocp.CheckpointManagerOptions(
             preservation_policy=ocp.checkpoint_managers.LatestN(keep),
             enable_async_checkpointing=use_async,
             cleanup_tmp_directories=True,
-            temporary_path_class=_fault_injecting_path(fault) if fault else None,
+            temporary_path_class=checkpoint_hooks.fault_injecting_path_class(),
         )
         self._manager = ocp.CheckpointManager(
             self.directory, options=options,
@@ -220,8 +158,7 @@ class Checkpointer:
         warning naming it and why; one whose shapes disagree with the config raises ValueError."""
         skipped = []
         # Before any attempt: a failing restore's stray callbacks can fire before it raises.
-        sys.unraisablehook = _drop_closed_loop_callbacks
-        logging.getLogger("asyncio").addFilter(_DropOrphanedReads(self.directory))
+        checkpoint_hooks.quiet_failed_restores(self.directory)
         for step in sorted(self.all_steps(), reverse=True):
             failure = problem = None
             try:
@@ -249,7 +186,7 @@ class Checkpointer:
         return None
 
     def _skipped_dir(self) -> str:
-        return os.path.join(os.path.dirname(self.directory), SKIPPED)
+        return os.path.join(os.path.dirname(self.directory), SKIPPED_CHECKPOINTS)
 
     def _move_aside(self, step: int) -> str:
         """Moves checkpoint `step` to `skipped_checkpoints/` (process 0; all processes wait)."""
@@ -330,8 +267,6 @@ def stack_layers(params: dict) -> dict:
 # Everything below reads into host memory as numpy arrays, so it works whatever mesh or device
 # count wrote the checkpoints, and from a process with a single CPU device.
 
-CHECKPOINTS, PARAMS_SERIES, AVERAGED = "checkpoints", "params", "averaged"
-
 
 class ParamsSeries:
     """Params-only saves every `every_minutes` into `<workdir>/params/<step>/`, keeping `keep`.
@@ -350,6 +285,7 @@ class ParamsSeries:
         self.directory = os.path.join(os.path.abspath(workdir), PARAMS_SERIES)
         self.every_seconds, self._clock = 60.0 * every_minutes, clock
         self._last_time = clock()
+        checkpoint_hooks.install_log_filters()
         options = ocp.CheckpointManagerOptions(
             preservation_policy=ocp.checkpoint_managers.LatestN(keep),
             enable_async_checkpointing=use_async, cleanup_tmp_directories=True)
@@ -401,6 +337,7 @@ def _restore_params(workdir: str, source: str, step: int) -> dict:
     handlers = {item: ocp.PyTreeCheckpointHandler()}
     if source == CHECKPOINTS:
         handlers["data"] = ocp.JsonCheckpointHandler()  # known, so orbax does not warn; not read
+    checkpoint_hooks.install_log_filters()
     options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
     with ocp.CheckpointManager(os.path.join(workdir, source), options=options,
                                item_handlers=handlers) as manager:

@@ -2,23 +2,25 @@
 (jit-compatible).
 
 `decode_fn(tokens [R, 1], cache) -> (logits [R, 1, V], cache)` runs one decoder step for R rows
-(R = B for greedy, B * K for beam search, rows of one sentence adjacent). The first call receives
+(R = B for greedy, B * W for beam search, rows of one sentence adjacent). The first call receives
 the BOS tokens and the freshly initialised cache (it may add entries, e.g. the projected encoder
 output); later calls run inside `lax.while_loop`.
 
-Beam search follows the paper (section 6.1): beam size K, length penalty
+Beam search follows the paper (section 6.1): beam size W, length penalty
 lp(Y) = ((5 + |Y|) / 6)^alpha (Wu et al., 2016) applied to finished hypotheses, the maximum
 output length input length + 50 per sentence, and early termination: a sentence stops when no
-alive hypothesis can still beat its best finished one. Each step expands the K alive hypotheses
-into their 2K best continuations; those among the best K that end in EOS finish (as in fairseq),
-the best K that do not stay alive.
+alive hypothesis can still beat its best finished one. Each step expands the W alive hypotheses
+into their 2W best continuations; those among the best W that end in EOS finish (as in fairseq),
+the best W that do not stay alive.
 
 Sampling (language models) draws each token from softmax(logits / temperature), restricted to
 the `top_k` most likely tokens and to the smallest set whose probability reaches `top_p`
 (nucleus sampling, Holtzman et al., 2019); temperature 0 is greedy. Each row has its own key,
 so a row's tokens do not depend on the other rows of its batch.
 
-Shape legend: B batch, K beam size, L maximum output length, V vocab.
+The model's side of the cache, a step's keys and values written at their positions, is
+`write_cache`. Shapes are written in the package's legend (`transformer/__init__.py`); T is the
+maximum output length.
 """
 
 from __future__ import annotations
@@ -29,9 +31,19 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from transformer.data.tokenizer import PAD_ID  # never a target, so never decoded
+
 NEG_INF = -1.0e9  # finite, so that NEG_INF - NEG_INF stays 0
-PAD_ID = 0  # never a target (DESIGN.md), so never decoded
 DecodeFn = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
+
+
+def write_cache(cache: dict, key: jax.Array, value: jax.Array, index: jax.Array | int) -> dict:
+    """A layer's self-attention cache {"key": [B, S, K, H], "value": [B, S, K, Hv]} with the new
+    key [B, T, K, H] and value [B, T, K, Hv] written at positions index..index+T-1, in the
+    cache's dtype."""
+    start = (0, index, 0, 0)
+    return {name: jax.lax.dynamic_update_slice(cache[name], new.astype(cache[name].dtype), start)
+            for name, new in (("key", key), ("value", value))}
 
 
 def length_penalty(length: jax.Array, alpha: float) -> jax.Array:
@@ -52,9 +64,9 @@ def _next_logprobs(logits: jax.Array, step: jax.Array, max_lengths: jax.Array, e
 
 def greedy_search(decode_fn: DecodeFn, cache: Any, *, bos: jax.Array, max_lengths: jax.Array,
                   max_length: int, eos_id: int) -> jax.Array:
-    """Tokens [B, L] (L = max_length), each row ending at its first EOS, zeros after.
+    """Tokens [B, T] (T = max_length), each row ending at its first EOS, zeros after.
 
-    `bos` [B] holds the start tokens, `max_lengths` [B] each row's output limit (<= L).
+    `bos` [B] holds the start tokens, `max_lengths` [B] each row's output limit (<= T).
     """
     logits, cache = decode_fn(bos[:, None], cache)
 
@@ -69,9 +81,9 @@ def greedy_search(decode_fn: DecodeFn, cache: Any, *, bos: jax.Array, max_length
 def _token_by_token(decode_fn: DecodeFn, cache: Any, logits: jax.Array,
                     choose: Callable[[jax.Array, jax.Array], jax.Array], *, max_length: int,
                     eos_id: int) -> jax.Array:
-    """Tokens [B, L]: `choose(logits [B, 1, V], step) -> [B]` picks each row's next token from
+    """Tokens [B, T]: `choose(logits [B, 1, V], step) -> [B]` picks each row's next token from
     the last logits, `decode_fn` feeds it back; a row stops at its first EOS (zeros after), the
-    loop when every row has or at L tokens."""
+    loop when every row has or at T tokens."""
     batch = logits.shape[0]
 
     def body(state):
@@ -93,8 +105,8 @@ def _token_by_token(decode_fn: DecodeFn, cache: Any, logits: jax.Array,
 
 def _gather_beams(tree: Any, indices: jax.Array, batch: int, beam: int, batch_axis: int,
                   beam_invariant: Callable[[tuple], bool] | None = None):
-    """Reorders the rows of every cache leaf [.., B*K, ..] (batch axis `batch_axis`) so that row
-    (b, k) takes row (b, indices[b, k]). Leaves whose key path `beam_invariant` accepts hold the
+    """Reorders the rows of every cache leaf [.., B*W, ..] (batch axis `batch_axis`) so that row
+    (b, w) takes row (b, indices[b, w]). Leaves whose key path `beam_invariant` accepts hold the
     same values for all beams of a sentence (e.g. projected encoder outputs): left as they are.
     """
     flat = (indices + beam * jnp.arange(batch)[:, None]).reshape(-1)
@@ -113,55 +125,56 @@ def beam_search(decode_fn: DecodeFn, cache: Any, *, bos: jax.Array, max_lengths:
                 cache_batch_axis: int = 0,
                 beam_invariant: Callable[[tuple], bool] | None = None,
                 ) -> tuple[jax.Array, jax.Array]:
-    """Finished hypotheses [B, K, L] and their scores [B, K] (log-probability over the length
+    """Finished hypotheses [B, W, T] and their scores [B, W] (log-probability over the length
     penalty), best first. Rows end at EOS (forced at `max_lengths` [B]), zeros after.
 
-    `cache` and `decode_fn` work on B * K rows (sentence b's beams are rows b*K .. b*K+K-1);
+    `cache` and `decode_fn` work on B * W rows (sentence b's beams are rows b*W .. b*W+W-1);
     `bos` [B] holds the start tokens. `cache_batch_axis` is the rows axis of the cache leaves
     (1 when layers are scanned). `beam_invariant(key_path)` marks cache leaves that are equal
     across a sentence's beams (the cross-attention keys and values), which need no reordering.
     """
-    batch, k = bos.shape[0], beam_size
-    logits, cache = decode_fn(jnp.repeat(bos, k)[:, None], cache)
+    batch = bos.shape[0]
+    logits, cache = decode_fn(jnp.repeat(bos, beam_size)[:, None], cache)
     state = {
         "step": jnp.zeros((), jnp.int32),
-        "alive_seqs": jnp.zeros((batch, k, max_length), jnp.int32),
+        "alive_seqs": jnp.zeros((batch, beam_size, max_length), jnp.int32),
         # All beams start identical: only beam 0 may expand at the first step.
-        "alive_logprobs": jnp.tile(jnp.array([0.0] + [NEG_INF] * (k - 1)), (batch, 1)),
-        "finished_seqs": jnp.zeros((batch, k, max_length), jnp.int32),
-        "finished_scores": jnp.full((batch, k), NEG_INF),
+        "alive_logprobs": jnp.tile(jnp.array([0.0] + [NEG_INF] * (beam_size - 1)), (batch, 1)),
+        "finished_seqs": jnp.zeros((batch, beam_size, max_length), jnp.int32),
+        "finished_scores": jnp.full((batch, beam_size), NEG_INF),
         "logits": logits,
         "cache": cache,
     }
 
     def expand(state):
         step = state["step"]
-        logprobs = _next_logprobs(state["logits"], step, max_lengths, eos_id)  # [B, K, V]
+        logprobs = _next_logprobs(state["logits"], step, max_lengths, eos_id)  # [B, W, V]
         vocab = logprobs.shape[-1]
-        candidates = (state["alive_logprobs"][..., None] + logprobs).reshape(batch, k * vocab)
-        top_logprobs, top_ids = jax.lax.top_k(candidates, 2 * k)  # [B, 2K]
+        candidates = state["alive_logprobs"][..., None] + logprobs
+        candidates = candidates.reshape(batch, beam_size * vocab)
+        top_logprobs, top_ids = jax.lax.top_k(candidates, 2 * beam_size)  # [B, 2W]
         origin, token = top_ids // vocab, (top_ids % vocab).astype(jnp.int32)
         seqs = jnp.take_along_axis(state["alive_seqs"], origin[..., None], axis=1)
         seqs = seqs.at[:, :, step].set(token)
         is_eos = token == eos_id
 
-        # Finished: the candidates among the best K that end in EOS (as fairseq), scored with
+        # Finished: the candidates among the best W that end in EOS (as fairseq), scored with
         # the length penalty. So a beam of 1 is greedy search when alpha is 0.
-        in_beam = jnp.arange(2 * k) < k
+        in_beam = jnp.arange(2 * beam_size) < beam_size
         scores = top_logprobs / length_penalty(step + 1, alpha)
         scores = jnp.where(is_eos & in_beam & (top_logprobs > NEG_INF / 2), scores, NEG_INF)
         all_scores = jnp.concatenate([state["finished_scores"], scores], axis=1)
         all_seqs = jnp.concatenate([state["finished_seqs"], seqs], axis=1)
-        finished_scores, keep = jax.lax.top_k(all_scores, k)
+        finished_scores, keep = jax.lax.top_k(all_scores, beam_size)
         finished_seqs = jnp.take_along_axis(all_seqs, keep[..., None], axis=1)
 
-        # Alive: the best K candidates that do not end in EOS.
-        alive_logprobs, keep = jax.lax.top_k(jnp.where(is_eos, NEG_INF, top_logprobs), k)
+        # Alive: the best W candidates that do not end in EOS.
+        alive_logprobs, keep = jax.lax.top_k(jnp.where(is_eos, NEG_INF, top_logprobs), beam_size)
         alive_seqs = jnp.take_along_axis(seqs, keep[..., None], axis=1)
         alive_origin = jnp.take_along_axis(origin, keep, axis=1)
-        cache = _gather_beams(state["cache"], alive_origin, batch, k, cache_batch_axis,
+        cache = _gather_beams(state["cache"], alive_origin, batch, beam_size, cache_batch_axis,
                               beam_invariant)
-        last = jnp.take_along_axis(token, keep, axis=1).reshape(batch * k, 1)
+        last = jnp.take_along_axis(token, keep, axis=1).reshape(batch * beam_size, 1)
         logits, cache = decode_fn(last, cache)
         return {"step": step + 1, "alive_seqs": alive_seqs, "alive_logprobs": alive_logprobs,
                 "finished_seqs": finished_seqs, "finished_scores": finished_scores,
@@ -200,7 +213,7 @@ def filter_logits(logits: jax.Array, *, temperature: float, top_k: int = 0,
 def sample(decode_fn: DecodeFn, cache: Any, logits: jax.Array, *, keys: jax.Array,
            max_length: int, eos_id: int, temperature: float = 1.0, top_k: int = 0,
            top_p: float = 1.0) -> jax.Array:
-    """Tokens [B, L] (L = max_length) drawn after a prompt, each row ending at its first EOS,
+    """Tokens [B, T] (T = max_length) drawn after a prompt, each row ending at its first EOS,
     zeros after.
 
     `logits` [B, 1, V] are the prompt's last (from the call that filled the cache), `keys` [B]

@@ -8,18 +8,15 @@ and writes the sources, references and translations it scored to `<workdir>/eval
 
 import logging
 import os
-import sys
 
 from absl import app, flags
-from absl import logging as absl_logging
 
-flags.DEFINE_string("workdir", None, "The training run's workdir.")
+from transformer import cli
+
+cli.define_run_flags(average=True)
 flags.DEFINE_enum("split", "test", ["validation", "test"], "The split to score.")
-flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
-flags.DEFINE_integer("average", None, "Average the last N checkpoints' parameters.")
 flags.DEFINE_integer("num_sentences", None, "Score only the first N sentences (default: all).")
 flags.DEFINE_integer("beam_size", None, "Beam size (default: the config's; 1: greedy).")
-flags.mark_flags_as_required(["workdir"])
 FLAGS = flags.FLAGS
 log = logging.getLogger("transformer")
 
@@ -30,7 +27,9 @@ def evaluate(workdir: str, split: str, *, step=None, average=None, num_sentences
     import jax
 
     from transformer import evaluation, loop, sharding, train_lib
+    from transformer import workdir as workdir_lib
     from transformer.checkpoint import list_steps
+    from transformer.config import Resolved
     from transformer.data import make_source
     from transformer.metrics import MetricWriter
     from transformer.translator import load
@@ -39,7 +38,8 @@ def evaluate(workdir: str, split: str, *, step=None, average=None, num_sentences
     cfg = translator.config
     source = make_source(cfg, workdir)
     mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
-    trainer = train_lib.build_trainer(cfg, mesh)
+    trainer = train_lib.build_trainer(Resolved(cfg, translator.model_config, dict(mesh.shape)),
+                                      mesh)
     params = jax.device_put(translator.params, trainer.state_shardings.params)
     figures = loop.evaluate(trainer, train_lib.make_eval_step(trainer), params, source,
                             (0, source.eval_rows_per_batch), split)
@@ -51,13 +51,13 @@ def evaluate(workdir: str, split: str, *, step=None, average=None, num_sentences
     figures |= evaluation.bleu(hypotheses, references, target_lang=cfg.data.target_lang)
 
     label = f"average{average}" if average else f"step{step}" if step else "latest"
-    out_dir = os.path.join(workdir, "eval")
+    out_dir = workdir_lib.path(workdir, workdir_lib.EVAL)
     os.makedirs(out_dir, exist_ok=True)
     for kind, lines in (("source", sources), ("reference", references),
                         ("translation", hypotheses)):
         with open(os.path.join(out_dir, f"{split}.{label}.{kind}.txt"), "w") as f:
             f.writelines(line + "\n" for line in lines)
-    steps = list_steps(os.path.join(workdir, "checkpoints"))
+    steps = list_steps(workdir_lib.path(workdir, workdir_lib.CHECKPOINTS))
     at_step = step or (max(steps) if steps else 0)
     figures["checkpoint"] = label
     writer = MetricWriter(workdir)
@@ -67,16 +67,10 @@ def evaluate(workdir: str, split: str, *, step=None, average=None, num_sentences
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    absl_logging.set_verbosity(absl_logging.WARNING)  # orbax's INFO chatter
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S",
-                        stream=sys.stderr)
-    try:
+    cli.start(argv, level=logging.INFO, timestamps=True)
+    with cli.one_line_errors():
         figures = evaluate(FLAGS.workdir, FLAGS.split, step=FLAGS.step, average=FLAGS.average,
                            num_sentences=FLAGS.num_sentences, beam_size=FLAGS.beam_size)
-    except (ValueError, OSError) as error:
-        sys.exit(f"error: {error}")
     print(f"{FLAGS.split}: perplexity {figures['perplexity']:.2f} | sacreBLEU "
           f"{figures['bleu']:.2f} ({figures['bleu_signature']}) | tokenized compound-split BLEU "
           f"{figures['bleu_tok_compound']:.2f} | {figures['bleu_num_sentences']} sentences")

@@ -9,14 +9,11 @@ one line to stdout (or `--output`). `--temperature=0` is greedy; unset options c
 run's config (`generate.*`). The same seed gives the same continuations (batched or not).
 """
 
-import logging
-import sys
-
 from absl import app, flags
-from absl import logging as absl_logging
 
-flags.DEFINE_string("workdir", None, "The training run's workdir.")
-flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+from transformer import cli
+
+cli.define_run_flags(average=False)
 flags.DEFINE_multi_string("prompt", None, "A prompt (repeatable); default: stdin or --input.")
 flags.DEFINE_string("input", None, "Prompts file, one a line (default: stdin).")
 flags.DEFINE_string("output", None, "Output file (default: stdout).")
@@ -26,15 +23,11 @@ flags.DEFINE_integer("top_k", None, "Sample from the k most likely tokens (0: al
 flags.DEFINE_float("top_p", None, "Sample from the smallest set of this probability (1: all).")
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.DEFINE_integer("batch_size", 32, "Prompts generated together.")
-flags.mark_flags_as_required(["workdir"])
 FLAGS = flags.FLAGS
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    absl_logging.set_verbosity(absl_logging.WARNING)  # orbax's INFO chatter
-    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
+    cli.start(argv)
     from transformer import text_input
     from transformer.generator import load_generator
 

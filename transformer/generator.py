@@ -30,23 +30,25 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from transformer import checkpoint, decoding
-from transformer.model import BOS_ID, Transformer, TransformerConfig, init_cache
-from transformer.translator import bucket_length, load_config, load_tokenizer
+from transformer import workdir as workdir_lib
+from transformer.config import resolve
+from transformer.data.tokenizer import BOS_ID, EOS_ID
+from transformer.model import Transformer, TransformerConfig, init_cache
+from transformer.translator import bucket_length
 
 log = logging.getLogger("transformer")
-EOS_ID = 3
 
 
 @dataclasses.dataclass
 class Generator:
     """A trained decoder-only model, its parameters and its tokenizer."""
 
-    config: ConfigDict
+    config: ConfigDict  # a `Resolved.config`: generate.* and data.objective
+    model_config: TransformerConfig
     params: dict
     tokenizer: object  # transformer.data.tokenizer.Tokenizer
 
     def __post_init__(self):
-        self.model_config = TransformerConfig.from_dict(self.config.model)
         _require_decoder(self.model_config.architecture)
         self.model = Transformer(self.model_config)
         self.prefix_lm = self.config.data.get("objective") == "prefix"
@@ -202,7 +204,8 @@ def _sample_fn(model: Transformer, prefix_lm: bool, max_new_tokens: int, tempera
 def load_generator(workdir: str, *, step: int | None = None) -> Generator:
     """Config, parameters (checkpoint `step` or the latest) and tokenizer of a trained
     decoder-only workdir."""
-    config = load_config(workdir)
-    _require_decoder(config.model.architecture)
-    tokenizer = load_tokenizer(workdir, config)
-    return Generator(config, checkpoint.load_params(workdir, step=step), tokenizer)
+    run = resolve(workdir_lib.load_config(workdir))
+    _require_decoder(run.model.architecture)
+    tokenizer = workdir_lib.load_tokenizer(workdir, run.model.vocab_size)
+    return Generator(run.config, run.model, checkpoint.load_params(workdir, step=step),
+                     tokenizer)

@@ -1,7 +1,6 @@
 """Positional encodings, normalisation and the position-wise feed-forward network, as pure
-functions of arrays (no Flax).
-
-Shape legend: B batch, T length, N heads, H head dim, D d_model, F d_ff.
+functions of arrays (no Flax). Shapes are written in the package's legend
+(`transformer/__init__.py`).
 """
 
 from __future__ import annotations
@@ -97,7 +96,7 @@ def feed_forward(
         raise ValueError(f"activation={activation!r}; choose one of {ACTIVATIONS}")
     if (activation == "swiglu") != (ff_gate is not None):
         raise ValueError("ff_gate is required by activation='swiglu' and only by it")
-    hidden = jnp.einsum("...d,df->...f", x, ff_in)
+    hidden = jnp.einsum("...D,DF->...F", x, ff_in)
     if bias_in is not None:
         hidden = hidden + bias_in
     if activation == "relu":
@@ -105,9 +104,9 @@ def feed_forward(
     elif activation == "gelu":
         hidden = jax.nn.gelu(hidden)
     else:
-        hidden = jax.nn.silu(jnp.einsum("...d,df->...f", x, ff_gate)) * hidden
+        hidden = jax.nn.silu(jnp.einsum("...D,DF->...F", x, ff_gate)) * hidden
     hidden = dropout(hidden, dropout_rate, dropout_rng)
-    out = jnp.einsum("...f,fd->...d", hidden, ff_out)
+    out = jnp.einsum("...F,FD->...D", hidden, ff_out)
     if bias_out is not None:
         out = out + bias_out
     return out

@@ -1,6 +1,6 @@
 """Will a config fit? Per-device memory of the real train step, planned without allocating it.
 
-`compile_report(cfg, num_devices)` is what `train.py --compile_only` prints. It builds the mesh,
+`compile_report(run, num_devices)` is what `train.py --compile_only` prints. It builds the mesh,
 the abstract train state (`jax.ShapeDtypeStruct`s carrying their `NamedSharding`s) and an
 abstract batch, lowers and compiles the jitted train step for them, and sets two accounts side
 by side, per device:
@@ -32,6 +32,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from transformer import attention, flops, sharding, train_lib
+from transformer.config import Resolved
 from transformer.model import TransformerConfig
 
 GiB = 1024 ** 3
@@ -215,12 +216,12 @@ class MemoryPlan:
                 + c["generated_code"])
 
 
-def plan(cfg, mesh) -> MemoryPlan:
+def plan(run: Resolved, mesh) -> MemoryPlan:
     """Lowers and compiles the real train step on abstract state and batch (nothing is
-    allocated) and accounts for its memory. `cfg.grad_accum_steps` must be resolved."""
-    model = TransformerConfig.from_dict(cfg.model)
-    trainer = train_lib.build_trainer(cfg, mesh)
-    if jax.default_backend() == "cpu" and int(cfg.get("loss_chunk_tokens", -1)) == -1:
+    allocated) and accounts for its memory. `run` must be resolved for the mesh's devices."""
+    cfg, model = run.config, run.model
+    trainer = train_lib.build_trainer(run, mesh)
+    if jax.default_backend() == "cpu" and cfg.loss_chunk_tokens == -1:
         # Fake CPU devices stand in for accelerators: size the loss's chunks as there.
         trainer = trainer.replace(
             loss_chunk_tokens=train_lib.AUTO_LOSS_CHUNK_TOKENS_ACCELERATOR)
@@ -267,10 +268,9 @@ def _human(num_bytes: int) -> str:
     return f"{num_bytes} B"
 
 
-def format_report(cfg, memory_plan: MemoryPlan) -> str:
+def format_report(model: TransformerConfig, memory_plan: MemoryPlan) -> str:
     """The table `--compile_only` prints; its last line, `per_device_bytes: key=value ...`, is
     for tools to read."""
-    model = TransformerConfig.from_dict(cfg.model)
     mesh = " x ".join(f"{axis} {size}" for axis, size in memory_plan.mesh_shape.items())
     devices = math.prod(memory_plan.mesh_shape.values())
     accum, rows, _ = memory_plan.batch["targets"]
@@ -321,8 +321,8 @@ def format_report(cfg, memory_plan: MemoryPlan) -> str:
     return "\n".join(lines)
 
 
-def compile_report(cfg, num_devices: int) -> str:
-    """The `--compile_only` report for `cfg` on the first `num_devices` devices.
-    `grad_accum_steps` must be resolved and the config validated for `num_devices`."""
-    mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:num_devices])
-    return format_report(cfg, plan(cfg, mesh))
+def compile_report(run: Resolved, num_devices: int) -> str:
+    """The `--compile_only` report for `run` (resolved for `num_devices`) on the first
+    `num_devices` devices."""
+    mesh = sharding.make_mesh(run.config.mesh, jax.devices()[:num_devices])
+    return format_report(run.model, plan(run, mesh))

@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 
 import jax
+
+from transformer import workdir as workdir_lib
 
 log = logging.getLogger("transformer")
 
@@ -44,12 +45,12 @@ class MetricWriter:
 
     def __init__(self, workdir: str):
         self.active = jax.process_index() == 0
-        self._path = os.path.join(workdir, "metrics.jsonl")
+        self._path = workdir_lib.path(workdir, workdir_lib.METRICS)
         self._tb = None
         if self.active:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+            self._tb = SummaryWriter(workdir_lib.path(workdir, workdir_lib.TENSORBOARD))
 
     def write(self, step: int, split: str, values: dict) -> None:
         if not self.active:

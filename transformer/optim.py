@@ -11,7 +11,7 @@ Step convention: optax calls a schedule with the 0-based count of updates alread
 every schedule here evaluates its formula at ``step = count + 1``: the k-th update (1-based, the
 ``step`` of metrics.jsonl) uses the formula at k, never at 0.
 
-Shape legend: B batch, T target length, D d_model, V vocab.
+Shapes are written in the package's legend (`transformer/__init__.py`).
 """
 
 import functools
@@ -257,7 +257,7 @@ def projected_cross_entropy_loss(
 
 
 def _chunks(x: jax.Array, chunk: int) -> jax.Array:
-    """[B, T, ...] -> [T/chunk, B, chunk, ...] (T zero-padded up to a multiple of chunk)."""
+    """[B, T, ...] -> [T/C, B, C, ...] (C = chunk; T zero-padded up to a multiple of C)."""
     pad = -x.shape[1] % chunk
     x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
     x = x.reshape(x.shape[0], x.shape[1] // chunk, chunk, *x.shape[2:])
@@ -267,7 +267,7 @@ def _chunks(x: jax.Array, chunk: int) -> jax.Array:
 def _chunk_loss(hidden, kernel, targets, weights, vocab_axis, label_smoothing, z_loss,
                 with_grad):
     """One chunk: (loss_sum, z_loss_sum) and, with_grad, (d hidden, d kernel as [D, V])."""
-    spec = "bcd,vd->bcv" if vocab_axis == 0 else "bcd,dv->bcv"
+    spec = "BCD,VD->BCV" if vocab_axis == 0 else "BCD,DV->BCV"
 
     def sums(logits):
         out = cross_entropy_loss(logits, targets, weights, label_smoothing=label_smoothing,
@@ -280,8 +280,8 @@ def _chunk_loss(hidden, kernel, targets, weights, vocab_axis, label_smoothing, z
     (loss_sum, z_loss_sum), grad_fn = jax.vjp(sums, logits)
     (d_logits,) = grad_fn((jnp.ones_like(loss_sum), jnp.zeros_like(z_loss_sum)))
     d_logits = d_logits.astype(hidden.dtype)
-    d_hidden = jnp.einsum("bcv,vd->bcd" if vocab_axis == 0 else "bcv,dv->bcd", d_logits, kernel)
-    d_kernel = jnp.einsum("bcd,bcv->dv", hidden, d_logits, preferred_element_type=jnp.float32)
+    d_hidden = jnp.einsum("BCV,VD->BCD" if vocab_axis == 0 else "BCV,DV->BCD", d_logits, kernel)
+    d_kernel = jnp.einsum("BCD,BCV->DV", hidden, d_logits, preferred_element_type=jnp.float32)
     return (loss_sum, z_loss_sum), (d_hidden, d_kernel)
 
 

@@ -16,6 +16,8 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from transformer.model import TransformerConfig
+
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
@@ -33,8 +35,9 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 
 
-def mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, int, int]:
-    """(data, fsdp, tensor) from the config's `mesh` section; one -1 takes the rest."""
+def mesh_shape(mesh_cfg, num_devices: int) -> dict[str, int]:
+    """{"data": .., "fsdp": .., "tensor": ..} from the config's `mesh` section; one -1 takes
+    the rest."""
     sizes = [int(mesh_cfg[axis]) for axis in MESH_AXES]
     described = ", ".join(f"mesh.{a}={s}" for a, s in zip(MESH_AXES, sizes, strict=True))
     if sizes.count(-1) > 1:
@@ -50,14 +53,14 @@ def mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, int, int]:
     if math.prod(sizes) != num_devices:
         raise ValueError(f"{described} needs {math.prod(sizes)} devices, but {num_devices} are "
                          f"available; make the product {num_devices} or set one axis to -1")
-    return tuple(sizes)
+    return dict(zip(MESH_AXES, sizes, strict=True))
 
 
-def validate_mesh_for_model(shape: Sequence[int], model_cfg) -> None:
+def validate_mesh_for_model(shape: Mapping[str, int], model: TransformerConfig) -> None:
     """Tensor parallelism must divide the heads and d_ff (one line naming the sizes)."""
-    tensor = shape[2]
+    tensor = shape["tensor"]
     for field in ("num_heads", "d_ff"):
-        value = model_cfg[field] if isinstance(model_cfg, dict) else getattr(model_cfg, field)
+        value = getattr(model, field)
         if value % tensor:
             raise ValueError(f"mesh.tensor={tensor} does not divide {field}={value}")
 
@@ -66,8 +69,8 @@ def make_mesh(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """The ("data", "fsdp", "tensor") mesh over `devices` (default: all), Auto axis types."""
     devices = list(jax.devices() if devices is None else devices)
     shape = mesh_shape(mesh_cfg, len(devices))
-    return jax.make_mesh(shape, MESH_AXES, (jax.sharding.AxisType.Auto,) * len(MESH_AXES),
-                         devices=devices)
+    return jax.make_mesh(tuple(shape.values()), MESH_AXES,
+                         (jax.sharding.AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
 
 def logical_to_sharding(logical_specs, abstract_tree, mesh: Mesh):

@@ -1,6 +1,6 @@
 """A readable account of a config's model: parameters per module and training FLOPs per token.
 
-`summarize(config)` is what `train.py --summary` prints. Shapes come from `jax.eval_shape`, so
+`summarize(run)` is what `train.py --summary` prints. Shapes come from `jax.eval_shape`, so
 nothing is allocated and any size (big, or bigger) summarises in about a second on a CPU. The
 last line is always `total_params: <int>` for tools to read.
 """
@@ -13,6 +13,7 @@ from typing import Any
 import jax
 
 from transformer import flops
+from transformer.config import Resolved
 from transformer.model import TransformerConfig
 
 _COMPONENT_ORDER = ("self_attention", "cross_attention", "ffn", "norm_attention", "norm_cross",
@@ -108,12 +109,11 @@ def _flops_lines(config: TransformerConfig, source_length: int, target_length: i
     ]
 
 
-def summarize(config_dict) -> str:
-    """The summary table for a config with a `model` section (TransformerConfig fields) and
-    optionally `data.max_length` (the source and target length for FLOPs; else model.max_len)."""
-    config = TransformerConfig.from_dict(config_dict["model"])
-    data = config_dict.get("data") or {}
-    length = int(data.get("max_length") or config.max_len)
+def summarize(run: Resolved) -> str:
+    """The summary table of a resolved config; FLOPs are counted at `data.max_length` (the
+    source and target length; else model.max_len)."""
+    config = run.model
+    length = int(run.config.data.get("max_length") or config.max_len)
     params = flops.abstract_params(config)
     counts = flops.param_counts(config)
 

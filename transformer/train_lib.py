@@ -1,10 +1,10 @@
 """Training: the train state, sharded init, the train and eval steps, and the loop.
 
-Shape legend: A gradient-accumulation steps, B per-microbatch global batch, S source length,
-T target length, V vocab.
+Shapes are written in the package's legend (`transformer/__init__.py`): A microbatches per
+step, B global rows per microbatch, S source and T target length.
 
-Batches are global arrays [A, B, L] sharded P(None, ("data", "fsdp")); each process builds only
-its rows (a pure function of seed and global batch index) and
+Batches are global arrays [A, B, length] sharded P(None, ("data", "fsdp")); each process builds
+only its rows (a pure function of seed and global batch index) and
 `jax.make_array_from_process_local_data` assembles the global batch. The step is one `jax.jit`
 with in/out shardings and the state donated; nothing in it reads host randomness.
 """
@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from transformer import optim, sharding
+from transformer.config import Resolved
 from transformer.evaluation import perplexity
 from transformer.model import Transformer, TransformerConfig
 
@@ -52,18 +53,18 @@ class Trainer:
     loss_chunk_tokens: int = flax.struct.field(pytree_node=False, default=0)
 
 
-def build_trainer(cfg, mesh) -> Trainer:
+def build_trainer(run: Resolved, mesh) -> Trainer:
     """Model, optimizer and the state's shardings (nothing allocated yet)."""
-    model_cfg = TransformerConfig.from_dict(cfg.model)
-    model = Transformer(model_cfg)
-    tx, schedule = optim.make_optimizer(cfg.optimizer, d_model=model_cfg.d_model,
+    cfg = run.config
+    model = Transformer(run.model)
+    tx, schedule = optim.make_optimizer(cfg.optimizer, d_model=run.model.d_model,
                                         total_steps=cfg.num_train_steps)
     boxed = jax.eval_shape(functools.partial(_init_boxed, model, tx), jax.random.key(0))
     shardings = sharding.tree_shardings(boxed, mesh)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             nn.unbox(boxed), shardings)
     return Trainer(model, tx, schedule, mesh, shardings, abstract,
-                   loss_chunk_tokens=resolve_loss_chunk_tokens(cfg.get("loss_chunk_tokens", -1)))
+                   loss_chunk_tokens=resolve_loss_chunk_tokens(cfg.loss_chunk_tokens))
 
 
 # Target tokens per device whose logits the loss computes at once, by backend, for
@@ -130,7 +131,7 @@ def _loss_sums(trainer: Trainer, params, batch, *, label_smoothing, z_loss, drop
             jax.sharding.use_abstract_mesh(trainer.mesh.abstract_mesh):
         output = trainer.model.apply(
             {"params": params}, batch.get("inputs"), batch["targets"], **_model_kwargs(batch),
-            deterministic=deterministic, project=not chunked,
+            deterministic=deterministic, method="output_head" if chunked else "__call__",
             rngs=None if deterministic else {"dropout": dropout_rng})
         if chunked:  # the kernel gathered over fsdp once, not in every chunk
             kernel = nn.with_logical_constraint(
@@ -148,14 +149,15 @@ def _loss_sums(trainer: Trainer, params, batch, *, label_smoothing, z_loss, drop
 
 
 def make_train_step(trainer: Trainer, cfg) -> Callable:
-    """`train_step(state, batch) -> (state, metrics)`, jitted with the state donated.
+    """`train_step(state, batch) -> (state, metrics)`, jitted with the state donated; `cfg` is
+    a `Resolved.config`.
 
     The loss is the sum over all devices and accumulation steps divided by the global count of
     target tokens in the loss (`loss_weights`), so accumulating A microbatches equals one batch
     A times larger. An update whose loss, gradient or update is not finite is never applied
     (metric `nonfinite`).
     """
-    label_smoothing, z_loss = float(cfg.label_smoothing), float(cfg.get("z_loss", 0.0))
+    label_smoothing, z_loss = float(cfg.label_smoothing), float(cfg.z_loss)
     seed = int(cfg.seed)
 
     def train_step(state: TrainState, batch: dict):
@@ -203,7 +205,7 @@ def make_train_step(trainer: Trainer, cfg) -> Callable:
 
 
 def make_eval_step(trainer: Trainer) -> Callable:
-    """`eval_step(params, batch [1, B, L]) -> {"nll_sum", "tokens"}`: unsmoothed NLL sums."""
+    """`eval_step(params, batch [1, B, length]) -> {"nll_sum", "tokens"}`: unsmoothed NLL sums."""
 
     def eval_step(params, batch):
         batch = jax.tree.map(lambda x: x[0], batch)
@@ -233,7 +235,8 @@ def process_rows(mesh, global_batch: int) -> tuple[int, int]:
 
 
 def global_batch(mesh, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-    """Per-process rows [A, b, L] -> global arrays [A, B, L] sharded over data x fsdp."""
+    """Per-process rows [A, rows, length] -> global arrays [A, B, length] sharded over data x
+    fsdp."""
     batch_sharding = NamedSharding(mesh, P(None, sharding.BATCH_AXES))
     return {k: jax.make_array_from_process_local_data(batch_sharding, v)
             for k, v in local.items()}

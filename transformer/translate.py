@@ -8,29 +8,21 @@ than the model allows are truncated with a warning; input that is not UTF-8 is a
 the line.
 """
 
-import logging
-import sys
-
 from absl import app, flags
-from absl import logging as absl_logging
 
-flags.DEFINE_string("workdir", None, "The training run's workdir.")
-flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
-flags.DEFINE_integer("average", None, "Average the last N checkpoints' parameters.")
+from transformer import cli
+
+cli.define_run_flags(average=True)
 flags.DEFINE_string("input", None, "Input file (default: stdin).")
 flags.DEFINE_string("output", None, "Output file (default: stdout).")
 flags.DEFINE_integer("beam_size", None, "Beam size (default: the config's; 1: greedy).")
 flags.DEFINE_float("alpha", None, "Length penalty alpha (default: the config's).")
 flags.DEFINE_integer("batch_size", 32, "Sentences decoded together.")
-flags.mark_flags_as_required(["workdir"])
 FLAGS = flags.FLAGS
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    absl_logging.set_verbosity(absl_logging.WARNING)  # orbax's INFO chatter
-    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
+    cli.start(argv)
     from transformer import text_input
     from transformer.translator import load
 

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
-import os
 
 import jax
 import jax.numpy as jnp
@@ -24,10 +22,12 @@ from jax.experimental import multihost_utils
 from ml_collections import ConfigDict
 
 from transformer import checkpoint, decoding
-from transformer.model import BOS_ID, Transformer, TransformerConfig, init_cache
+from transformer import workdir as workdir_lib
+from transformer.config import resolve
+from transformer.data.tokenizer import BOS_ID, EOS_ID
+from transformer.model import Transformer, TransformerConfig, init_cache
 
 log = logging.getLogger("transformer")
-EOS_ID = 3
 BUCKET = 16  # source (and prompt) lengths are padded up to a multiple of this
 
 
@@ -41,12 +41,12 @@ def bucket_length(length: int, limit: int) -> int:
 class Translator:
     """A trained model, its parameters (host or device arrays) and its tokenizer."""
 
-    config: ConfigDict
+    config: ConfigDict  # a `Resolved.config`: decode.* settings
+    model_config: TransformerConfig
     params: dict
     tokenizer: object  # transformer.data.tokenizer.Tokenizer
 
     def __post_init__(self):
-        self.model_config = TransformerConfig.from_dict(self.config.model)
         self.model = Transformer(self.model_config)
         # Host arrays go to the default device; jax.Arrays (e.g. sharded by training, over
         # several processes) stay where they are.
@@ -145,49 +145,15 @@ def _is_cross_attention(path: tuple) -> bool:
     return any(getattr(key, "key", None) == "cross_attention" for key in path)
 
 
-def load_config(workdir: str) -> ConfigDict:
-    """The resolved config a run recorded in `<workdir>/config.json`."""
-    path = os.path.join(workdir, "config.json")
-    if not os.path.exists(path):
-        raise ValueError(f"{workdir} has no config.json: not a training workdir (train one with "
-                         f"python train.py --workdir={workdir})")
-    with open(path) as f:
-        values = json.load(f)
-    values.pop("provenance", None)
-    return ConfigDict(values)
-
-
-def load_tokenizer(workdir: str, config: ConfigDict):
-    """The run's SentencePiece model (`<workdir>/vocab/`), refused unless it is the vocabulary
-    the run was trained with (its size, and the sha256 recorded in config.json)."""
-    from transformer.data import tokenizer as tokenizer_lib
-    from transformer.data.translation import recorded_vocabulary
-
-    vocab = os.path.join(workdir, "vocab", tokenizer_lib.MODEL_FILE)
-    if not os.path.exists(vocab):
-        raise ValueError(f"{vocab} is missing: this run has no SentencePiece vocabulary "
-                         f"(was it trained on text, not the synthetic task?)")
-    tokenizer = tokenizer_lib.Tokenizer.load(vocab)
-    recorded = recorded_vocabulary(workdir)
-    if tokenizer.vocab_size != config.model.vocab_size or recorded not in (None,
-                                                                           tokenizer.sha256):
-        raise tokenizer_lib.VocabularyMismatch(
-            f"{vocab} ({tokenizer.vocab_size} pieces, sha256 {tokenizer.sha256[:12]}…) is not "
-            f"the vocabulary this run was trained with ({config.model.vocab_size} pieces"
-            f"{f', sha256 {recorded[:12]}…' if recorded else ''} in config.json): restore the "
-            f"run's vocab/ directory")
-    return tokenizer
-
-
 def load(workdir: str, *, step: int | None = None, average: int | None = None) -> Translator:
     """Config, parameters (checkpoint `step`, the latest, or the average of the last
     `average`) and tokenizer of a trained workdir."""
-    config = load_config(workdir)
-    architecture = config.model.get("architecture", "encoder_decoder")
+    run = resolve(workdir_lib.load_config(workdir))
+    architecture = run.model.architecture
     if architecture != "encoder_decoder":
         raise ValueError(f"{workdir} holds a language model (model.architecture={architecture!r}"
                          f"), not a translation model: continue text with python -m "
                          f"transformer.generate; its perplexity is in metrics.jsonl")
-    tokenizer = load_tokenizer(workdir, config)
+    tokenizer = workdir_lib.load_tokenizer(workdir, run.model.vocab_size)
     params = checkpoint.load_params(workdir, step=step, average=average)
-    return Translator(config, params, tokenizer)
+    return Translator(run.config, run.model, params, tokenizer)

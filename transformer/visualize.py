@@ -26,6 +26,8 @@ import sys
 
 import numpy as np
 
+from transformer import workdir as workdir_lib
+
 KINDS = ("encoder_self_attention", "decoder_self_attention", "cross_attention")
 CURVES = (("loss", "loss (NLL per target token)"), ("perplexity", "perplexity"),
           ("learning_rate", "learning rate"), ("bleu", "sacreBLEU"),
@@ -68,8 +70,8 @@ def attention_maps(translator, source: str, target: str | None = None) -> Attent
     import jax.numpy as jnp
 
     from transformer.checkpoint import unstack_layers
-    from transformer.model import BOS_ID, Transformer
-    from transformer.translator import EOS_ID
+    from transformer.data.tokenizer import BOS_ID, EOS_ID
+    from transformer.model import Transformer
 
     if not source.strip():
         raise ValueError("--source is empty: give a sentence to translate")
@@ -162,7 +164,7 @@ def plot_attention(maps: AttentionMaps, out_dir: str) -> list[str]:
 def read_metrics(workdir: str) -> dict[str, dict[str, list[tuple[int, float]]]]:
     """`{split: {metric: [(step, value), ...]}}` from `<workdir>/metrics.jsonl`, the last line
     per (step, split) winning, steps ascending."""
-    path = os.path.join(workdir, "metrics.jsonl")
+    path = workdir_lib.path(workdir, workdir_lib.METRICS)
     if not os.path.exists(path):
         raise ValueError(f"{path} does not exist: is {workdir} a training workdir?")
     last: dict[tuple[int, str], dict] = {}
@@ -275,11 +277,11 @@ def run(args: argparse.Namespace) -> list[str]:
         from transformer.translator import load
 
         maps = attention_maps(load(args.workdir, step=args.step), args.source, args.target)
-        return plot_attention(maps, args.out_dir or os.path.join(args.workdir, "plots",
-                                                                 "attention"))
+        return plot_attention(maps, args.out_dir or workdir_lib.path(
+            args.workdir, workdir_lib.PLOTS, "attention"))
     if args.command == "curves":
         workdirs = args.workdir + args.extra_workdirs
-        out = args.out or os.path.join(workdirs[0], "plots", "curves.png")
+        out = args.out or workdir_lib.path(workdirs[0], workdir_lib.PLOTS, "curves.png")
         return [plot_curves(workdirs, out)]
     out = args.out or os.path.join("plots", f"positions_d{args.d_model}.png")
     return [plot_positions(args.d_model, args.length, out)]

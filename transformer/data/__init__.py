@@ -41,11 +41,11 @@ class Source(Protocol):
     validation_split: str  # split the loop evaluates: "validation", or data.eval_split (LMs)
 
     def train_batch(self, index: int, rows: tuple[int, int]) -> Batch:
-        """Rows [start, stop) of every microbatch of global batch `index`: [A, stop-start, L].
+        """Rows [start, stop) of every microbatch of global batch `index`: [A, stop-start, length].
         A pure function of (seed, index)."""
 
     def eval_batches(self, split: str, rows: tuple[int, int]) -> Iterator[Batch]:
-        """The split once, as [1, stop-start, L] batches; padding rows fill the last one."""
+        """The split once, as [1, stop-start, length] batches; padding rows fill the last one."""
 
     def fingerprint(self) -> str:
         """Names the dataset and its version, for config.json."""

@@ -31,11 +31,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
 
 import numpy as np
 
+from transformer import workdir as workdir_lib
 from transformer.data import batching
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.data.datasets import (
@@ -46,7 +46,6 @@ from transformer.data.datasets import (
     read_documents,
     text_features,
 )
-from transformer.data.translation import recorded_vocabulary
 
 log = logging.getLogger("transformer")
 OBJECTIVES = {"causal": "decoder", "prefix": "decoder", "masked": "encoder"}
@@ -183,8 +182,9 @@ class LanguageModelSource:
         if self.workdir is None:
             return tokenizer_lib.train(sentences(), vocab_size, seed=self.seed)
         return tokenizer_lib.load_or_train(
-            os.path.join(self.workdir, "vocab"), vocab_size, seed=self.seed,
-            sentences=sentences, expected_sha256=recorded_vocabulary(self.workdir), info=info)
+            workdir_lib.path(self.workdir, workdir_lib.VOCAB), vocab_size, seed=self.seed,
+            sentences=sentences, expected_sha256=workdir_lib.recorded_vocabulary(self.workdir),
+            info=info)
 
     def _docs_per_batch(self) -> int:
         """Documents per update: its capacity in tokens over the mean tokens of a document."""

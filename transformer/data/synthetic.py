@@ -13,10 +13,9 @@ import dataclasses
 
 import numpy as np
 
-from transformer.model import BOS_ID
+from transformer.data.tokenizer import EOS_ID, PAD_ID
 
-PAD_ID, EOS_ID = 0, 3
-FIRST_TOKEN = BOS_ID + 2  # ids below are pad, unk, bos, eos
+FIRST_TOKEN = EOS_ID + 1  # ids below are pad, unk, bos, eos (no [MASK]: no tokenizer here)
 TASKS = ("copy", "reverse")
 _SPLIT_STREAM = {"train": 0, "validation": 1, "test": 2}
 

@@ -1,7 +1,9 @@
 """SentencePiece: one vocabulary shared by source and target, trained (seeded) on first use.
 
 Ids follow DESIGN.md: pad 0, unk 1, bos 2 (the decoder's start), eos 3, then the user-defined
-`[MASK]` (4). A run keeps its model in `<workdir>/vocab/` and reuses it on resume; a model whose
+`[MASK]` (4): the ids are defined here, once, and imported everywhere (the model and decoding
+included: this module imports SentencePiece only when a model is loaded or trained, so it needs
+no data extra). A run keeps its model in `<workdir>/vocab/` and reuses it on resume; a model whose
 size differs from `data.vocab_size`, or whose sha256 differs from the one the run recorded in
 `config.json`, is an error rather than a silent retrain.
 """
@@ -15,12 +17,11 @@ import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
 
-import sentencepiece as spm
-
 log = logging.getLogger("transformer")
 
-PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
-MASK_PIECE = "[MASK]"
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3  # BOS starts the decoder; PAD is never a target
+MASK_ID, MASK_PIECE = 4, "[MASK]"  # a user-defined piece: the first id after the four above
+FIRST_ORDINARY_ID = MASK_ID + 1  # ids below are special
 MODEL_FILE = "sentencepiece.model"
 
 
@@ -32,6 +33,8 @@ class Tokenizer:
     """A SentencePiece model: text <-> ids (no EOS added by `encode`; `decode` stops at EOS)."""
 
     def __init__(self, model_proto: bytes):
+        import sentencepiece as spm
+
         self.model_proto = bytes(model_proto)
         self._sp = spm.SentencePieceProcessor(model_proto=self.model_proto)
         if (self._sp.pad_id(), self._sp.unk_id(), self._sp.bos_id(), self._sp.eos_id()) != (
@@ -99,6 +102,8 @@ def train(sentences: Iterable[str], vocab_size: int, *, seed: int, model_type: s
           character_coverage: float = 1.0) -> Tokenizer:
     """Trains a SentencePiece model on `sentences` (use both languages for a shared vocabulary).
     Seeded and single-threaded, so the same sentences give the same model."""
+    import sentencepiece as spm
+
     spm.set_random_generator_seed(int(seed))
     model = io.BytesIO()
     try:

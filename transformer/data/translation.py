@@ -27,11 +27,11 @@ import hashlib
 import json
 import logging
 import os
-import re
 import threading
 
 import numpy as np
 
+from transformer import workdir as workdir_lib
 from transformer.data import batching
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.data.datasets import (
@@ -43,7 +43,6 @@ from transformer.data.datasets import (
 )
 
 log = logging.getLogger("transformer")
-EOS_ID = tokenizer_lib.EOS_ID
 
 
 # --------------------------------------------------------------------------- tokenized splits
@@ -86,7 +85,7 @@ class TokenizedSplit:
             for side, texts in zip(("source", "target"), zip(*pairs, strict=True), strict=True):
                 seqs = tokenizer.encode(texts, num_threads=os.cpu_count() or 1)
                 n = np.fromiter((len(q) + 1 for q in seqs), np.int64, len(seqs))
-                flat = np.full(int(n.sum()), EOS_ID, dtype)
+                flat = np.full(int(n.sum()), tokenizer_lib.EOS_ID, dtype)
                 ends = np.cumsum(n) - 1  # each sequence's EOS slot
                 for seq, end in zip(seqs, ends.tolist(), strict=True):
                     flat[end - len(seq):end] = seq
@@ -208,8 +207,9 @@ class TranslationSource:
         if self.workdir is None:
             return tokenizer_lib.train(sentences(), vocab_size, seed=self.seed)
         return tokenizer_lib.load_or_train(
-            os.path.join(self.workdir, "vocab"), vocab_size, seed=self.seed,
-            sentences=sentences, expected_sha256=recorded_vocabulary(self.workdir), info=info)
+            workdir_lib.path(self.workdir, workdir_lib.VOCAB), vocab_size, seed=self.seed,
+            sentences=sentences, expected_sha256=workdir_lib.recorded_vocabulary(self.workdir),
+            info=info)
 
     def _tokenized(self, split: str) -> TokenizedSplit:
         dtype = np.uint16 if self.tokenizer.vocab_size <= np.iinfo(np.uint16).max else np.int32
@@ -217,8 +217,8 @@ class TranslationSource:
                 "examples": len(self._source(split)),
                 "languages": [self.source_lang, self.target_lang],
                 "vocabulary": self.tokenizer.sha256}
-        directory = (os.path.join(self.workdir, "vocab", "tokens",
-                                  f"{self.dataset_name.replace('/', '-')}-{split}")
+        directory = (workdir_lib.path(self.workdir, workdir_lib.VOCAB, "tokens",
+                                      f"{self.dataset_name.replace('/', '-')}-{split}")
                      if self.workdir and split == "train" else None)
         if directory and (cached := TokenizedSplit.load(directory, meta)) is not None:
             return cached
@@ -310,23 +310,13 @@ def _truncate(data: TokenizedSplit, length: int) -> TokenizedSplit:
     arrays = {}
     for side in ("source", "target"):
         seqs = [data.pair(i)[0 if side == "source" else 1] for i in range(len(data))]
-        seqs = [np.append(s[:length - 1], EOS_ID) if len(s) > length else s for s in seqs]
+        seqs = [np.append(s[:length - 1], tokenizer_lib.EOS_ID) if len(s) > length else s
+                for s in seqs]
         starts = np.zeros(len(seqs) + 1, np.int64)
         np.cumsum([len(s) for s in seqs], out=starts[1:])
         arrays[f"{side}_ids"] = np.concatenate(seqs) if seqs else np.zeros(0, np.int32)
         arrays[f"{side}_starts"] = starts
     return TokenizedSplit(**arrays)
-
-
-def recorded_vocabulary(workdir: str) -> str | None:
-    """The vocabulary sha256 the run recorded in config.json (None on a fresh run)."""
-    try:
-        with open(os.path.join(workdir, "config.json")) as f:
-            recorded = json.load(f).get("provenance", {}).get("vocabulary") or ""
-    except (OSError, ValueError):
-        return None
-    match = re.search(r"sha256=([0-9a-f]{64})", recorded)
-    return match.group(1) if match else None
 
 
 def _check_sizes(batch_size, grad_accum_steps, max_length, tokens_per_batch, eval_batch_size):

@@ -1,0 +1,127 @@
+"""The top-level config (transformer/config.py): every check runs before device work and is
+one line naming the key; `resolve` fills defaults, sizes accumulation, types the model."""
+
+import pathlib
+
+import pytest
+from ml_collections import ConfigDict
+
+from transformer.config import TOP_LEVEL, resolve
+from transformer.model import TransformerConfig
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tiny_config(load_config):
+    return lambda **overrides: load_config("tiny.py", **{"data.batch_size": 16, **overrides})
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"mesh.data": 3, "mesh.fsdp": -1}, "mesh.data=3, mesh.fsdp=-1, mesh.tensor=1 cannot fill"),
+    ({"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 1}, "needs 4 devices, but 8"),
+    ({"mesh.data": -1, "mesh.tensor": 8}, "mesh.tensor=8 does not divide num_heads=4"),
+    ({"mesh.data": 1, "mesh.fsdp": -1, "mesh.tensor": -1}, "at most one mesh axis may be -1"),
+    ({"data.batch_size": 12}, "data.batch_size=12 is not divisible"),
+    ({"num_train_steps": -5}, "num_train_steps=-5 must be >= 1"),
+    ({"model.num_heads": 3}, "num_heads"),
+])
+def test_bad_config_fails_before_device_work(overrides, message, tiny_config):
+    cfg = tiny_config(**overrides)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")) as error:
+        resolve(cfg, 8)
+    assert "\n" not in str(error.value)
+
+
+CONFIG_FILES = sorted(str(p.relative_to(ROOT)) for p in [
+    *(ROOT / "configs").glob("*.py"), *(ROOT / "benchmarks" / "workloads").glob("*.py")]
+    if "def get_config" in p.read_text())
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES)
+def test_every_config_file_validates(path, load_config):
+    """No config in configs/ or benchmarks/workloads/ sets a key the project does not know (or
+    a value it refuses); on one device, which every mesh of them fills."""
+    cfg = load_config(path)
+    resolve(cfg, 1, config_file=path)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("optimiser", {"name": "adam"}, "unknown config key 'optimiser' in configs/typo.py; did you "
+                                    "mean 'optimizer'?"),
+    ("optimizer.warmup_step", 10, "unknown config key 'optimizer.warmup_step' in "
+                                  "configs/typo.py; did you mean 'optimizer.warmup_steps'?"),
+    ("data.batchsize", 16, "unknown config key 'data.batchsize' in configs/typo.py; did you "
+                           "mean 'data.batch_size'?"),
+    ("model.d_modle", 64, "did you mean 'model.d_model'?"),
+    ("learning_rate", 1e-3, "did you mean 'optimizer.learning_rate'?"),  # in the wrong place
+    ("vocab_size", 64, "did you mean 'model.vocab_size' or 'data.vocab_size'?"),
+    ("mesh.model", 2, "unknown config key 'mesh.model' in configs/typo.py; known: data, fsdp, "
+                      "tensor"),
+])
+def test_unknown_config_keys_are_named_with_the_closest_known_key(key, value, message,
+                                                                   tiny_config):
+    cfg = tiny_config()
+    *path, last = key.split(".")
+    (cfg[path[0]] if path else cfg)[last] = value
+    with pytest.raises(ValueError) as error:
+        resolve(cfg, 8, config_file="configs/typo.py")
+    assert message in str(error.value) and "\n" not in str(error.value)
+    cfg = tiny_config()  # without the file: the same line, less its name
+    (cfg[path[0]] if path else cfg)[last] = value
+    with pytest.raises(ValueError, match=f"^unknown config key '{key}'; "):
+        resolve(cfg, 8)
+
+
+@pytest.mark.parametrize("devices, accum", [(1, 4), (2, 2), (4, 1), (8, 1)])
+def test_paper_configs_size_accumulation_from_the_device_count(devices, accum, load_config):
+    cfg = load_config("wmt14_ende_base.py")
+    assert cfg.grad_accum_steps == 0
+    run = resolve(cfg, devices)
+    resolved = run.config
+    assert resolved.grad_accum_steps == accum and cfg.grad_accum_steps == 0
+    assert run.mesh_shape == {"data": devices, "fsdp": 1, "tensor": 1}
+    rows_per_device = cfg.data.batch_size // (accum * devices)
+    assert rows_per_device * accum * devices == 104
+    assert rows_per_device <= cfg.data.max_rows_per_device
+    assert resolved.model.vocab_size == resolved.data.vocab_size == run.model.vocab_size == 37_000
+
+
+def test_automatic_accumulation_needs_rows_that_split_over_the_devices(load_config):
+    cfg = load_config("wmt14_ende_base.py")
+    with pytest.raises(ValueError, match="data.batch_size=104 is not divisible by mesh.data x "
+                                         "mesh.fsdp=16"):
+        resolve(cfg, 16)
+
+
+def test_resolve_types_the_model_and_fills_optional_keys(tiny_config):
+    cfg = tiny_config()
+    del cfg["loss_chunk_tokens"], cfg["z_loss"]
+    run = resolve(cfg)
+    assert isinstance(run.model, TransformerConfig) and run.mesh_shape is None
+    assert run.model.d_model == cfg.model.d_model
+    assert run.config.loss_chunk_tokens == TOP_LEVEL["loss_chunk_tokens"][1] == -1
+    assert run.config.z_loss == 0.0 and "z_loss" not in cfg  # the input is left alone
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("model.d_model", "512", "model.d_model='512' must be int, not str"),
+    ("model.d_k", 1.5, "model.d_k=1.5 must be int, not float"),
+    ("model.dropout_rate", True, "model.dropout_rate=True must be float or int, not bool"),
+    ("label_smoothing", "0.1", "label_smoothing='0.1' must be int or float, not str"),
+    ("skip_nonfinite_updates", 1, "skip_nonfinite_updates=1 must be bool, not int"),
+])
+def test_values_of_the_wrong_type_are_one_line(key, value, message, tiny_config):
+    values = tiny_config().to_dict()  # as a config file may write them (no type-safe setter)
+    *section, name = key.split(".")
+    (values[section[0]] if section else values)[name] = value
+    with pytest.raises(ValueError) as error:
+        resolve(ConfigDict(values), 8)
+    assert str(error.value) == message
+
+
+def test_a_missing_required_key_is_named(tiny_config):
+    cfg = tiny_config()
+    del cfg["num_train_steps"]
+    with pytest.raises(ValueError, match="^the config has no 'num_train_steps'"):
+        resolve(cfg)

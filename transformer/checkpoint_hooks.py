@@ -1,0 +1,99 @@
+"""What `checkpoint` installs around orbax: fault injection for tests, and filters for the
+noise orbax and tensorstore print about failures that `Checkpointer` already reports in one line.
+
+Fault injection: `TRANSFORMER_FAULT_INJECT=kill@<step>` makes the process SIGKILL itself while
+saving step <step>, after every file is written and before the rename that completes it;
+`enospc@<step>` makes that save fail there with `OSError(ENOSPC)` instead.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import signal
+import sys
+
+import orbax.checkpoint as ocp
+
+FAULT_ENV = "TRANSFORMER_FAULT_INJECT"
+
+
+def fault_injecting_path_class() -> type | None:
+    """Orbax's atomic-rename temporary path, failing as `$TRANSFORMER_FAULT_INJECT` (`kill@N`
+    or `enospc@N`) says when step N's directory is about to be renamed into place; None when
+    the variable is unset."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return None
+    fault, _, step = spec.partition("@")
+    if fault not in ("kill", "enospc") or not step.isdigit():
+        raise ValueError(f"{FAULT_ENV}={spec!r}: expected kill@<step> or enospc@<step>")
+
+    class FaultInjecting(ocp.path.atomicity.AtomicRenameTemporaryPath):
+        async def finalize(self, *args, **kwargs):
+            if self.get_final().name == step:
+                if fault == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.get()))
+            await super().finalize(*args, **kwargs)
+
+    return FaultInjecting
+
+
+class _ReraisedSaveErrors(logging.Filter):
+    """Drops orbax's tracebacks of a failed background save: Checkpointer raises it as one line."""
+
+    def filter(self, record):
+        error = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(error, OSError) and "save" in record.getMessage().lower())
+
+
+class _ReadOnlyNotice(logging.Filter):
+    """Drops orbax's warning that a manager opened read-only (to read params) is read-only."""
+
+    def filter(self, record):
+        return not record.getMessage().startswith("Given directory is read only")
+
+
+class _DropOrphanedReads(logging.Filter):
+    """After a restore under `directory` fails, tensorstore still completes its other reads:
+    asyncio logs "Task exception was never retrieved" for each, one traceback per array."""
+
+    def __init__(self, directory: str):
+        super().__init__()
+        self.directory = os.path.abspath(directory)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("Task exception was never retrieved")
+                    and self.directory in message)
+
+
+def _add_once(logger: logging.Logger, new: logging.Filter, same) -> None:
+    if not any(same(existing) for existing in logger.filters):
+        logger.addFilter(new)
+
+
+def install_log_filters() -> None:
+    """Orbax's save-failure tracebacks and read-only notices off the absl log (idempotent)."""
+    absl = logging.getLogger("absl")
+    for kind in (_ReraisedSaveErrors, _ReadOnlyNotice):
+        _add_once(absl, kind(), lambda f, kind=kind: isinstance(f, kind))
+
+
+def _drop_closed_loop_callbacks(unraisable, previous=sys.unraisablehook) -> None:
+    """The same reads' results posted to orbax's event loop, closed by then: one `Event loop is
+    closed` traceback per array, carrying no news."""
+    error = unraisable.exc_value
+    if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+        previous(unraisable)
+
+
+def quiet_failed_restores(directory: str) -> None:
+    """Silences the stray reads of a restore from `directory` that fails (install before the
+    first attempt: their callbacks can fire before the failure is raised)."""
+    sys.unraisablehook = _drop_closed_loop_callbacks
+    _add_once(logging.getLogger("asyncio"), _DropOrphanedReads(directory),
+              lambda f: isinstance(f, _DropOrphanedReads)
+              and f.directory == os.path.abspath(directory))

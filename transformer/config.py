@@ -1,0 +1,202 @@
+"""The top-level config: the keys it may hold and their types, its checks, and `resolve`.
+
+Every entry point (train.py, --compile_only, --summary, evaluate, translate, generate) calls
+`resolve` once; everything downstream takes the `Resolved` it returns: the checked config with
+the defaults of optional keys filled in, the typed `TransformerConfig`, and the mesh shape.
+Checks run before any device work, and each problem is one line naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from typing import NoReturn
+
+from ml_collections import ConfigDict
+
+from transformer import data as data_lib
+from transformer import optim, sharding
+from transformer.model import TransformerConfig
+
+_REQUIRED = object()
+# Top-level keys: the type each is read as and, for the optional ones, the default.
+TOP_LEVEL: dict[str, tuple[type | tuple[type, ...], object]] = {
+    "seed": (int, _REQUIRED),
+    "num_train_steps": (int, _REQUIRED),
+    "grad_accum_steps": (int, _REQUIRED),  # 0: sized from the device count
+    "keep_checkpoints": (int, _REQUIRED),
+    "log_every_steps": (int, _REQUIRED),
+    "checkpoint_every_steps": (int, _REQUIRED),
+    "checkpoint_every_minutes": ((int, float), 0.0),
+    "eval_every_steps": (int, _REQUIRED),
+    "label_smoothing": ((int, float), _REQUIRED),
+    "bleu_every_steps": (int, 0),
+    "bleu_num_sentences": (int, 0),
+    "params_every_minutes": ((int, float), 0.0),
+    "params_keep": (int, 0),
+    "z_loss": ((int, float), 0.0),
+    # Target tokens per device whose logits the loss computes at once: 0 all, -1 by backend
+    # (train_lib.resolve_loss_chunk_tokens).
+    "loss_chunk_tokens": (int, -1),
+    "skip_nonfinite_updates": (bool, False),
+    "profile_start_step": (int, 0),
+    "profile_num_steps": (int, 0),
+}
+# The sections beside them and the keys each may hold: the model's fields, the mesh axes, any
+# data source's keys, and what optim.make_optimizer, the Translator (decode), the Generator
+# (generate) and distributed.initialize read.
+SECTIONS: dict[str, frozenset[str]] = {
+    "model": frozenset(f.name for f in dataclasses.fields(TransformerConfig)),
+    "mesh": frozenset(sharding.MESH_AXES),
+    "data": data_lib.CONFIG_KEYS,
+    "optimizer": frozenset({"name", "schedule", "learning_rate", "warmup_steps", "end_fraction",
+                            "b1", "b2", "eps", "weight_decay", "clip_norm"}),
+    "decode": frozenset({"beam_size", "alpha", "max_extra_length"}),
+    "generate": frozenset({"max_new_tokens", "temperature", "top_k", "top_p"}),
+    "distributed": frozenset({"initialization_timeout_seconds", "heartbeat_timeout_seconds"}),
+}
+_KNOWN = frozenset(TOP_LEVEL) | frozenset(SECTIONS)
+_MODEL_TYPES = typing.get_type_hints(TransformerConfig)
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """A checked config and what follows from it."""
+
+    config: ConfigDict  # optional keys filled in; grad_accum_steps resolved with a device count
+    model: TransformerConfig
+    mesh_shape: dict[str, int] | None  # {"data": .., "fsdp": .., "tensor": ..}; None: no devices
+
+
+def resolve(cfg: ConfigDict, num_devices: int | None = None, *,
+            config_file: str | None = None) -> Resolved:
+    """Checks `cfg` and resolves it for `num_devices` (None: the model alone, e.g. a finished
+    run's config.json for decoding). `config_file`, where `cfg` came from, is named in errors
+    about its keys."""
+    _check_keys(cfg, config_file)
+    cfg = _with_defaults(cfg)
+    _check_types(cfg)
+    model = TransformerConfig.from_dict(cfg.model)
+    _check_values(cfg, model)
+    if num_devices is None:
+        return Resolved(cfg, model, None)
+    shape = sharding.mesh_shape(cfg.mesh, num_devices)
+    sharding.validate_mesh_for_model(shape, model)
+    shards = sharding.batch_shards(shape)
+    cfg.grad_accum_steps = grad_accum_steps(cfg, shards)
+    if int(cfg.data.batch_size) % (cfg.grad_accum_steps * shards):
+        raise ValueError(f"data.batch_size={cfg.data.batch_size} is not divisible by "
+                         f"grad_accum_steps={cfg.grad_accum_steps} x mesh.data x mesh.fsdp="
+                         f"{shards}")
+    return Resolved(cfg, model, shape)
+
+
+def grad_accum_steps(cfg: ConfigDict, batch_shards: int) -> int:
+    """`grad_accum_steps`, or where it is 0 the fewest microbatches that give each of the
+    `batch_shards` (mesh.data x mesh.fsdp) devices at most `data.max_rows_per_device` rows and
+    split `data.batch_size` evenly: the tokens per update stay the paper's on any device count."""
+    if int(cfg.grad_accum_steps):
+        return int(cfg.grad_accum_steps)
+    rows, most = int(cfg.data.batch_size), int(cfg.data.get("max_rows_per_device") or 0)
+    if most < 1:
+        raise ValueError("grad_accum_steps=0 sizes accumulation from data.max_rows_per_device, "
+                         "which must then be >= 1")
+    if rows % batch_shards:
+        raise ValueError(f"data.batch_size={rows} is not divisible by mesh.data x mesh.fsdp="
+                         f"{batch_shards}")
+    per_device = rows // batch_shards
+    return next(a for a in range(-(-per_device // most), per_device + 1) if per_device % a == 0)
+
+
+def _with_defaults(cfg: ConfigDict) -> ConfigDict:
+    """A copy of `cfg` (references resolved) with every optional key that it lacks set."""
+    resolved = cfg.copy_and_resolve_references()
+    for key, (_, default) in TOP_LEVEL.items():
+        if key in resolved:
+            continue
+        if default is _REQUIRED:
+            raise ValueError(f"the config has no {key!r}; every config sets it "
+                             f"(see configs/common.py)")
+        resolved[key] = default
+    return resolved
+
+
+def _check_keys(cfg: ConfigDict, config_file: str | None) -> None:
+    """A key the project does not read (a typo such as `optimiser`, `optimizer.warmup_step`)
+    is one line naming it, the config file and the closest known key, instead of being
+    silently ignored. `--config.<key>` flags cannot add keys (train.py refuses them)."""
+    for key, value in cfg.items():
+        if key not in _KNOWN:
+            _unknown_key(key, _KNOWN, config_file)
+        if key in SECTIONS and hasattr(value, "items"):
+            for name in value:
+                if name not in SECTIONS[key]:
+                    _unknown_key(f"{key}.{name}", SECTIONS[key], config_file)
+
+
+def _unknown_key(key: str, known, config_file: str | None) -> NoReturn:
+    section, _, name = key.rpartition(".")
+    if section:
+        close = [f"{section}.{k}" for k in difflib.get_close_matches(name, sorted(known), n=1)]
+    else:  # a section's key set at the top level, or a typo
+        close = ([f"{s}.{name}" for s, keys in SECTIONS.items() if name in keys]
+                 or difflib.get_close_matches(name, sorted(known), n=1))
+    where = f" in {config_file}" if config_file else ""
+    hint = (f"did you mean {' or '.join(repr(k) for k in close)}?" if close else
+            f"known: {', '.join(sorted(known))}")
+    raise ValueError(f"unknown config key {key!r}{where}; {hint}")
+
+
+def _accepted(annotation) -> tuple[type, ...]:
+    """The runtime types a field annotation admits (`int | None` -> (int, NoneType)); a float
+    field also takes an int."""
+    kinds = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (
+        annotation,)
+    return tuple(kinds) + ((int,) if float in kinds else ())
+
+
+def _check_types(cfg: ConfigDict) -> None:
+    """A value of the wrong type (e.g. `d_model = "512"` in a config file) is one line naming
+    the key, instead of an error deep inside the model."""
+    expected = {f"model.{name}": _accepted(kind) for name, kind in _MODEL_TYPES.items()}
+    expected |= {key: kind if isinstance(kind, tuple) else (kind,)
+                 for key, (kind, _) in TOP_LEVEL.items()}
+    expected["data.batch_size"] = (int,)
+    values = {f"model.{k}": v for k, v in cfg.model.items()}
+    values |= {k: cfg[k] for k in TOP_LEVEL}
+    values["data.batch_size"] = cfg.data.get("batch_size")
+    for key, value in values.items():
+        if value is None and key.startswith("model."):
+            continue  # a model default
+        kinds = expected[key]
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            names = " or ".join(k.__name__ for k in kinds if k is not type(None))
+            raise ValueError(f"{key}={value!r} must be {names}, not {type(value).__name__}")
+
+
+def _check_values(cfg: ConfigDict, model: TransformerConfig) -> None:
+    optim.make_optimizer(cfg.optimizer, d_model=model.d_model,  # its checks; no arrays
+                         total_steps=int(cfg.num_train_steps))
+    for key in ("num_train_steps", "keep_checkpoints", "log_every_steps"):
+        if cfg[key] < 1:
+            raise ValueError(f"{key}={cfg[key]} must be >= 1")
+    if cfg.grad_accum_steps < 0:
+        raise ValueError(f"grad_accum_steps={cfg.grad_accum_steps} must be >= 1, or 0 to size "
+                         f"it from the device count (data.max_rows_per_device)")
+    for key in ("checkpoint_every_steps", "checkpoint_every_minutes", "eval_every_steps",
+                "bleu_every_steps", "params_every_minutes"):
+        if cfg[key] < 0:
+            raise ValueError(f"{key}={cfg[key]} must be >= 0 (0 turns it off)")
+    if cfg.bleu_every_steps and cfg.bleu_num_sentences < 1:
+        raise ValueError(f"bleu_num_sentences={cfg.bleu_num_sentences} must be >= 1 when "
+                         f"bleu_every_steps={cfg.bleu_every_steps} (0 turns BLEU off)")
+    if cfg.params_every_minutes and cfg.params_keep < 1:
+        raise ValueError(f"params_keep={cfg.params_keep} must be >= 1 when "
+                         f"params_every_minutes={cfg.params_every_minutes}")
+    if not 0.0 <= cfg.label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing={cfg.label_smoothing} must be in [0, 1)")
+    if cfg.loss_chunk_tokens < -1:
+        raise ValueError(f"loss_chunk_tokens={cfg.loss_chunk_tokens} must be >= 0 (0: the logits "
+                         f"whole), or -1 to size chunks by backend")

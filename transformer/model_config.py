@@ -1,0 +1,111 @@
+"""`TransformerConfig`: the model's hyperparameters (config key `model.*`) and their checks.
+
+Plain data, no Flax: the modules of `model` read it, and so do the tools that only count
+(`flops`, `memory`, `summary`) or shard (`sharding`) a model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from transformer import attention, layers
+
+ARCHITECTURES = ("encoder_decoder", "encoder", "decoder")
+POSITIONALS = ("sinusoidal", "learned", "rope", "none")
+NORMS = ("layer_norm", "rms_norm")
+NORM_POSITIONS = ("post", "pre")
+DTYPES = ("float32", "bfloat16", "float16")
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """Hyperparameters; the defaults are the paper's base model (Table 3, first row)."""
+
+    architecture: str = "encoder_decoder"
+    vocab_size: int = 37000
+    num_encoder_layers: int = 6
+    num_decoder_layers: int = 6
+    d_model: int = 512
+    d_ff: int = 2048
+    num_heads: int = 8
+    num_kv_heads: int | None = None  # None: num_heads (multi-head); 1: multi-query
+    d_k: int | None = None  # None: d_model // num_heads
+    d_v: int | None = None  # None: d_k
+    dropout_rate: float = 0.1  # P_drop: residual and embedding dropout
+    attention_dropout_rate: float = 0.0
+    relu_dropout_rate: float = 0.0
+    positional: str = "sinusoidal"
+    norm: str = "layer_norm"
+    norm_position: str = "post"  # post: LayerNorm(x + Dropout(Sublayer(x))), as the paper
+    activation: str = "relu"
+    use_bias: bool = True
+    share_embeddings: bool = True  # source embedding = target embedding
+    tie_output_embedding: bool = True  # pre-softmax projection = target embedding
+    max_len: int = 512
+    dtype: str = "float32"  # compute dtype; parameters are always float32
+    scan_layers: bool = False
+    remat_policy: str = "none"
+    attention_implementation: str = "auto"
+    norm_eps: float = 1e-6
+
+    def __post_init__(self):
+        set_ = functools.partial(object.__setattr__, self)
+        if self.num_kv_heads is None:
+            set_("num_kv_heads", self.num_heads)
+        if self.d_k is None:
+            if self.num_heads < 1 or self.d_model % self.num_heads:
+                raise ValueError(f"model.num_heads={self.num_heads} does not divide "
+                                 f"d_model={self.d_model}; change it or set model.d_k")
+            set_("d_k", self.d_model // self.num_heads)
+        if self.d_v is None:
+            set_("d_v", self.d_k)
+        for field, choices in (("architecture", ARCHITECTURES), ("positional", POSITIONALS),
+                               ("norm", NORMS), ("norm_position", NORM_POSITIONS),
+                               ("activation", layers.ACTIVATIONS),
+                               ("remat_policy", tuple(REMAT_POLICIES)), ("dtype", DTYPES),
+                               ("attention_implementation", attention.IMPLEMENTATIONS)):
+            if getattr(self, field) not in choices:
+                raise ValueError(f"model.{field}={getattr(self, field)!r} is not one of "
+                                 f"{', '.join(choices)}")
+        for field in ("vocab_size", "d_model", "d_ff", "num_heads", "num_kv_heads", "d_k",
+                      "d_v", "max_len"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"model.{field}={getattr(self, field)} must be positive")
+        for field in ("dropout_rate", "attention_dropout_rate", "relu_dropout_rate"):
+            if not 0.0 <= getattr(self, field) < 1.0:
+                raise ValueError(f"model.{field}={getattr(self, field)} must be in [0, 1)")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model.num_kv_heads={self.num_kv_heads} does not divide "
+                             f"num_heads={self.num_heads}")
+        if self.positional == "rope" and self.d_k % 2:
+            raise ValueError(f"model.positional='rope' needs an even d_k, got {self.d_k}")
+        if self.positional == "sinusoidal" and self.d_model % 2:
+            raise ValueError(f"model.positional='sinusoidal' needs an even d_model, "
+                             f"got {self.d_model}")
+        if self.architecture == "encoder_decoder" and min(self.num_encoder_layers,
+                                                         self.num_decoder_layers) < 1:
+            raise ValueError("model.num_encoder_layers and num_decoder_layers must be >= 1")
+
+    @property
+    def compute_dtype(self):
+        return jnp.dtype(self.dtype)
+
+    @classmethod
+    def from_dict(cls, values) -> TransformerConfig:
+        """From a mapping such as `config.model`; unknown keys are an error naming them."""
+        values = dict(values)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown model config keys {unknown}; known: {sorted(known)}")
+        return cls(**values)
