@@ -6,13 +6,25 @@ STAMP := $(VENV)/.installed
 
 find_python = $(or $(PYTHON),$(shell ./.ci/find_python))
 
-.PHONY: setup test test-fast lint train clean
+.PHONY: help setup test test-fast lint train clean
 
 setup: $(STAMP)
 
+help:
+	@echo "make setup      create $(VENV) (a Python >= 3.12; PYTHON=... to choose) and install everything"
+	@echo "make test       lint and run every test (make test-fast: skip the slow ones)"
+	@echo "make lint       ruff check ."
+	@echo "make train      train the offline German-English default, then score its test split"
+	@echo "                (WORKDIR=runs/default; rerunning resumes)"
+	@echo "make clean      remove $(VENV), .cache and runs/"
+
+# Without a Python >= 3.12, uv (when installed) fetches one; otherwise the error says how to get one.
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || { py="$(find_python)"; \
-	  test -n "$$py" || { echo "error: no Python >= 3.12 found; install one or pass PYTHON=/path/to/python3.12" >&2; exit 1; }; \
+	  if [ -z "$$py" ] && command -v uv >/dev/null 2>&1; then \
+	    echo "no Python >= 3.12 found: uv python install 3.12"; \
+	    uv python install 3.12 && py=$$(uv python find 3.12); fi; \
+	  test -n "$$py" || { ./.ci/find_python --help-install >&2; exit 1; }; \
 	  echo "creating $(VENV) with $$py"; "$$py" -m venv $(VENV); }
 	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install -e ".[data,viz,test]"
@@ -33,6 +45,8 @@ WORKDIR ?= runs/default
 train: $(STAMP)
 	$(BIN)/python train.py --config=configs/default.py --workdir=$(WORKDIR)
 	$(BIN)/python -m transformer.evaluate --workdir=$(WORKDIR) --split=test
+	@echo "results: $(WORKDIR)/metrics.jsonl (figures), $(WORKDIR)/eval/ (translations), $(WORKDIR)/checkpoints/"
+	@echo "try it:  echo 'See you tomorrow.' | $(BIN)/python -m transformer.translate --workdir=$(WORKDIR)"
 
 clean:
 	rm -rf $(VENV) .cache runs

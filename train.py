@@ -28,7 +28,11 @@ FLAGS = flags.FLAGS
 
 
 def _quiet_libraries():
-    """Our progress lines at INFO on stderr, with the time."""
+    """Our progress lines at INFO on stderr, with the time; the native libraries' start-up
+    chatter off (`cli.quiet_native_logs`)."""
+    from transformer import cli
+
+    cli.quiet_native_logs(sys.argv)
     handler = pylogging.StreamHandler(sys.stderr)
     handler.setFormatter(pylogging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
     progress = pylogging.getLogger("transformer")
@@ -66,7 +70,8 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     cfg = FLAGS.config
     config_file = config_flags.get_config_filename(FLAGS["config"])
-    logging.set_verbosity(logging.WARNING)  # JAX's backend probing and orbax's chatter
+    if not FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)  # JAX's backend probing and orbax's chatter
     if FLAGS.summary:
         from transformer import cli
         from transformer.config import resolve

@@ -167,8 +167,10 @@ def test_translate_truncates_a_line_too_long_for_the_model_with_a_warning(transl
                  "--beam_size=1", stdin=f"kurz\n{long_line}\n".encode())
     assert result.returncode == 0, result.stderr.decode()
     assert result.stdout.decode().count("\n") == 2
-    assert "sentence 2 has" in result.stderr.decode() and "truncated to 24" in \
-        result.stderr.decode()
+    warnings = [line for line in result.stderr.decode().splitlines() if "truncated" in line]
+    assert len(warnings) == 1, warnings  # one line for all, after absl's prefix
+    assert warnings[0].endswith("] 1 of 2 sentences are longer than the model's max_len=24 "
+                                "pieces (EOS included) and were truncated to it (sentence 2)")
     assert snapshot(translation_run) == before
 
 
@@ -246,3 +248,71 @@ def test_train_py_flag_mistakes_are_one_line_and_change_nothing(run_workdir, fla
     assert_one_line_error(result, message)
     assert snapshot(run_workdir) == before
     assert json.loads((run_workdir / "config.json").read_text())["num_train_steps"] == 4
+
+
+FLAG_OUT_OF_RANGE = {
+    "translate beam size": (["-m", "transformer.translate", "--beam_size=0"],
+                            "flag --beam_size=0: 0 is not a positive integer"),
+    "translate alpha": (["-m", "transformer.translate", "--alpha=-1"],
+                        "flag --alpha=-1: -1.0 is not a non-negative number"),
+    "translate batch size": (["-m", "transformer.translate", "--batch_size=0"],
+                             "flag --batch_size=0: 0 is not a positive integer"),
+    "translate average": (["-m", "transformer.translate", "--average=0"],
+                          "flag --average=0: 0 is not a positive integer"),
+    "translate step": (["-m", "transformer.translate", "--step=-1"],
+                       "flag --step=-1: -1 is not a non-negative integer"),
+    "generate temperature": (["-m", "transformer.generate", "--temperature=-0.5"],
+                             "flag --temperature=-0.5: -0.5 is not a non-negative number"),
+    "generate top_k": (["-m", "transformer.generate", "--top_k=-1"],
+                       "flag --top_k=-1: -1 is not a non-negative integer"),
+    "generate top_p": (["-m", "transformer.generate", "--top_p=1.5"],
+                       "flag --top_p=1.5: 1.5 is not a number in the range [0.0, 1.0]"),
+    "generate token count": (["-m", "transformer.generate", "--max_new_tokens=0"],
+                             "flag --max_new_tokens=0: 0 is not a positive integer"),
+    "evaluate sentence count": (["-m", "transformer.evaluate", "--num_sentences=0"],
+                                "flag --num_sentences=0: 0 is not a positive integer"),
+    "evaluate beam size": (["-m", "transformer.evaluate", "--beam_size=-2"],
+                           "flag --beam_size=-2: -2 is not a positive integer"),
+}
+
+
+@pytest.mark.parametrize("args, message", list(FLAG_OUT_OF_RANGE.values()),
+                         ids=list(FLAG_OUT_OF_RANGE))
+def test_numeric_flags_out_of_range_are_one_line_before_any_work(args, message, tmp_path):
+    result = cli(*args, f"--workdir={tmp_path}", stdin=b"Hallo.\n")
+    assert_one_line_error(result, message)
+    assert os.listdir(tmp_path) == []
+
+
+def _workdir_is_a_file(tmp_path):
+    (tmp_path / "run").write_text("not a workdir\n")
+    return f"--workdir={tmp_path / 'run'} is not a directory: give a training run's workdir"
+
+
+def _config_json_damaged(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text('{"model": ')
+    return f"{tmp_path / 'run' / 'config.json'} is damaged (Expecting value at line 1)"
+
+
+def _config_json_a_directory(tmp_path):
+    (tmp_path / "run" / "config.json").mkdir(parents=True)
+    return f"{tmp_path / 'run' / 'config.json'} is not a file: remove it or use another --workdir"
+
+
+def _no_config_json(tmp_path):
+    (tmp_path / "run").mkdir()
+    return f"{tmp_path / 'run'} has no config.json: not a training workdir"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["translate", "generate", "evaluate"])
+@pytest.mark.parametrize("mistake", [_workdir_is_a_file, _config_json_damaged,
+                                     _config_json_a_directory, _no_config_json])
+def test_a_workdir_that_is_not_a_run_is_one_line(command, mistake, tmp_path):
+    message = mistake(tmp_path)
+    before = snapshot(tmp_path)
+    result = cli("-m", f"transformer.{command}", f"--workdir={tmp_path / 'run'}",
+                 stdin=b"Hallo.\n")
+    assert_one_line_error(result, message)
+    assert snapshot(tmp_path) == before

@@ -96,20 +96,23 @@ def test_bfloat16_loss_and_gradients_match_float32(tiny):
 def test_bfloat16_train_step_keeps_params_and_optimizer_state_float32(tiny):
     cfg = tiny(**{"model.dtype": "bfloat16"})
     state, losses, _ = run(cfg, mesh_of((1, 1, 1), 1), 2)
-    for path, leaf in flat({"params": state.params, "opt_state": state.opt_state}).items():
-        if jnp.issubdtype(leaf.dtype, jnp.floating):
-            assert leaf.dtype == np.float32, path
+    leaves = jax.tree_util.tree_leaves_with_path((state.params, state.opt_state))
+    floats = [(path, leaf) for path, leaf in leaves if jnp.issubdtype(leaf.dtype, jnp.floating)]
+    assert len(floats) == 3 * len(jax.tree.leaves(state.params))  # params, Adam's mu and nu
+    for path, leaf in floats:
+        assert leaf.dtype == np.float32, jax.tree_util.keystr(path)
     assert np.isfinite(losses).all()
 
 
+@pytest.mark.slow
 def test_bfloat16_training_converges_as_float32(tiny):
     """20 steps of the tiny task: the bfloat16 run's losses follow the float32 run's."""
     mesh = mesh_of((1, 1, 1), 1)
     _, losses32, _ = run(tiny(), mesh, 20)
     _, losses16, _ = run(tiny(**{"model.dtype": "bfloat16"}), mesh, 20)
-    assert losses32[-1] < 0.8 * losses32[0]  # it learns (measured: 3.49 -> 2.53)
-    # Differences compound over the updates: measured worst 0.3%; bound 2% (~5 roundoffs).
-    np.testing.assert_allclose(losses16, losses32, rtol=5 * BF16_UNIT_ROUNDOFF)
+    assert losses32[-1] < 0.85 * losses32[0]  # it learns (measured: 4.12 -> 3.31)
+    # Measured worst relative difference 7.9e-4 (0.2 roundoff); bound: one roundoff.
+    np.testing.assert_allclose(losses16, losses32, rtol=BF16_UNIT_ROUNDOFF)
 
 
 @pytest.mark.parametrize("name", ["lm_125m.py", "lm_1b.py", "lm_8b.py"])
@@ -123,15 +126,19 @@ def test_accelerator_language_model_configs_compute_in_bfloat16(load_config, nam
 # --------------------------------------------------------------------------- remat and scan
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", sorted(set(REMAT_POLICIES) - {"none"}))
 def test_remat_policies_give_the_same_loss_and_gradients(tiny, policy):
     """Rematerialisation recomputes the forward pass (dropout included, from the same keys):
-    the loss and gradients equal the plain model's to float32 rounding."""
-    params = init_params(tiny())
+    the loss and gradients equal the plain model's to float32 rounding. (One layer each side:
+    remat wraps each block alike.)"""
+    one_layer = {"model.num_encoder_layers": 1, "model.num_decoder_layers": 1,
+                 "model.dropout_rate": 0.1}
+    params = init_params(tiny(**one_layer))
     batch = first_batch(tiny())
-    loss, grads = loss_and_grads(tiny(**{"model.dropout_rate": 0.1}), params, batch, 1)
+    loss, grads = loss_and_grads(tiny(**one_layer), params, batch, 1)
     remat_loss, remat_grads = loss_and_grads(
-        tiny(**{"model.dropout_rate": 0.1, "model.remat_policy": policy}), params, batch, 1)
+        tiny(**one_layer, **{"model.remat_policy": policy}), params, batch, 1)
     # Recomputation may fuse differently: float32 rounding (2**-24) amplified by the depth;
     # measured worst relative difference 0 (identical programs on CPU).
     np.testing.assert_allclose(float(remat_loss), float(loss), rtol=1e-6)
@@ -140,7 +147,7 @@ def test_remat_policies_give_the_same_loss_and_gradients(tiny, policy):
         np.testing.assert_allclose(value, expected[path], rtol=1e-5, atol=1e-7, err_msg=path)
 
 
-@pytest.mark.parametrize("policy", ["none", "dots"])
+@pytest.mark.parametrize("policy", ["none", pytest.param("dots", marks=pytest.mark.slow)])
 def test_scanned_layers_give_the_same_loss_and_gradients(tiny, policy):
     """`scan_layers=True` with the same params (stacked by checkpoint.stack_layers): the loss
     and the gradients, stacked alike, equal the per-layer model's."""
@@ -159,6 +166,7 @@ def test_scanned_layers_give_the_same_loss_and_gradients(tiny, policy):
         np.testing.assert_allclose(value, expected[path], rtol=1e-5, atol=1e-7, err_msg=path)
 
 
+@pytest.mark.slow
 def test_train_step_with_scan_and_remat_matches_the_plain_step(tiny):
     """The whole jitted train step (loss, gradient norm, updated params) with scanned,
     rematerialised layers on the 2 x 2 x 2 mesh against the plain model on one device."""
@@ -169,11 +177,9 @@ def test_train_step_with_scan_and_remat_matches_the_plain_step(tiny):
     plain_trainer = trainer_for(plain_cfg, one)
     state = train_lib.init_state(plain_trainer, 0)
     scan_trainer = trainer_for(scan_cfg, mesh)
-    scan_state = jax.device_put(
-        train_lib.TrainState(step=state.step, params=stack_layers(jax.device_get(state.params)),
-                             opt_state=jax.device_get(train_lib.init_state(scan_trainer, 0)
-                                                      .opt_state)),
-        scan_trainer.state_shardings)
+    # Adam's initial state is zeros whatever the params: only the params need converting.
+    scan_state = train_lib.init_state(scan_trainer, 0).replace(params=jax.device_put(
+        stack_layers(jax.device_get(state.params)), scan_trainer.state_shardings.params))
     source = make_source(plain_cfg)
     plain_step = train_lib.make_train_step(plain_trainer, resolve(plain_cfg, 1).config)
     scan_step = train_lib.make_train_step(scan_trainer, resolve(scan_cfg, 8).config)

@@ -6,6 +6,7 @@ import pathlib
 import flax
 import jax
 import numpy as np
+import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -200,3 +201,51 @@ def test_eval_batches_cover_each_example_once_whatever_the_process_slices(tiny_c
     expected = [source.task.example("validation", i)[0] for i in range(37)]
     for row, example in zip(rows[:37], expected, strict=True):
         np.testing.assert_array_equal(row[: len(example)], example)
+
+
+def test_skipped_update_leaves_the_optimizer_and_the_logged_rate_behind(tiny_config):
+    """A skipped update (non-finite) advances only the train step (its batch and dropout key):
+    the next update is the optimizer's first, logs the rate it used (the schedule's first,
+    not the second), and gives the params of a run that never had the bad step."""
+    cfg = tiny_config()
+    bad_cfg = tiny_config(**{"optimizer.learning_rate": float("inf")})
+    mesh = mesh_of((1, 1, 1), 1)
+    trainer, bad_trainer = trainer_for(cfg, mesh), trainer_for(bad_cfg, mesh)
+    step_fn = train_lib.make_train_step(trainer, resolve(cfg, 1).config)
+    bad_step_fn = train_lib.make_train_step(bad_trainer, resolve(bad_cfg, 1).config)
+    source = make_source(cfg)
+    batches = [train_lib.global_batch(mesh, source.train_batch(i, (0, 16))) for i in (0, 1)]
+
+    state, skipped = bad_step_fn(train_lib.init_state(trainer, cfg.seed), batches[0])
+    assert bool(skipped["nonfinite"])
+    state, applied = step_fn(state, batches[1])
+    assert not bool(applied["nonfinite"])
+    assert int(state.step) == 2
+    count = optax.tree.get(state.opt_state, "ScaleByScheduleState").count
+    assert int(count) == 1  # one update applied
+    assert float(applied["learning_rate"]) == float(trainer.schedule(0))
+    assert float(trainer.schedule(1)) > float(trainer.schedule(0))  # warmup: they differ
+
+    fresh = train_lib.init_state(trainer, cfg.seed)
+    never_bad, metrics = step_fn(fresh.replace(step=fresh.step + 1), batches[1])
+    assert float(metrics["loss"]) == float(applied["loss"])  # the same dropout key
+    for a, b in zip(jax.tree.leaves(jax.device_get(never_bad)),
+                    jax.tree.leaves(jax.device_get(state)), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
+def test_nonfinite_update_stops_the_run_naming_the_step_and_last_checkpoint(tiny_config,
+                                                                          tmp_path):
+    """Without skip_nonfinite_updates, the first non-finite update ends the run with a line
+    naming its step and the last checkpoint, which holds the last good state."""
+    from transformer import loop
+
+    common = {"eval_every_steps": 0, "log_every_steps": 1, "checkpoint_every_steps": 2}
+    loop.train_and_evaluate(tiny_config(num_train_steps=2, **common), str(tmp_path))
+    bad = tiny_config(num_train_steps=4, **common, **{"optimizer.learning_rate": float("inf")})
+    with pytest.raises(loop.NonFiniteLoss, match=r"^step 3: .*Last good checkpoint: "
+                                                 r"checkpoint 2\."):
+        loop.train_and_evaluate(bad, str(tmp_path))
+    assert Checkpointer(str(tmp_path), keep=3).restore_latest(
+        trainer_for(bad, mesh_of((8, 1, 1))).abstract_state)[0] == 2

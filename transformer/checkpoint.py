@@ -36,7 +36,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from transformer import checkpoint_hooks
+from transformer import checkpoint_hooks, progress
 from transformer.workdir import AVERAGED, CHECKPOINTS, PARAMS_SERIES, SKIPPED_CHECKPOINTS
 
 _LAYER = re.compile(r"^layers_(\d+)$")
@@ -393,17 +393,20 @@ def average_checkpoints(workdir: str, *, last: int, name: str | None = None) -> 
         raise ValueError(f"name={name!r} must be a plain directory name")
     chosen = steps[-last:]
     total, first, dtypes = None, None, None
-    for step in chosen:
-        params = _restore_params(workdir, source, step)
-        structure = jax.tree.structure(params)
-        if first is None:
-            first, dtypes = structure, [leaf.dtype for leaf in jax.tree.leaves(params)]
-            total = jax.tree.map(lambda x: np.asarray(x, np.float64), params)
-        elif structure != first:
-            raise ValueError(f"{source}/{step} has another parameter tree than "
-                             f"{source}/{chosen[0]}: cannot average them")
-        else:
-            total = jax.tree.map(lambda acc, x: np.add(acc, x, out=acc), total, params)
+    with progress.bar(last, f"averaging {source}/ steps {chosen[0]}-{chosen[-1]}",
+                      unit="checkpoint", show=last > 1) as bar:
+        for step in chosen:
+            params = _restore_params(workdir, source, step)
+            structure = jax.tree.structure(params)
+            if first is None:
+                first, dtypes = structure, [leaf.dtype for leaf in jax.tree.leaves(params)]
+                total = jax.tree.map(lambda x: np.asarray(x, np.float64), params)
+            elif structure != first:
+                raise ValueError(f"{source}/{step} has another parameter tree than "
+                                 f"{source}/{chosen[0]}: cannot average them")
+            else:
+                total = jax.tree.map(lambda acc, x: np.add(acc, x, out=acc), total, params)
+            bar.update()
     leaves = [(leaf / last).astype(dtype)
               for leaf, dtype in zip(jax.tree.leaves(total), dtypes, strict=True)]
     average = jax.tree.unflatten(first, leaves)

@@ -1,6 +1,10 @@
 """What the command-line tools share (evaluate, translate, generate; train.py in part): the
 flags that name a trained run, quiet logging, and errors as one line.
 
+Importing this module silences the C++ start-up chatter of TensorFlow, XLA, libtpu and gRPC
+(their errors stay) unless `TRANSFORMER_VERBOSE=1` is set or `--verbosity`/`-v` is given:
+import it before anything starts a backend or imports TensorFlow.
+
     from transformer import cli
     cli.define_run_flags(average=True)
 
@@ -14,30 +18,54 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 
 from absl import app, flags
 from absl import logging as absl_logging
 
 FLAGS = flags.FLAGS
+VERBOSE_ENV = "TRANSFORMER_VERBOSE"
+# Read by the native libraries when they first log; a value the user set is kept.
+QUIET_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "TPU_MIN_LOG_LEVEL": "2", "TPU_STDERR_LOG_LEVEL": "2",
+             "GRPC_VERBOSITY": "ERROR", "GLOG_minloglevel": "2"}
+
+
+def verbose(argv: list[str]) -> bool:
+    """Whether the user asked for the libraries' own logs: TRANSFORMER_VERBOSE set (not 0), or
+    absl's --verbosity / -v among `argv`."""
+    return (os.environ.get(VERBOSE_ENV, "0") not in ("", "0")
+            or any(a.split("=")[0] in ("--verbosity", "-v", "--v") for a in argv[1:]))
+
+
+def quiet_native_logs(argv: list[str]) -> None:
+    """Sets QUIET_ENV (where unset) unless `verbose(argv)`."""
+    if not verbose(argv):
+        for name, value in QUIET_ENV.items():
+            os.environ.setdefault(name, value)
+
+
+quiet_native_logs(sys.argv)
 
 
 def define_run_flags(*, average: bool) -> None:
     """--workdir (required) and --step, and with `average` --average: which parameters of a
     trained run to load."""
     flags.DEFINE_string("workdir", None, "The training run's workdir.")
-    flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+    flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).", lower_bound=0)
     if average:
-        flags.DEFINE_integer("average", None, "Average the last N checkpoints' parameters.")
+        flags.DEFINE_integer("average", None, "Average the last N checkpoints' parameters.",
+                             lower_bound=1)
     flags.mark_flags_as_required(["workdir"])
 
 
 def start(argv: list[str], *, level: int = logging.WARNING, timestamps: bool = False) -> None:
     """Refuses stray arguments and sets up logging: our lines at `level` on stderr, absl's
-    (orbax's INFO chatter) at WARNING."""
+    (orbax's INFO chatter) at WARNING unless --verbosity says otherwise."""
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    absl_logging.set_verbosity(absl_logging.WARNING)
+    if not FLAGS["verbosity"].present:
+        absl_logging.set_verbosity(absl_logging.WARNING)
     logging.basicConfig(level=level, stream=sys.stderr,
                         format="%(asctime)s %(message)s" if timestamps else "%(message)s",
                         datefmt="%H:%M:%S")

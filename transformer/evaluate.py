@@ -15,8 +15,10 @@ from transformer import cli
 
 cli.define_run_flags(average=True)
 flags.DEFINE_enum("split", "test", ["validation", "test"], "The split to score.")
-flags.DEFINE_integer("num_sentences", None, "Score only the first N sentences (default: all).")
-flags.DEFINE_integer("beam_size", None, "Beam size (default: the config's; 1: greedy).")
+flags.DEFINE_integer("num_sentences", None, "Score only the first N sentences (default: all).",
+                     lower_bound=1)
+flags.DEFINE_integer("beam_size", None, "Beam size (default: the config's; 1: greedy).",
+                     lower_bound=1)
 FLAGS = flags.FLAGS
 log = logging.getLogger("transformer")
 
@@ -49,6 +51,7 @@ def evaluate(workdir: str, split: str, *, step=None, average=None, num_sentences
     log.info("translating %d %s sentences", len(sources), split)
     hypotheses = translator.translate(sources, beam_size=beam_size)
     figures |= evaluation.bleu(hypotheses, references, target_lang=cfg.data.target_lang)
+    figures["bleu_num_truncated"] = translator.num_too_long(sources)
 
     label = f"average{average}" if average else f"step{step}" if step else "latest"
     out_dir = workdir_lib.path(workdir, workdir_lib.EVAL)
@@ -73,7 +76,14 @@ def main(argv):
                            num_sentences=FLAGS.num_sentences, beam_size=FLAGS.beam_size)
     print(f"{FLAGS.split}: perplexity {figures['perplexity']:.2f} | sacreBLEU "
           f"{figures['bleu']:.2f} ({figures['bleu_signature']}) | tokenized compound-split BLEU "
-          f"{figures['bleu_tok_compound']:.2f} | {figures['bleu_num_sentences']} sentences")
+          f"{figures['bleu_tok_compound']:.2f} | {sentences_scored(figures)}")
+
+
+def sentences_scored(figures: dict) -> str:
+    """`N sentences, all whole` or `N sentences, M of them truncated to the model's max_len`."""
+    total, cut = figures["bleu_num_sentences"], figures["bleu_num_truncated"]
+    return f"{total} sentences, " + (f"{cut} of them truncated to the model's max_len (scored "
+                                     f"as translated)" if cut else "all translated whole")
 
 
 if __name__ == "__main__":

@@ -17,12 +17,15 @@ cli.define_run_flags(average=False)
 flags.DEFINE_multi_string("prompt", None, "A prompt (repeatable); default: stdin or --input.")
 flags.DEFINE_string("input", None, "Prompts file, one a line (default: stdin).")
 flags.DEFINE_string("output", None, "Output file (default: stdout).")
-flags.DEFINE_integer("max_new_tokens", None, "Tokens to add at most (default: the config's).")
-flags.DEFINE_float("temperature", None, "Softmax temperature; 0 is greedy.")
-flags.DEFINE_integer("top_k", None, "Sample from the k most likely tokens (0: all).")
-flags.DEFINE_float("top_p", None, "Sample from the smallest set of this probability (1: all).")
-flags.DEFINE_integer("seed", 0, "Sampling seed.")
-flags.DEFINE_integer("batch_size", 32, "Prompts generated together.")
+flags.DEFINE_integer("max_new_tokens", None, "Tokens to add at most (default: the config's).",
+                     lower_bound=1)
+flags.DEFINE_float("temperature", None, "Softmax temperature; 0 is greedy.", lower_bound=0.0)
+flags.DEFINE_integer("top_k", None, "Sample from the k most likely tokens (0: all).",
+                     lower_bound=0)
+flags.DEFINE_float("top_p", None, "Sample from the smallest set of this probability (1: all).",
+                   lower_bound=0.0, upper_bound=1.0)
+flags.DEFINE_integer("seed", 0, "Sampling seed.", lower_bound=0)
+flags.DEFINE_integer("batch_size", 32, "Prompts generated together.", lower_bound=1)
 FLAGS = flags.FLAGS
 
 

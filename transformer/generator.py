@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from ml_collections import ConfigDict
 
-from transformer import checkpoint, decoding
+from transformer import checkpoint, decoding, progress
 from transformer import workdir as workdir_lib
 from transformer.config import resolve
 from transformer.data.tokenizer import BOS_ID, EOS_ID
@@ -62,13 +62,18 @@ class Generator:
         if room < 0 and self.model_config.positional in ("sinusoidal", "learned"):
             raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt "
                              f"within model.max_len={self.model_config.max_len}")
-        encoded = []
+        encoded, cut = [], []
         for number, ids in enumerate(self.tokenizer.encode(prompts), 1):
             if self.model_config.positional in ("sinusoidal", "learned") and len(ids) > room:
-                log.warning("prompt %d has %d pieces; keeping its last %d", number, len(ids),
-                            room)
+                cut.append(number)
                 ids = ids[len(ids) - room:]
             encoded.append(ids)
+        if cut:
+            shown = ", ".join(map(str, cut[:5])) + (", ..." if len(cut) > 5 else "")
+            log.warning("%d of %d prompts are longer than the %d pieces that leave room for "
+                        "max_new_tokens=%d within model.max_len=%d: kept their last %d pieces "
+                        "(prompt %s)", len(cut), len(prompts), room, max_new_tokens,
+                        self.model_config.max_len, room, shown)
         return encoded
 
     def generate(self, prompts: list[str], *, max_new_tokens: int | None = None,
@@ -93,15 +98,18 @@ class Generator:
             length = self.bucket(len(ids), options["max_new_tokens"])
             by_bucket.setdefault(length, []).append(i)
         out = [""] * len(prompts)
-        for length, members in sorted(by_bucket.items()):
-            for start in range(0, len(members), batch_size):
-                chunk = members[start:start + batch_size]
-                tokens = self.generate_ids([encoded[i] for i in chunk], prompt_indices=chunk,
-                                           seed=seed, length=length,
-                                           rows=min(_power_of_two(len(chunk)), batch_size),
-                                           **options)
-                for i, row in zip(chunk, tokens, strict=True):
-                    out[i] = self.tokenizer.decode(encoded[i] + row.tolist())
+        with progress.bar(len(prompts), "generating", unit="prompt",
+                          show=len(prompts) > batch_size) as bar:
+            for length, members in sorted(by_bucket.items()):
+                for start in range(0, len(members), batch_size):
+                    chunk = members[start:start + batch_size]
+                    tokens = self.generate_ids([encoded[i] for i in chunk],
+                                               prompt_indices=chunk, seed=seed, length=length,
+                                               rows=min(_power_of_two(len(chunk)), batch_size),
+                                               **options)
+                    for i, row in zip(chunk, tokens, strict=True):
+                        out[i] = self.tokenizer.decode(encoded[i] + row.tolist())
+                    bar.update(len(chunk))
         return out
 
     def bucket(self, prompt_length: int, max_new_tokens: int) -> int:

@@ -170,7 +170,7 @@ def train_and_evaluate(cfg, workdir: str, *,
                           state, train_lib.global_batch(mesh, source.train_batch(0, rows)))
     eval_step = train_lib.make_eval_step(trainer)
     eval_split = source.validation_split  # a language model's data.eval_split (lm1b: "test")
-    translator = (Translator(run, state.params, source.tokenizer)
+    translator = (Translator(cfg, run.model, state.params, source.tokenizer)
                   if cfg.bleu_every_steps else None)
     writer = metrics.MetricWriter(workdir)
     preemption = _Preemption()

@@ -191,7 +191,11 @@ def make_train_step(trainer: Trainer, cfg) -> Callable:
         params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
                                          (params, opt_state), (state.params, state.opt_state))
         metrics = {"loss": loss, "z_loss": z_sum / total_weight, "grad_norm": grad_norm,
-                   "learning_rate": trainer.schedule(state.step),
+                   # The rate this update used: the schedule at the optimizer's count of
+                   # updates applied, which a skipped (non-finite) update leaves behind
+                   # state.step (train steps taken, each with its batch and dropout key).
+                   "learning_rate": trainer.schedule(
+                       optax.tree.get(state.opt_state, "ScaleByScheduleState").count),
                    "target_tokens": total_weight,
                    "sequence_tokens": sequence_tokens(trainer.model.config, batch),
                    "source_tokens": (batch["inputs"] != 0).sum() if "inputs" in batch else 0,

@@ -15,9 +15,11 @@ from transformer import cli
 cli.define_run_flags(average=True)
 flags.DEFINE_string("input", None, "Input file (default: stdin).")
 flags.DEFINE_string("output", None, "Output file (default: stdout).")
-flags.DEFINE_integer("beam_size", None, "Beam size (default: the config's; 1: greedy).")
-flags.DEFINE_float("alpha", None, "Length penalty alpha (default: the config's).")
-flags.DEFINE_integer("batch_size", 32, "Sentences decoded together.")
+flags.DEFINE_integer("beam_size", None, "Beam size (default: the config's; 1: greedy).",
+                     lower_bound=1)
+flags.DEFINE_float("alpha", None, "Length penalty alpha (default: the config's).",
+                   lower_bound=0.0)
+flags.DEFINE_integer("batch_size", 32, "Sentences decoded together.", lower_bound=1)
 FLAGS = flags.FLAGS
 
 

@@ -21,7 +21,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from ml_collections import ConfigDict
 
-from transformer import checkpoint, decoding
+from transformer import checkpoint, decoding, progress
 from transformer import workdir as workdir_lib
 from transformer.config import resolve
 from transformer.data.tokenizer import BOS_ID, EOS_ID
@@ -59,35 +59,56 @@ class Translator:
         return self.model_config.max_len
 
     def encode(self, sentences: list[str]) -> list[list[int]]:
-        """Piece ids + EOS per sentence, truncated (with a warning) to the model's max_len."""
-        encoded = []
+        """Piece ids + EOS per sentence, truncated to the model's max_len (one warning line
+        for all: how many, which, and why)."""
+        encoded, cut = [], []
         for number, ids in enumerate(self.tokenizer.encode(sentences), 1):
             if len(ids) + 1 > self.max_source_length:
-                log.warning("sentence %d has %d pieces; truncated to %d", number, len(ids) + 1,
-                            self.max_source_length)
+                cut.append(number)
                 ids = ids[: self.max_source_length - 1]
             encoded.append(ids + [EOS_ID])
+        if cut:
+            shown = ", ".join(map(str, cut[:5])) + (", ..." if len(cut) > 5 else "")
+            log.warning("%d of %d sentences are longer than the model's max_len=%d pieces "
+                        "(EOS included) and were truncated to it (sentence %s)", len(cut),
+                        len(sentences), self.max_source_length, shown)
         return encoded
+
+    def num_too_long(self, sentences: list[str]) -> int:
+        """How many of `sentences` `encode` truncates."""
+        return sum(len(ids) + 1 > self.max_source_length
+                   for ids in self.tokenizer.encode(sentences))
 
     def translate(self, sentences: list[str], *, beam_size: int | None = None,
                   alpha: float | None = None, max_extra_length: int | None = None,
                   batch_size: int = 32) -> list[str]:
-        """Translations of `sentences`, in order (beam_size 1 = greedy). Empty in, empty out."""
+        """Translations of `sentences`, in order (beam_size 1 = greedy). Empty in, empty out.
+        More than one batch shows progress on stderr."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be >= 1")
         decode_cfg = self.config.decode
-        beam_size = int(beam_size or decode_cfg.beam_size)
+        beam_size = int(decode_cfg.beam_size if beam_size is None else beam_size)
         alpha = float(decode_cfg.alpha if alpha is None else alpha)
         extra = int(decode_cfg.max_extra_length if max_extra_length is None
                     else max_extra_length)
+        for name, value, ok, want in (("beam_size", beam_size, beam_size >= 1, ">= 1 (1: greedy)"),
+                                      ("alpha", alpha, alpha >= 0, ">= 0"),
+                                      ("max_extra_length", extra, extra >= 0, ">= 0")):
+            if not ok:
+                raise ValueError(f"{name}={value} must be {want}")
         out = [""] * len(sentences)
         todo = [i for i, s in enumerate(sentences) if s.strip()]
         encoded = self.encode([sentences[i] for i in todo])
         order = sorted(range(len(todo)), key=lambda j: len(encoded[j]))  # similar lengths
-        for start in range(0, len(order), batch_size):
-            chunk = order[start:start + batch_size]
-            ids = self.translate_ids([encoded[j] for j in chunk], beam_size=beam_size,
-                                     alpha=alpha, max_extra_length=extra)
-            for j, row in zip(chunk, ids, strict=True):
-                out[todo[j]] = self.tokenizer.decode(row)
+        with progress.bar(len(order), "translating", unit="sentence",
+                          show=len(order) > batch_size) as bar:
+            for start in range(0, len(order), batch_size):
+                chunk = order[start:start + batch_size]
+                ids = self.translate_ids([encoded[j] for j in chunk], beam_size=beam_size,
+                                         alpha=alpha, max_extra_length=extra)
+                for j, row in zip(chunk, ids, strict=True):
+                    out[todo[j]] = self.tokenizer.decode(row)
+                bar.update(len(chunk))
         return out
 
     def translate_ids(self, sources: list[list[int]], *, beam_size: int, alpha: float,

@@ -26,6 +26,7 @@ import sys
 
 import numpy as np
 
+from transformer import cli
 from transformer import workdir as workdir_lib
 
 KINDS = ("encoder_self_attention", "decoder_self_attention", "cross_attention")
@@ -291,10 +292,9 @@ def main(argv: list[str]) -> None:
     import logging
 
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's INFO chatter
-    try:
+    cli.quiet_native_logs(["python -m transformer.visualize", *argv])
+    with cli.one_line_errors():
         written = run(parse_args(argv))
-    except ValueError as error:
-        sys.exit(f"error: {error}")
     overviews = [p for p in written if not os.path.basename(p).startswith("layer")]
     print(f"wrote {len(written)} figure(s)" + (f", per layer and head under "
           f"{os.path.dirname(overviews[0])}/" if len(written) > len(overviews) else "") + ":")

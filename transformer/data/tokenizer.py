@@ -15,7 +15,9 @@ import io
 import json
 import logging
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
+
+from transformer import progress
 
 log = logging.getLogger("transformer")
 
@@ -98,6 +100,16 @@ def _atomic_write(path: str, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def _counted(sentences: Iterable[str]) -> Iterator[str]:
+    """`sentences`, with progress on stderr while SentencePiece reads them (it then trains
+    without a word: the log line before says so)."""
+    total = len(sentences) if isinstance(sentences, Sized) else None
+    with progress.bar(total, "reading sentences for SentencePiece", unit="sentence") as bar:
+        for sentence in sentences:
+            yield sentence
+            bar.update()
+
+
 def train(sentences: Iterable[str], vocab_size: int, *, seed: int, model_type: str = "bpe",
           character_coverage: float = 1.0) -> Tokenizer:
     """Trains a SentencePiece model on `sentences` (use both languages for a shared vocabulary).
@@ -108,7 +120,7 @@ def train(sentences: Iterable[str], vocab_size: int, *, seed: int, model_type: s
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(sentences), model_writer=model, vocab_size=int(vocab_size),
+            sentence_iterator=_counted(sentences), model_writer=model, vocab_size=int(vocab_size),
             model_type=model_type, character_coverage=character_coverage,
             pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
             user_defined_symbols=[MASK_PIECE], input_sentence_size=0,
