@@ -18,7 +18,7 @@ from ml_collections import ConfigDict
 
 from transformer import data as data_lib
 from transformer import optim, sharding
-from transformer.model import TransformerConfig
+from transformer.model_config import TransformerConfig
 
 _REQUIRED = object()
 # Top-level keys: the type each is read as and, for the optional ones, the default.

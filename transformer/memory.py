@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from transformer import attention, flops, sharding, train_lib
 from transformer.config import Resolved
-from transformer.model import TransformerConfig
+from transformer.model_config import TransformerConfig
 
 GiB = 1024 ** 3
 TRANSLATION_KEYS = ("inputs", "targets", "inputs_positions", "targets_positions",

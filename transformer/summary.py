@@ -14,7 +14,7 @@ import jax
 
 from transformer import flops
 from transformer.config import Resolved
-from transformer.model import TransformerConfig
+from transformer.model_config import TransformerConfig
 
 _COMPONENT_ORDER = ("self_attention", "cross_attention", "ffn", "norm_attention", "norm_cross",
                     "norm_ffn")
