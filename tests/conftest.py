@@ -23,6 +23,14 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+@pytest.fixture
+def strict_dtype_promotion():
+    """JAX's strict dtype promotion (no implicit int/float or precision mixing), for the pure
+    functions: a silent upcast there would be a bug. The Flax modules keep the default."""
+    with jax.numpy_dtype_promotion("strict"):
+        yield
+
+
 def _load_config(name: str, **overrides):
     """The config of `configs/<name>` (or of `name`, a path from the repository root) with
     dotted-key overrides, as `--config.<key>=<value>` flags give them."""
@@ -91,8 +99,10 @@ SHRUNK_DEFAULT = {
 @pytest.fixture(scope="session")
 def offline_fixture_data_dir(tmp_path_factory):
     """A TFDS data_dir holding `offline_de_en` built from the committed help pages
-    (tests/data/offline_de_en: 56 train, 2 validation, 6 test pairs)."""
-    tfds = pytest.importorskip("tensorflow_datasets")
+    (tests/data/offline_de_en). The `data` extra is required, not skipped: `make test`
+    installs it, so its absence is a broken install to report."""
+    import tensorflow_datasets as tfds
+
     from transformer.data import offline_de_en
 
     data_dir = tmp_path_factory.mktemp("offline_tfds")

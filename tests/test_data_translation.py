@@ -156,7 +156,9 @@ def test_make_source_dispatches_offline_config(offline_fixture_data_dir, tmp_pat
     cfg.data.data_dir, cfg.data.vocab_size, cfg.data.max_length = str(data_dir), 200, 32
     cfg.model.max_len, cfg.data.batch_size, cfg.data.tokens_per_batch = 32, 4, 128
     source = make_source(cfg, workdir=str(tmp_path / "run"))
-    assert source.fingerprint().startswith("offline_de_en/1.0.0 en->de train=56")
+    train_pairs = len(offline_corpus.corpus_pairs(
+        str(pathlib.Path(__file__).parent / "data" / "offline_de_en"))["train"])
+    assert source.fingerprint().startswith(f"offline_de_en/1.0.0 en->de train={train_pairs} ")
     assert "packages=" in source.fingerprint()
     assert source.train_batch(0, (0, 4))["inputs"].shape == (1, 4, 32)
     cfg.model.max_len = 16

@@ -11,6 +11,8 @@ import pytest
 
 from transformer import layers
 
+pytestmark = pytest.mark.usefixtures("strict_dtype_promotion")
+
 # LLVM optimisation buys nothing for these tiny programs and halves their compile time.
 jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0,
                                                   "xla_llvm_disable_expensive_passes": True})

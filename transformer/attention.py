@@ -50,7 +50,7 @@ def make_padding_mask(q_valid: jax.Array, kv_valid: jax.Array) -> jax.Array:
 def make_segment_mask(q_segment_ids: jax.Array, kv_segment_ids: jax.Array) -> jax.Array:
     """[B, 1, T, S] for packed rows: attend within the same segment; segment id 0 is padding."""
     same = q_segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :]
-    return same & make_padding_mask(q_segment_ids != 0, kv_segment_ids != 0)
+    return same & make_padding_mask(q_segment_ids, kv_segment_ids)
 
 
 def make_prefix_lm_mask(in_prefix: jax.Array) -> jax.Array:

@@ -1,0 +1,123 @@
+"""Progress figures (tokens/s, ETA, data-wait fraction, MFU) from a controlled clock and known
+token counts, and TensorBoard events that TensorFlow's reader reads as metrics.jsonl."""
+
+import json
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from transformer import loop, metrics
+
+
+class Clock:
+    """Seconds that move only when told."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Lines:
+    """A MetricWriter stand-in that keeps what is written."""
+
+    def __init__(self):
+        self.lines = []
+
+    def write(self, step, split, values):
+        self.lines.append((step, split, values))
+
+
+def test_progress_window_figures():
+    clock = Clock()
+    progress = metrics.Progress(10, 110, clock=clock)
+    for wait in (0.5, 1.5):  # two steps, 2 s waiting for data
+        progress.add_step(wait)
+    progress.add_tokens(3000.0)
+    clock.now += 3.0  # an evaluation of 3 s, left out of the window
+    progress.exclude(3.0)
+    clock.now += 8.0
+    figures = progress.report(12)
+    assert figures["tokens_per_sec"] == pytest.approx(3000 / 8)
+    assert figures["data_wait_fraction"] == pytest.approx(2 / 8)
+    assert figures["steps_per_sec"] == pytest.approx(2 / 8)
+    assert figures["eta_seconds"] == pytest.approx((110 - 12) * 8 / 2)
+    # The next window starts at the report: nothing carried over.
+    progress.add_step(0.0)
+    progress.add_tokens(100.0)
+    clock.now += 4.0
+    figures = progress.report(13)
+    assert figures["tokens_per_sec"] == pytest.approx(25.0)
+    assert figures["data_wait_fraction"] == 0.0
+    assert figures["eta_seconds"] == pytest.approx((110 - 13) * 4.0)
+
+
+def step_metrics(loss, tokens, *, nonfinite=False):
+    return {"loss": np.float32(loss), "learning_rate": np.float32(1e-3),
+            "grad_norm": np.float32(0.5), "target_tokens": np.float32(tokens - 10),
+            "sequence_tokens": np.float32(tokens), "nonfinite": np.bool_(nonfinite)}
+
+
+def test_flush_writes_throughput_data_wait_and_mfu_per_line():
+    """Two steps of 600 and 400 sequence tokens in 5 s (1 s waiting for data): 200 tokens/s;
+    at 1e9 FLOPs per token on devices of 1e12 peak each, MFU = 2e11 / (1e12 x devices)."""
+    clock, writer = Clock(), Lines()
+    progress = metrics.Progress(0, 4, clock=clock)
+    progress.add_step(0.75)
+    progress.add_step(0.25)
+    clock.now += 5.0
+    pending = [(1, step_metrics(2.5, 600)), (2, step_metrics(2.0, 400))]
+    cfg = types.SimpleNamespace(skip_nonfinite_updates=False)
+    loop._flush(pending, progress, writer, 2, 4, 1e9, 1e12, cfg, None)
+    assert [(s, split) for s, split, _ in writer.lines] == [(1, "train"), (2, "train")]
+    for (_, _, line), loss in zip(writer.lines, (2.5, 2.0), strict=True):
+        assert line["loss"] == loss
+        assert line["tokens_per_sec"] == pytest.approx(200.0)
+        assert line["data_wait_fraction"] == pytest.approx(0.2)
+        assert line["mfu"] == pytest.approx(1e9 * 200.0 / (1e12 * jax.device_count()))
+        assert line["nonfinite_skipped"] == 0
+    assert writer.lines[0][2]["target_tokens_per_update"] == 590
+
+
+def test_flush_without_a_peak_writes_no_mfu():
+    clock, writer = Clock(), Lines()
+    progress = metrics.Progress(0, 1, clock=clock)
+    progress.add_step(0.0)
+    clock.now += 1.0
+    loop._flush([(1, step_metrics(1.0, 50))], progress, writer, 1, 1, 1e9, None,
+                types.SimpleNamespace(skip_nonfinite_updates=False), None)
+    assert "mfu" not in writer.lines[0][2]
+    assert writer.lines[0][2]["tokens_per_sec"] == pytest.approx(50.0)
+
+
+def test_tensorboard_events_hold_the_metrics_jsonl_values(tmp_path):
+    """Read back by TensorFlow's own event reader (the `data` extra; `tensorboard` reads the
+    same records)."""
+    import tensorflow as tf
+
+    writer = metrics.MetricWriter(str(tmp_path))
+    writer.write(1, "train", {"loss": np.float32(2.5), "learning_rate": 1e-3, "grad_norm": 0.7,
+                              "tokens_per_sec": 1234.5})
+    writer.write(2, "train", {"loss": 2.25, "learning_rate": 2e-3, "grad_norm": 0.6,
+                              "tokens_per_sec": 1500.0})
+    writer.write(2, "validation", {"loss": 2.75, "perplexity": 15.64, "bleu_signature": "x"})
+    writer.close()
+
+    expected = {}
+    for line in (tmp_path / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        for key, value in record.items():
+            if key not in ("step", "split") and isinstance(value, int | float):
+                expected[(f"{record['split']}/{key}", record["step"])] = value
+    events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(events) == 1
+    found = {}
+    for event in tf.compat.v1.train.summary_iterator(str(events[0])):
+        for value in event.summary.value:
+            found[(value.tag, event.step)] = value.simple_value
+    assert found.keys() == expected.keys()
+    for key, value in expected.items():
+        assert found[key] == pytest.approx(value, rel=1e-7), key  # stored as float32
