@@ -2,7 +2,9 @@
 
 Overrides: `--config.a.b=value`. `--summary` prints parameters and FLOPs without allocating
 anything (no workdir needed). `--compile_only --mesh_devices=N` compiles the train step for N
-(fake CPU) devices on abstract arrays and prints the memory each device would need (no workdir).
+(fake CPU) devices on abstract arrays and prints the memory each device would need (no workdir);
+`--compile_only --topology=v5p-128 [--num_slices=2]` compiles it for that TPU topology with the
+TPU compiler (no TPU needed; `pip install -e ".[tpu]"`) and adds its time and MFU estimates.
 Rerunning with the same workdir resumes from its latest checkpoint.
 """
 
@@ -19,6 +21,9 @@ flags.DEFINE_bool("summary", False, "Print the parameter and FLOPs summary and e
 flags.DEFINE_bool("compile_only", False, "Lower and compile the train step, print memory, exit.")
 flags.DEFINE_integer("mesh_devices", None, "With --compile_only: the number of devices to plan "
                      "for (fake CPU devices stand in for them).")
+flags.DEFINE_string("topology", None, "With --compile_only: a Cloud TPU accelerator type (v5p-128, "
+                    "v5e-8, v4-32, ...) or chip grid (v5e:2x2) to compile for; needs libtpu.")
+flags.DEFINE_integer("num_slices", 1, "With --topology: the number of slices (multi-slice).")
 flags.DEFINE_string("coordinator_address", None, "host:port of process 0, for clusters that "
                     "jax.distributed cannot detect.")
 flags.DEFINE_integer("num_processes", None, "Number of processes (with --coordinator_address).")
@@ -39,6 +44,26 @@ def _quiet_libraries():
     progress.addHandler(handler)
     progress.setLevel(pylogging.INFO)
     progress.propagate = False
+
+
+def _compile_for_topology(cfg, name: str, num_slices: int, config_file: str):
+    """Compiles the train step for a TPU topology's abstract devices (`transformer/tpu.py`)."""
+    from transformer import tpu
+
+    try:
+        topology = tpu.parse_topology(name, num_slices)
+    except ValueError as error:
+        sys.exit(f"error: {error}")
+    if not tpu.libtpu_installed():
+        sys.exit(f"error: {tpu.LIBTPU_MISSING}")
+    tpu.prepare_environment()
+    from transformer import cli
+    from transformer.config import resolve
+
+    with cli.one_line_errors():
+        devices = tpu.abstract_devices(topology)
+        run = resolve(cfg, len(devices), config_file=config_file, num_slices=num_slices)
+        print(tpu.compile_report(run, topology, devices))
 
 
 def _compile_only(cfg, mesh_devices: int | None, config_file: str):
@@ -79,6 +104,12 @@ def main(argv):
 
         with cli.one_line_errors():
             print(summarize(resolve(cfg, config_file=config_file)))
+        return
+    if FLAGS.topology is not None or FLAGS["num_slices"].present:
+        if not FLAGS.compile_only or FLAGS.mesh_devices is not None or FLAGS.topology is None:
+            sys.exit("error: --topology (and --num_slices) go with --compile_only, without "
+                     "--mesh_devices")
+        _compile_for_topology(cfg, FLAGS.topology, FLAGS.num_slices, config_file)
         return
     if FLAGS.compile_only:
         _compile_only(cfg, FLAGS.mesh_devices, config_file)

@@ -114,7 +114,8 @@ def test_checkpoints_of_another_model_name_the_parameter_and_both_shapes(run_wor
 
 @pytest.mark.parametrize("kind", ["translation", "language model"])
 def test_an_empty_training_split_is_named_before_any_work(kind, tmp_path):
-    tfds = pytest.importorskip("tensorflow_datasets")
+    import tensorflow_datasets as tfds
+
     from transformer.data.language_model import LanguageModelSource
     from transformer.data.translation import TranslationSource
 

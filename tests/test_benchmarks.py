@@ -54,7 +54,6 @@ def test_gpu_check_dry_run_writes_every_result(tmp_path):
 
 @pytest.mark.slow
 def test_sweep_writes_a_point_per_length_and_batch_and_a_plot(tmp_path):
-    pytest.importorskip("matplotlib")
     out = tmp_path / "sweep.png"
     with open(tmp_path / "log.txt", "w") as log:
         result = subprocess.run([sys.executable, "benchmarks/sweep.py",

@@ -59,7 +59,8 @@ def test_split_is_a_stable_hash_of_the_normalised_english_side():
 
 
 def test_builder_on_the_fixture(tmp_path):
-    tfds = pytest.importorskip("tensorflow_datasets")
+    import tensorflow_datasets as tfds
+
     from transformer.data import offline_de_en
 
     builder = offline_de_en.OfflineDeEn(data_dir=str(tmp_path))
@@ -114,7 +115,8 @@ def test_build_from_debian_packages(tmp_path):
     """The real thing: apt-get download, dpkg-deb -x, about a minute on 2 cores."""
     if not _apt_has_lists():
         pytest.skip("apt has no package lists (run `apt-get update` as root)")
-    tfds = pytest.importorskip("tensorflow_datasets")
+    import tensorflow_datasets as tfds
+
     from transformer.data import offline_de_en
 
     builder = offline_de_en.OfflineDeEn(data_dir=str(tmp_path))

@@ -7,8 +7,7 @@ import pathlib
 import jax
 import numpy as np
 import pytest
-
-tfds = pytest.importorskip("tensorflow_datasets")
+import tensorflow_datasets as tfds
 
 from transformer.data import datasets, make_source, offline_corpus, translation  # noqa: E402
 from transformer.data import tokenizer as tk  # noqa: E402

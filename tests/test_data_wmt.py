@@ -6,8 +6,7 @@ import io
 import tarfile
 
 import pytest
-
-tfds = pytest.importorskip("tensorflow_datasets")
+import tensorflow_datasets as tfds
 
 from transformer.data import datasets, translation  # noqa: E402
 

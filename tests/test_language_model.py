@@ -277,7 +277,7 @@ def lm_config(offline_fixture_data_dir, load_config):
 
 
 def test_batches_are_a_pure_function_of_the_index_and_split_by_rows(lm_config, tmp_path):
-    pytest.importorskip("tensorflow_datasets")
+
     from transformer.data.language_model import from_config
 
     for objective in ("causal", "masked"):
@@ -329,7 +329,6 @@ def train_lm(cfg, workdir, objective):
 @pytest.mark.slow
 @pytest.mark.parametrize("objective", ["causal", "prefix", "masked"])
 def test_loss_decreases_on_tiny_data(lm_config, tmp_path, objective):
-    pytest.importorskip("tensorflow_datasets")
     losses, validation = train_lm(lm_config, tmp_path, objective)
     assert sorted(losses) == list(range(1, 31))
     first, last = np.mean([losses[s] for s in (1, 2, 3)]), np.mean([losses[s] for s in
@@ -340,7 +339,7 @@ def test_loss_decreases_on_tiny_data(lm_config, tmp_path, objective):
 
 @pytest.mark.slow
 def test_generate_cli_is_seeded_and_batch_independent(lm_config, tmp_path):
-    pytest.importorskip("tensorflow_datasets")
+
     from transformer.generator import load_generator
 
     train_lm(lm_config, tmp_path, "causal")
@@ -387,7 +386,8 @@ def test_generation_refuses_a_translation_run(untrained_translation_workdir):
 
 @pytest.mark.parametrize("name, eval_split", [("lm1b", "test"), ("c4/en", "validation")])
 def test_tfds_text_datasets_give_packed_rows_of_their_text(name, eval_split, tmp_path):
-    tfds = pytest.importorskip("tensorflow_datasets")
+    import tensorflow_datasets as tfds
+
     from transformer.data.language_model import LanguageModelSource
 
     with tfds.testing.mock_data(num_examples=200, policy=tfds.testing.MockPolicy.USE_CODE):

@@ -79,10 +79,12 @@ def test_kill9_then_resume_is_bit_identical(tmp_path):
     assert resumed.wait(timeout=600) == 0, resumed.stdout.read()
     assert losses(workdir) == expected  # exact float equality, every step
 
-    if CHECK_WORKDIR.exists():  # the team's contract checker, beside the repository
-        check = subprocess.run([sys.executable, str(CHECK_WORKDIR), str(workdir)],
-                               capture_output=True, text=True)
-        assert check.returncode == 0, check.stdout
+    if not CHECK_WORKDIR.exists():  # the team's contract checker, beside the repository
+        pytest.skip(f"resume checks passed; the workdir contract check was not run: "
+                    f"{CHECK_WORKDIR} is absent")
+    check = subprocess.run([sys.executable, str(CHECK_WORKDIR), str(workdir)],
+                           capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """The training engine on 8 fake CPU devices: meshes agree, shardings follow the rules,
 gradient accumulation equals the large batch, checkpoints restore onto other meshes."""
 
+import json
 import pathlib
 
 import flax
@@ -238,7 +239,8 @@ def test_skipped_update_leaves_the_optimizer_and_the_logged_rate_behind(tiny_con
 def test_nonfinite_update_stops_the_run_naming_the_step_and_last_checkpoint(tiny_config,
                                                                           tmp_path):
     """Without skip_nonfinite_updates, the first non-finite update ends the run with a line
-    naming its step and the last checkpoint, which holds the last good state."""
+    naming its step and the last checkpoint, which holds the last good state; resumed with
+    it, the run finishes and counts the skips."""
     from transformer import loop
 
     common = {"eval_every_steps": 0, "log_every_steps": 1, "checkpoint_every_steps": 2}
@@ -249,6 +251,17 @@ def test_nonfinite_update_stops_the_run_naming_the_step_and_last_checkpoint(tiny
         loop.train_and_evaluate(bad, str(tmp_path))
     assert Checkpointer(str(tmp_path), keep=3).restore_latest(
         trainer_for(bad, mesh_of((8, 1, 1))).abstract_state)[0] == 2
+
+    # With skip_nonfinite_updates the run goes on: each skip is counted on its line, and the
+    # optimizer (its count, hence the rate of the next update) stays at the 2 applied updates.
+    bad.skip_nonfinite_updates = True
+    state = loop.train_and_evaluate(bad, str(tmp_path))
+    assert int(state.step) == 4
+    assert int(optax.tree.get(state.opt_state, "ScaleByScheduleState").count) == 2
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    skipped = {line["step"]: line["nonfinite_skipped"] for line in lines
+               if line["split"] == "train"}
+    assert skipped == {1: 0, 2: 0, 3: 1, 4: 1}
 
 
 @pytest.mark.slow

@@ -6,9 +6,6 @@ import pathlib
 import runpy
 
 import pytest
-
-pytest.importorskip("tensorflow_datasets")
-
 from conftest import SHRUNK_DEFAULT  # noqa: E402
 
 from transformer import evaluate as evaluate_cli  # noqa: E402

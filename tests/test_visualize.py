@@ -8,8 +8,6 @@ import sys
 import numpy as np
 import pytest
 
-pytest.importorskip("matplotlib")
-
 from transformer import attention, visualize  # noqa: E402
 from transformer.model import Transformer  # noqa: E402
 from transformer.translator import load  # noqa: E402

@@ -332,7 +332,19 @@ def _as_numpy(metadata: Any) -> Any:
 
 
 def _restore_params(workdir: str, source: str, step: int) -> dict:
-    """The params of `<workdir>/<source>/<step>` as a host numpy tree (nothing else is read)."""
+    """The params of `<workdir>/<source>/<step>` as a host numpy tree (nothing else is read); one
+    that does not read back (a damaged or missing file) is a one-line ValueError naming it."""
+    checkpoint_hooks.quiet_failed_restores(os.path.join(workdir, source))
+    try:
+        return _read_params(workdir, source, step)
+    except Exception as error:  # any failure to read it back: a damaged checkpoint
+        raise ValueError(f"{os.path.join(workdir, source, str(step))} does not restore "
+                         f"({_one_line(error, 200)}): restore it from a copy, or load another "
+                         f"step ({source}/ holds {list_steps(os.path.join(workdir, source))})"
+                         ) from None
+
+
+def _read_params(workdir: str, source: str, step: int) -> dict:
     item = "state" if source == CHECKPOINTS else "params"
     handlers = {item: ocp.PyTreeCheckpointHandler()}
     if source == CHECKPOINTS:

@@ -49,7 +49,7 @@ TOP_LEVEL: dict[str, tuple[type | tuple[type, ...], object]] = {
 # (generate) and distributed.initialize read.
 SECTIONS: dict[str, frozenset[str]] = {
     "model": frozenset(f.name for f in dataclasses.fields(TransformerConfig)),
-    "mesh": frozenset(sharding.MESH_AXES),
+    "mesh": frozenset(sharding.MESH_AXES + sharding.DCN_AXES),
     "data": data_lib.CONFIG_KEYS,
     "optimizer": frozenset({"name", "schedule", "learning_rate", "warmup_steps", "end_fraction",
                             "b1", "b2", "eps", "weight_decay", "clip_norm"}),
@@ -71,10 +71,10 @@ class Resolved:
 
 
 def resolve(cfg: ConfigDict, num_devices: int | None = None, *,
-            config_file: str | None = None) -> Resolved:
-    """Checks `cfg` and resolves it for `num_devices` (None: the model alone, e.g. a finished
-    run's config.json for decoding). `config_file`, where `cfg` came from, is named in errors
-    about its keys."""
+            config_file: str | None = None, num_slices: int = 1) -> Resolved:
+    """Checks `cfg` and resolves it for `num_devices` in `num_slices` TPU slices (None: the
+    model alone, e.g. a finished run's config.json for decoding). `config_file`, where `cfg`
+    came from, is named in errors about its keys."""
     _check_keys(cfg, config_file)
     cfg = _with_defaults(cfg)
     _check_types(cfg)
@@ -82,7 +82,7 @@ def resolve(cfg: ConfigDict, num_devices: int | None = None, *,
     _check_values(cfg, model)
     if num_devices is None:
         return Resolved(cfg, model, None)
-    shape = sharding.mesh_shape(cfg.mesh, num_devices)
+    shape = sharding.mesh_shape(cfg.mesh, num_devices, num_slices)
     sharding.validate_mesh_for_model(shape, model)
     shards = sharding.batch_shards(shape)
     cfg.grad_accum_steps = grad_accum_steps(cfg, shards)

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from transformer import evaluation, flops, metrics, sharding, train_lib
+from transformer import evaluation, flops, metrics, progress, sharding, train_lib
 from transformer import workdir as workdir_lib
 from transformer.checkpoint import Checkpointer, ParamsSeries
 from transformer.config import resolve
@@ -112,21 +112,28 @@ class _Preemption:
 
 
 def evaluate(trainer, eval_step, params, source, rows, split="validation") -> dict:
-    """Unsmoothed eval loss and perplexity over the source's eval batches of `split`."""
+    """Unsmoothed eval loss and perplexity over the source's eval batches of `split` (progress
+    on stderr from process 0)."""
     totals = {"nll_sum": 0.0, "tokens": 0.0}
-    for local in source.eval_batches(split, rows):
-        sums = jax.device_get(eval_step(params, train_lib.global_batch(trainer.mesh, local)))
-        totals = {k: totals[k] + float(sums[k]) for k in totals}
+    with progress.bar(None, f"perplexity on {split}", unit="batch",
+                      show=jax.process_index() == 0) as bar:
+        for local in source.eval_batches(split, rows):
+            sums = jax.device_get(eval_step(params, train_lib.global_batch(trainer.mesh, local)))
+            totals = {k: totals[k] + float(sums[k]) for k in totals}
+            bar.update()
     return train_lib.eval_metrics(totals)
 
 
 def validation_bleu(translator: Translator, source, num_sentences: int, target_lang: str,
                     split: str = "validation") -> dict:
     """Both BLEUs of the translations (the config's beam search) of the first `num_sentences`
-    pairs of `split`."""
+    pairs of `split`, and `bleu_num_truncated`: how many sources were cut to the model's
+    max_len (the others were translated whole)."""
     pairs = source.raw_pairs(split, num_sentences)
-    hypotheses = translator.translate([s for s, _ in pairs])
-    return evaluation.bleu(hypotheses, [t for _, t in pairs], target_lang=target_lang)
+    sources = [s for s, _ in pairs]
+    figures = evaluation.bleu(translator.translate(sources), [t for _, t in pairs],
+                              target_lang=target_lang)
+    return figures | {"bleu_num_truncated": translator.num_too_long(sources)}
 
 
 def _check_bleu_source(cfg, source) -> None:

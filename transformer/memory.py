@@ -13,7 +13,9 @@ by side, per device:
   (`activation_bytes`);
 - **compiled**: XLA's `Compiled.memory_analysis()` (arguments, outputs, donated aliases,
   temporaries, generated code). On a CPU backend (fake devices) it is the CPU compiler's buffer
-  assignment: an estimate of what an accelerator would need, not a measurement of one.
+  assignment: an estimate of what an accelerator would need, not a measurement of one. Compiled
+  for a TPU topology (`transformer/tpu.py`) it is the TPU compiler's, and the report adds its
+  peak memory against the chip's HBM, its FLOP count and time estimate, and the MFU they imply.
 
 Shape legend: A accumulation microbatches, B rows per microbatch on one device, S source length,
 T target length, N query heads, K kv heads, H head dim (d_k), Hv value head dim (d_v), D d_model,
@@ -42,6 +44,16 @@ TRANSLATION_KEYS = ("inputs", "targets", "inputs_positions", "targets_positions"
 ACCELERATOR_MEMORY_GIB = (("TPU v5e", 16), ("TPU v4", 32), ("TPU v6e", 32), ("A100 40GB", 40),
                           ("A100 80GB", 80), ("H100", 80), ("TPU v5p", 95), ("H200", 141),
                           ("B200", 180))
+
+
+@dataclasses.dataclass(frozen=True)
+class Accelerator:
+    """One device's nominal figures, for the fit, time and MFU lines of a compile for it."""
+
+    name: str  # jax's device_kind
+    memory_bytes: int
+    peak_flops: float  # dense bfloat16 FLOP/s
+    memory_bytes_per_s: float
 
 
 def batch_shapes(cfg) -> dict[str, tuple[int, int, int]]:
@@ -202,6 +214,8 @@ class MemoryPlan:
     compiled: dict[str, int]  # arguments, outputs, aliased, temporaries, generated_code
     lower_seconds: float
     compile_seconds: float
+    peak_bytes: int  # the compiler's peak memory (memory_analysis().peak_memory_in_bytes)
+    cost: dict[str, float]  # the compiler's per-device flops, bytes accessed, optimal_seconds
 
     @property
     def analytic_total(self) -> int:
@@ -222,15 +236,19 @@ def plan(run: Resolved, mesh) -> MemoryPlan:
     cfg, model = run.config, run.model
     trainer = train_lib.build_trainer(run, mesh)
     if jax.default_backend() == "cpu" and cfg.loss_chunk_tokens == -1:
-        # Fake CPU devices stand in for accelerators: size the loss's chunks as there.
+        # Fake CPU devices (or abstract TPU ones) stand in for accelerators: size the loss's
+        # chunks as there.
         trainer = trainer.replace(
             loss_chunk_tokens=train_lib.AUTO_LOSS_CHUNK_TOKENS_ACCELERATOR)
     batch = abstract_batch(cfg, mesh)
     started = time.perf_counter()
     lowered = train_lib.make_train_step(trainer, cfg).lower(trainer.abstract_state, batch)
     lowered_at = time.perf_counter()
-    stats = lowered.compile().memory_analysis()
+    executable = lowered.compile()
     compiled_at = time.perf_counter()
+    stats = executable.memory_analysis()
+    cost = executable.cost_analysis()
+    cost = (cost[0] if isinstance(cost, list) else cost) or {}  # a list before jax 0.12
 
     shapes = batch_shapes(cfg)
     accum, global_rows = shapes["targets"][0], shapes["targets"][1]
@@ -258,7 +276,9 @@ def plan(run: Resolved, mesh) -> MemoryPlan:
     }
     return MemoryPlan(dict(mesh.shape), mesh.devices.flat[0].platform, shapes,
                       flops.param_counts(model)["total"], analytic, compiled,
-                      lowered_at - started, compiled_at - lowered_at)
+                      lowered_at - started, compiled_at - lowered_at, stats.peak_memory_in_bytes,
+                      {key: float(cost.get(key, 0.0))
+                       for key in ("flops", "bytes accessed", "optimal_seconds")})
 
 
 def _human(num_bytes: int) -> str:
@@ -268,9 +288,47 @@ def _human(num_bytes: int) -> str:
     return f"{num_bytes} B"
 
 
-def format_report(model: TransformerConfig, memory_plan: MemoryPlan) -> str:
+def step_flops_per_device(model: TransformerConfig, memory_plan: MemoryPlan) -> float:
+    """Training matmul FLOPs of one update per device (`flops.py`: 3 x forward, over all the
+    batch's rows at their full lengths)."""
+    accum, rows, _ = memory_plan.batch["targets"]
+    lengths = {k: shape[2] for k, shape in memory_plan.batch.items()}
+    target = lengths["targets"]
+    source = lengths.get("inputs", target)
+    tokens = source if model.architecture == "encoder" else target
+    per_token = flops.train_flops_per_token(model, source_length=source, target_length=target)
+    return per_token * tokens * accum * rows / math.prod(memory_plan.mesh_shape.values())
+
+
+def _compiler_lines(model: TransformerConfig, memory_plan: MemoryPlan,
+                    accelerator: Accelerator) -> list[str]:
+    """Peak memory against HBM, the compiler's FLOPs, its time estimate and the MFU implied."""
+    peak, hbm, cost = memory_plan.peak_bytes, accelerator.memory_bytes, memory_plan.cost
+    optimal = cost["optimal_seconds"]
+    roofline = max(cost["flops"] / accelerator.peak_flops,
+                   cost["bytes accessed"] / accelerator.memory_bytes_per_s)
+    seconds, source = ((optimal, "the compiler's cost model (optimal_seconds)") if optimal > 0
+                       else (roofline, "a roofline: max(compiler FLOPs / peak, bytes accessed / "
+                             "HBM bandwidth)"))
+    analytic = step_flops_per_device(model, memory_plan)
+    scanned = " (a scanned layer counted once)" if model.scan_layers else ""
+    return [
+        f"{accelerator.name}: {_human(hbm)} HBM, {accelerator.peak_flops / 1e12:.0f} TFLOP/s "
+        f"bf16, {accelerator.memory_bytes_per_s / 1e9:.0f} GB/s per device",
+        f"peak memory per device (compiler): {_human(peak)}, {peak / hbm:.1%} of HBM: "
+        f"{'fits' if peak <= hbm else 'does not fit'}",
+        f"compiler FLOPs per device per step: {cost['flops']:.3e}{scanned}; "
+        f"flops.py: {analytic:.3e}",
+        f"step time estimate: {seconds * 1e3:.3f} ms, from {source}",
+        f"MFU estimate: {analytic / (seconds * accelerator.peak_flops):.1%} "
+        f"(flops.py FLOPs / estimated time / peak)",
+    ]
+
+
+def format_report(model: TransformerConfig, memory_plan: MemoryPlan,
+                  accelerator: Accelerator | None = None) -> str:
     """The table `--compile_only` prints; its last line, `per_device_bytes: key=value ...`, is
-    for tools to read."""
+    for tools to read. With the `accelerator` compiled for, its fit, time and MFU lines."""
     mesh = " x ".join(f"{axis} {size}" for axis, size in memory_plan.mesh_shape.items())
     devices = math.prod(memory_plan.mesh_shape.values())
     accum, rows, _ = memory_plan.batch["targets"]
@@ -308,15 +366,20 @@ def format_report(model: TransformerConfig, memory_plan: MemoryPlan) -> str:
     if memory_plan.platform == "cpu":
         lines.append("(compiled on CPU: XLA's CPU buffer assignment, an estimate of an "
                      "accelerator's)")
-    need = max(memory_plan.analytic_total, memory_plan.compiled_total)
-    lines += ["", f"fits? the larger total, {_human(need)}, against nominal memory per device:"]
-    lines += [f"  {name:<10} {gib:>4} GiB  {need / (gib * GiB):>7.0%}  "
-              f"{'fits' if need <= gib * GiB else 'does not fit'}"
-              for name, gib in ACCELERATOR_MEMORY_GIB]
+    if accelerator is None:
+        need = max(memory_plan.analytic_total, memory_plan.compiled_total)
+        lines += ["", f"fits? the larger total, {_human(need)}, against nominal memory per "
+                  f"device:"]
+        lines += [f"  {name:<10} {gib:>4} GiB  {need / (gib * GiB):>7.0%}  "
+                  f"{'fits' if need <= gib * GiB else 'does not fit'}"
+                  for name, gib in ACCELERATOR_MEMORY_GIB]
+    else:
+        lines += [""] + _compiler_lines(model, memory_plan, accelerator)
     figures = {f"analytic_{k}": v for k, v in a.items()}
     figures |= {"analytic_total": memory_plan.analytic_total}
     figures |= {f"compiled_{k}": v for k, v in c.items()}
-    figures |= {"compiled_total": memory_plan.compiled_total}
+    figures |= {"compiled_total": memory_plan.compiled_total,
+                "compiled_peak": memory_plan.peak_bytes}
     lines.append("per_device_bytes: " + " ".join(f"{k}={v}" for k, v in figures.items()))
     return "\n".join(lines)
 

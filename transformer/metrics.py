@@ -144,6 +144,14 @@ def log_evaluation(step: int, split: str, figures: dict, seconds: float) -> None
     if "bleu" in figures:
         parts += [f"BLEU {figures['bleu']:.2f}",
                   f"tokenized compound-split BLEU {figures['bleu_tok_compound']:.2f}",
-                  f"{figures['bleu_num_sentences']} sentences"]
+                  sentences_scored(figures)]
     parts.append(f"{seconds:.0f} s")
     log.info(" | ".join(parts))
+
+
+def sentences_scored(figures: dict) -> str:
+    """`N sentences, all translated whole` or `N sentences, M of them truncated to the model's
+    max_len (...)`, from `bleu_num_sentences` and `bleu_num_truncated`."""
+    total, cut = figures["bleu_num_sentences"], figures["bleu_num_truncated"]
+    return f"{total} sentences, " + (f"{cut} of them truncated to the model's max_len (scored "
+                                     f"as translated)" if cut else "all translated whole")

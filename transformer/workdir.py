@@ -95,7 +95,13 @@ def load_tokenizer(workdir: str, vocab_size: int):
     if not os.path.exists(vocab):
         raise ValueError(f"{vocab} is missing: this run has no SentencePiece vocabulary "
                          f"(was it trained on text, not the synthetic task?)")
-    tokenizer = tokenizer_lib.Tokenizer.load(vocab)
+    if not os.path.isfile(vocab):
+        raise ValueError(f"{vocab} is not a file: restore the run's vocab/ directory")
+    try:
+        tokenizer = tokenizer_lib.Tokenizer.load(vocab)
+    except RuntimeError:  # sentencepiece: the bytes do not parse as a model
+        raise ValueError(f"{vocab} is damaged (not a SentencePiece model): restore the run's "
+                         f"vocab/ directory from a copy") from None
     recorded = recorded_vocabulary(workdir)
     if tokenizer.vocab_size != vocab_size or recorded not in (None, tokenizer.sha256):
         raise tokenizer_lib.VocabularyMismatch(

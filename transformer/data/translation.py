@@ -16,7 +16,8 @@ placement by a pure function of (seed, index), so the checkpointed iterator stat
 a process packs only its own rows. `data.batch_size` rows per update (all accumulation steps) of
 `data.max_length` tokens per side, holding at most `data.tokens_per_batch` non-pad source and,
 separately, target tokens. Training pairs longer than `data.max_length` (EOS included) are
-skipped; evaluation pairs are kept, truncated to it.
+skipped; evaluation pairs are kept, truncated to it for perplexity (one log line says how many),
+while BLEU translates the raw sentences (`raw_pairs`), whole up to the model's `max_len`.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ import logging
 import os
 import threading
 
+import jax
 import numpy as np
 
+from transformer import progress
 from transformer import workdir as workdir_lib
 from transformer.data import batching
 from transformer.data import tokenizer as tokenizer_lib
@@ -222,7 +225,10 @@ class TranslationSource:
                      if self.workdir and split == "train" else None)
         if directory and (cached := TokenizedSplit.load(directory, meta)) is not None:
             return cached
-        tokenized = TokenizedSplit.build(self._chunks(split), self.tokenizer, dtype)
+        with progress.bar(meta["examples"], f"tokenizing {split}", unit="pair",
+                          show=jax.process_index() == 0) as bar:
+            tokenized = TokenizedSplit.build(_counted(self._chunks(split), bar), self.tokenizer,
+                                             dtype)
         if directory:
             tokenized.save(directory, meta)
         return tokenized
@@ -295,10 +301,18 @@ class TranslationSource:
             yield {k: v[None] for k, v in batch.items()}
 
     def raw_pairs(self, split: str, limit: int | None = None) -> list[tuple[str, str]]:
-        """(source text, target text) of a split in order, e.g. for BLEU."""
+        """(source text, target text) of a split in order, e.g. for BLEU: the texts as stored,
+        never cut to data.max_length (the translator limits sources to the model's max_len)."""
         source = self._source(split)
         return read_pairs(source, range(min(len(source), limit or len(source))),
                           self.source_lang, self.target_lang)
+
+
+def _counted(chunks, bar):
+    """`chunks` of pairs, each counted on `bar` once it has been used."""
+    for pairs in chunks:
+        yield pairs
+        bar.update(len(pairs))
 
 
 def _truncate(data: TokenizedSplit, length: int) -> TokenizedSplit:
