@@ -1,5 +1,6 @@
-# `make test` and `make train` set everything up on a fresh machine.
-# PYTHON=/path/to/python3.12 overrides the search for a Python >= 3.12.
+# `make test` and `make train` set everything up on a fresh machine; `make` alone lists the
+# targets. PYTHON=/path/to/python3.12 overrides the search for a Python >= 3.12.
+.DEFAULT_GOAL := help
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed

@@ -90,11 +90,35 @@ def _compile_only(cfg, mesh_devices: int | None, config_file: str):
                                     num_devices))
 
 
+def _check_config_file(path: str) -> None:
+    """One line when --config names no file (ml_collections defers that error to first use);
+    `path` may end in `:<get_config argument>`."""
+    path = path.split(":", 1)[0]
+    if not os.path.exists(path):
+        sys.exit(f"error: --config={path}: no such file; give a config file, e.g. "
+                 f"--config=configs/default.py")
+    if not os.path.isfile(path):
+        sys.exit(f"error: --config={path} is not a file; give a config file, e.g. "
+                 f"--config=configs/default.py")
+
+
+def _check_workdir(workdir: str) -> None:
+    """One line when --workdir cannot be a directory: it, or the nearest existing folder above
+    it, is a file."""
+    existing = workdir
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing) or "."
+    if not os.path.isdir(existing):
+        sys.exit(f"error: --workdir={workdir}: {existing} is a file, not a directory; give a new "
+                 f"directory to train in (or a run's workdir to resume it)")
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    cfg = FLAGS.config
     config_file = config_flags.get_config_filename(FLAGS["config"])
+    _check_config_file(config_file)
+    cfg = FLAGS.config
     if not FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # JAX's backend probing and orbax's chatter
     if FLAGS.summary:
@@ -116,6 +140,7 @@ def main(argv):
         return
     if not FLAGS.workdir:
         sys.exit("error: --workdir is required to train (or pass --summary)")
+    _check_workdir(FLAGS.workdir)
     _quiet_libraries()
     from transformer import distributed
     from transformer.loop import NonFiniteLoss, train_and_evaluate
@@ -129,13 +154,21 @@ def main(argv):
 
 
 def _parse_flags(argv):
-    """absl's parsing, with an unknown --config.<key> as one line too (ml_collections raises
-    AttributeError for it while absl parses the flags, before main)."""
+    """absl's parsing, with a config file that does not load (a syntax error, no get_config)
+    and an unknown --config.<key> as one line too (ml_collections raises them while absl parses
+    the flags, before main)."""
+    config_arg = next((a for a in argv[1:] if a.startswith("--config=")), "--config")
     try:
         return app.parse_flags_with_usage(argv)
+    except SyntaxError as error:
+        sys.exit(f"error: --config={error.filename} line {error.lineno}: {error.msg}; fix the "
+                 f"config file")
     except AttributeError as error:
         text = str(error).replace("\\n", "\n").replace("\\'", "'").replace("'", "").strip('"')
         name, *hint = text.splitlines()
+        if name.endswith("has no attribute get_config"):
+            sys.exit(f"error: {config_arg} defines no get_config(): a config file "
+                     f"returns its ConfigDict from get_config(), as configs/default.py does")
         bad = next((a.split("=")[0] for a in argv[1:] if a.startswith("--config.")
                     and name in a.split("=")[0].split(".")), "a --config.<key> override")
         sys.exit(f"error: {bad}: the config has no key {name!r}{'; ' + hint[0] if hint else ''}")

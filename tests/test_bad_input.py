@@ -1,6 +1,7 @@
 """Every mistake a user can make ends in one line naming the setting or file and the fix,
-before expensive work, with nothing already written changed: configs, data, and the CLIs
-(`train.py`, `python -m transformer.translate`, `python -m transformer.evaluate`)."""
+before expensive work, with nothing already written changed: configs, data, the files a run
+reads back (config file, workdir, config.json, checkpoints, vocabulary), and the CLIs (`train.py`,
+`python -m transformer.translate`, `.evaluate`, `.generate`, `.visualize`)."""
 
 import hashlib
 import json
@@ -11,6 +12,7 @@ import shutil
 import subprocess
 import sys
 
+import jax
 import pytest
 from conftest import TRANSLATION_SENTENCES
 from ml_collections import ConfigDict
@@ -317,3 +319,137 @@ def test_a_workdir_that_is_not_a_run_is_one_line(command, mistake, tmp_path):
                  stdin=b"Hallo.\n")
     assert_one_line_error(result, message)
     assert snapshot(tmp_path) == before
+
+
+# --------------------------------------------------------------------------- damaged files
+
+@pytest.fixture(scope="module")
+def untrained_lm_workdir(tmp_path_factory, load_config):
+    """config.json, vocab/ and one checkpoint of an untrained tiny decoder-only model."""
+    from transformer import sharding, train_lib
+    from transformer.checkpoint import Checkpointer
+    from transformer.config import resolve
+
+    path = tmp_path_factory.mktemp("untrained_lm")
+    tokenizer = tokenizer_lib.train(TRANSLATION_SENTENCES, 96, seed=0)
+    tokenizer.save(str(path / "vocab"))
+    cfg = load_config("tiny.py", **{"data.vocab_size": tokenizer.vocab_size,
+                                    "model.max_len": 24, "model.architecture": "decoder"})
+    (path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+    trainer = train_lib.build_trainer(resolve(cfg, 1), mesh)
+    checkpointer = Checkpointer(str(path), keep=2)
+    checkpointer.save(1, train_lib.init_state(trainer, 0), {"next_batch_index": 1})
+    checkpointer.close()
+    return path
+
+
+def _truncated_array_files(run):
+    for data in (run / "checkpoints" / "1" / "state").rglob("d/*"):
+        data.write_bytes(data.read_bytes()[:10])
+    return f"{run / 'checkpoints' / '1'} does not restore (ValueError: OUT_OF_RANGE: "
+
+
+def _garbled_vocabulary(run):
+    (run / "vocab" / tokenizer_lib.MODEL_FILE).write_bytes(bytes(range(256)) * 4)
+    return (f"{run / 'vocab' / tokenizer_lib.MODEL_FILE} is damaged (not a SentencePiece "
+            f"model): restore the run's vocab/ directory from a copy")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["translate", "evaluate", "generate"])
+@pytest.mark.parametrize("damage", [_truncated_array_files, _garbled_vocabulary])
+def test_a_damaged_checkpoint_or_vocabulary_is_one_line(command, damage, tmp_path,
+                                                        untrained_translation_workdir,
+                                                        untrained_lm_workdir):
+    trained = untrained_lm_workdir if command == "generate" else untrained_translation_workdir
+    run = pathlib.Path(shutil.copytree(trained, tmp_path / "run"))
+    message = damage(run)
+    before = snapshot(tmp_path)
+    result = cli("-m", f"transformer.{command}", f"--workdir={run}", stdin=b"Hallo.\n")
+    assert_one_line_error(result, message)
+    assert snapshot(tmp_path) == before
+    if damage is _truncated_array_files:
+        assert "restore it from a copy, or load another step (--step; checkpoints/ holds [1])" \
+            in result.stderr.decode()
+
+
+# --------------------------------------------------------------------------- train.py's files
+
+def _no_config_file(tmp_path):
+    return tmp_path / "missing.py", (f"error: --config={tmp_path / 'missing.py'}: no such file; "
+                                     f"give a config file, e.g. --config=configs/default.py")
+
+
+def _config_is_a_directory(tmp_path):
+    return tmp_path, (f"error: --config={tmp_path} is not a file; give a config file, e.g. "
+                      f"--config=configs/default.py")
+
+
+def _config_syntax_error(tmp_path):
+    (tmp_path / "broken.py").write_text("def get_config(:\n    pass\n")
+    return tmp_path / "broken.py", (f"error: --config={tmp_path / 'broken.py'} line 1: invalid "
+                                    f"syntax; fix the config file")
+
+
+def _config_without_get_config(tmp_path):
+    (tmp_path / "plain.py").write_text("d_model = 64\n")
+    return tmp_path / "plain.py", (f"error: --config={tmp_path / 'plain.py'} defines no "
+                                   f"get_config(): a config file returns its ConfigDict from "
+                                   f"get_config(), as configs/default.py does")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mistake", [_no_config_file, _config_is_a_directory,
+                                     _config_syntax_error, _config_without_get_config])
+def test_train_py_config_file_that_does_not_load_is_one_line(mistake, tmp_path):
+    config, message = mistake(tmp_path)
+    before = snapshot(tmp_path)
+    result = cli("train.py", f"--config={config}", f"--workdir={tmp_path / 'run'}")
+    assert_one_line_error(result, message)
+    assert snapshot(tmp_path) == before and not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("below", ["", "run"])
+def test_train_py_workdir_that_is_a_file_is_one_line(below, tmp_path):
+    (tmp_path / "notes.txt").write_text("not a directory\n")
+    workdir = tmp_path / "notes.txt" / below
+    result = cli("train.py", "--config=configs/tiny.py", f"--workdir={workdir}")
+    assert_one_line_error(result, f"error: --workdir={workdir}: "
+                                  f"{tmp_path / 'notes.txt'} is a file, not a directory; give a "
+                                  f"new directory to train in (or a run's workdir to resume it)")
+    assert os.listdir(tmp_path) == ["notes.txt"]
+
+
+# --------------------------------------------------------------------------- visualize
+
+VISUALIZE_MISTAKES = {
+    "length zero": (["positions", "--length=0"], "error: --length=0 must be from 2 to 4096"),
+    "length too long": (["positions", "--length=100000"],
+                        "error: --length=100000 must be from 2 to 4096 positions"),
+    "odd d_model": (["positions", "--d_model=63"], "error: --d_model=63 must be even, from 2 "
+                                                   "to 8192"),
+    "d_model not a number": (["positions", "--d_model=abc"],
+                             "error: python -m transformer.visualize positions: argument "
+                             "--d_model: invalid int value: 'abc' (--help lists the flags)"),
+    "no command": ([], "error: python -m transformer.visualize: the following arguments are "
+                       "required: command"),
+    "curves of a missing workdir": (["curves", "--workdir={tmp}/missing"],
+                                    "error: --workdir={tmp}/missing is not a directory: give a "
+                                    "training run's workdir"),
+    "attention of a missing workdir": (["attention", "--workdir={tmp}/missing", "--source=Hi"],
+                                       "error: --workdir={tmp}/missing is not a directory"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, message", list(VISUALIZE_MISTAKES.values()),
+                         ids=list(VISUALIZE_MISTAKES))
+def test_visualize_mistakes_are_one_line_and_write_nothing(args, message, tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    result = subprocess.run([sys.executable, "-m", "transformer.visualize",
+                             *(a.format(tmp=tmp_path) for a in args)], cwd=tmp_path, env=env,
+                            capture_output=True, timeout=300)
+    assert_one_line_error(result, message.format(tmp=tmp_path))
+    assert os.listdir(tmp_path) == []

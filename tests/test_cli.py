@@ -1,10 +1,12 @@
 """What the CLIs share: quiet native logs unless asked, progress on stderr, the BLEU line."""
 
 import io
+import logging
 import os
 import re
 
-from transformer import cli, progress
+import transformer
+from transformer import cli, loop, metrics, progress
 from transformer.evaluate import sentences_scored
 
 
@@ -61,3 +63,27 @@ def test_the_bleu_line_says_how_many_sentences_were_translated_whole():
         "2117 sentences, all translated whole"
     assert sentences_scored({"bleu_num_sentences": 2117, "bleu_num_truncated": 4}) == \
         "2117 sentences, 4 of them truncated to the model's max_len (scored as translated)"
+
+
+class Pairs:
+    """A source whose validation split is a short and a long sentence."""
+
+    def __init__(self, *sources):
+        self.pairs = [(s, s) for s in sources]
+
+    def raw_pairs(self, split, limit=None):
+        return self.pairs[:limit]
+
+
+def test_the_bleu_line_during_training_says_how_many_were_translated_whole(
+        untrained_translation_workdir, caplog):
+    translator = transformer.load(str(untrained_translation_workdir))
+    long = " ".join(["Sie geht oft ins Kino."] * 20)  # more than the model's max_len=24 pieces
+    figures = loop.validation_bleu(translator, Pairs("Hallo.", long, "Kino."), 3, "de")
+    assert figures["bleu_num_sentences"] == 3 and figures["bleu_num_truncated"] == 1
+    assert loop.validation_bleu(translator, Pairs("Hallo.", long), 1, "de")[
+        "bleu_num_truncated"] == 0
+    caplog.set_level(logging.INFO, logger="transformer")
+    metrics.log_evaluation(4, "validation", figures, 3.2)
+    assert caplog.messages[-1].endswith(
+        " | 3 sentences, 1 of them truncated to the model's max_len (scored as translated) | 3 s")

@@ -338,10 +338,10 @@ def _restore_params(workdir: str, source: str, step: int) -> dict:
     try:
         return _read_params(workdir, source, step)
     except Exception as error:  # any failure to read it back: a damaged checkpoint
-        raise ValueError(f"{os.path.join(workdir, source, str(step))} does not restore "
-                         f"({_one_line(error, 200)}): restore it from a copy, or load another "
-                         f"step ({source}/ holds {list_steps(os.path.join(workdir, source))})"
-                         ) from None
+        why = _one_line(error, 400).split(" [tensorstore_spec=")[0]
+        raise ValueError(f"{os.path.join(workdir, source, str(step))} does not restore ({why}):"
+                         f" restore it from a copy, or load another step (--step; {source}/ "
+                         f"holds {list_steps(os.path.join(workdir, source))})") from None
 
 
 def _read_params(workdir: str, source: str, step: int) -> dict:

@@ -71,19 +71,14 @@ def evaluate(workdir: str, split: str, *, step=None, average=None, num_sentences
 
 def main(argv):
     cli.start(argv, level=logging.INFO, timestamps=True)
+    from transformer import metrics
+
     with cli.one_line_errors():
         figures = evaluate(FLAGS.workdir, FLAGS.split, step=FLAGS.step, average=FLAGS.average,
                            num_sentences=FLAGS.num_sentences, beam_size=FLAGS.beam_size)
     print(f"{FLAGS.split}: perplexity {figures['perplexity']:.2f} | sacreBLEU "
           f"{figures['bleu']:.2f} ({figures['bleu_signature']}) | tokenized compound-split BLEU "
-          f"{figures['bleu_tok_compound']:.2f} | {sentences_scored(figures)}")
-
-
-def sentences_scored(figures: dict) -> str:
-    """`N sentences, all whole` or `N sentences, M of them truncated to the model's max_len`."""
-    total, cut = figures["bleu_num_sentences"], figures["bleu_num_truncated"]
-    return f"{total} sentences, " + (f"{cut} of them truncated to the model's max_len (scored "
-                                     f"as translated)" if cut else "all translated whole")
+          f"{figures['bleu_tok_compound']:.2f} | {metrics.sentences_scored(figures)}")
 
 
 if __name__ == "__main__":

@@ -133,9 +133,10 @@ class OutputHead(NamedTuple):
     vocab_axis: int
 
     def logits(self) -> jax.Array:
-        """[B, T, V] in the compute dtype."""
+        """[B, T, V] float32: the products in the compute dtype accumulate in float32."""
         spec = "BTD,VD->BTV" if self.vocab_axis == 0 else "BTD,DV->BTV"
-        logits = jnp.einsum(spec, self.hidden.astype(self.kernel.dtype), self.kernel)
+        logits = jnp.einsum(spec, self.hidden.astype(self.kernel.dtype), self.kernel,
+                            preferred_element_type=jnp.float32)
         return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
 
 

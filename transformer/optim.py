@@ -274,7 +274,7 @@ def _chunk_loss(hidden, kernel, targets, weights, vocab_axis, label_smoothing, z
                                  z_loss=z_loss)
         return out.loss_sum, out.z_loss_sum
 
-    logits = jnp.einsum(spec, hidden, kernel)
+    logits = jnp.einsum(spec, hidden, kernel, preferred_element_type=jnp.float32)
     if not with_grad:
         return sums(logits), None
     (loss_sum, z_loss_sum), grad_fn = jax.vjp(sums, logits)

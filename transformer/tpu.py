@@ -142,5 +142,9 @@ def compile_report(run: Resolved, topology: Topology, devices) -> str:
     mesh = sharding.make_mesh(run.config.mesh, devices)
     header = (f"topology: {topology.name} = {topology.libtpu_name} x {topology.num_slices} "
               f"slice(s), {len(devices)} x {devices[0].device_kind}")
+    if topology.num_slices > 1:
+        ici, dcn = sharding.hybrid_shape(run.config.mesh, len(devices), topology.num_slices)
+        header += (f"; {', '.join(sharding.MESH_AXES)} within a slice {tuple(ici)}, across "
+                   f"slices {tuple(dcn)}")
     report = memory.format_report(run.model, memory.plan(run, mesh), topology.chip.device)
     return f"{header}\n{report}"

@@ -101,7 +101,7 @@ class Translator:
         encoded = self.encode([sentences[i] for i in todo])
         order = sorted(range(len(todo)), key=lambda j: len(encoded[j]))  # similar lengths
         with progress.bar(len(order), "translating", unit="sentence",
-                          show=len(order) > batch_size) as bar:
+                          show=len(order) > batch_size and jax.process_index() == 0) as bar:
             for start in range(0, len(order), batch_size):
                 chunk = order[start:start + batch_size]
                 ids = self.translate_ids([encoded[j] for j in chunk], beam_size=beam_size,

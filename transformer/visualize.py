@@ -33,6 +33,8 @@ KINDS = ("encoder_self_attention", "decoder_self_attention", "cross_attention")
 CURVES = (("loss", "loss (NLL per target token)"), ("perplexity", "perplexity"),
           ("learning_rate", "learning rate"), ("bleu", "sacreBLEU"),
           ("tokens_per_sec", "tokens/s (non-pad target)"))
+MAX_POSITIONS = 4096  # `positions` draws a [length, length] matrix
+MAX_D_MODEL = 8192
 
 
 def _pyplot():
@@ -165,6 +167,8 @@ def plot_attention(maps: AttentionMaps, out_dir: str) -> list[str]:
 def read_metrics(workdir: str) -> dict[str, dict[str, list[tuple[int, float]]]]:
     """`{split: {metric: [(step, value), ...]}}` from `<workdir>/metrics.jsonl`, the last line
     per (step, split) winning, steps ascending."""
+    if not os.path.isdir(workdir):
+        raise ValueError(f"--workdir={workdir} is not a directory: give a training run's workdir")
     path = workdir_lib.path(workdir, workdir_lib.METRICS)
     if not os.path.exists(path):
         raise ValueError(f"{path} does not exist: is {workdir} a training workdir?")
@@ -227,8 +231,10 @@ def plot_positions(d_model: int, length: int, out: str) -> str:
     bands show that the similarity depends on the distance between positions only."""
     from transformer.layers import sinusoidal_position_encoding
 
-    if d_model < 2 or d_model % 2 or length < 2:
-        raise ValueError(f"--d_model={d_model} must be even and >= 2, --length={length} >= 2")
+    if not (2 <= d_model <= MAX_D_MODEL and d_model % 2 == 0):
+        raise ValueError(f"--d_model={d_model} must be even, from 2 to {MAX_D_MODEL}")
+    if not 2 <= length <= MAX_POSITIONS:
+        raise ValueError(f"--length={length} must be from 2 to {MAX_POSITIONS} positions")
     plt = _pyplot()
     table = np.asarray(sinusoidal_position_encoding(length, d_model))
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5), layout="constrained")
@@ -251,9 +257,16 @@ def plot_positions(d_model: int, length: int, out: str) -> str:
 # --------------------------------------------------------------------------- CLI
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad command line as one line, exit status 1, like the other
+    CLIs (not its usage text and status 2)."""
+
+    def error(self, message: str):
+        sys.exit(f"error: {self.prog}: {message} (--help lists the flags)")
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m transformer.visualize",
-                                     description=__doc__.splitlines()[0])
+    parser = _Parser(prog="python -m transformer.visualize", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     attention = commands.add_parser("attention", help="attention maps of one sentence pair")
     attention.add_argument("--workdir", required=True)

@@ -1,0 +1,172 @@
+"""Compiling for TPU topologies without a TPU (`train.py --compile_only --topology`), multi-slice
+meshes, and float32 logits under bfloat16. The compile tests need libtpu (the `tpu` extra, which
+CI installs); without it they fail, saying so, rather than skip."""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from transformer import attention, optim, sharding, tpu
+from transformer.config import resolve
+from transformer.model import OutputHead, Transformer, TransformerConfig
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def libtpu():
+    if not tpu.libtpu_installed():
+        pytest.fail(f"libtpu is not installed ({tpu.LIBTPU_MISSING}); CI installs it")
+
+
+@pytest.mark.parametrize("name, libtpu_name, chips, megacore", [
+    ("v4-8", "v4:2x2x1", 4, True), ("v4-32", "v4:2x2x4", 16, True),
+    ("v5e-4", "v5e:2x2", 4, False), ("v5litepod-4", "v5e:2x2", 4, False),
+    ("v5e-8", "v5e:2x4", 8, False), ("v5e-256", "v5e:16x16", 256, False),
+    ("v5p-8", "v5:2x2x1", 4, True), ("v5p-128", "v5:4x4x4", 64, True),
+    ("v6e-8", "v6e:2x4", 8, False), ("v5e:2x2", "v5e:2x2", 4, False),
+    ("v4:2x2", "v4:2x2x1", 4, True),
+])
+def test_cloud_names_map_to_libtpu_topologies(name, libtpu_name, chips, megacore):
+    topology = tpu.parse_topology(name, num_slices=2)
+    assert topology.libtpu_name == libtpu_name and topology.num_devices == 2 * chips
+    kwargs = topology.kwargs()
+    assert kwargs["chip_config_name"] == ("megacore" if megacore else "default")
+    assert kwargs["num_slices"] == 2
+
+
+@pytest.mark.parametrize("name", ["v7-8", "v4-6", "v5p-7", "v5e-3", "tpu", "v5e:2x2x2", "v4-"])
+def test_bad_names_are_one_line_listing_the_accepted_forms(name):
+    with pytest.raises(ValueError, match=r"is not a TPU topology; use accelerator types v4-8"):
+        tpu.parse_topology(name)
+
+
+@pytest.mark.parametrize("name, slices, kind", [("v5e-4", 1, "TPU v5 lite"),
+                                                ("v4-8", 2, "TPU v4"), ("v5p-8", 1, "TPU v5"),
+                                                ("v6e-8", 1, "TPU v6 lite")])
+def test_abstract_devices_one_per_chip(libtpu, name, slices, kind):
+    tpu.prepare_environment()
+    topology = tpu.parse_topology(name, slices)
+    devices = tpu.abstract_devices(topology)
+    assert len(devices) == topology.num_devices
+    assert {d.device_kind for d in devices} == {kind}
+    assert sharding.num_slices(devices) == slices
+
+
+def test_dcn_axes_multiply_the_mesh_axes_across_slices():
+    mesh = {"data": 1, "fsdp": -1, "tensor": 2}
+    assert sharding.hybrid_shape(mesh, 16, 2) == ([1, 4, 2], [2, 1, 1])
+    assert sharding.mesh_shape(mesh, 16, 2) == {"data": 2, "fsdp": 4, "tensor": 2}
+    assert sharding.mesh_shape({**mesh, "dcn_data": 1, "dcn_fsdp": 2}, 16, 2) == {
+        "data": 1, "fsdp": 8, "tensor": 2}
+    assert sharding.mesh_shape(mesh, 16) == {"data": 1, "fsdp": 8, "tensor": 2}
+    with pytest.raises(ValueError, match="mesh.dcn_data=3, mesh.dcn_fsdp=1, mesh.dcn_tensor=1 "
+                                         "needs 3 slices, but 2 are available"):
+        sharding.mesh_shape({**mesh, "dcn_data": 3}, 16, 2)
+
+
+def test_config_takes_the_dcn_keys(load_config):
+    cfg = load_config("tiny.py")
+    cfg.mesh.dcn_data = 2
+    assert resolve(cfg, 8, num_slices=2).mesh_shape == {"data": 8, "fsdp": 1, "tensor": 1}
+
+
+def test_hybrid_mesh_over_two_slices(libtpu):
+    tpu.prepare_environment()
+    devices = tpu.abstract_devices(tpu.parse_topology("v5e-4", 2))
+    mesh = sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 1}, devices)
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "tensor": 1}
+    slices = np.vectorize(lambda d: d.slice_index)(mesh.devices)
+    assert (slices == np.arange(2)[:, None, None]).all()  # data parallelism across slices
+
+
+def _train_py(*args: str, prefix: str = "") -> subprocess.CompletedProcess:
+    """`train.py --compile_only ...` in a fresh process (JAX_PLATFORMS unset, as for a user)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    code = (f"{prefix}import runpy, sys; sys.argv = ['train.py', '--compile_only', *{args!r}]; "
+            f"runpy.run_path('train.py', run_name='__main__')")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=600)
+
+
+def _check_report(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 0, result.stderr
+    last = result.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r"per_device_bytes:( \w+=\d+)+", last), result.stdout
+    assert "TPU v5 lite: 14.90 GiB HBM" in result.stdout
+    assert re.search(r"peak memory per device \(compiler\): .*: fits", result.stdout)
+    assert re.search(r"step time estimate: [0-9.]+ ms", result.stdout)
+    assert re.search(r"MFU estimate: [0-9.]+%", result.stdout)
+    return result.stdout
+
+
+def test_train_py_compiles_tiny_for_v5e_2x2(libtpu):
+    report = _check_report(_train_py("--config=configs/tiny.py", "--topology=v5e:2x2"))
+    assert "compile only: 4 tpu devices, mesh data 4 x fsdp 1 x tensor 1" in report
+
+
+def test_train_py_compiles_for_two_slices(libtpu):
+    report = _check_report(_train_py(
+        "--config=configs/tiny.py", "--topology=v5e-4", "--num_slices=2",
+        "--config.model.num_encoder_layers=1", "--config.model.num_decoder_layers=1"))
+    assert "8 x TPU v5 lite; data, fsdp, tensor within a slice (4, 1, 1), across slices " \
+           "(2, 1, 1)" in report
+
+
+def test_train_py_topology_errors_are_one_line():
+    bad = _train_py("--config=configs/tiny.py", "--topology=v9-8")
+    assert bad.returncode == 1
+    assert bad.stderr.strip().splitlines() == [
+        f"error: --topology='v9-8' is not a TPU topology; use {tpu.ACCEPTED}"]
+    missing = _train_py("--config=configs/tiny.py", "--topology=v5e-4",
+                        prefix="import sys; sys.modules['libtpu'] = None; ")
+    assert missing.returncode == 1
+    assert missing.stderr.strip().splitlines() == [f"error: {tpu.LIBTPU_MISSING}"]
+
+
+def _dots(text: str) -> list[tuple[tuple[str, ...], str, tuple[int, ...]]]:
+    """The StableHLO dot_generals of `text`: (operand dtypes, result dtype, result shape)."""
+    found = []
+    for operands, result in re.findall(
+            r"stablehlo\.dot_general.*: \((.*)\) -> tensor<([0-9x]*[a-z0-9]+)>", text):
+        *shape, dtype = result.split("x")
+        found.append((tuple(re.findall(r"x?([a-z]+[0-9]+)>", operands)), dtype,
+                      tuple(map(int, shape))))
+    return found
+
+
+def test_bfloat16_logits_and_attention_logits_accumulate_in_float32():
+    """In the lowered HLO of a bfloat16 model, the output projection [B, T, V] and the
+    attention logits (5-D: B, K, G, T, S in dot_general's order) are dot_generals of bfloat16
+    operands with float32 results (preferred_element_type), never rounded to bfloat16."""
+    config = TransformerConfig(vocab_size=96, num_encoder_layers=1, num_decoder_layers=1,
+                               d_model=32, d_ff=64, num_heads=4, max_len=16, dtype="bfloat16",
+                               attention_implementation="xla")
+    tokens = jnp.ones((2, 8), jnp.int32)
+    model = Transformer(config)
+    params = jax.eval_shape(model.init, jax.random.key(0), tokens, tokens)
+    dots = _dots(jax.jit(model.apply).lower(params, tokens, tokens).as_text())
+    bf16 = ("bf16", "bf16")
+    assert (bf16, "f32", (2, 8, 96)) in dots  # logits
+    scores = [d for d in dots if d[0] == bf16 and d[1] == "f32" and len(d[2]) == 5]
+    assert len(scores) == 3  # encoder self-, decoder self- and cross-attention
+    assert not [d for d in dots if d[1] == "bf16" and d[2][-1] == 96]
+
+    hidden = jnp.ones((2, 8, 32), jnp.bfloat16)
+    kernel = jnp.ones((96, 32), jnp.bfloat16)
+    head = jax.jit(lambda h, k: OutputHead(h, k, 0).logits()).lower(hidden, kernel).as_text()
+    assert _dots(head) == [(bf16, "f32", (2, 8, 96))]
+    targets = jnp.ones((2, 8), jnp.int32)
+    loss = jax.jit(jax.grad(lambda h, k: optim.projected_cross_entropy_loss(
+        h, k, targets, chunk_length=4).loss_sum)).lower(hidden, kernel).as_text()
+    assert (bf16, "f32", (2, 4, 96)) in _dots(loss)  # each chunk's logits
+    q = jnp.ones((2, 8, 4, 8), jnp.bfloat16)
+    weights = jax.jit(attention.attention_weights).lower(q, q).as_text()
+    assert _dots(weights) == [(bf16, "f32", (2, 4, 8, 8, 1))]
