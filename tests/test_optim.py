@@ -277,8 +277,8 @@ def test_projected_loss_in_bfloat16_is_float32_and_close(projection):
     sums = optim.projected_cross_entropy_loss(h, e, targets, weights, label_smoothing=0.1,
                                               chunk_length=3)
     assert all(x.dtype == jnp.float32 for x in sums)
-    expected = optim.cross_entropy_loss(jnp.einsum("btd,vd->btv", h, e), targets, weights,
-                                        label_smoothing=0.1)
+    logits = jnp.einsum("BTD,VD->BTV", h, e, preferred_element_type=jnp.float32)
+    expected = optim.cross_entropy_loss(logits, targets, weights, label_smoothing=0.1)
     np.testing.assert_allclose(sums.loss_sum, expected.loss_sum, rtol=1e-5)
     grads = jax.grad(lambda h: optim.projected_cross_entropy_loss(
         h, e, targets, weights, chunk_length=3).loss_sum)(h)

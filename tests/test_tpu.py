@@ -1,7 +1,10 @@
 """Compiling for TPU topologies without a TPU (`train.py --compile_only --topology`), multi-slice
-meshes, and float32 logits under bfloat16. The compile tests need libtpu (the `tpu` extra, which
-CI installs); without it they fail, saying so, rather than skip."""
+meshes, and float32 logits under bfloat16. The compile tests need libtpu (the `tpu` extra);
+`make test` does not install it yet (with libtpu installed, every JAX process without
+JAX_PLATFORMS=cpu probes for a TPU: README, "Will it fit?"), so without it they skip, saying
+why."""
 
+import functools
 import os
 import pathlib
 import re
@@ -13,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer import attention, optim, sharding, tpu
+from transformer import attention, optim, sharding, splash, tpu
 from transformer.config import resolve
 from transformer.model import OutputHead, Transformer, TransformerConfig
 
@@ -23,7 +26,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 @pytest.fixture
 def libtpu():
     if not tpu.libtpu_installed():
-        pytest.fail(f"libtpu is not installed ({tpu.LIBTPU_MISSING}); CI installs it")
+        pytest.skip(f"libtpu is not installed ({tpu.LIBTPU_MISSING})")
 
 
 @pytest.mark.parametrize("name, libtpu_name, chips, megacore", [
@@ -102,8 +105,8 @@ def _check_report(result: subprocess.CompletedProcess) -> str:
     assert re.fullmatch(r"per_device_bytes:( \w+=\d+)+", last), result.stdout
     assert "TPU v5 lite: 14.90 GiB HBM" in result.stdout
     assert re.search(r"peak memory per device \(compiler\): .*: fits", result.stdout)
-    assert re.search(r"step time estimate: [0-9.]+ ms", result.stdout)
-    assert re.search(r"MFU estimate: [0-9.]+%", result.stdout)
+    assert re.search(r"step time estimate: (at least )?[0-9.]+ ms", result.stdout)
+    assert re.search(r"MFU estimate: (at most )?[0-9.]+%", result.stdout)
     return result.stdout
 
 
@@ -129,6 +132,15 @@ def test_train_py_topology_errors_are_one_line():
                         prefix="import sys; sys.modules['libtpu'] = None; ")
     assert missing.returncode == 1
     assert missing.stderr.strip().splitlines() == [f"error: {tpu.LIBTPU_MISSING}"]
+
+
+def test_train_py_a_program_too_big_for_hbm_is_one_line(libtpu):
+    """The TPU compiler refuses a program over HBM (with a dump of 100s of log lines)."""
+    result = _train_py("--config=configs/lm_125m.py", "--topology=v5e-8")
+    assert result.returncode == 1
+    line, = result.stderr.strip().splitlines()
+    assert re.fullmatch(r"error: does not fit on v5e-8: the TPU compiler says Ran out of memory "
+                        r"on HBM, .* \([0-9.]+G\) exceeds available HBM \(15.75G\); .*", line)
 
 
 def _dots(text: str) -> list[tuple[tuple[str, ...], str, tuple[int, ...]]]:
@@ -170,3 +182,53 @@ def test_bfloat16_logits_and_attention_logits_accumulate_in_float32():
     q = jnp.ones((2, 8, 4, 8), jnp.bfloat16)
     weights = jax.jit(attention.attention_weights).lower(q, q).as_text()
     assert _dots(weights) == [(bf16, "f32", (2, 4, 8, 8, 1))]
+
+
+@pytest.mark.parametrize("causal, segments, kv_heads", [(True, False, 2), (True, True, 4),
+                                                        (False, True, 1)])
+def test_splash_matches_xla_attention_in_interpret_mode(causal, segments, kv_heads):
+    """The kernel on CPU (Pallas interpret mode) against the "xla" path, forward and the
+    gradient of q, with packed rows, padding (id 0) and a segment absent from the keys."""
+    b, t, n, h = 2, 128, 4, 64
+    q, k, v = (jax.random.normal(jax.random.key(i), shape, jnp.float32)
+               for i, shape in enumerate([(b, t, n, h), (b, t, kv_heads, h), (b, t, kv_heads, h)]))
+    q_ids = kv_ids = None
+    mask = attention.make_causal_mask(t) if causal else None
+    if segments:
+        q_ids = jnp.asarray(np.repeat([[1, 2, 0, 0], [3, 3, 1, 0]], t // 4, axis=1), jnp.int32)
+        kv_ids = q_ids.at[1, :32].set(4)  # segment 3's first rows have nothing to attend to
+        mask = attention.combine_masks(mask, attention.make_segment_mask(q_ids, kv_ids))
+    ids = dict(q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+
+    def loss(fn, q):
+        return jnp.sum(jnp.sin(fn(q)))
+
+    xla = functools.partial(attention.dot_product_attention, k=k, v=v, mask=mask)
+    kernel = functools.partial(splash.splash_attention, k=k, v=v, causal=causal,
+                               interpret=True, **ids)
+    np.testing.assert_allclose(kernel(q), xla(q), atol=2e-5)
+    np.testing.assert_allclose(jax.grad(functools.partial(loss, kernel))(q),
+                               jax.grad(functools.partial(loss, xla))(q), atol=2e-5)
+
+
+def test_splash_compiles_for_v5e_2x2_in_a_shard_map(libtpu):
+    tpu.prepare_environment()
+    devices = tpu.abstract_devices(tpu.parse_topology("v5e:2x2"))
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 2, "tensor": 2}, devices)
+    heads = jax.NamedSharding(mesh, jax.P(sharding.BATCH_AXES, None, "tensor", None))
+    ids = jax.NamedSharding(mesh, jax.P(sharding.BATCH_AXES, None))
+    q = jax.ShapeDtypeStruct((4, 256, 8, 128), jnp.bfloat16, sharding=heads)
+    kv = jax.ShapeDtypeStruct((4, 256, 2, 128), jnp.bfloat16, sharding=heads)
+    seg = jax.ShapeDtypeStruct((4, 256), jnp.int32, sharding=ids)
+
+    def loss(q, k, v, seg):
+        out = splash.sharded_splash_attention(q, k, v, mesh, causal=True, q_segment_ids=seg,
+                                              kv_segment_ids=seg)
+        return jnp.sum(out.astype(jnp.float32))
+
+    jax.config.update("jax_enable_compilation_cache", False)  # compile-only executables
+    try:
+        compiled = jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, kv, kv, seg).compile()
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+    assert compiled.as_text().count("tpu_custom_call") >= 3  # forward, dq, dkv kernels

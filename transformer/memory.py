@@ -304,13 +304,17 @@ def _compiler_lines(model: TransformerConfig, memory_plan: MemoryPlan,
                     accelerator: Accelerator) -> list[str]:
     """Peak memory against HBM, the compiler's FLOPs, its time estimate and the MFU implied."""
     peak, hbm, cost = memory_plan.peak_bytes, accelerator.memory_bytes, memory_plan.cost
-    optimal = cost["optimal_seconds"]
-    roofline = max(cost["flops"] / accelerator.peak_flops,
-                   cost["bytes accessed"] / accelerator.memory_bytes_per_s)
-    seconds, source = ((optimal, "the compiler's cost model (optimal_seconds)") if optimal > 0
-                       else (roofline, "a roofline: max(compiler FLOPs / peak, bytes accessed / "
-                             "HBM bandwidth)"))
     analytic = step_flops_per_device(model, memory_plan)
+    optimal = cost["optimal_seconds"]
+    if optimal > 0:
+        seconds, bound = optimal, ""
+        source = "the compiler's cost model (optimal_seconds)"
+    else:  # the cost model gave up (a negative figure): a lower bound on the time
+        seconds = max(max(cost["flops"], analytic) / accelerator.peak_flops,
+                      cost["bytes accessed"] / accelerator.memory_bytes_per_s)
+        bound = "at least "
+        source = ("a roofline: max(FLOPs / peak, compiler's bytes accessed / HBM bandwidth); "
+                  "the compiler's cost model gave none")
     scanned = " (a scanned layer counted once)" if model.scan_layers else ""
     return [
         f"{accelerator.name}: {_human(hbm)} HBM, {accelerator.peak_flops / 1e12:.0f} TFLOP/s "
@@ -319,9 +323,10 @@ def _compiler_lines(model: TransformerConfig, memory_plan: MemoryPlan,
         f"{'fits' if peak <= hbm else 'does not fit'}",
         f"compiler FLOPs per device per step: {cost['flops']:.3e}{scanned}; "
         f"flops.py: {analytic:.3e}",
-        f"step time estimate: {seconds * 1e3:.3f} ms, from {source}",
-        f"MFU estimate: {analytic / (seconds * accelerator.peak_flops):.1%} "
-        f"(flops.py FLOPs / estimated time / peak)",
+        f"step time estimate: {bound}{seconds * 1e3:.3f} ms, from {source}",
+        f"MFU estimate: {'at most ' if bound else ''}"
+        f"{analytic / (seconds * accelerator.peak_flops):.1%} (flops.py FLOPs / estimated time "
+        f"/ peak)",
     ]
 
 

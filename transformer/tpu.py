@@ -15,6 +15,10 @@ import importlib.util
 import math
 import os
 import re
+import sys
+import tempfile
+
+import jax
 
 from transformer import memory, sharding
 from transformer.config import Resolved
@@ -146,5 +150,31 @@ def compile_report(run: Resolved, topology: Topology, devices) -> str:
         ici, dcn = sharding.hybrid_shape(run.config.mesh, len(devices), topology.num_slices)
         header += (f"; {', '.join(sharding.MESH_AXES)} within a slice {tuple(ici)}, across "
                    f"slices {tuple(dcn)}")
-    report = memory.format_report(run.model, memory.plan(run, mesh), topology.chip.device)
+    report = memory.format_report(run.model, _plan(run, mesh, topology), topology.chip.device)
     return f"{header}\n{report}"
+
+
+def _plan(run: Resolved, mesh, topology: Topology) -> memory.MemoryPlan:
+    """`memory.plan` for TPU devices. libtpu's compiler logs to file descriptor 2, and a program
+    that does not fit in HBM is an error with a memory dump of 100s of lines: that becomes one
+    line (ValueError); any other log is passed on."""
+    sys.stderr.flush()
+    saved, oom = os.dup(2), None
+    with tempfile.TemporaryFile("w+") as log:
+        os.dup2(log.fileno(), 2)
+        try:
+            return memory.plan(run, mesh)
+        except jax.errors.JaxRuntimeError as error:
+            oom = re.search(r"CompileTimeHbmOom: (.*?)\. HLO module", str(error))
+            if oom is None:
+                raise
+            raise ValueError(f"does not fit on {topology.name}: the TPU compiler says "
+                             f"{oom.group(1)}; shard more (mesh.fsdp, mesh.tensor), remat "
+                             f"(model.remat_policy) or fewer rows per device") from None
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            log.seek(0)
+            if oom is None:
+                sys.stderr.write(log.read())
