@@ -7,7 +7,7 @@ import re
 
 import transformer
 from transformer import cli, loop, metrics, progress
-from transformer.evaluate import sentences_scored
+from transformer.metrics import sentences_scored
 
 
 def test_native_logs_are_quiet_by_default_and_user_settings_win(monkeypatch):
