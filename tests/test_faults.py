@@ -300,10 +300,10 @@ def test_repeated_kills_at_random_moments_lose_nothing(tmp_path, reference):
 @pytest.mark.slow
 def test_a_killed_coordinator_stops_its_peer_and_the_run_resumes_exactly(tmp_path):
     """The dead-peer behaviour (test_multihost.py kills process 1) with process 0, which hosts
-    the coordination service, killed instead: the survivor stops within the heartbeat timeout,
+    the coordination service, killed instead: the survivor stops once it cannot reach the service,
     the latest checkpoint restores, and the steps redone after the resume give the losses logged
     before, exactly. (Each 2-process start compiles afresh, ~1 min on 2 cores: one kill here.)"""
-    from test_multihost import launch, output_of
+    from test_multihost import DEAD_PEER_MESSAGE, launch, output_of
 
     heartbeat, total, target = 5, 12, 5
     overrides = ["--config.eval_every_steps=0", f"--config.num_train_steps={total}",
@@ -316,9 +316,15 @@ def test_a_killed_coordinator_stops_its_peer_and_the_run_resumes_exactly(tmp_pat
         assert time.monotonic() < deadline, "training did not reach the target step"
         time.sleep(0.05)
     procs[0].send_signal(signal.SIGKILL)
-    killed_at = time.monotonic()
+    # Event-based: the survivor ends on losing the coordination service, which process 0 hosted,
+    # not on a collective's timeout or an unrelated error. Measured (2 shared cores): it exits
+    # in the same second as its step-5 line, well before the 5 s heartbeat timeout; the wait's
+    # limit only turns a hang into a failure.
     procs[1].wait(timeout=heartbeat + 60)
-    assert procs[1].returncode != 0 and time.monotonic() - killed_at < heartbeat + 30
+    survivor = output_of(procs[1])
+    assert procs[1].returncode != 0
+    assert DEAD_PEER_MESSAGE in survivor, survivor[-3000:]
+    assert "Failed to send RPC to coordination service" in survivor, survivor[-3000:]
     procs[0].wait()
     steps = checkpoint.list_steps(str(tmp_path / "checkpoints"))
     assert steps[-1] >= 3

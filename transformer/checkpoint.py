@@ -436,6 +436,20 @@ def _restore_averaged(path: str) -> dict:
             item=metadata, restore_args=_as_numpy(metadata)))
 
 
+def params_step(workdir: str, *, step: int | None = None, average: int | None = None) -> int:
+    """The training step of the params `load_params` returns for the same arguments: `step`,
+    the last step averaged, or the latest step of `checkpoints/` and `params/`."""
+    if step is not None:
+        return step
+    if average is not None:
+        return _average_source(workdir)[1][-1]
+    steps = list_steps(os.path.join(workdir, CHECKPOINTS))[-1:]
+    steps += list_steps(os.path.join(workdir, PARAMS_SERIES))[-1:]
+    if not steps:
+        raise _no_checkpoint(workdir)
+    return max(steps)
+
+
 def load_params(workdir: str, *, step: int | None = None, average: int | None = None) -> dict:
     """The params of a workdir as a host numpy tree, whatever mesh wrote them.
 
@@ -452,12 +466,9 @@ def load_params(workdir: str, *, step: int | None = None, average: int | None = 
         if not os.path.isdir(path) or not ocp.utils.is_checkpoint_finalized(path):
             path = average_checkpoints(workdir, last=average)
         return _restore_averaged(path)
+    step = params_step(workdir, step=step)
     checkpoints = list_steps(os.path.join(workdir, CHECKPOINTS))
     series = list_steps(os.path.join(workdir, PARAMS_SERIES))
-    if not checkpoints and not series:
-        raise _no_checkpoint(workdir)
-    if step is None:
-        step = max(checkpoints[-1:] + series[-1:])
     if step in checkpoints:
         return _restore_params(workdir, CHECKPOINTS, step)
     if step in series:

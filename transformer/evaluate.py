@@ -30,7 +30,7 @@ def evaluate(workdir: str, split: str, *, step=None, average=None, num_sentences
 
     from transformer import evaluation, loop, sharding, train_lib
     from transformer import workdir as workdir_lib
-    from transformer.checkpoint import list_steps
+    from transformer.checkpoint import params_step
     from transformer.config import Resolved
     from transformer.data import make_source
     from transformer.metrics import MetricWriter
@@ -60,8 +60,7 @@ def evaluate(workdir: str, split: str, *, step=None, average=None, num_sentences
                         ("translation", hypotheses)):
         with open(os.path.join(out_dir, f"{split}.{label}.{kind}.txt"), "w") as f:
             f.writelines(line + "\n" for line in lines)
-    steps = list_steps(workdir_lib.path(workdir, workdir_lib.CHECKPOINTS))
-    at_step = step or (max(steps) if steps else 0)
+    at_step = params_step(workdir, step=step, average=average)  # the params scored
     figures["checkpoint"] = label
     writer = MetricWriter(workdir)
     writer.write(at_step, split, figures)
