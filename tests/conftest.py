@@ -61,21 +61,18 @@ TRANSLATION_SENTENCES = [
 ] * 20
 
 
-@pytest.fixture(scope="session")
-def untrained_translation_workdir(tmp_path_factory):
-    """config.json, vocab/ and one checkpoint of an untrained tiny translation model: what
-    `transformer.load` reads."""
+def _untrained_run(path: pathlib.Path, **overrides) -> pathlib.Path:
+    """config.json, vocab/ and one checkpoint of an untrained tiny model (configs/tiny.py with
+    a 96-piece vocabulary, max_len 24, and `overrides`) in `path`: what the CLIs read."""
     from transformer import sharding, train_lib
     from transformer.checkpoint import Checkpointer
     from transformer.config import resolve
     from transformer.data import tokenizer as tokenizer_lib
 
-    path = tmp_path_factory.mktemp("untrained_run")
     tokenizer = tokenizer_lib.train(TRANSLATION_SENTENCES, 96, seed=0)
     tokenizer.save(str(path / "vocab"))
     cfg = _load_config("tiny.py", **{"data.vocab_size": tokenizer.vocab_size,
-                                      "model.max_len": 24, "data.target_lang": "de",
-                                      "decode.max_extra_length": 6})
+                                      "model.max_len": 24, **overrides})
     (path / "config.json").write_text(json.dumps(cfg.to_dict()))
     mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
     trainer = train_lib.build_trainer(resolve(cfg, 1), mesh)
@@ -83,6 +80,20 @@ def untrained_translation_workdir(tmp_path_factory):
     checkpointer.save(1, train_lib.init_state(trainer, 0), {"next_batch_index": 1})
     checkpointer.close()
     return path
+
+
+@pytest.fixture(scope="session")
+def untrained_translation_workdir(tmp_path_factory):
+    """An untrained tiny translation run: what `transformer.load` reads."""
+    return _untrained_run(tmp_path_factory.mktemp("untrained_run"),
+                          **{"data.target_lang": "de", "decode.max_extra_length": 6})
+
+
+@pytest.fixture(scope="session")
+def untrained_lm_workdir(tmp_path_factory):
+    """An untrained tiny decoder-only run: what `transformer.load_generator` reads."""
+    return _untrained_run(tmp_path_factory.mktemp("untrained_lm"),
+                          **{"model.architecture": "decoder"})
 
 
 # configs/default.py shrunk to seconds (dotted keys, as --config.<key>=<value> flags take them):

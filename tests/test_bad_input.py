@@ -12,7 +12,6 @@ import shutil
 import subprocess
 import sys
 
-import jax
 import pytest
 from conftest import TRANSLATION_SENTENCES
 from ml_collections import ConfigDict
@@ -322,27 +321,6 @@ def test_a_workdir_that_is_not_a_run_is_one_line(command, mistake, tmp_path):
 
 
 # --------------------------------------------------------------------------- damaged files
-
-@pytest.fixture(scope="module")
-def untrained_lm_workdir(tmp_path_factory, load_config):
-    """config.json, vocab/ and one checkpoint of an untrained tiny decoder-only model."""
-    from transformer import sharding, train_lib
-    from transformer.checkpoint import Checkpointer
-    from transformer.config import resolve
-
-    path = tmp_path_factory.mktemp("untrained_lm")
-    tokenizer = tokenizer_lib.train(TRANSLATION_SENTENCES, 96, seed=0)
-    tokenizer.save(str(path / "vocab"))
-    cfg = load_config("tiny.py", **{"data.vocab_size": tokenizer.vocab_size,
-                                    "model.max_len": 24, "model.architecture": "decoder"})
-    (path / "config.json").write_text(json.dumps(cfg.to_dict()))
-    mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
-    trainer = train_lib.build_trainer(resolve(cfg, 1), mesh)
-    checkpointer = Checkpointer(str(path), keep=2)
-    checkpointer.save(1, train_lib.init_state(trainer, 0), {"next_batch_index": 1})
-    checkpointer.close()
-    return path
-
 
 def _truncated_array_files(run):
     for data in (run / "checkpoints" / "1" / "state").rglob("d/*"):
