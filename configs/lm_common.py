@@ -16,7 +16,8 @@ warmup then cosine decay to 10%, no dropout, no label smoothing. Packed rows of
 
 from ml_collections import config_dict
 
-OBJECTIVE_ARCHITECTURE = {"causal": "decoder", "prefix": "decoder", "masked": "encoder"}
+OBJECTIVE_ARCHITECTURE = {"causal": "decoder", "prefix": "decoder", "masked": "encoder",
+                          "span_corruption": "encoder_decoder"}
 
 
 def lm_config(*, objective: str, dataset: str, vocab_size: int, max_length: int, batch_size: int,
@@ -25,7 +26,8 @@ def lm_config(*, objective: str, dataset: str, vocab_size: int, max_length: int,
               mesh: dict, dtype: str = "bfloat16", scan_layers: bool = True,
               remat_policy: str = "none", eval_split: str = "validation",
               max_rows_per_device: int = 0) -> config_dict.ConfigDict:
-    """A `data.objective` ("causal", "prefix" or "masked") language model on TFDS `dataset`."""
+    """A `data.objective` ("causal", "prefix", "masked" or "span_corruption") language model
+    on TFDS `dataset`; span corruption trains an encoder-decoder of `num_layers` + `num_layers`."""
     architecture = OBJECTIVE_ARCHITECTURE[objective]
     cfg = config_dict.ConfigDict()
     cfg.seed = 0
@@ -47,6 +49,7 @@ def lm_config(*, objective: str, dataset: str, vocab_size: int, max_length: int,
         eval_batch_size=config_dict.placeholder(int),  # rows per eval batch; None: per micro
         eval_split=eval_split, eval_documents=2000,
         mask_rate=0.15,  # masked: BERT's 15% (80% [MASK], 10% random, 10% kept)
+        num_sentinels=100 if objective == "span_corruption" else 0,  # T5's extra_ids
         data_dir=config_dict.placeholder(str),  # TFDS data_dir; None: TFDS's default
         manual_dir=config_dict.placeholder(str),
         vocab_sample_documents=200_000))  # SentencePiece trains on this many documents
@@ -54,8 +57,8 @@ def lm_config(*, objective: str, dataset: str, vocab_size: int, max_length: int,
     cfg.grad_accum_steps = 0 if max_rows_per_device else 1  # 0: sized from the device count
     cfg.model = config_dict.ConfigDict(dict(
         architecture=architecture, vocab_size=cfg.data.get_ref("vocab_size"),
-        num_encoder_layers=num_layers if architecture == "encoder" else 0,
-        num_decoder_layers=num_layers if architecture == "decoder" else 0,
+        num_encoder_layers=num_layers if architecture != "decoder" else 0,
+        num_decoder_layers=num_layers if architecture != "encoder" else 0,
         d_model=d_model, d_ff=d_ff, num_heads=num_heads, num_kv_heads=num_kv_heads,
         d_k=config_dict.placeholder(int), d_v=config_dict.placeholder(int),
         dropout_rate=0.0, attention_dropout_rate=0.0, relu_dropout_rate=0.0,

@@ -308,6 +308,51 @@ def test_batches_are_a_pure_function_of_the_index_and_split_by_rows(lm_config, t
         assert evaluated == sum(map(len, source._eval_plan[0]))  # every eval piece, once
 
 
+def _span_config(lm_config):
+    cfg = lm_config.copy_and_resolve_references()
+    cfg.data.update(dict(objective="span_corruption", num_sentinels=10))
+    cfg.model.update(dict(architecture="encoder_decoder", num_encoder_layers=2,
+                          num_decoder_layers=2))
+    return cfg
+
+
+def test_span_corruption_batches_pair_inputs_and_targets_by_segment(lm_config, tmp_path):
+    from transformer.data import span_corruption
+    from transformer.data.language_model import from_config
+
+    source = from_config(_span_config(lm_config), str(tmp_path))
+    sentinels = source.tokenizer.sentinel_ids
+    assert sentinels == list(range(5, 15))
+    n = span_corruption.raw_length(32)
+    noise, spans = span_corruption.span_counts(n, 0.15, 3.0)
+    assert (source.source_length, source.target_length) == (32, noise + spans + 1)
+    whole = source.train_batch(3, (0, 8))
+    halves = [source.train_batch(3, rows) for rows in ((0, 4), (4, 8))]
+    for key, value in whole.items():
+        np.testing.assert_array_equal(value, np.concatenate([h[key] for h in halves], 1))
+    pieces, placement = source.train_pieces(3)
+    by_slot = {place[:2]: piece for piece, place in zip(pieces, placement, strict=True)
+               if place is not None}
+    rebuilt = 0
+    for r in range(8):
+        ins, outs = whole["inputs"][0, r], whole["targets"][0, r]
+        in_seg, out_seg = whole["inputs_segmentation"][0, r], whole["targets_segmentation"][0, r]
+        assert set(np.unique(in_seg)) - {0} == set(np.unique(out_seg)) - {0}
+        for segment in range(1, in_seg.max() + 1):
+            x, y = ins[in_seg == segment], outs[out_seg == segment]
+            assert x[-1] == y[-1] == 3 and y[0] == sentinels[0]  # EOS ends both sides
+            spans_here = {}  # rebuild the piece: each sentinel in x replaced by its span in y
+            cut = np.flatnonzero(np.isin(y, sentinels))
+            for start, stop in zip(cut, list(cut[1:]) + [len(y) - 1], strict=True):
+                spans_here[y[start]] = y[start + 1:stop].tolist()
+            tokens = [t for i in x[:-1].tolist() for t in spans_here.get(i, [i])]
+            offset = np.flatnonzero(in_seg == segment)[0]
+            np.testing.assert_array_equal(tokens, by_slot[(r, offset)])
+            rebuilt += 1
+    assert rebuilt == sum(place is not None for place in placement)
+    assert not np.array_equal(whole["inputs"], source.train_batch(4, (0, 8))["inputs"])
+
+
 # --------------------------------------------------------------------------- end to end
 
 
@@ -319,6 +364,8 @@ def train_lm(cfg, workdir, objective):
     if objective == "masked":
         cfg.model.update(dict(architecture="encoder", num_encoder_layers=2, num_decoder_layers=0,
                               tie_output_embedding=True))
+    if objective == "span_corruption":
+        cfg = _span_config(cfg)
     train_and_evaluate(cfg, str(workdir))
     with open(workdir / "metrics.jsonl") as f:
         lines = [json.loads(line) for line in f]
@@ -327,7 +374,7 @@ def train_lm(cfg, workdir, objective):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("objective", ["causal", "prefix", "masked"])
+@pytest.mark.parametrize("objective", ["causal", "prefix", "masked", "span_corruption"])
 def test_loss_decreases_on_tiny_data(lm_config, tmp_path, objective):
     losses, validation = train_lm(lm_config, tmp_path, objective)
     assert sorted(losses) == list(range(1, 31))

@@ -20,6 +20,7 @@ CONFIG_KEYS = frozenset({
     "max_rows_per_device", "data_dir", "manual_dir",
     "source_lang", "target_lang", "tokens_per_batch", "vocab_sample_pairs",  # translation
     "objective", "eval_split", "eval_documents", "mask_rate", "vocab_sample_documents",  # LM
+    "num_sentinels",
     "task", "min_length", "eval_examples",  # synthetic
 })
 
@@ -56,7 +57,8 @@ class Source(Protocol):
 
 def make_source(cfg, workdir: str | None = None):
     """The batch source `cfg.data.dataset` names (the contract is `Source`): a language-model
-    source when `cfg.data.objective` is set (causal, prefix, masked), else translation pairs.
+    source when `cfg.data.objective` is set (causal, prefix, masked, span_corruption), else
+    translation pairs.
 
     `workdir` holds what a translation source derives once and reuses on resume: the
     SentencePiece model and the tokenized training split (`<workdir>/vocab/`). Without it they

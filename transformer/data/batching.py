@@ -25,12 +25,18 @@ KEYS = ("inputs", "targets", "inputs_segmentation", "targets_segmentation",
         "inputs_positions", "targets_positions")
 
 
+def _sides(length: int | tuple[int, int]) -> tuple[int, int]:
+    """A row's (source, target) length: one `length` for both sides, or a pair."""
+    return (length, length) if isinstance(length, int) else tuple(length)
+
+
 def plan_epoch(source_lengths: np.ndarray, target_lengths: np.ndarray, order: np.ndarray,
-               rows: int, length: int, budget: int = 0) -> np.ndarray:
+               rows: int, length: int | tuple[int, int], budget: int = 0) -> np.ndarray:
     """Cut points of `order` into batches: batch b is order[starts[b]:starts[b + 1]].
 
     `source_lengths`/`target_lengths` are indexed by example; every example must fit one row
-    (<= `length`) and, with a budget (> 0), `budget` >= `length`."""
+    (`length`, or a (source, target) pair) and, with a budget (> 0), `budget` >= `length`."""
+    src_length, tgt_length = _sides(length)
     src = source_lengths[order].tolist()
     tgt = target_lengths[order].tolist()
     starts = [0]
@@ -46,8 +52,8 @@ def plan_epoch(source_lengths: np.ndarray, target_lengths: np.ndarray, order: np
         tgt_used[row] += t
         src_total += s
         tgt_total += t
-        while first_open < rows and (src_used[first_open] >= length
-                                     or tgt_used[first_open] >= length):
+        while first_open < rows and (src_used[first_open] >= src_length
+                                     or tgt_used[first_open] >= tgt_length):
             first_open += 1
     if len(src):
         starts.append(len(src))
@@ -55,14 +61,16 @@ def plan_epoch(source_lengths: np.ndarray, target_lengths: np.ndarray, order: np
 
 
 def _find_row(src_used, tgt_used, first_open, s, t, length) -> int:
-    src_room, tgt_room = length - s, length - t
+    src_length, tgt_length = _sides(length)
+    src_room, tgt_room = src_length - s, tgt_length - t
     for row in range(first_open, len(src_used)):
         if src_used[row] <= src_room and tgt_used[row] <= tgt_room:
             return row
     return -1
 
 
-def first_fit(source_lengths, target_lengths, rows: int, length: int, *, drop: bool = False):
+def first_fit(source_lengths, target_lengths, rows: int, length: int | tuple[int, int], *,
+              drop: bool = False):
     """(row, source offset, target offset) of each example in turn, first-fit into `rows` rows.
     An example that finds no room raises ValueError (the plan guarantees they fit) or, with
     `drop`, is placed nowhere: None."""

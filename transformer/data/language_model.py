@@ -11,6 +11,12 @@ Objectives (`data.objective`):
   `targets` the original piece at the selected positions and 0 elsewhere, so the loss counts
   the selected positions alone. Keys `inputs`, `inputs_segmentation`, `inputs_positions`,
   `targets`.
+- "span_corruption": T5's denoising objective, encoder-decoder (`span_corruption.py`): pieces
+  of `span_corruption.raw_length(max_length)` tokens (no EOS: each side gets its own), 15% of
+  each piece's tokens in spans of mean length 3 replaced by sentinels in `inputs`, the spans
+  listed after their sentinels in `targets`; the pairs packed as translation pairs are, with
+  segment ids on both sides. The vocabulary reserves `data.num_sentinels` (default 100)
+  sentinels after [MASK]. Keys those of a translation batch.
 
 Documents: document d is text feature `keys[d % F]` of record `d // F` (F text features per
 record). Training batch `index` is a pure function of (seed, index): epoch e is a seeded
@@ -20,7 +26,8 @@ its own segment: positions restart and no token attends across pieces), and the 
 first-fit (`batching.first_fit`) into the update's rows. A piece that finds no room is dropped:
 `docs_per_batch` is the update's capacity in tokens over the mean document length of a seeded
 sample, so a few percent are. Masks and prefixes are drawn from generators seeded by
-(seed, index, global row), so each process computes only its own rows.
+(seed, index, global row), spans by (seed, index, piece), so each process computes only its
+own rows.
 
 Evaluation reads the first `data.eval_documents` documents of `data.eval_split`, cut the same
 way and packed in order with nothing dropped (`batching.plan_epoch`); its masks and prefixes
@@ -36,7 +43,7 @@ import threading
 import numpy as np
 
 from transformer import workdir as workdir_lib
-from transformer.data import batching
+from transformer.data import batching, span_corruption
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.data.datasets import (
     CHUNK,
@@ -48,17 +55,22 @@ from transformer.data.datasets import (
 )
 
 log = logging.getLogger("transformer")
-OBJECTIVES = {"causal": "decoder", "prefix": "decoder", "masked": "encoder"}
+OBJECTIVES = {"causal": "decoder", "prefix": "decoder", "masked": "encoder",
+              "span_corruption": "encoder_decoder"}
+DEFAULT_SENTINELS = {"span_corruption": 100}  # T5's extra_ids
 MASK_SPLIT = (0.8, 0.1)  # of the selected tokens: [MASK], random piece; the rest stay
 LENGTH_SAMPLE = 2000  # documents whose mean length sizes docs_per_batch
 _TRAIN, _EVAL = 0, 1  # random streams
 
 
-def cut_pieces(sequences, length: int) -> list[np.ndarray]:
-    """Each id sequence with EOS appended, cut into consecutive pieces of at most `length`."""
+def cut_pieces(sequences, length: int, *, eos: bool = True) -> list[np.ndarray]:
+    """Each id sequence (with EOS appended when `eos`), cut into consecutive pieces of at most
+    `length`."""
     pieces = []
     for seq in sequences:
-        ids = np.append(np.asarray(seq, np.int32), np.int32(tokenizer_lib.EOS_ID))
+        ids = np.asarray(seq, np.int32)
+        if eos:
+            ids = np.append(ids, np.int32(tokenizer_lib.EOS_ID))
         pieces.extend(ids[i:i + length] for i in range(0, len(ids), length))
     return pieces
 
@@ -105,7 +117,7 @@ class LanguageModelSource:
                  eval_split: str = "validation", eval_documents: int = 2000,
                  mask_rate: float = 0.15, seed: int = 0, data_dir: str | None = None,
                  manual_dir: str | None = None, workdir: str | None = None,
-                 vocab_sample_documents: int = 200_000,
+                 vocab_sample_documents: int = 200_000, num_sentinels: int = 0,
                  tokenizer: tokenizer_lib.Tokenizer | None = None):
         if objective not in OBJECTIVES:
             raise ValueError(f"data.objective={objective!r} is not one of "
@@ -125,6 +137,13 @@ class LanguageModelSource:
         self.rows_per_batch = int(batch_size) // self.grad_accum_steps
         self.eval_rows_per_batch = int(eval_batch_size or self.rows_per_batch)
         self.source_length = self.target_length = self.max_length
+        self.span_length = (span_corruption.raw_length(self.max_length)
+                            if objective == "span_corruption" else 0)  # tokens per piece
+        if self.span_length:  # the targets of a whole piece: T5's 114 for inputs of 512
+            noise, spans = span_corruption.span_counts(
+                self.span_length, span_corruption.NOISE_DENSITY, span_corruption.MEAN_SPAN_LENGTH)
+            self.target_length = noise + spans + 1
+        self.num_sentinels = int(num_sentinels)
         self.validation_split, self.eval_documents = eval_split, int(eval_documents)
         self.workdir = workdir
         self._sources: dict[str, object] = {}
@@ -148,6 +167,13 @@ class LanguageModelSource:
             raise tokenizer_lib.VocabularyMismatch(
                 f"the tokenizer has {self.tokenizer.vocab_size} pieces but "
                 f"data.vocab_size={vocab_size}")
+        if self.span_length:
+            spans = span_corruption.span_counts(self.span_length, span_corruption.NOISE_DENSITY,
+                                                span_corruption.MEAN_SPAN_LENGTH)[1]
+            if len(self.tokenizer.sentinel_ids) < spans:
+                raise ValueError(f"data.num_sentinels={self.num_sentinels}: pieces of "
+                                 f"{self.span_length} tokens have up to {spans} noise spans; "
+                                 f"set data.num_sentinels >= {spans}")
         self.docs_per_batch = self._docs_per_batch()
         self.batches_per_epoch = self.num_train_documents // self.docs_per_batch
         if self.batches_per_epoch < 1:
@@ -180,18 +206,19 @@ class LanguageModelSource:
         info = {"dataset": self.builder.info.full_name, "sample_documents": int(len(sample)),
                 "features": self.keys}
         if self.workdir is None:
-            return tokenizer_lib.train(sentences(), vocab_size, seed=self.seed)
+            return tokenizer_lib.train(sentences(), vocab_size, seed=self.seed,
+                                       num_sentinels=self.num_sentinels)
         return tokenizer_lib.load_or_train(
             workdir_lib.path(self.workdir, workdir_lib.VOCAB), vocab_size, seed=self.seed,
             sentences=sentences, expected_sha256=workdir_lib.recorded_vocabulary(self.workdir),
-            info=info)
+            info=info, num_sentinels=self.num_sentinels)
 
     def _docs_per_batch(self) -> int:
         """Documents per update: its capacity in tokens over the mean tokens of a document."""
         rng = np.random.default_rng([self.seed, 11])
         sample = np.sort(rng.permutation(self.num_train_documents)[:LENGTH_SAMPLE])
         lengths = [len(ids) + 1 for ids in self.tokenizer.encode(self._texts("train", sample))]
-        capacity = self.rows_per_batch * self.grad_accum_steps * self.max_length
+        capacity = self.rows_per_batch * self.grad_accum_steps * (self.span_length or self.max_length)
         return max(1, round(capacity / float(np.mean(lengths))))
 
     def _row_rngs(self, stream: int, index: int, rows: range) -> list[np.random.Generator]:
@@ -220,39 +247,64 @@ class LanguageModelSource:
         order = np.random.default_rng([self.seed, epoch]).permutation(self.num_train_documents)
         return order[b * self.docs_per_batch:(b + 1) * self.docs_per_batch]
 
+    def _cut(self, texts: list[str]) -> list[np.ndarray]:
+        ids = self.tokenizer.encode(texts)
+        if self.span_length:  # corruption needs two tokens; each side gets its own EOS
+            return [p for p in cut_pieces(ids, self.span_length, eos=False) if len(p) >= 2]
+        return cut_pieces(ids, self.max_length)
+
+    def _lengths(self, pieces) -> tuple[np.ndarray, np.ndarray]:
+        """(inputs, targets) tokens each piece will take in a row (known before corrupting)."""
+        n = np.array([len(p) for p in pieces], np.int64)
+        if not self.span_length:
+            return np.zeros_like(n), n
+        noise, spans = np.array([span_corruption.span_counts(
+            int(k), span_corruption.NOISE_DENSITY, span_corruption.MEAN_SPAN_LENGTH)
+            for k in n], np.int64).reshape(-1, 2).T
+        return n - noise + spans + 1, noise + spans + 1
+
+    def _place(self, pieces, rows: int, *, drop: bool):
+        return batching.first_fit(*self._lengths(pieces), rows,
+                                  (self.source_length, self.target_length), drop=drop)
+
     def train_pieces(self, index: int) -> tuple[list[np.ndarray], list]:
         """The pieces of global batch `index` and their first-fit placement (None: dropped)."""
         with self._lock:
             texts = self._texts("train", self.batch_documents(index))
-        pieces = cut_pieces(self.tokenizer.encode(texts), self.max_length)
-        placement = batching.first_fit(np.zeros(len(pieces), np.int64), [len(p) for p in pieces],
-                                       self.rows_per_batch * self.grad_accum_steps,
-                                       self.max_length, drop=True)
-        return pieces, placement
+        pieces = self._cut(texts)
+        return pieces, self._place(pieces, self.rows_per_batch * self.grad_accum_steps,
+                                   drop=True)
 
-    def _pack(self, pieces, placement, rows: tuple[int, int]) -> dict[str, np.ndarray]:
+    def _batch(self, pieces, placement, rows: tuple[int, int], stream: int,
+               index: int) -> dict[str, np.ndarray]:
+        """Rows [start, stop) of the packed batch with the objective applied."""
+        inside = [place is not None and rows[0] <= place[0] < rows[1] for place in placement]
+        if self.span_length:
+            sentinels = np.asarray(self.tokenizer.sentinel_ids, np.int32)
+            pairs = [span_corruption.corrupt(p, span_corruption.noise_mask(
+                len(p), np.random.default_rng([self.seed, stream, index, i])), sentinels)
+                if keep else None for i, (p, keep) in enumerate(zip(pieces, inside, strict=True))]
+            return batching.pack(pairs, placement, rows, self.source_length, self.target_length)
         empty = np.zeros(0, np.int32)
-        wanted = [(empty, p) if place is not None and rows[0] <= place[0] < rows[1] else None
-                  for p, place in zip(pieces, placement, strict=True)]
-        return batching.pack(wanted, placement, rows, 0, self.max_length)
+        wanted = [(empty, p) if keep else None for p, keep in zip(pieces, inside, strict=True)]
+        packed = batching.pack(wanted, placement, rows, 0, self.max_length)
+        return self._objective(packed, stream, index, range(*rows))
 
     def train_batch(self, index: int, rows: tuple[int, int]) -> dict[str, np.ndarray]:
         pieces, placement = self.train_pieces(index)
         micro = []
         for a in range(self.grad_accum_steps):
             global_rows = (a * self.rows_per_batch + rows[0], a * self.rows_per_batch + rows[1])
-            micro.append(self._objective(self._pack(pieces, placement, global_rows), _TRAIN,
-                                         index, range(*global_rows)))
+            micro.append(self._batch(pieces, placement, global_rows, _TRAIN, index))
         return {k: np.stack([m[k] for m in micro]) for k in micro[0]}
 
     @functools.cached_property
     def _eval_plan(self) -> tuple[list[np.ndarray], np.ndarray]:
         count = min(self.eval_documents, len(self._split(self.validation_split)) * len(self.keys))
-        texts = self._texts(self.validation_split, range(count))
-        pieces = cut_pieces(self.tokenizer.encode(texts), self.max_length)
-        lengths = np.array([len(p) for p in pieces], np.int64)
-        starts = batching.plan_epoch(np.zeros_like(lengths), lengths, np.arange(len(pieces)),
-                                     self.eval_rows_per_batch, self.max_length)
+        pieces = self._cut(self._texts(self.validation_split, range(count)))
+        starts = batching.plan_epoch(*self._lengths(pieces), np.arange(len(pieces)),
+                                     self.eval_rows_per_batch,
+                                     (self.source_length, self.target_length))
         return pieces, starts
 
     def eval_batches(self, split: str, rows: tuple[int, int]):
@@ -262,10 +314,8 @@ class LanguageModelSource:
         pieces, starts = self._eval_plan
         for b in range(len(starts) - 1):
             chunk = pieces[starts[b]:starts[b + 1]]
-            placement = batching.first_fit(np.zeros(len(chunk), np.int64),
-                                           [len(p) for p in chunk], self.eval_rows_per_batch,
-                                           self.max_length)
-            batch = self._objective(self._pack(chunk, placement, rows), _EVAL, b, range(*rows))
+            placement = self._place(chunk, self.eval_rows_per_batch, drop=False)
+            batch = self._batch(chunk, placement, rows, _EVAL, b)
             yield {k: v[None] for k, v in batch.items()}
 
 
@@ -292,4 +342,5 @@ def from_config(cfg, workdir: str | None = None) -> LanguageModelSource:
         eval_documents=int(data.get("eval_documents") or 2000),
         mask_rate=float(data.get("mask_rate") or 0.15), seed=int(cfg.seed),
         data_dir=data.get("data_dir"), manual_dir=data.get("manual_dir"), workdir=workdir,
-        vocab_sample_documents=int(data.get("vocab_sample_documents") or 200_000))
+        vocab_sample_documents=int(data.get("vocab_sample_documents") or 200_000),
+        num_sentinels=int(data.get("num_sentinels") or DEFAULT_SENTINELS.get(objective, 0)))

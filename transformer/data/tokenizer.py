@@ -23,7 +23,8 @@ log = logging.getLogger("transformer")
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3  # BOS starts the decoder; PAD is never a target
 MASK_ID, MASK_PIECE = 4, "[MASK]"  # a user-defined piece: the first id after the four above
-FIRST_ORDINARY_ID = MASK_ID + 1  # ids below are special
+FIRST_ORDINARY_ID = MASK_ID + 1  # ids below are special (sentinels, when reserved, follow)
+SENTINEL_PIECE = "<extra_id_{}>"  # T5's span-corruption sentinels: user-defined, after [MASK]
 MODEL_FILE = "sentencepiece.model"
 
 
@@ -56,6 +57,15 @@ class Tokenizer:
     @property
     def mask_id(self) -> int:
         return self._sp.piece_to_id(MASK_PIECE)
+
+    @property
+    def sentinel_ids(self) -> list[int]:
+        """Ids of the reserved sentinels `<extra_id_0>`, `<extra_id_1>`, ... (none unless the
+        vocabulary was trained with `num_sentinels`)."""
+        ids = []
+        while (i := self._sp.piece_to_id(SENTINEL_PIECE.format(len(ids)))) != UNK_ID:
+            ids.append(i)
+        return ids
 
     @property
     def sha256(self) -> str:
@@ -111,9 +121,10 @@ def _counted(sentences: Iterable[str]) -> Iterator[str]:
 
 
 def train(sentences: Iterable[str], vocab_size: int, *, seed: int, model_type: str = "bpe",
-          character_coverage: float = 1.0) -> Tokenizer:
+          character_coverage: float = 1.0, num_sentinels: int = 0) -> Tokenizer:
     """Trains a SentencePiece model on `sentences` (use both languages for a shared vocabulary).
-    Seeded and single-threaded, so the same sentences give the same model."""
+    Seeded and single-threaded, so the same sentences give the same model. `num_sentinels`
+    reserves T5's sentinels as the ids right after [MASK]."""
     import sentencepiece as spm
 
     spm.set_random_generator_seed(int(seed))
@@ -123,7 +134,9 @@ def train(sentences: Iterable[str], vocab_size: int, *, seed: int, model_type: s
             sentence_iterator=_counted(sentences), model_writer=model, vocab_size=int(vocab_size),
             model_type=model_type, character_coverage=character_coverage,
             pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
-            user_defined_symbols=[MASK_PIECE], input_sentence_size=0,
+            user_defined_symbols=[MASK_PIECE] + [SENTINEL_PIECE.format(k)
+                                                 for k in range(num_sentinels)],
+            input_sentence_size=0,
             shuffle_input_sentence=False, num_threads=1, minloglevel=2)
     except RuntimeError as e:
         raise VocabularyMismatch(f"SentencePiece could not train data.vocab_size={vocab_size}: "
@@ -133,7 +146,7 @@ def train(sentences: Iterable[str], vocab_size: int, *, seed: int, model_type: s
 
 def load_or_train(directory: str, vocab_size: int, *, seed: int,
                   sentences: Callable[[], Iterable[str]], expected_sha256: str | None = None,
-                  info: dict | None = None) -> Tokenizer:
+                  info: dict | None = None, num_sentinels: int = 0) -> Tokenizer:
     """The model in `directory` (`<workdir>/vocab`), trained from `sentences()` if absent.
 
     `expected_sha256` is the vocabulary the run's checkpoints were trained with (from
@@ -148,15 +161,20 @@ def load_or_train(directory: str, vocab_size: int, *, seed: int,
                 f"set --config.data.vocab_size={tokenizer.vocab_size} or use a new --workdir")
     else:
         log.info("training a %d-piece SentencePiece vocabulary into %s", vocab_size, directory)
-        tokenizer = train(sentences(), vocab_size, seed=seed)
+        tokenizer = train(sentences(), vocab_size, seed=seed, num_sentinels=num_sentinels)
         if os.path.exists(path):  # another process of this run got there first
             tokenizer = Tokenizer.load(path)
         else:
             tokenizer.save(directory)
             record = dict(info or {}, vocab_size=vocab_size, seed=seed, model_type="bpe",
-                          sha256=tokenizer.sha256)
+                          num_sentinels=num_sentinels, sha256=tokenizer.sha256)
             _atomic_write(os.path.join(directory, "info.json"),
                           json.dumps(record, indent=1).encode())
+    if len(tokenizer.sentinel_ids) < num_sentinels:
+        raise VocabularyMismatch(
+            f"{path} reserves {len(tokenizer.sentinel_ids)} sentinels but "
+            f"data.num_sentinels={num_sentinels}: use a new --workdir (or a vocabulary trained "
+            f"with them)")
     if expected_sha256 and tokenizer.sha256 != expected_sha256:
         raise VocabularyMismatch(
             f"{path} (sha256 {tokenizer.sha256[:12]}…) is not the vocabulary this run was "

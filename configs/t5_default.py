@@ -1,0 +1,34 @@
+"""T5's span corruption on a 2-core CPU: an encoder-decoder pretrained on the offline corpus's text.
+
+    python train.py --config=configs/t5_default.py --workdir=runs/t5_default
+
+The data, block and cadence of `configs/lm_default.py` (pre-RMSNorm, RoPE, SwiGLU, grouped-query
+attention, no biases, untied output, as T5.1.1 unties it), as an encoder-decoder of 3 + 3
+layers at d_model 256: each document of the offline corpus is cut into pieces of 142 tokens,
+15% of each piece's tokens in spans of mean length 3 become sentinels in the inputs (at most
+128 tokens), and the targets list each sentinel and its span (T5 section 3.1.4;
+`transformer/data/span_corruption.py`). The vocabulary (8,000 pieces) reserves 100 sentinels
+after [MASK]. Eval perplexity is per target token of the corrupted validation documents.
+
+A run of this config is the starting point for fine-tuning the encoder-decoder on translation
+(`init_from`, README "Pretrain, then fine-tune").
+"""
+
+import pathlib
+import runpy
+
+lm_config = runpy.run_path(str(pathlib.Path(__file__).with_name("lm_common.py")))["lm_config"]
+
+
+def get_config():
+    cfg = lm_config(objective="span_corruption", dataset="offline_de_en", vocab_size=8000,
+                    max_length=128, batch_size=16, num_layers=3, d_model=256, d_ff=704,
+                    num_heads=4, num_kv_heads=2, num_train_steps=1500, learning_rate=3e-3,
+                    warmup_steps=100, mesh=dict(data=-1, fsdp=1, tensor=1), dtype="float32",
+                    scan_layers=False)
+    cfg.log_every_steps = 25
+    cfg.eval_every_steps = 500
+    cfg.checkpoint_every_steps = 500
+    cfg.checkpoint_every_minutes = 10
+    cfg.z_loss = 0.0
+    return cfg

@@ -1,0 +1,79 @@
+"""T5's span corruption (Raffel et al. 2020, section 3.1.4): the encoder-decoder's denoising
+objective, on numpy ids.
+
+A piece of n tokens gets round(n · noise_density) noise tokens in round(noise / mean_span_length)
+spans. The noise and the kept tokens are each cut into that many non-empty runs at random
+places and interleaved kept, noise, kept, noise, ... (so a piece starts with kept tokens and
+ends with noise, as in T5 and seqio). The inputs keep the kept tokens and replace span k by
+sentinel k; the targets list sentinel k then span k's tokens, for every span; both end in EOS.
+
+    tokens  [A B C D E F G H I J], noise [. . x x . . . x . .] (spans "C D" and "H"; n = 10)
+    inputs  [A B <s0> E F G <s1> I J EOS]      targets [<s0> C D <s1> H EOS]
+
+Sentinels are user-defined SentencePiece symbols right after [MASK] (DESIGN.md, special tokens):
+`tokenizer.train(..., num_sentinels=k)` reserves them and `Tokenizer.sentinel_ids` lists them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from transformer.data.tokenizer import EOS_ID
+
+NOISE_DENSITY = 0.15
+MEAN_SPAN_LENGTH = 3.0
+
+
+def span_counts(length: int, noise_density: float, mean_span_length: float) -> tuple[int, int]:
+    """(noise tokens, noise spans) for a piece of `length` tokens (length >= 2)."""
+    noise = min(max(int(round(length * noise_density)), 1), length - 1)
+    spans = max(int(round(noise / mean_span_length)), 1)
+    return noise, min(spans, noise, length - noise)
+
+
+def _random_runs(rng: np.random.Generator, items: int, runs: int) -> np.ndarray:
+    """`items` cut into `runs` non-empty runs at uniformly random places: the run lengths."""
+    cuts = np.sort(rng.choice(items - 1, size=runs - 1, replace=False)) + 1
+    return np.diff(np.concatenate([[0], cuts, [items]]))
+
+
+def noise_mask(length: int, rng: np.random.Generator, *, noise_density: float = NOISE_DENSITY,
+               mean_span_length: float = MEAN_SPAN_LENGTH) -> np.ndarray:
+    """[length] bool, True = noise: kept and noise runs interleaved, kept first."""
+    noise, spans = span_counts(length, noise_density, mean_span_length)
+    kept_runs = _random_runs(rng, length - noise, spans)
+    noise_runs = _random_runs(rng, noise, spans)
+    run_lengths = np.stack([kept_runs, noise_runs], axis=1).reshape(-1)
+    return np.repeat(np.tile([False, True], spans), run_lengths)
+
+
+def corrupt(tokens: np.ndarray, mask: np.ndarray,
+            sentinel_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(inputs, targets) of `tokens` [n] with noise `mask` [n]; span k becomes sentinel_ids[k]."""
+    starts = mask & ~np.concatenate([[False], mask[:-1]])  # the first token of each span
+    spans = int(starts.sum())
+    if spans > len(sentinel_ids):
+        raise ValueError(f"{spans} noise spans need {spans} sentinels but the vocabulary has "
+                         f"{len(sentinel_ids)}: raise data.num_sentinels")
+    sentinel_ids = np.asarray(sentinel_ids, np.int32)
+    span_of = np.maximum(np.cumsum(starts) - 1, 0)  # span index at each position (where noise)
+    inputs = np.where(starts, sentinel_ids[span_of], tokens)[~mask | starts]
+    noise = np.flatnonzero(mask)
+    targets = np.empty(len(noise) + spans, np.int32)
+    targets[np.arange(len(noise)) + span_of[noise] + 1] = tokens[noise]  # after spans + 1 sentinels
+    targets[np.flatnonzero(starts[noise]) + np.arange(spans)] = sentinel_ids[:spans]
+    eos = np.array([EOS_ID], np.int32)
+    return np.concatenate([inputs.astype(np.int32), eos]), np.concatenate([targets, eos])
+
+
+def raw_length(max_length: int, noise_density: float = NOISE_DENSITY,
+               mean_span_length: float = MEAN_SPAN_LENGTH) -> int:
+    """The longest piece whose inputs and targets (EOS included) fit in `max_length` tokens."""
+    best = 2
+    for n in range(2, 8 * max_length):
+        noise, spans = span_counts(n, noise_density, mean_span_length)
+        if n - noise + spans + 1 <= max_length and noise + spans + 1 <= max_length:
+            best = n
+        elif n - noise > max_length:
+            break
+    return best
