@@ -218,7 +218,8 @@ class LanguageModelSource:
         rng = np.random.default_rng([self.seed, 11])
         sample = np.sort(rng.permutation(self.num_train_documents)[:LENGTH_SAMPLE])
         lengths = [len(ids) + 1 for ids in self.tokenizer.encode(self._texts("train", sample))]
-        capacity = self.rows_per_batch * self.grad_accum_steps * (self.span_length or self.max_length)
+        row_tokens = self.span_length or self.max_length  # span corruption: before corrupting
+        capacity = self.rows_per_batch * self.grad_accum_steps * row_tokens
         return max(1, round(capacity / float(np.mean(lengths))))
 
     def _row_rngs(self, stream: int, index: int, rows: range) -> list[np.random.Generator]:
