@@ -429,7 +429,8 @@ def average_checkpoints(workdir: str, *, last: int, name: str | None = None) -> 
     return path
 
 
-def _restore_averaged(path: str) -> dict:
+def load_averaged(path: str) -> dict:
+    """The params in an `averaged/<name>` directory as a host numpy tree."""
     with ocp.PyTreeCheckpointer() as checkpointer:
         metadata = checkpointer.metadata(path).item_metadata
         return checkpointer.restore(path, args=ocp.args.PyTreeRestore(
@@ -465,7 +466,7 @@ def load_params(workdir: str, *, step: int | None = None, average: int | None = 
         path = os.path.join(workdir, AVERAGED, _default_name(average, steps))
         if not os.path.isdir(path) or not ocp.utils.is_checkpoint_finalized(path):
             path = average_checkpoints(workdir, last=average)
-        return _restore_averaged(path)
+        return load_averaged(path)
     step = params_step(workdir, step=step)
     checkpoints = list_steps(os.path.join(workdir, CHECKPOINTS))
     series = list_steps(os.path.join(workdir, PARAMS_SERIES))

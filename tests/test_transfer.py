@@ -1,0 +1,109 @@
+"""`init_from` (transformer/transfer.py): parameters from another run, matched by path, placed
+in the new run's sharding; the vocabulary carried over."""
+
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from transformer import checkpoint, sharding, train_lib, transfer
+from transformer.config import resolve
+from transformer.data import tokenizer as tokenizer_lib
+
+
+def _fresh_params(workdir, mesh_shape, **model_overrides):
+    """Params of the pretrained run's config (with overrides) placed on a mesh: random values
+    in the shardings the train state gives them (no init compiled: tests stay fast)."""
+    with open(workdir / "config.json") as f:
+        cfg = json.load(f)
+    cfg["model"].update(model_overrides)
+    from ml_collections import ConfigDict
+
+    n = int(np.prod(list(mesh_shape.values())))
+    mesh = sharding.make_mesh(mesh_shape, jax.devices()[:n])
+    trainer = train_lib.build_trainer(resolve(ConfigDict(cfg), n), mesh)
+    rng = np.random.default_rng(7)
+    return jax.tree.map(lambda a: jax.device_put(rng.standard_normal(a.shape).astype(a.dtype),
+                                                 a.sharding), trainer.abstract_state.params)
+
+
+def test_parse_the_three_forms_and_refuse_others(untrained_translation_workdir, tmp_path):
+    root = str(untrained_translation_workdir)
+    assert transfer.parse(root) == transfer.InitSource(root)
+    assert transfer.parse(f"{root}:1") == transfer.InitSource(root, 1)
+    assert transfer.parse(f"{root}/checkpoints/1") == transfer.InitSource(root, 1)
+    averaged = checkpoint.average_checkpoints(root, last=1, name="one")
+    assert transfer.parse(averaged) == transfer.InitSource(root, params_dir=averaged)
+    with pytest.raises(ValueError, match="is not a training workdir"):
+        transfer.parse(str(tmp_path))
+    with pytest.raises(ValueError, match=r"give the workdir .*, .*:<step>, or a directory"):
+        transfer.parse(f"{root}/vocab")
+
+
+@pytest.mark.parametrize("mesh_shape", [{"data": 1, "fsdp": 1, "tensor": 1},
+                                        {"data": 2, "fsdp": 2, "tensor": 2}])
+def test_loaded_params_equal_the_checkpoints_in_the_new_sharding(untrained_translation_workdir,
+                                                                  mesh_shape):
+    root = str(untrained_translation_workdir)
+    saved = checkpoint.load_params(root)
+    fresh = _fresh_params(untrained_translation_workdir, mesh_shape)
+    params, left_fresh = transfer.load(transfer.parse(root), fresh)
+    assert left_fresh == []
+    for got, want, new in zip(jax.tree.leaves(params), jax.tree.leaves(saved),
+                              jax.tree.leaves(fresh), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), want)
+        assert got.sharding == new.sharding and got.dtype == new.dtype
+    assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(fresh),
+                                                        jax.tree.leaves(saved), strict=True))
+
+
+def test_a_scanned_model_starts_from_a_per_layer_run(untrained_translation_workdir):
+    root = str(untrained_translation_workdir)
+    fresh = _fresh_params(untrained_translation_workdir, {"data": 1, "fsdp": 1, "tensor": 1},
+                          scan_layers=True)
+    params, _ = transfer.load(transfer.parse(root), fresh)
+    want = checkpoint.stack_layers(checkpoint.load_params(root))
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), params, want)
+
+
+def test_new_parameters_stay_fresh_and_are_listed(untrained_translation_workdir, caplog):
+    fresh = _fresh_params(untrained_translation_workdir, {"data": 1, "fsdp": 1, "tensor": 1},
+                          tie_output_embedding=False)
+    with caplog.at_level("INFO", logger="transformer"):
+        params, left_fresh = transfer.load(transfer.parse(str(untrained_translation_workdir)),
+                                           fresh)
+    assert left_fresh == ["decoder/logits/kernel"]
+    np.testing.assert_array_equal(params["decoder"]["logits"]["kernel"],
+                                  fresh["decoder"]["logits"]["kernel"])
+    assert "left fresh: decoder/logits/kernel; not used: none" in caplog.text
+
+
+def test_a_shape_that_differs_is_one_line(untrained_translation_workdir):
+    fresh = _fresh_params(untrained_translation_workdir, {"data": 1, "fsdp": 1, "tensor": 1},
+                          d_ff=48)
+    with pytest.raises(ValueError, match=r"coder/layers_0/ffn/ff_in/bias has shape \(128,\) "
+                                         r"there but \(48,\) in this model; fine-tune a model"):
+        transfer.load(transfer.parse(str(untrained_translation_workdir)), fresh)
+
+
+def test_the_vocabulary_is_carried_over_and_guarded(untrained_translation_workdir, tmp_path):
+    source = transfer.parse(str(untrained_translation_workdir))
+    size = tokenizer_lib.Tokenizer.load(
+        str(untrained_translation_workdir / "vocab" / "sentencepiece.model")).vocab_size
+    with pytest.raises(ValueError, match=f"has a {size}-piece vocabulary but "
+                                         f"data.vocab_size=500: set --config.data.vocab_size"):
+        transfer.copy_vocabulary(source, str(tmp_path / "new"), 500)
+    assert not os.path.exists(tmp_path / "new")  # nothing written before the check
+    transfer.copy_vocabulary(source, str(tmp_path / "new"), size)
+    copied = tmp_path / "new" / "vocab" / "sentencepiece.model"
+    assert copied.read_bytes() == (untrained_translation_workdir / "vocab" /
+                                   "sentencepiece.model").read_bytes()
+    transfer.copy_vocabulary(source, str(tmp_path / "new"), size)  # again: unchanged, fine
+    other = tokenizer_lib.train([f"other words {i} here" for i in range(300)], size, seed=1)
+    shutil.rmtree(tmp_path / "new" / "vocab")
+    other.save(str(tmp_path / "new" / "vocab"))
+    with pytest.raises(ValueError, match="is not init_from's vocabulary"):
+        transfer.copy_vocabulary(source, str(tmp_path / "new"), size)
