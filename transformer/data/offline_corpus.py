@@ -190,19 +190,27 @@ def help_paragraphs(path: str) -> dict[str, list[str]]:
     return parser.paragraphs
 
 
-def libreoffice_pairs(root: str) -> list[tuple[str, str]]:
-    """(en, de) pairs from the help pages present in both languages, in a stable order."""
+def help_page_pairs(root: str, subdirectory: str = "") -> list[tuple[str, list]]:
+    """(page path relative to the English help, its (en, de) paragraph pairs) for every page
+    under `<help>/en-US/<subdirectory>` that exists in both languages, in a stable order.
+    Paragraphs pair by their ids."""
     en_dir, de_dir = (os.path.join(root, HELP_DIR, lang) for lang in ("en-US", "de"))
-    pairs = []
-    for en_path in sorted(glob.glob(os.path.join(en_dir, "**", "*.html"), recursive=True)):
-        de_path = os.path.join(de_dir, os.path.relpath(en_path, en_dir))
+    pages = []
+    pattern = os.path.join(en_dir, subdirectory, "**", "*.html")
+    for en_path in sorted(glob.glob(pattern, recursive=True)):
+        relative = os.path.relpath(en_path, en_dir)
+        de_path = os.path.join(de_dir, relative)
         if not os.path.exists(de_path):
             continue
         en, de = help_paragraphs(en_path), help_paragraphs(de_path)
-        for key in en:
-            if key in de and len(en[key]) == len(de[key]):
-                pairs.extend(zip(en[key], de[key], strict=True))
-    return pairs
+        pages.append((relative, [pair for key in en if key in de and len(en[key]) == len(de[key])
+                                 for pair in zip(en[key], de[key], strict=True)]))
+    return pages
+
+
+def libreoffice_pairs(root: str) -> list[tuple[str, str]]:
+    """(en, de) pairs from the help pages present in both languages, in a stable order."""
+    return [pair for _, pairs in help_page_pairs(root) for pair in pairs]
 
 
 # --------------------------------------------------------------------------- Ding dictionary

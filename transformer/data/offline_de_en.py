@@ -25,6 +25,20 @@ Ding dictionary (GPL-2+). Deduplicated; split by a stable hash of the normalised
 (test about 4% and at least 2,000 pairs, validation about 2%)."""
 
 
+def unpacked_root(dl_manager) -> tuple[str, list[dict]]:
+    """The unpacked Debian packages (a manual_dir's tree, else fetched once into the download
+    dir, shared by the builders that read them) and the packages' records."""
+    try:
+        manual = os.fspath(dl_manager.manual_dir)
+    except (AssertionError, ValueError):  # no manual_dir given, or it is empty
+        manual = None
+    if manual is not None and os.path.isdir(os.path.join(manual, "usr")):
+        return manual, [{"name": "manual_dir", "source": manual}]
+    cache = os.path.join(os.fspath(dl_manager.download_dir), "offline_de_en")
+    root, packages = offline_corpus.fetch_packages(cache)
+    return root, [vars(p) for p in packages]
+
+
 class OfflineDeEn(tfds.core.GeneratorBasedBuilder):
     """English -> German sentence pairs from LibreOffice help and the Ding dictionary."""
 
@@ -45,19 +59,8 @@ class OfflineDeEn(tfds.core.GeneratorBasedBuilder):
             license="LibreOffice help: MPL-2.0; Ding dictionary: GPL-2+ (files in licenses/)",
         )
 
-    def _unpacked_root(self, dl_manager) -> tuple[str, list[dict]]:
-        try:
-            manual = os.fspath(dl_manager.manual_dir)
-        except (AssertionError, ValueError):  # no manual_dir given, or it is empty
-            manual = None
-        if manual is not None and os.path.isdir(os.path.join(manual, "usr")):
-            return manual, [{"name": "manual_dir", "source": manual}]
-        cache = os.path.join(os.fspath(dl_manager.download_dir), "offline_de_en")
-        root, packages = offline_corpus.fetch_packages(cache)
-        return root, [vars(p) for p in packages]
-
     def _split_generators(self, dl_manager):
-        root, packages = self._unpacked_root(dl_manager)
+        root, packages = unpacked_root(dl_manager)
         splits = offline_corpus.corpus_pairs(root)
         self.info.metadata.update({
             "packages": packages,
