@@ -8,6 +8,7 @@ import subprocess
 
 import pytest
 
+from transformer.data import debian
 from transformer.data import offline_corpus as oc
 
 FIXTURE = pathlib.Path(__file__).parent / "data" / "offline_de_en"
@@ -84,21 +85,26 @@ def test_builder_on_the_fixture(tmp_path):
     assert not texts & {test[i]["en"].decode() for i in range(len(test))}
 
 
+def _fetch(tmp_path):
+    return debian.fetch(str(tmp_path), oc.PACKAGES, dataset="offline_de_en",
+                        alternative=oc.WMT_HINT)
+
+
 def test_without_apt_the_error_is_one_line(tmp_path, monkeypatch):
-    monkeypatch.setattr(oc.shutil, "which", lambda tool: None)
-    with pytest.raises(oc.CorpusUnavailable, match="`apt-get` is not found") as error:
-        oc.fetch_packages(str(tmp_path))
+    monkeypatch.setattr(debian.shutil, "which", lambda tool: None)
+    with pytest.raises(debian.PackagesUnavailable, match="`apt-get` is not found") as error:
+        _fetch(tmp_path)
     assert "\n" not in str(error.value) and "configs/wmt14_ende_base.py" in str(error.value)
 
 
 def test_without_package_lists_the_error_says_apt_get_update(tmp_path, monkeypatch):
-    monkeypatch.setattr(oc.shutil, "which", lambda tool: "/usr/bin/" + tool)
+    monkeypatch.setattr(debian.shutil, "which", lambda tool: "/usr/bin/" + tool)
     failed = subprocess.CompletedProcess(
         [], 100, "", "E: Unable to locate package libreoffice-help-de\n")
-    monkeypatch.setattr(oc.subprocess, "run", lambda *a, **k: failed)
-    with pytest.raises(oc.CorpusUnavailable,
+    monkeypatch.setattr(debian.subprocess, "run", lambda *a, **k: failed)
+    with pytest.raises(debian.PackagesUnavailable,
                        match="apt has no package lists here: run `apt-get update` as root"):
-        oc.fetch_packages(str(tmp_path))
+        _fetch(tmp_path)
 
 
 def _apt_has_lists() -> bool:
@@ -122,7 +128,7 @@ def test_build_from_debian_packages(tmp_path):
     builder = offline_de_en.OfflineDeEn(data_dir=str(tmp_path))
     try:
         builder.download_and_prepare(file_format="array_record")
-    except oc.CorpusUnavailable as e:  # lists but no route to the mirror
+    except debian.PackagesUnavailable as e:  # lists but no route to the mirror
         pytest.skip(str(e))
     sizes = {name: info.num_examples for name, info in builder.info.splits.items()}
     total = sum(sizes.values())

@@ -2,8 +2,8 @@
 
 `apt-get download libreoffice-help-de libreoffice-help-en-us trans-de-en` fetches the .deb files
 (about 11 MB; it needs Debian package lists, i.e. `apt-get update` once, but installs nothing),
-`dpkg-deb -x` unpacks them into a cache directory, and this module turns the unpacked trees into
-sentence pairs:
+`dpkg-deb -x` unpacks them into a cache directory (`debian.py`), and this module turns the
+unpacked trees into sentence pairs:
 
 - LibreOffice help (MPL-2.0): `usr/share/libreoffice/help/{de,en-US}/**.html` hold the same pages
   at the same relative paths; paragraphs (`p`, `h`, `h1`-`h6`, `td`) carry the same ids
@@ -20,16 +20,12 @@ this is `transformer.data.offline_de_en`. Pure Python: no TensorFlow here.
 
 from __future__ import annotations
 
-import dataclasses
 import glob
 import hashlib
 import html.parser
-import json
 import math
 import os
 import re
-import shutil
-import subprocess
 import unicodedata
 
 PACKAGES = ("libreoffice-help-de", "libreoffice-help-en-us", "trans-de-en")
@@ -38,85 +34,6 @@ DING_FILE = "usr/share/trans/de-en"
 TEST_FRACTION, MIN_TEST_PAIRS, MAX_TEST_FRACTION = 0.04, 2000, 0.10
 VALIDATION_FRACTION = 0.02
 WMT_HINT = "or train on WMT instead (configs/wmt14_ende_base.py; README, Data)"
-
-
-class CorpusUnavailable(ValueError):
-    """apt cannot fetch the packages (no apt, no package lists, no route to the mirror). A
-    ValueError, like other bad settings, so train.py prints its one line."""
-
-
-# --------------------------------------------------------------------------- fetching
-
-
-@dataclasses.dataclass(frozen=True)
-class Package:
-    name: str
-    version: str
-    deb: str  # file name of the .deb
-    sha256: str
-
-
-def fetch_packages(cache_dir: str) -> tuple[str, list[Package]]:
-    """Downloads (once) and unpacks the three packages under `cache_dir`; returns the unpacked
-    root and the packages. Raises `CorpusUnavailable` with one line when apt cannot."""
-    root = os.path.join(cache_dir, "root")
-    manifest = os.path.join(cache_dir, "packages.json")
-    if os.path.exists(manifest) and os.path.isdir(root):
-        with open(manifest) as f:
-            return root, [Package(**p) for p in json.load(f)]
-    for tool in ("apt-get", "dpkg-deb"):
-        if shutil.which(tool) is None:
-            raise CorpusUnavailable(
-                f"offline_de_en is built from Debian packages with apt-get and dpkg-deb, and "
-                f"`{tool}` is not found here: build it on a Debian or Ubuntu machine (with "
-                f"`apt-get update` run once as root) and copy the TFDS data_dir, {WMT_HINT}")
-    debs_dir = os.path.join(cache_dir, "debs")
-    os.makedirs(debs_dir, exist_ok=True)
-    debs = _find_debs(debs_dir)
-    if len(debs) < len(PACKAGES):
-        result = subprocess.run(["apt-get", "download", *PACKAGES], cwd=debs_dir,
-                                capture_output=True, text=True)
-        debs = _find_debs(debs_dir)
-        if result.returncode or len(debs) < len(PACKAGES):
-            lines = [ln for ln in result.stderr.splitlines() if ln.startswith("E:")]
-            if any("Unable to locate" in ln for ln in lines):
-                problem = "apt has no package lists here"
-            else:
-                problem = f"`apt-get download` failed ({lines[0] if lines else result.returncode})"
-            raise CorpusUnavailable(
-                f"offline_de_en is built from Debian packages, but {problem}: run "
-                f"`apt-get update` as root (once), {WMT_HINT}")
-    staging = root + ".partial"
-    shutil.rmtree(staging, ignore_errors=True)
-    packages = []
-    for name in PACKAGES:
-        deb = debs[name]
-        subprocess.run(["dpkg-deb", "-x", deb, staging], check=True, capture_output=True)
-        version = subprocess.run(["dpkg-deb", "-f", deb, "Version"], check=True,
-                                 capture_output=True, text=True).stdout.strip()
-        packages.append(Package(name, version, os.path.basename(deb), _sha256(deb)))
-    shutil.rmtree(root, ignore_errors=True)
-    os.replace(staging, root)
-    with open(manifest, "w") as f:
-        json.dump([dataclasses.asdict(p) for p in packages], f, indent=1)
-    return root, packages
-
-
-def _find_debs(directory: str) -> dict[str, str]:
-    found = {}
-    for path in sorted(glob.glob(os.path.join(directory, "*.deb"))):
-        name = os.path.basename(path).split("_")[0]
-        if name in PACKAGES:
-            found[name] = path
-    return found
-
-
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def licence_files(root: str) -> dict[str, str]:

@@ -17,7 +17,7 @@ import os
 
 import tensorflow_datasets as tfds
 
-from transformer.data import offline_corpus
+from transformer.data import debian, offline_corpus
 
 _DESCRIPTION = """Real German-English translations built offline from Debian packages: the
 LibreOffice help pages (MPL-2.0), paragraphs aligned by their ids, and the sentence pairs of the
@@ -26,17 +26,11 @@ Ding dictionary (GPL-2+). Deduplicated; split by a stable hash of the normalised
 
 
 def unpacked_root(dl_manager) -> tuple[str, list[dict]]:
-    """The unpacked Debian packages (a manual_dir's tree, else fetched once into the download
-    dir, shared by the builders that read them) and the packages' records."""
-    try:
-        manual = os.fspath(dl_manager.manual_dir)
-    except (AssertionError, ValueError):  # no manual_dir given, or it is empty
-        manual = None
-    if manual is not None and os.path.isdir(os.path.join(manual, "usr")):
-        return manual, [{"name": "manual_dir", "source": manual}]
-    cache = os.path.join(os.fspath(dl_manager.download_dir), "offline_de_en")
-    root, packages = offline_corpus.fetch_packages(cache)
-    return root, [vars(p) for p in packages]
+    """The unpacked packages (a manual_dir's tree, else fetched once into the download dir,
+    shared by the builders that read them) and the packages' records."""
+    return debian.unpacked_root(dl_manager, offline_corpus.PACKAGES, cache="offline_de_en",
+                                marker="usr", dataset="offline_de_en",
+                                alternative=offline_corpus.WMT_HINT)
 
 
 class OfflineDeEn(tfds.core.GeneratorBasedBuilder):
