@@ -10,6 +10,7 @@ Rerunning with the same workdir resumes from its latest checkpoint.
 
 import logging as pylogging
 import os
+import re
 import sys
 
 from absl import app, flags, logging
@@ -155,11 +156,11 @@ def main(argv):
 
 def _parse_flags(argv):
     """absl's parsing, with a config file that does not load (a syntax error, no get_config)
-    and an unknown --config.<key> as one line too (ml_collections raises them while absl parses
-    the flags, before main)."""
+    an unknown --config.<key>, and a config argument its get_config rejects as one line too
+    (ml_collections raises them while absl parses the flags, before main)."""
     config_arg = next((a for a in argv[1:] if a.startswith("--config=")), "--config")
     try:
-        return app.parse_flags_with_usage(argv)
+        return flags.FLAGS(argv)
     except SyntaxError as error:
         sys.exit(f"error: --config={error.filename} line {error.lineno}: {error.msg}; fix the "
                  f"config file")
@@ -172,6 +173,9 @@ def _parse_flags(argv):
         bad = next((a.split("=")[0] for a in argv[1:] if a.startswith("--config.")
                     and name in a.split("=")[0].split(".")), "a --config.<key> override")
         sys.exit(f"error: {bad}: the config has no key {name!r}{'; ' + hint[0] if hint else ''}")
+    except flags.Error as error:  # e.g. get_config(arg) rejected its argument
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        sys.exit(f"error: {re.sub(r'^[A-Za-z]*Error: ', '', lines[-1])}")
 
 
 if __name__ == "__main__":

@@ -377,9 +377,20 @@ def _config_without_get_config(tmp_path):
                                    f"get_config(), as configs/default.py does")
 
 
+def _table3_row_unknown(tmp_path):
+    return "configs/table3.py:Z_h3", ("error: configs/table3.py: unknown row 'Z_h3'; rows: base, "
+                                      "A_h1")
+
+
+def _vit_size_unknown(tmp_path):
+    return "configs/vit.py:X/16", ("error: ViT size 'X' is not one of Ti, S, B, L, H (e.g. "
+                                   "--config=configs/vit.py:B/16)")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mistake", [_no_config_file, _config_is_a_directory,
-                                     _config_syntax_error, _config_without_get_config])
+                                     _config_syntax_error, _config_without_get_config,
+                                     _table3_row_unknown, _vit_size_unknown])
 def test_train_py_config_file_that_does_not_load_is_one_line(mistake, tmp_path):
     config, message = mistake(tmp_path)
     before = snapshot(tmp_path)
