@@ -34,11 +34,13 @@ $(STAMP): pyproject.toml
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
+# Tests run in TEST_WORKERS processes (pytest-xdist); each fakes 8 CPU devices.
+TEST_WORKERS ?= 2
 test: lint
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests -n $(TEST_WORKERS)
 
 test-fast: lint
-	$(BIN)/python -m pytest tests -m "not slow"
+	$(BIN)/python -m pytest tests -m "not slow" -n $(TEST_WORKERS)
 
 # The default run: the offline German-English corpus (built on first use), then BLEU on its
 # test split with beam search. WORKDIR=... trains elsewhere; rerunning resumes.

@@ -1,7 +1,8 @@
 """Attention forward + backward: compile time, run time and compiled memory per implementation.
 
     python benchmarks/attention.py [--lengths 512,1024,2048,4096,8192] [--batch 1 --heads 4
-        --head_dim 64] [--implementations xla,chunked,chunked/nomask] [--runs 3]
+        --head_dim 64] [--implementations xla,chunked,chunked/window=256,linear] [--runs 3]
+        [--plot attention.png]
 
 For each length S (self-attention, T = S, causal mask) and implementation, compiles
 `jax.grad(lambda q, k, v: attention(q, k, v).sum(), argnums=(0, 1, 2))` ahead of time, reads the
@@ -16,7 +17,12 @@ Implementations: "xla" and "chunked" from `transformer.attention` with the causa
 `make_causal_mask(S)` built inside the program; "chunked/nomask" is "chunked" without any mask,
 a diagnostic row that shows how much of chunked's memory is the boolean [T, S] causal mask
 (which the chunked path splits into key blocks and keeps as a backward residual: O(T·S) bytes).
-The defaults (batch 1, 4 heads of 64) finish in a few minutes on 2 CPU cores.
+"chunked/window=W" is a causal sliding window (`local_window_size=(W, 0)`, no mask array: the
+kernel visits only the key blocks of each query block's band), "linear" causal linear attention
+(`attention.linear_attention`, elu + 1 features). An implementation whose run at one length
+took more than --stop_after_s is not run at the longer ones (its rows say "skipped").
+`--plot` draws time and memory against length, one line per implementation (matplotlib, the
+`viz` extra). The defaults (batch 1, 4 heads of 64) finish in a few minutes on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -36,7 +42,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from transformer import attention  # noqa: E402
 
-IMPLEMENTATIONS = ("xla", "chunked", "chunked/nomask")
+IMPLEMENTATIONS = ("xla", "chunked", "chunked/nomask", "chunked/window=256",
+                   "chunked/window=1024", "linear")
+DEFAULT_IMPLEMENTATIONS = ("xla", "chunked", "chunked/window=256", "chunked/window=1024",
+                           "linear")
 
 
 def _memory_budget() -> int:
@@ -51,9 +60,16 @@ def _loss(implementation: str, key_chunk_size: int):
     impl, _, variant = implementation.partition("/")
 
     def loss(q, k, v):
-        mask = None if variant == "nomask" else attention.make_causal_mask(q.shape[1])
-        out = attention.dot_product_attention(q, k, v, mask=mask, implementation=impl,
-                                              key_chunk_size=key_chunk_size)
+        if impl == "linear":
+            out = attention.linear_attention(q, k, v, causal=True)
+        elif variant.startswith("window="):
+            out = attention.dot_product_attention(
+                q, k, v, implementation=impl, key_chunk_size=key_chunk_size,
+                local_window_size=(int(variant.removeprefix("window=")), 0))
+        else:
+            mask = None if variant == "nomask" else attention.make_causal_mask(q.shape[1])
+            out = attention.dot_product_attention(q, k, v, mask=mask, implementation=impl,
+                                                  key_chunk_size=key_chunk_size)
         return out.astype(jnp.float32).sum()
 
     return jax.grad(loss, argnums=(0, 1, 2))
@@ -97,16 +113,43 @@ def _mib(n: int) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    header = (f"{'impl':<15} {'S=T':>6} {'compile s':>9} {'median s':>9} {'runs':>4} "
+    header = (f"{'impl':<20} {'S=T':>6} {'compile s':>9} {'median s':>9} {'runs':>4} "
               f"{'temp MiB':>10} "
               f"{'args MiB':>9} {'out MiB':>8}")
     lines = [header, "-" * len(header)]
     for r in rows:
+        if r.get("skipped"):
+            lines.append(f"{r['implementation']:<20} {r['length']:>6} skipped: {r['skipped']}")
+            continue
         median = "not run" if r["median_s"] is None else f"{r['median_s']:.4f}"
-        lines.append(f"{r['implementation']:<15} {r['length']:>6} {r['compile_s']:>9.2f} "
+        lines.append(f"{r['implementation']:<20} {r['length']:>6} {r['compile_s']:>9.2f} "
                      f"{median:>9} {r['runs']:>4} {_mib(r['temp_size']):>10} "
                      f"{_mib(r['argument_size']):>9} {_mib(r['output_size']):>8}")
     return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """Run time and compiled temporary memory against length, one line per implementation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (time_ax, memory_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for impl in dict.fromkeys(r["implementation"] for r in rows):
+        mine = [r for r in rows if r["implementation"] == impl and not r.get("skipped")]
+        timed = [r for r in mine if r["median_s"] is not None]
+        time_ax.plot([r["length"] for r in timed], [r["median_s"] for r in timed], "o-",
+                     label=impl)
+        memory_ax.plot([r["length"] for r in mine], [r["temp_size"] / 2**20 for r in mine],
+                       "o-", label=impl)
+    for ax, label in ((time_ax, "forward + backward, s"), (memory_ax, "temporaries, MiB")):
+        ax.set(xscale="log", yscale="log", xlabel="sequence length T = S", ylabel=label)
+        ax.grid(True, which="both", alpha=0.3)
+    time_ax.legend(fontsize=8)
+    fig.suptitle("Causal attention on " + jax.default_backend())
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main(argv=None):
@@ -116,11 +159,15 @@ def main(argv=None):
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--head_dim", type=int, default=64)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--implementations", default=",".join(IMPLEMENTATIONS))
+    parser.add_argument("--implementations", default=",".join(DEFAULT_IMPLEMENTATIONS),
+                        help=f"of {', '.join(IMPLEMENTATIONS)} (any chunked/window=W)")
     parser.add_argument("--key_chunk_size", type=int, default=attention.DEFAULT_KEY_CHUNK_SIZE)
     parser.add_argument("--runs", type=int, default=3, help="timed runs after one warm-up")
     parser.add_argument("--row_budget_s", type=float, default=10.0,
                         help="stop timing a row after this many seconds (at least one run)")
+    parser.add_argument("--stop_after_s", type=float, default=60.0,
+                        help="skip an implementation's longer lengths after a run this long")
+    parser.add_argument("--plot", default=None, help="write a plot of the table here (.png)")
     parser.add_argument("--memory_budget_gib", type=float, default=None,
                         help="run only programs needing less (default: the device's limit, "
                              "or half the host RAM on CPU)")
@@ -129,17 +176,26 @@ def main(argv=None):
               else _memory_budget())
     implementations = args.implementations.split(",")
     for impl in implementations:
-        if impl.partition("/")[0] not in attention.IMPLEMENTATIONS:
+        if impl.partition("/")[0] not in attention.IMPLEMENTATIONS + ("linear",):
             parser.error(f"--implementations: {impl!r} is not one of "
                          f"{', '.join(IMPLEMENTATIONS)} (or cudnn on a GPU)")
     print(f"# backend {jax.default_backend()}, {jax.device_count()} device(s), memory budget "
           f"{budget / 2**30:.1f} GiB", flush=True)
-    rows = []
+    rows, too_slow = [], {}
     for length in (int(x) for x in args.lengths.split(",")):
         for impl in implementations:
-            rows.append(benchmark(impl, length, args, budget))
+            if impl in too_slow:
+                rows.append({"implementation": impl, "length": length,
+                             "skipped": f"{too_slow[impl]:.0f} s at a shorter length"})
+            else:
+                rows.append(benchmark(impl, length, args, budget))
+                if (rows[-1]["median_s"] or 0) > args.stop_after_s:
+                    too_slow[impl] = rows[-1]["median_s"]
             print(json.dumps(rows[-1]), flush=True)
     print(table(rows))
+    if args.plot:
+        plot(rows, args.plot)
+        print(f"# plot: {args.plot}")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ def paper_config(*, size: str, target_lang: str, dropout_rate: float) -> config_
     shape, pair = SIZES[size], LANGUAGE_PAIRS[target_lang]
     cfg = config_dict.ConfigDict()
     cfg.seed = 0
+    cfg.init_from = ""  # a run (workdir, workdir:step, or params dir) to start from
     cfg.num_train_steps = shape["num_train_steps"]
     cfg.mesh = config_dict.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
     cfg.checkpoint_every_steps = 1000  # full checkpoints (params, Adam moments, data position)
@@ -89,6 +90,10 @@ def paper_config(*, size: str, target_lang: str, dropout_rate: float) -> config_
         remat_policy="none",
         attention_implementation="auto",
         norm_eps=1e-6,
+        attention_kind="softmax",  # the paper's: softmax over every position, every layer
+        linear_feature_map="elu",  # read by attention_kind="linear" only
+        attention_window=config_dict.placeholder(int),  # read by "local" layers only
+        attention_pattern="global",
     ))
 
     cfg.optimizer = config_dict.ConfigDict(dict(
@@ -101,6 +106,8 @@ def paper_config(*, size: str, target_lang: str, dropout_rate: float) -> config_
         eps=1e-9,
         weight_decay=0.0,
         clip_norm=0.0,  # 0: no clipping
+        loss_scale_initial=2**15,  # model.dtype=float16: dynamic loss scaling (NVIDIA AMP)
+        loss_scale_period=2000,  # doubles after this many finite steps, halves on overflow
     ))
     cfg.distributed = config_dict.ConfigDict(dict(  # multi-process runs (train.py flags)
         initialization_timeout_seconds=300,  # waiting for all processes to join

@@ -32,6 +32,7 @@ from ml_collections import config_dict
 def get_config():
     cfg = config_dict.ConfigDict()
     cfg.seed = 0
+    cfg.init_from = ""  # a run (workdir, workdir:step, or params dir) to start from
     cfg.num_train_steps = 5000
     cfg.log_every_steps = 50
     cfg.mesh = config_dict.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
@@ -64,7 +65,8 @@ def get_config():
         remat_policy="none", attention_implementation="auto", norm_eps=1e-6))
     cfg.optimizer = config_dict.ConfigDict(dict(
         name="adam", schedule="cosine", learning_rate=2e-3, warmup_steps=300, end_fraction=0.0,
-        b1=0.9, b2=0.98, eps=1e-9, weight_decay=0.0, clip_norm=1.0))
+        b1=0.9, b2=0.98, eps=1e-9, weight_decay=0.0, clip_norm=1.0,
+        loss_scale_initial=2**15, loss_scale_period=2000))  # model.dtype=float16 only
     cfg.label_smoothing = 0.1
     cfg.z_loss = 0.0
     cfg.loss_chunk_tokens = -1  # logits a chunk at a time, sized by backend (common.py)

@@ -31,6 +31,7 @@ def lm_config(*, objective: str, dataset: str, vocab_size: int, max_length: int,
     architecture = OBJECTIVE_ARCHITECTURE[objective]
     cfg = config_dict.ConfigDict()
     cfg.seed = 0
+    cfg.init_from = ""  # a run (workdir, workdir:step, or params dir) to start from
     cfg.num_train_steps = num_train_steps
     cfg.log_every_steps = 50
     cfg.mesh = config_dict.ConfigDict(mesh)
@@ -70,7 +71,8 @@ def lm_config(*, objective: str, dataset: str, vocab_size: int, max_length: int,
     cfg.optimizer = config_dict.ConfigDict(dict(
         name="adamw", schedule="cosine", learning_rate=learning_rate,
         warmup_steps=warmup_steps, end_fraction=0.1,
-        b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, clip_norm=1.0))
+        b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, clip_norm=1.0,
+        loss_scale_initial=2**15, loss_scale_period=2000))  # model.dtype=float16 only
     cfg.label_smoothing = 0.0
     cfg.z_loss = 1e-4  # keeps the softmax normaliser near 1 in bfloat16 (PaLM)
     cfg.loss_chunk_tokens = -1  # logits a chunk at a time, sized by backend (common.py)

@@ -22,6 +22,8 @@ models").
 import pathlib
 import runpy
 
+from ml_collections import config_dict
+
 lm_config = runpy.run_path(str(pathlib.Path(__file__).with_name("lm_common.py")))["lm_config"]
 
 
@@ -39,6 +41,12 @@ def cpu_config(objective: str, *, num_train_steps: int, learning_rate: float,
     cfg.checkpoint_every_steps = 500
     cfg.checkpoint_every_minutes = 10
     cfg.z_loss = 0.0
+    # Efficient self-attention (README, "Benchmarks"): e.g. --config.model.attention_window=32
+    # --config.model.attention_pattern=local,global, or --config.model.attention_kind=linear.
+    cfg.model.attention_kind = "softmax"
+    cfg.model.linear_feature_map = "elu"
+    cfg.model.attention_window = config_dict.placeholder(int)
+    cfg.model.attention_pattern = "global"
     return cfg
 
 

@@ -15,6 +15,7 @@ from ml_collections import config_dict
 def get_config():
     cfg = config_dict.ConfigDict()
     cfg.seed = 0
+    cfg.init_from = ""  # a run (workdir, workdir:step, or params dir) to start from
     cfg.num_train_steps = 300
     cfg.log_every_steps = 10
     cfg.mesh = config_dict.ConfigDict(dict(data=-1, fsdp=1, tensor=1))

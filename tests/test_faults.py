@@ -1,12 +1,11 @@
 """Faults while training: damaged checkpoints, a full disk while saving, a kill in the middle of
-a save, and repeated kills (SIGKILL and SIGTERM) at seeded random moments of `train.py`."""
+a save, and a short soak (`benchmarks/soak.py`): faults of every kind at seeded random moments
+of `train.py`, each followed by a restart."""
 
-import itertools
 import json
 import logging
 import os
 import pathlib
-import random
 import shutil
 import signal
 import subprocess
@@ -78,7 +77,8 @@ def test_a_damaged_latest_checkpoint_is_skipped_for_the_previous_one(tmp_path, k
     assert (step, data_state) == (1, {"next_batch_index": 1})
     for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(tree(1)), strict=True):
         np.testing.assert_array_equal(got, want)
-    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    (warning,) = [r.getMessage() for r in caplog.records  # absl may warn of a slow save too
+                  if r.levelno == logging.WARNING and r.name == "transformer"]
     assert warning.startswith("checkpoint 2 does not restore (") and "\n" not in warning
     assert f"moved to {tmp_path / 'skipped_checkpoints' / '2'}" in warning
     # Nothing is lost: the damaged step is kept, byte for byte, beside the checkpoints.
@@ -175,33 +175,11 @@ def test_a_full_disk_fails_the_save_in_one_line_and_keeps_the_previous_one(tmp_p
 
 def test_the_fault_injection_setting_is_checked(tmp_path, monkeypatch):
     monkeypatch.setenv(checkpoint_hooks.FAULT_ENV, "explode@3")
-    with pytest.raises(ValueError, match="expected kill@<step> or enospc@<step>"):
+    with pytest.raises(ValueError, match="expected kill@<step> or enospc@<step> \\(or "):
         Checkpointer(str(tmp_path), keep=1)
 
 
 # --------------------------------------------------------------------------- train.py processes
-
-_RUNS = itertools.count()
-TOTAL, EVERY = 40, 5  # steps, and a checkpoint every EVERY steps
-COMMON = ["--config=configs/tiny.py", "--config.log_every_steps=1", "--config.eval_every_steps=0",
-          "--config.data.batch_size=16", f"--config.num_train_steps={TOTAL}",
-          f"--config.checkpoint_every_steps={EVERY}", "--config.keep_checkpoints=2"]
-
-
-def start(workdir, fault=None) -> subprocess.Popen:
-    """train.py on the tiny config with 2 fake devices; output to `<workdir>.<n>.log`."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(ROOT / ".cache" / "jax"),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5")
-    env.pop(checkpoint_hooks.FAULT_ENV, None)
-    if fault:
-        env[checkpoint_hooks.FAULT_ENV] = fault
-    log = open(f"{workdir}.{next(_RUNS)}.log", "w")
-    process = subprocess.Popen([sys.executable, "train.py", f"--workdir={workdir}", *COMMON],
-                               cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    process.log = pathlib.Path(log.name)
-    return process
-
 
 def train_losses(workdir) -> dict[int, list[float]]:
     """Every train loss logged, per step (a step redone after a kill is logged again)."""
@@ -214,87 +192,30 @@ def train_losses(workdir) -> dict[int, list[float]]:
     return found
 
 
-def wait_until_step(process, workdir, step, timeout=300) -> None:
-    deadline = time.monotonic() + timeout
-    while max(train_losses(workdir), default=0) < step and process.poll() is None:
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
-
-
-def assert_params_equal(got, want) -> None:
-    assert jax.tree.structure(got) == jax.tree.structure(want)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_array_equal(a, b)  # bit for bit
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """An uninterrupted run: its train losses and final parameters."""
-    workdir = tmp_path_factory.mktemp("faults") / "reference"
-    process = start(workdir)
-    assert process.wait(timeout=600) == 0, process.log.read_text()[-3000:]
-    return train_losses(workdir), checkpoint.load_params(str(workdir))
-
-
 @pytest.mark.slow
-def test_repeated_kills_at_random_moments_lose_nothing(tmp_path, reference):
-    expected, expected_params = reference
-    assert sorted(expected) == list(range(1, TOTAL + 1))
-    workdir = tmp_path / "killed"
-    rng = random.Random(9)
-    kills = []
-    for _ in range(5):
-        done = max(train_losses(workdir), default=0)
-        target = min(rng.randint(done + 1, done + EVERY + 2), TOTAL - 3)
-        sig = rng.choice([signal.SIGKILL, signal.SIGTERM])
-        process = start(workdir)
-        wait_until_step(process, workdir, target)
-        process.send_signal(sig)
-        code = process.wait(timeout=120)
-        assert code == (-signal.SIGKILL if sig == signal.SIGKILL else 0), process.log.read_text()
-        kills.append((sig.name, max(train_losses(workdir))))
-        steps = checkpoint.list_steps(str(workdir / "checkpoints"))
-        if sig == signal.SIGTERM:  # it saved the step it stopped at
-            assert steps[-1] == kills[-1][1]
-        if steps:  # the latest complete checkpoint always restores
-            params = checkpoint.load_params(str(workdir), step=steps[-1])
-            assert jax.tree.structure(params) == jax.tree.structure(expected_params)
-    assert [name for name, _ in kills] == ["SIGTERM", "SIGKILL", "SIGKILL", "SIGTERM", "SIGKILL"]
-    # A kill inside an async save: the partial step is never picked.
-    done = max(checkpoint.list_steps(str(workdir / "checkpoints")), default=0)
-    doomed = (done // EVERY + 1) * EVERY
-    process = start(workdir, fault=f"kill@{doomed}")
-    assert process.wait(timeout=300) == -signal.SIGKILL, process.log.read_text()[-3000:]
-    assert (workdir / "checkpoints" / f"{doomed}.orbax-checkpoint-tmp").is_dir()
-    assert doomed not in checkpoint.list_steps(str(workdir / "checkpoints"))
-    # Then a full disk at that save: one line, exit status 1, the previous checkpoint intact.
-    process = start(workdir, fault=f"enospc@{doomed}")
-    assert process.wait(timeout=300) == 1, process.log.read_text()[-3000:]
-    output = process.log.read_text()
-    assert output.splitlines()[-1] == (
-        f"error: disk full while saving checkpoint {doomed} in {workdir / 'checkpoints'}; free "
-        f"space (or use another --workdir) and rerun to resume: checkpoint {done} is intact")
-    assert "Traceback" not in output
-    assert checkpoint.list_steps(str(workdir / "checkpoints"))[-1] == done
-    # And the latest complete checkpoint damaged: resume falls back to the one before.
-    previous, latest = checkpoint.list_steps(str(workdir / "checkpoints"))[-2:]
-    truncate(workdir / "checkpoints" / str(latest) / "state" / "manifest.ocdbt")
-    process = start(workdir)
-    assert process.wait(timeout=600) == 0, process.log.read_text()[-3000:]
-    log = process.log.read_text()
-    assert f"checkpoint {latest} does not restore (ValueError: " in log
-    assert f"resuming from {workdir / 'checkpoints'}/{previous}" in log
-    assert (workdir / "skipped_checkpoints" / str(latest) / "state").is_dir()
-    assert "Traceback" not in log
-
-    got = train_losses(workdir)
-    assert sorted(got) == sorted(expected)
-    redone = {step: losses for step, losses in got.items() if len(losses) > 1}
-    assert redone, kills  # some updates were computed again after a kill ...
-    for step, losses in got.items():  # ... each time giving the reference's loss exactly
-        assert losses == [expected[step][0]] * len(losses), (step, kills)
-    assert_params_equal(checkpoint.load_params(str(workdir)), expected_params)
-    assert checkpoint.list_steps(str(workdir / "checkpoints"))[-1] == TOTAL
+def test_a_short_soak_of_every_fault_kind_loses_nothing(tmp_path):
+    """benchmarks/soak.py with 6 faults at seeded random moments, one of each kind (SIGKILL,
+    SIGTERM, a kill inside an async save, a kill just after a save completes, a full disk, a
+    damaged latest checkpoint), each followed by a restart of the same train.py command; the
+    script checks each outcome (exit status, checkpoints, the log line each must print) and
+    compares the faulted run with an uninterrupted one."""
+    out = tmp_path / "soak.json"
+    result = subprocess.run([sys.executable, "benchmarks/soak.py", "--faults=6", "--seed=9",
+                             f"--workdir={tmp_path / 'soak'}", f"--out={out}"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=1800)
+    assert out.exists(), result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    assert summary["problems"] == [], summary["fault_log"]
+    assert summary["faults_by_kind"] == {kind: 1 for kind in (
+        "damaged", "disk_full", "kill_after_save", "kill_in_save", "sigkill", "sigterm")}
+    assert summary["metric_steps_equal"], (summary["missing_lines"], summary["extra_lines"])
+    # Every loss logged, including each step computed again after a fault, is the
+    # reference's exactly, and the final parameters are bit for bit the same.
+    assert summary["every_train_loss_equal"], summary["differing_steps"]
+    assert summary["steps_recomputed"] > 0
+    assert summary["final_params_bit_identical"]
+    assert result.returncode == 0 and summary["ok"]
+    assert result.stdout.startswith("soak: 6 faults (damaged 1, disk_full 1, ")
 
 
 @pytest.mark.slow

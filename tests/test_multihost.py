@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 from conftest import SHRUNK_DEFAULT
 
+from transformer.checkpoint_hooks import FAULT_ENV
+
 _RUNS = itertools.count()
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 COMMON = ["--config=configs/tiny.py", "--config.log_every_steps=1",
@@ -33,15 +35,17 @@ def free_port() -> int:
 
 
 def launch(workdir, *, processes: int, devices: int, overrides=(),
-           common=tuple(COMMON)) -> list[subprocess.Popen]:
+           common=tuple(COMMON), faults=None) -> list[subprocess.Popen]:
     """`processes` train.py processes with `devices` fake CPU devices each: the `common` flags
-    (the tiny config) then `overrides`."""
+    (the tiny config) then `overrides`; `faults` maps a process index to the fault it injects
+    (TRANSFORMER_FAULT_INJECT, transformer/checkpoint_hooks.py)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     # No persistent compilation cache: an executable compiled for 1 process x 8 devices has the
     # same cache key as one for 2 processes x 4 devices but no cross-process collectives
     # (loading it hangs the 2-process run), and 2-process runs sharing one cache hung in CI.
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    env.pop(FAULT_ENV, None)
     command = [sys.executable, "train.py", f"--workdir={workdir}", *common, *overrides]
     if processes > 1:
         port = free_port()
@@ -51,8 +55,10 @@ def launch(workdir, *, processes: int, devices: int, overrides=(),
     for i in range(processes):
         # Output goes to files: a pipe nobody reads yet would block a process mid-collective.
         log = open(f"{workdir}-run{next(_RUNS)}-process{i}.log", "w")
+        fault = {FAULT_ENV: (faults or {})[i]} if i in (faults or {}) else {}
         procs.append(subprocess.Popen(command + ([f"--process_id={i}"] if processes > 1 else []),
-                                      cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+                                      cwd=ROOT, env=env | fault, stdout=log,
+                                      stderr=subprocess.STDOUT))
         procs[-1].log_path = log.name
     return procs
 
@@ -137,6 +143,30 @@ def test_a_dead_peer_stops_the_survivor_within_the_heartbeat_timeout(tmp_path):
     output = output_of(procs[0])
     assert procs[0].returncode != 0
     assert DEAD_PEER_MESSAGE in output and "stopped sending heartbeats" in output, output[-3000:]
+
+
+@pytest.mark.slow
+def test_a_peer_that_exits_with_an_error_stops_the_others_naming_it(tmp_path):
+    """Process 1 stops on an error (injected after step 3) while process 0 goes on into the
+    next step's collective. Before, both waited (process 1 in JAX's shutdown barrier, still
+    sending heartbeats; process 0 in the collective) for minutes. Now process 1 posts its error
+    to the coordination service and process 0 stops on it with one line naming process 1."""
+    heartbeat = 5
+    procs = launch(tmp_path, processes=2, devices=4, faults={1: "error@3"},
+                   overrides=["--config.num_train_steps=100000", "--config.eval_every_steps=0",
+                              f"--config.distributed.heartbeat_timeout_seconds={heartbeat}"])
+    procs[1].wait(timeout=900)  # compiling, then 3 steps
+    # Event-based: process 0 ends on process 1's notice (its line below), not on a timeout or
+    # on the heartbeat verdict; the wait's limit only turns a hang into a failure.
+    procs[0].wait(timeout=heartbeat + 60)
+    failed, survivor = output_of(procs[1]), output_of(procs[0])
+    notice = "error: injected fault after step 3 (TRANSFORMER_FAULT_INJECT=error@3)"
+    assert procs[1].returncode == 1 and notice in failed, failed[-3000:]
+    assert procs[0].returncode == 1, survivor[-3000:]
+    assert f"error: process 1 failed (ValueError: {notice[7:]}); stopping process 0 too" in \
+        survivor, survivor[-3000:]
+    assert "stopped sending heartbeats" not in survivor
+    assert "Traceback" not in failed + survivor
 
 
 @pytest.mark.slow

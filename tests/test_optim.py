@@ -285,6 +285,40 @@ def test_projected_loss_in_bfloat16_is_float32_and_close(projection):
     assert grads.dtype == jnp.bfloat16
 
 
+def test_grad_scale_keeps_float16_gradients_that_would_underflow():
+    """Hand-worked: hidden [[[1]]], embedding [[0], [-20], [-20], [-20]], target 0, so the
+    other tokens' probability is p = e**-20 / (1 + 3 e**-20) = 2.06e-9, below float16's
+    smallest subnormal (6e-8). Differentiated as loss_sum x 2**15 (a float16 loss scale),
+    their embedding gradient is 2**15 p = 6.8e-5: kept when grad_scale names that factor,
+    flushed to 0 when the unscaled gradient is rounded to float16 first."""
+    hidden = jnp.ones((1, 1, 1), jnp.float16)
+    embedding = jnp.asarray([[0.0], [-20.0], [-20.0], [-20.0]], jnp.float16)
+    targets = np.zeros((1, 1), np.int32)
+    scale = 2.0**15
+    p = np.exp(-20.0) / (1 + 3 * np.exp(-20.0))
+
+    def d_embedding(grad_scale):
+        return jax.grad(lambda e: optim.projected_cross_entropy_loss(
+            hidden, e, targets, grad_scale=grad_scale).loss_sum * scale)(embedding)
+
+    kept = np.asarray(d_embedding(scale), np.float64)[1:, 0]
+    np.testing.assert_allclose(kept, scale * p, rtol=2**-10)
+    assert (np.asarray(d_embedding(1.0))[1:] == 0).all()
+
+
+def test_grad_scale_changes_no_float32_gradient(projection):
+    hidden, embedding, targets, weights = projection
+
+    def grads(grad_scale):
+        return jax.grad(lambda h, e: optim.projected_cross_entropy_loss(
+            h, e, targets, weights, label_smoothing=0.1, chunk_length=3,
+            grad_scale=grad_scale).loss_sum * 1024.0, (0, 1))(hidden, embedding)
+
+    for plain, scaled in zip(grads(1.0), grads(1024.0 / weights.sum()), strict=True):
+        # Equal to float32 rounding (sums over chunks cancel: absolute, at the array's scale).
+        np.testing.assert_allclose(scaled, plain, rtol=1e-5, atol=1e-6 * np.abs(plain).max())
+
+
 # ---- optimizers --------------------------------------------------------------------------------
 
 

@@ -156,7 +156,7 @@ def _dots(text: str) -> list[tuple[tuple[str, ...], str, tuple[int, ...]]]:
 
 def test_bfloat16_logits_and_attention_logits_accumulate_in_float32():
     """In the lowered HLO of a bfloat16 model, the output projection [B, T, V] and the
-    attention logits (5-D: B, K, G, T, S in dot_general's order) are dot_generals of bfloat16
+    attention logits and weights x values (5-D, in dot_general's order) are dot_generals of bfloat16
     operands with float32 results (preferred_element_type), never rounded to bfloat16."""
     config = TransformerConfig(vocab_size=96, num_encoder_layers=1, num_decoder_layers=1,
                                d_model=32, d_ff=64, num_heads=4, max_len=16, dtype="bfloat16",
@@ -168,7 +168,8 @@ def test_bfloat16_logits_and_attention_logits_accumulate_in_float32():
     bf16 = ("bf16", "bf16")
     assert (bf16, "f32", (2, 8, 96)) in dots  # logits
     scores = [d for d in dots if d[0] == bf16 and d[1] == "f32" and len(d[2]) == 5]
-    assert len(scores) == 3  # encoder self-, decoder self- and cross-attention
+    assert len(scores) == 6  # QK^T and weights x V of encoder self-, decoder self- and cross-
+    # attention
     assert not [d for d in dots if d[1] == "bf16" and d[2][-1] == 96]
 
     hidden = jnp.ones((2, 8, 32), jnp.bfloat16)

@@ -107,3 +107,36 @@ def test_the_vocabulary_is_carried_over_and_guarded(untrained_translation_workdi
     other.save(str(tmp_path / "new" / "vocab"))
     with pytest.raises(ValueError, match="is not init_from's vocabulary"):
         transfer.copy_vocabulary(source, str(tmp_path / "new"), size)
+
+
+def _tiny(**overrides):
+    from conftest import _load_config
+
+    base = {"num_train_steps": 4, "checkpoint_every_steps": 2, "eval_every_steps": 0,
+            "log_every_steps": 1, "data.batch_size": 16}
+    return _load_config("tiny.py", **(base | overrides))
+
+
+@pytest.mark.slow
+def test_a_run_starts_from_another_once_then_resumes_from_its_own(tmp_path, caplog):
+    from transformer.loop import train_and_evaluate
+
+    pretrained = tmp_path / "pretrained"
+    train_and_evaluate(_tiny(), str(pretrained))
+    finetuned = tmp_path / "finetuned"
+    frozen = {"init_from": f"{pretrained}:4", "num_train_steps": 2, "mesh.data": 2,
+              "mesh.fsdp": 2, "mesh.tensor": 2, "optimizer.learning_rate": 1e-30,
+              "model.tie_output_embedding": False}
+    with caplog.at_level("INFO", logger="transformer"):
+        train_and_evaluate(_tiny(**frozen), str(finetuned))
+    assert "parameters loaded; left fresh: decoder/logits/kernel; not used: none" in caplog.text
+    want = checkpoint.load_params(str(pretrained), step=4)
+    got = checkpoint.load_params(str(finetuned), step=2)  # updates of ~1e-30: unchanged
+    for path in ("encoder", "decoder/layers_0", "embedding"):
+        a, b = got, want
+        for key in path.split("/"):
+            a, b = a[key], b[key]
+        jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-20), a, b)
+    shutil.rmtree(pretrained)  # resuming reads the run's own checkpoint, never init_from
+    train_and_evaluate(_tiny(**frozen | {"num_train_steps": 3}), str(finetuned))
+    assert checkpoint.list_steps(str(finetuned / "checkpoints"))[-1] == 3

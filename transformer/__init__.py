@@ -29,6 +29,8 @@ from transformer.attention import (
     make_cache_mask,
     make_causal_mask,
     make_decoder_mask,
+    make_global_mask,
+    make_local_mask,
     make_padding_mask,
     make_prefix_lm_mask,
     make_segment_mask,
@@ -68,8 +70,9 @@ def __getattr__(name):
 __all__ = [
     "Decoder", "DecoderBlock", "Encoder", "EncoderBlock", "MultiHeadAttention", "OutputHead",
     "Transformer", "TransformerConfig", "apply_rope", "attention_weights", "combine_masks",
-    "dot_product_attention", "feed_forward", "init_cache", "layer_norm", "load", "load_generator",
-    "make_cache_mask", "make_causal_mask", "make_decoder_mask", "make_padding_mask",
+    "dot_product_attention", "feed_forward", "init_cache", "layer_norm", "load",
+    "load_generator", "make_cache_mask", "make_causal_mask", "make_decoder_mask",
+    "make_global_mask", "make_local_mask", "make_padding_mask",
     "make_prefix_lm_mask", "make_segment_mask",
     "rms_norm", "shift_right", "sinusoidal_position_encoding",
 ]

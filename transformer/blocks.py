@@ -15,7 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer import attention, decoding, layers
+from transformer import attention, decoding, layers, linear_attention
 from transformer.model_config import TransformerConfig
 
 
@@ -69,18 +69,28 @@ class MultiHeadAttention(nn.Module):
     `__call__(x [B,T,D], kv_inputs [B,S,D] or None for self-attention, ...) -> (y [B,T,D],
     cache)`. With a cache, self-attention writes the new keys/values at `cache_index` and
     attends over the whole cache; cross-attention projects `kv_inputs` once and reuses them.
-    Applied with `mutable=["intermediates"]`, it also records its attention weights [B,N,T,S]
-    (`attention.attention_weights`, the softmax the "xla" implementation multiplies V with) as
-    `intermediates/.../attention_weights` (the plots of `transformer.visualize`).
+    Applied with `mutable=["intermediates"]`, it also records its softmax attention weights
+    [B,N,T,S] (`attention.attention_weights`, what the "xla" implementation multiplies V with)
+    as `intermediates/.../attention_weights` (the plots of `transformer.visualize`).
+
+    Self-attention beyond the paper (`config.attention_kind`, `window`): a local layer attends
+    to the `window` previous positions (`causal`) or `window` on each side, and decodes from a
+    ring buffer of the last `window` keys (`decoding.write_ring`); a linear layer runs
+    `linear_attention` and decodes from its recurrent state. Both read `segments` [B, T]
+    (packed sequence ids, 0 = padding; decoding: 0 = a token not to remember; None: one
+    sequence of real tokens) and a prefix LM's `in_prefix` [B, T].
     """
 
     config: TransformerConfig
     attention_fn: Callable[..., jax.Array] = attention.dot_product_attention
     use_rope: bool = False
+    window: int | None = None
+    causal: bool = False
 
     @nn.compact
     def __call__(self, x, kv_inputs=None, *, mask=None, q_positions=None, kv_positions=None,
-                 cache=None, cache_index=None, deterministic=True):
+                 cache=None, cache_index=None, segments=None, in_prefix=None,
+                 deterministic=True):
         cfg = self.config
         dtype = cfg.compute_dtype
         d, n, kh, h, hv = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_k, cfg.d_v
@@ -104,23 +114,63 @@ class MultiHeadAttention(nn.Module):
         if self.use_rope:
             q = layers.apply_rope(q, q_positions)
             k = layers.apply_rope(k, kv_positions)
-        if cache is not None:
-            cache = ({"key": k, "value": v} if is_cross
-                     else decoding.write_cache(cache, k, v, cache_index))
-            k, v = cache["key"], cache["value"]
         q = nn.with_logical_constraint(q, ("batch", "length", "heads", "head_dim"))
+        if not is_cross and cfg.attention_kind == "linear":
+            y, cache = self._linear(q, k, v, cache, segments, in_prefix)
+        else:
+            y, cache = self._softmax(q, k, v, mask, cache, cache_index, segments, in_prefix,
+                                     is_cross, deterministic)
+        out = project("out", "BTNE,NED->BTD", y, (n, hv, d), ("heads", "head_dim", "embed"),
+                      num_in_axes=2)
+        return out, cache
+
+    def _linear(self, q, k, v, cache, segments, in_prefix):
+        """Linear self-attention; with a cache, from and into its recurrent state."""
+        feature_map = self.config.linear_feature_map
+        if cache is None:
+            return linear_attention.linear_attention(
+                q, k, v, causal=self.causal, feature_map=feature_map, segment_ids=segments,
+                in_prefix=in_prefix), None
+        return linear_attention.decode_step(
+            q, k, v, cache, feature_map=feature_map,
+            valid=None if segments is None else segments != 0, in_prefix=in_prefix)
+
+    def _softmax(self, q, k, v, mask, cache, cache_index, segments, in_prefix, is_cross,
+                 deterministic):
+        """Softmax attention over all keys, a window of them, or a decoding cache."""
+        cfg = self.config
+        window = None
+        if self.window is not None and not is_cross:  # a causal window looks back only
+            window = (self.window, 0 if self.causal and in_prefix is None else self.window)
+        kwargs = {}
+        if is_cross and cache is not None:
+            cache = {"key": k, "value": v}
+        elif cache is not None and window is not None:
+            new_positions = jnp.broadcast_to(cache_index + jnp.arange(q.shape[1]), q.shape[:2])
+            if segments is not None:  # tokens not to remember (padding) get no position
+                new_positions = jnp.where(segments != 0, new_positions, -1)
+            mask = attention.make_window_cache_mask(
+                cache_index, q.shape[1],
+                jnp.concatenate([cache["position"], new_positions], axis=1), window, in_prefix)
+            k_all, v_all = (jnp.concatenate([cache[name], new.astype(cache[name].dtype)], axis=1)
+                            for name, new in (("key", k), ("value", v)))
+            cache = decoding.write_ring(cache, k, v, new_positions)
+            k, v = k_all, v_all
+        elif cache is not None:
+            cache = decoding.write_cache(cache, k, v, cache_index)
+            k, v = cache["key"], cache["value"]
+        elif window is not None:
+            kwargs["local_window_size"] = window
         dropout_rng = None
         if not deterministic and cfg.attention_dropout_rate > 0.0:
             dropout_rng = self.make_rng("dropout")
         y = self.attention_fn(q, k, v, mask=mask,
                               dropout_rate=0.0 if deterministic else cfg.attention_dropout_rate,
-                              dropout_rng=dropout_rng)
+                              dropout_rng=dropout_rng, **kwargs)
         if self.is_mutable_collection("intermediates"):  # asked for: apply(mutable=[...])
             self.sow("intermediates", "attention_weights",
-                     attention.attention_weights(q, k, mask=mask))
-        out = project("out", "BTNE,NED->BTD", y, (n, hv, d), ("heads", "head_dim", "embed"),
-                      num_in_axes=2)
-        return out, cache
+                     attention.attention_weights(q, k, mask=mask, **kwargs))
+        return y, cache
 
 
 class FeedForward(nn.Module):
@@ -162,19 +212,21 @@ def _residual(x, y, norm: Norm, deterministic: bool):
 
 class EncoderBlock(nn.Module):
     """Self-attention and feed-forward sublayers. `__call__(x [B,S,D], mask, positions,
-    deterministic) -> (x, None)`, the shape of an `nn.scan` body (as `DecoderBlock`'s)."""
+    segments, deterministic) -> (x, None)`, the shape of an `nn.scan` body (as
+    `DecoderBlock`'s). `window`: this layer's local window (None: global)."""
 
     config: TransformerConfig
     attention_fn: Callable[..., jax.Array] = attention.dot_product_attention
+    window: int | None = None
 
     @nn.compact
-    def __call__(self, x, mask, positions, deterministic=True):
+    def __call__(self, x, mask, positions, segments=None, deterministic=True):
         cfg = self.config
         attend = MultiHeadAttention(cfg, self.attention_fn, use_rope=cfg.positional == "rope",
-                                    name="self_attention")
+                                    window=self.window, name="self_attention")
         norm_attention, norm_ffn = Norm(cfg, name="norm_attention"), Norm(cfg, name="norm_ffn")
         y, _ = attend(_pre_norm(x, norm_attention), mask=mask, q_positions=positions,
-                      kv_positions=positions, deterministic=deterministic)
+                      kv_positions=positions, segments=segments, deterministic=deterministic)
         x = _residual(x, y, norm_attention, deterministic)
         y = FeedForward(cfg, name="ffn")(_pre_norm(x, norm_ffn), deterministic=deterministic)
         x = _residual(x, y, norm_ffn, deterministic)
@@ -184,25 +236,29 @@ class EncoderBlock(nn.Module):
 class DecoderBlock(nn.Module):
     """Masked self-attention, cross-attention (encoder-decoder only) and feed-forward sublayers.
 
-    `__call__(x [B,T,D], encoded [B,S,D] or None, self_mask, cross_mask, positions, cache,
-    cache_index, deterministic) -> (x, cache)`.
+    `__call__(x [B,T,D], encoded [B,S,D] or None, self_mask, cross_mask, positions, segments,
+    in_prefix, cache, cache_index, deterministic) -> (x, cache)`. `window`: this layer's local
+    window (None: global).
     """
 
     config: TransformerConfig
     attention_fn: Callable[..., jax.Array] = attention.dot_product_attention
+    window: int | None = None
 
     @nn.compact
-    def __call__(self, x, encoded, self_mask, cross_mask, positions, cache=None,
-                 cache_index=None, deterministic=True):
+    def __call__(self, x, encoded, self_mask, cross_mask, positions, segments=None,
+                 in_prefix=None, cache=None, cache_index=None, deterministic=True):
         cfg = self.config
         cache = cache or {}
         new_cache = {}
         norm_attention = Norm(cfg, name="norm_attention")
         y, new_cache["self_attention"] = MultiHeadAttention(
-            cfg, self.attention_fn, use_rope=cfg.positional == "rope", name="self_attention")(
+            cfg, self.attention_fn, use_rope=cfg.positional == "rope", window=self.window,
+            causal=True, name="self_attention")(
             _pre_norm(x, norm_attention), mask=self_mask, q_positions=positions,
             kv_positions=positions, cache=cache.get("self_attention"),
-            cache_index=cache_index, deterministic=deterministic)
+            cache_index=cache_index, segments=segments, in_prefix=in_prefix,
+            deterministic=deterministic)
         x = _residual(x, y, norm_attention, deterministic)
         if encoded is not None:
             norm_cross = Norm(cfg, name="norm_cross")

@@ -1,9 +1,13 @@
 """What `checkpoint` installs around orbax: fault injection for tests, and filters for the
 noise orbax and tensorstore print about failures that `Checkpointer` already reports in one line.
 
-Fault injection: `TRANSFORMER_FAULT_INJECT=kill@<step>` makes the process SIGKILL itself while
-saving step <step>, after every file is written and before the rename that completes it;
-`enospc@<step>` makes that save fail there with `OSError(ENOSPC)` instead.
+Fault injection (`TRANSFORMER_FAULT_INJECT=<fault>@<step>`, read when a Checkpointer is created):
+`kill@<step>` makes the process SIGKILL itself while saving step <step>, after every file is
+written and before the rename that completes it; `enospc@<step>` makes that save fail there with
+`OSError(ENOSPC)` instead; `killafter@<step>` SIGKILLs right after the rename (the checkpoint is
+complete, the run has not gone on); `error@<step>` makes `train.py` fail with a ValueError just
+after update <step> (the training loop asks `step_fault`), as a process of a multi-process run
+does that stops on an error while the others go on.
 """
 
 from __future__ import annotations
@@ -17,26 +21,47 @@ import sys
 import orbax.checkpoint as ocp
 
 FAULT_ENV = "TRANSFORMER_FAULT_INJECT"
+FAULTS = ("kill", "enospc", "killafter", "error")
 
 
-def fault_injecting_path_class() -> type | None:
-    """Orbax's atomic-rename temporary path, failing as `$TRANSFORMER_FAULT_INJECT` (`kill@N`
-    or `enospc@N`) says when step N's directory is about to be renamed into place; None when
-    the variable is unset."""
+def injected_fault() -> tuple[str, int] | None:
+    """(fault, step) from `$TRANSFORMER_FAULT_INJECT`, None when unset; a malformed value
+    raises ValueError naming the forms it takes."""
     spec = os.environ.get(FAULT_ENV)
     if not spec:
         return None
     fault, _, step = spec.partition("@")
-    if fault not in ("kill", "enospc") or not step.isdigit():
-        raise ValueError(f"{FAULT_ENV}={spec!r}: expected kill@<step> or enospc@<step>")
+    if fault not in FAULTS or not step.isdigit():
+        raise ValueError(f"{FAULT_ENV}={spec!r}: expected kill@<step> or enospc@<step> (or "
+                         f"killafter@<step>, error@<step>)")
+    return fault, int(step)
+
+
+def step_fault(step: int) -> None:
+    """Raises the injected `error@<step>` after update `step`."""
+    if injected_fault() == ("error", step):
+        raise ValueError(f"injected fault after step {step} ({FAULT_ENV}=error@{step})")
+
+
+def fault_injecting_path_class() -> type | None:
+    """Orbax's atomic-rename temporary path, failing as `$TRANSFORMER_FAULT_INJECT` says when
+    step N's directory is renamed into place (`kill@N`, `enospc@N`: before; `killafter@N`:
+    after); None when no such fault is set."""
+    injected = injected_fault()
+    if injected is None or injected[0] == "error":
+        return None
+    fault, step = injected[0], str(injected[1])
 
     class FaultInjecting(ocp.path.atomicity.AtomicRenameTemporaryPath):
         async def finalize(self, *args, **kwargs):
-            if self.get_final().name == step:
-                if fault == "kill":
-                    os.kill(os.getpid(), signal.SIGKILL)
+            doomed = self.get_final().name == step
+            if doomed and fault == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if doomed and fault == "enospc":
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.get()))
             await super().finalize(*args, **kwargs)
+            if doomed:  # killafter
+                os.kill(os.getpid(), signal.SIGKILL)
 
     return FaultInjecting
 

@@ -43,6 +43,7 @@ TOP_LEVEL: dict[str, tuple[type | tuple[type, ...], object]] = {
     "skip_nonfinite_updates": (bool, False),
     "profile_start_step": (int, 0),
     "profile_num_steps": (int, 0),
+    "init_from": (str, ""),  # a run to start from (transformer/transfer.py); "": from scratch
 }
 # The sections beside them and the keys each may hold: the model's fields, the mesh axes, any
 # data source's keys, and what optim.make_optimizer, the Translator (decode), the Generator
@@ -52,7 +53,8 @@ SECTIONS: dict[str, frozenset[str]] = {
     "mesh": frozenset(sharding.MESH_AXES + sharding.DCN_AXES),
     "data": data_lib.CONFIG_KEYS,
     "optimizer": frozenset({"name", "schedule", "learning_rate", "warmup_steps", "end_fraction",
-                            "b1", "b2", "eps", "weight_decay", "clip_norm"}),
+                            "b1", "b2", "eps", "weight_decay", "clip_norm",
+                            "loss_scale_initial", "loss_scale_period"}),  # float16 runs
     "decode": frozenset({"beam_size", "alpha", "max_extra_length"}),
     "generate": frozenset({"max_new_tokens", "temperature", "top_k", "top_p"}),
     "distributed": frozenset({"initialization_timeout_seconds", "heartbeat_timeout_seconds"}),
@@ -179,6 +181,7 @@ def _check_types(cfg: ConfigDict) -> None:
 def _check_values(cfg: ConfigDict, model: TransformerConfig) -> None:
     optim.make_optimizer(cfg.optimizer, d_model=model.d_model,  # its checks; no arrays
                          total_steps=int(cfg.num_train_steps))
+    optim.loss_scale_config(cfg.optimizer)
     for key in ("num_train_steps", "keep_checkpoints", "log_every_steps"):
         if cfg[key] < 1:
             raise ValueError(f"{key}={cfg[key]} must be >= 1")

@@ -19,8 +19,9 @@ the `top_k` most likely tokens and to the smallest set whose probability reaches
 so a row's tokens do not depend on the other rows of its batch.
 
 The model's side of the cache, a step's keys and values written at their positions, is
-`write_cache`. Shapes are written in the package's legend (`transformer/__init__.py`); T is the
-maximum output length.
+`write_cache` (a local layer's ring buffer of its last w positions: `write_ring`; a linear
+layer's recurrent state: `linear_attention.decode_step`). Shapes are written in the package's
+legend (`transformer/__init__.py`); T is the maximum output length.
 """
 
 from __future__ import annotations
@@ -44,6 +45,26 @@ def write_cache(cache: dict, key: jax.Array, value: jax.Array, index: jax.Array 
     start = (0, index, 0, 0)
     return {name: jax.lax.dynamic_update_slice(cache[name], new.astype(cache[name].dtype), start)
             for name, new in (("key", key), ("value", value))}
+
+
+def write_ring(cache: dict, key: jax.Array, value: jax.Array, positions: jax.Array) -> dict:
+    """A local layer's ring buffer {"key": [B, C, K, H], "value": [B, C, K, Hv], "position":
+    [B, C]} (slot i holds the newest position p kept with p % C == i; -1 = empty) with the new
+    key [B, T, K, H] and value [B, T, K, Hv] at `positions` [B, T] (-1: not kept, e.g. the
+    padding after a prompt): each slot takes the newest new token that maps to it. With C = w,
+    the slots hold the w positions before the next query, all its window needs."""
+    c, t = cache["position"].shape[1], positions.shape[1]
+    hit = (positions[:, :, None] >= 0) & (positions[:, :, None] % c == jnp.arange(c))  # [B,T,C]
+    newest = t - 1 - jnp.argmax(hit[:, ::-1], axis=1)  # [B, C]
+    taken = hit.any(axis=1)
+
+    def put(old, new):
+        trailing = (1,) * (old.ndim - 2)
+        new = jnp.take_along_axis(new, newest.reshape(newest.shape + trailing), axis=1)
+        return jnp.where(taken.reshape(taken.shape + trailing), new.astype(old.dtype), old)
+
+    return {"key": put(cache["key"], key), "value": put(cache["value"], value),
+            "position": put(cache["position"], positions)}
 
 
 def length_penalty(length: jax.Array, alpha: float) -> jax.Array:

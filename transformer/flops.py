@@ -26,6 +26,11 @@ about half of it. Training FLOPs = 3 × forward (the backward pass costs twice t
 `train_flops_per_token` divides the sequence-pair figure by T (the loss is per target token); an
 encoder-only model divides by S (its loss is per input token) and applies the logits over S.
 Decoder-only models have neither encoder nor cross-attention.
+
+The vision model (`architecture="vision"`, `transformer.vit`) is an encoder over its S patch
+tokens (plus the class token with pooling "cls"), whatever lengths are passed; its forward adds
+the patch embedding, 2·G²·Q·D (G² patches of Q = P²·C values), and one logits row,
+2·D·num_classes; `train_flops_per_token` is per image (its loss is per image).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from transformer import vit
 from transformer.model import Transformer, TransformerConfig
 
 PARAM_GROUPS = ("embedding", "source_embedding", "position_embedding", "encoder", "decoder",
@@ -44,6 +50,11 @@ PARAM_GROUPS = ("embedding", "source_embedding", "position_embedding", "encoder"
 
 def abstract_params(config: TransformerConfig) -> dict[str, Any]:
     """The params pytree as `jax.ShapeDtypeStruct` leaves (logical-partitioning boxes removed)."""
+    if config.architecture == "vision":
+        images = jax.ShapeDtypeStruct((1, config.image_size, config.image_size,
+                                       config.num_channels), jnp.float32)
+        variables = jax.eval_shape(vit.VisionTransformer(config).init, jax.random.key(0), images)
+        return nn.meta.unbox(variables["params"])
     tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
     variables = jax.eval_shape(Transformer(config).init, jax.random.key(0), tokens, tokens)
     return nn.meta.unbox(variables["params"])
@@ -100,6 +111,8 @@ def forward_flops(config: TransformerConfig, *, source_length: int,
     `total`. Encoder-only models ignore `target_length`; decoder-only ones `source_length`.
     """
     s, t = source_length, target_length
+    if config.architecture == "vision":
+        s = vit.num_tokens(config)
     ffn = 2.0 * config.d_model * config.d_ff * _ffn_matmuls(config)
     parts = {"attention_projections": 0.0, "attention_scores_values": 0.0, "ffn": 0.0}
 
@@ -110,13 +123,17 @@ def forward_flops(config: TransformerConfig, *, source_length: int,
     if config.architecture != "decoder":
         add(_attention_flops(config, s, s), config.num_encoder_layers)
         parts["ffn"] += config.num_encoder_layers * ffn * s
-    if config.architecture != "encoder":
+    if config.architecture in ("decoder", "encoder_decoder"):
         add(_attention_flops(config, t, t), config.num_decoder_layers)
         if config.architecture == "encoder_decoder":
             add(_attention_flops(config, t, s), config.num_decoder_layers)
         parts["ffn"] += config.num_decoder_layers * ffn * t
     output_length = s if config.architecture == "encoder" else t
     parts["logits"] = 2.0 * output_length * config.d_model * config.vocab_size
+    if config.architecture == "vision":
+        parts["logits"] = 2.0 * config.d_model * config.num_classes
+        parts["patch_embedding"] = 2.0 * config.num_patches * config.patch_size ** 2 * (
+            config.num_channels * config.d_model)
     parts["total"] = sum(parts.values())
     return parts
 
@@ -127,5 +144,5 @@ def train_flops_per_token(config: TransformerConfig, *, source_length: int,
     token for encoder-only models), for sequences of the given lengths."""
     total = forward_flops(config, source_length=source_length,
                           target_length=target_length)["total"]
-    tokens = source_length if config.architecture == "encoder" else target_length
+    tokens = {"encoder": source_length, "vision": 1}.get(config.architecture, target_length)
     return 3.0 * total / tokens

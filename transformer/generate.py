@@ -5,8 +5,9 @@
         [--max_new_tokens=40] [--temperature=0.8] [--top_k=0] [--top_p=0.95] [--seed=0]
 
 `--prompt` (repeatable) or stdin (or `--input`); writes each prompt with its continuation on
-one line to stdout (or `--output`). `--temperature=0` is greedy; unset options come from the
-run's config (`generate.*`). The same seed gives the same continuations (batched or not).
+one line to stdout (or `--output`), streamed as translate does (`text_input.stream`).
+`--temperature=0` is greedy; unset options come from the run's config (`generate.*`). The same
+seed gives the same continuations (batched, streamed or not: prompt i always draws with key i).
 """
 
 from absl import app, flags
@@ -27,6 +28,7 @@ flags.DEFINE_float("top_p", None, "Sample from the smallest set of this probabil
 flags.DEFINE_integer("seed", 0, "Sampling seed.", lower_bound=0)
 flags.DEFINE_integer("batch_size", 32, "Prompts generated together.", lower_bound=1)
 FLAGS = flags.FLAGS
+READ_AHEAD_BATCHES = 8  # prompts read at a time, bucketed into batches, then written
 
 
 def main(argv):
@@ -34,17 +36,23 @@ def main(argv):
     from transformer import text_input
     from transformer.generator import load_generator
 
-    def continue_prompts(prompts: list[str]) -> list[str]:
+    generator = None
+
+    def continue_prompts(prompts: list[str], first: int) -> list[str]:
+        nonlocal generator
         if not prompts:
             raise ValueError("no prompt: pass --prompt=... or one prompt a line on stdin")
-        generator = load_generator(FLAGS.workdir, step=FLAGS.step)
+        if generator is None:
+            generator = load_generator(FLAGS.workdir, step=FLAGS.step)
         return generator.generate(prompts, max_new_tokens=FLAGS.max_new_tokens,
                                   temperature=FLAGS.temperature, top_k=FLAGS.top_k,
                                   top_p=FLAGS.top_p, seed=FLAGS.seed,
-                                  batch_size=FLAGS.batch_size)
+                                  batch_size=FLAGS.batch_size, first_index=first,
+                                  show_progress=False)
 
-    text_input.run(continue_prompts, input_path=FLAGS.input, output_path=FLAGS.output,
-                   lines=FLAGS.prompt or None)
+    text_input.stream(continue_prompts, chunk_lines=READ_AHEAD_BATCHES * FLAGS.batch_size,
+                      input_path=FLAGS.input, output_path=FLAGS.output,
+                      lines=FLAGS.prompt or None, desc="generated", unit="prompt")
 
 
 if __name__ == "__main__":

@@ -78,9 +78,12 @@ class Generator:
 
     def generate(self, prompts: list[str], *, max_new_tokens: int | None = None,
                  temperature: float | None = None, top_k: int | None = None,
-                 top_p: float | None = None, seed: int = 0, batch_size: int = 32) -> list[str]:
+                 top_p: float | None = None, seed: int = 0, batch_size: int = 32,
+                 first_index: int = 0, show_progress: bool = True) -> list[str]:
         """Each prompt followed by its continuation, in order. Unset options come from the
-        config's `generate.*`; temperature 0 is greedy."""
+        config's `generate.*`; temperature 0 is greedy. Prompt i draws with the key of index
+        `first_index + i` (a stream passes its position, so its chunks give what one call
+        gives); progress on stderr for more than one batch unless `show_progress` is False."""
         defaults = self.config.get("generate") or ConfigDict(dict(
             max_new_tokens=64, temperature=1.0, top_k=0, top_p=1.0))
         options = dict(
@@ -99,12 +102,13 @@ class Generator:
             by_bucket.setdefault(length, []).append(i)
         out = [""] * len(prompts)
         with progress.bar(len(prompts), "generating", unit="prompt",
-                          show=len(prompts) > batch_size) as bar:
+                          show=show_progress and len(prompts) > batch_size) as bar:
             for length, members in sorted(by_bucket.items()):
                 for start in range(0, len(members), batch_size):
                     chunk = members[start:start + batch_size]
                     tokens = self.generate_ids([encoded[i] for i in chunk],
-                                               prompt_indices=chunk, seed=seed, length=length,
+                                               prompt_indices=[first_index + i for i in chunk],
+                                               seed=seed, length=length,
                                                rows=min(_power_of_two(len(chunk)), batch_size),
                                                **options)
                     for i, row in zip(chunk, tokens, strict=True):

@@ -2,7 +2,8 @@
 
 `train_and_evaluate(cfg, workdir)` is what `train.py` runs. Rerunning it on the same workdir
 resumes from the latest checkpoint; on the same mesh the losses continue bit for bit. SIGTERM
-saves a checkpoint and returns cleanly.
+saves a checkpoint and returns cleanly. The metrics of every step a checkpoint covers are on disk
+before its save starts (`metrics.MetricWriter.sync`), so a kill loses no line for good.
 """
 
 from __future__ import annotations
@@ -11,16 +12,28 @@ import logging
 import os
 import signal
 import subprocess
+import sys
+import threading
 import time
+import traceback
 from importlib import metadata
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from transformer import evaluation, flops, metrics, progress, sharding, train_lib
+from transformer import (
+    checkpoint_hooks,
+    evaluation,
+    flops,
+    metrics,
+    progress,
+    sharding,
+    train_lib,
+    transfer,
+)
 from transformer import workdir as workdir_lib
-from transformer.checkpoint import Checkpointer, ParamsSeries
+from transformer.checkpoint import Checkpointer, ParamsSeries, list_steps
 from transformer.config import resolve
 from transformer.data import make_source
 from transformer.translator import Translator
@@ -112,14 +125,15 @@ class _Preemption:
 
 
 def evaluate(trainer, eval_step, params, source, rows, split="validation") -> dict:
-    """Unsmoothed eval loss and perplexity over the source's eval batches of `split` (progress
-    on stderr from process 0)."""
+    """Unsmoothed eval loss and perplexity (a classifier: loss and accuracy,
+    `train_lib.eval_metrics`) over the source's eval batches of `split` (progress on stderr
+    from process 0)."""
     totals = {"nll_sum": 0.0, "tokens": 0.0}
-    with progress.bar(None, f"perplexity on {split}", unit="batch",
+    with progress.bar(None, f"evaluating on {split}", unit="batch",
                       show=jax.process_index() == 0) as bar:
         for local in source.eval_batches(split, rows):
             sums = jax.device_get(eval_step(params, train_lib.global_batch(trainer.mesh, local)))
-            totals = {k: totals[k] + float(sums[k]) for k in totals}
+            totals = {k: totals.get(k, 0.0) + float(v) for k, v in sums.items()}
             bar.update()
     return train_lib.eval_metrics(totals)
 
@@ -143,17 +157,104 @@ def _check_bleu_source(cfg, source) -> None:
                          f"to 0")
 
 
+class _FailureNotices:
+    """Multi-process runs: a process that stops on an error tells the others, which stop too.
+
+    Otherwise they would wait for it in their next collective or barrier until a timeout: it
+    still sends heartbeats (it is exiting, not dead), and its exit waits for them in JAX's
+    shutdown barrier. A failing process posts `<index><TAB><error>` under one key of the
+    coordination service's key-value store; every process watches that key from a thread and,
+    when a peer posted, logs one line naming it and ends (`os._exit`: its main thread may be
+    blocked in a collective). The failing process, once it has cleaned up, prints its error as
+    train.py would and ends the same way, skipping JAX's shutdown barrier (which would wait for
+    the peers that are gone).
+    """
+
+    KEY = "transformer/failed_process"
+    POLL_MS = 1000
+
+    def __init__(self):
+        self._client, self._thread, self._posted = None, None, False
+        self._stop = threading.Event()
+        if jax.process_count() > 1:
+            from jax._src import distributed  # jax.distributed's client: no public handle
+
+            self._client = distributed.global_state.client
+
+    def __enter__(self):
+        if self._client is not None:
+            self._thread = threading.Thread(target=self._watch, name="failure notices",
+                                            daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, kind, error, tb):
+        if error is not None:
+            self.post(error)
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * self.POLL_MS / 1000)
+        if error is not None and self._client is not None:
+            if isinstance(error, ValueError | NonFiniteLoss):
+                print(f"error: {error}", file=sys.stderr, flush=True)
+            else:
+                traceback.print_exception(error)
+                sys.stderr.flush()
+            os._exit(1)
+
+    def post(self, error: BaseException) -> None:
+        """Tells the other processes that this one stops on `error` (once)."""
+        if self._client is None or self._posted:
+            return
+        self._posted = True
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        try:
+            self._client.key_value_set(
+                self.KEY, f"{jax.process_index()}\t{type(error).__name__}: {first_line}")
+        except Exception:  # another process posted first, or the service is gone
+            pass
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            try:
+                notice = self._client.blocking_key_value_get(self.KEY, self.POLL_MS)
+            except Exception as error:
+                if "DEADLINE_EXCEEDED" in str(error):
+                    continue
+                return  # the coordination service is gone: JAX itself stops this process
+            index, _, message = notice.partition("\t")
+            if int(index) == jax.process_index():
+                return
+            log.error("error: process %s failed (%s); stopping process %d too", index, message,
+                      jax.process_index())
+            for handler in log.handlers:
+                handler.flush()
+            os._exit(1)
+
+
 def train_and_evaluate(cfg, workdir: str, *,
                        config_file: str | None = None) -> train_lib.TrainState:
     """Trains `cfg` in `workdir` (resuming if it holds a checkpoint); returns the final state.
-    `config_file`, where `cfg` came from, is named in errors about its keys."""
+    `config_file`, where `cfg` came from, is named in errors about its keys. With several
+    processes, an error in one stops all within seconds, naming it (`_FailureNotices`): each
+    process prints its line and ends with status 1 instead of raising."""
+    with _FailureNotices() as notices:
+        return _train(cfg, workdir, config_file, notices)
+
+
+def _train(cfg, workdir: str, config_file: str | None,
+           notices: _FailureNotices) -> train_lib.TrainState:
     run = resolve(cfg, jax.device_count(), config_file=config_file)
     if not cfg.grad_accum_steps:
         log.info("grad_accum_steps=0: %d microbatches of %d rows per update on %d devices",
                  run.config.grad_accum_steps,
                  run.config.data.batch_size // run.config.grad_accum_steps, jax.device_count())
     cfg = run.config
+    starting = not list_steps(workdir_lib.path(workdir, workdir_lib.CHECKPOINTS))
+    init = transfer.parse(cfg.init_from) if cfg.init_from and starting else None
     os.makedirs(workdir, exist_ok=True)
+    if init is not None and cfg.data.dataset != "synthetic":  # before the data pipeline
+        transfer.copy_vocabulary(init, workdir, int(cfg.data.vocab_size))  # trains its own
     source = _prepared_source(cfg, workdir, batch_shards=sharding.batch_shards(run.mesh_shape))
     _check_bleu_source(cfg, source)
     mesh = sharding.make_mesh(cfg.mesh)
@@ -166,6 +267,11 @@ def train_and_evaluate(cfg, workdir: str, *,
     restored = checkpointer.restore_latest(trainer.abstract_state)
     if restored is None:
         latest, state, next_batch = None, train_lib.init_state(trainer, int(cfg.seed)), 0
+        if cfg.init_from:  # only before the run's own first checkpoint
+            init = init or transfer.parse(cfg.init_from)
+            params, _ = transfer.load(init, state.params, has_class_token=(
+                run.model.architecture == "vision" and run.model.pooling == "cls"))
+            state = state.replace(params=params)
     else:
         latest, state, data_state = restored
         log.info("resuming from %s/%d", checkpointer.directory, latest)
@@ -200,6 +306,7 @@ def train_and_evaluate(cfg, workdir: str, *,
             state, step_metrics = train_step(state, batch)
             step, next_batch = step + 1, next_batch + 1
             pending.append((step, step_metrics))
+            checkpoint_hooks.step_fault(step)
             if profile_steps and step == profile_start + profile_steps:
                 jax.profiler.stop_trace()
             preempted = preemption.agreed(step, cfg.log_every_steps)
@@ -222,6 +329,11 @@ def train_and_evaluate(cfg, workdir: str, *,
                                        time.perf_counter() - started)
                 progress.exclude(time.perf_counter() - started)
             if _should_save(cfg, step, total, last_save_time) or preempted:
+                if pending:  # the lines of every step the checkpoint covers come first
+                    _flush(pending, progress, writer, step, total, flops_per_token, peak, cfg,
+                           last_saved)
+                    pending = []
+                writer.sync()
                 checkpointer.save(step, state, {"next_batch_index": next_batch})
                 last_save_time, last_saved = time.monotonic(), step
             if series is not None:
@@ -232,6 +344,9 @@ def train_and_evaluate(cfg, workdir: str, *,
             if preempted:
                 log.warning("preempted: checkpoint %d saved, exiting", step)
                 break
+    except BaseException as error:  # the others learn of it before this process cleans up
+        notices.post(error)
+        raise
     finally:  # the checkpointer last: a failed save raises there, after the rest is closed
         writer.close()
         preemption.restore()
@@ -297,5 +412,6 @@ def _flush(pending, progress, writer, step, total, flops_per_token, peak, cfg, l
                 "nonfinite_skipped": int(m["nonfinite"])}
         if "mfu" in window:
             line["mfu"] = window["mfu"]
+        line |= {k: m[k] for k in train_lib.LOSS_SCALE_METRICS if k in m}  # float16 runs
         writer.write(s, "train", line)
     metrics.log_progress(step, total, fetched[-1] | window)

@@ -3,13 +3,21 @@
 Only process 0 writes. A line of metrics.jsonl is one JSON object with "step" (optimizer updates
 completed, 1-based) and "split" ("train", "validation", "test"); after a resume a step may
 appear twice, and readers keep the last line per (step, split).
+
+No line is lost to a kill: the loop calls `MetricWriter.sync` (flush and fsync of metrics.jsonl
+and the TensorBoard events) before it starts a checkpoint save, so every step a checkpoint
+covers has its lines on disk before the checkpoint exists; a resumed run recomputes, and logs
+again, only steps after it. A line torn by a kill mid-write (always of a step after the latest
+checkpoint) is cut off when the next run opens the file.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import math
+import os
 import time
 
 import jax
@@ -41,32 +49,84 @@ def peak_flops_per_device(device: jax.Device | None = None) -> float | None:
 
 
 class MetricWriter:
-    """Appends to metrics.jsonl and TensorBoard (process 0 only)."""
+    """Appends to metrics.jsonl and TensorBoard (process 0 only); each line is handed to the
+    operating system as it is written, `sync` makes them durable."""
 
     def __init__(self, workdir: str):
         self.active = jax.process_index() == 0
         self._path = workdir_lib.path(workdir, workdir_lib.METRICS)
-        self._tb = None
+        self._tb_dir = workdir_lib.path(workdir, workdir_lib.TENSORBOARD)
+        self._tb = self._file = None
         if self.active:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(workdir_lib.path(workdir, workdir_lib.TENSORBOARD))
+            cut_torn_line(self._path)
+            self._file = open(self._path, "a")
+            self._tb = SummaryWriter(self._tb_dir)
 
     def write(self, step: int, split: str, values: dict) -> None:
         if not self.active:
             return
         record = {"step": int(step), "split": split}
         record.update({k: _plain(v) for k, v in values.items()})
-        with open(self._path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
         for key, value in record.items():
             if key not in ("step", "split") and isinstance(value, int | float):
                 self._tb.add_scalar(f"{split}/{key}", value, step)
         self._tb.flush()
 
+    def sync(self) -> None:
+        """Every line written so far on disk (fsync of metrics.jsonl, the event files and their
+        directories): call before a checkpoint save starts."""
+        if not self.active:
+            return
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._tb.flush()
+        for name in glob.glob(os.path.join(self._tb_dir, "events.out.tfevents.*")):
+            _fsync_path(name)
+        _fsync_path(self._tb_dir)
+        _fsync_path(os.path.dirname(os.path.abspath(self._path)))
+
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+            self._file.close()
+
+
+def _fsync_path(path: str) -> None:
+    """fsync of a file or directory by name (a read-only descriptor suffices on Linux)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def cut_torn_line(path: str) -> None:
+    """Cuts a last line without its newline (a write cut short by a kill) off file `path`."""
+    if not os.path.exists(path):
+        return
+    with open(path, "rb+") as f:
+        size = f.seek(0, os.SEEK_END)
+        if size == 0:
+            return
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return
+        block = min(size, 1 << 16)
+        while True:
+            f.seek(size - block)
+            data = f.read(block)
+            end = data.rfind(b"\n")
+            if end >= 0 or block == size:
+                break
+            block = min(size, 2 * block)
+        keep = size - block + end + 1
+        log.warning("%s: cut off a torn last line (%d bytes, written when a run was killed)",
+                    path, size - keep)
+        f.truncate(keep)
 
 
 def _plain(value):
@@ -117,7 +177,8 @@ class Progress:
 
 
 def format_progress(step: int, total: int, values: dict) -> str:
-    """One console line: step, loss, tokens/s, ETA, data wait, MFU."""
+    """One console line: step, loss, tokens/s, ETA, data wait, MFU, and a float16 run's loss
+    scale and overflow-skipped updates."""
     eta = values.get("eta_seconds", 0.0)
     hours, rest = divmod(int(eta), 3600)
     parts = [f"step {step}/{total}", f"loss {values['loss']:.4f}",
@@ -126,6 +187,9 @@ def format_progress(step: int, total: int, values: dict) -> str:
              f"data wait {100 * values['data_wait_fraction']:.1f}%"]
     if "mfu" in values:
         parts.append(f"MFU {100 * values['mfu']:.1f}%")
+    if "loss_scale" in values:
+        parts.append(f"loss scale {float(values['loss_scale']):g} "
+                     f"({int(values['skipped_overflow_steps'])} overflows skipped)")
     return " | ".join(parts)
 
 
@@ -135,12 +199,18 @@ def log_progress(step: int, total: int, values: dict) -> None:
 
 
 def log_evaluation(step: int, split: str, figures: dict, seconds: float) -> None:
-    """One console line for an evaluation: loss, perplexity and BLEU where computed."""
+    """One console line for an evaluation: loss, perplexity (a classifier: top-1 and top-5
+    accuracy) and BLEU where computed."""
     if jax.process_index() != 0:
         return
     parts = [f"step {step} {split}"]
     if "loss" in figures:
-        parts += [f"loss {figures['loss']:.4f}", f"perplexity {figures['perplexity']:.2f}"]
+        parts.append(f"loss {figures['loss']:.4f}")
+    if "perplexity" in figures:
+        parts.append(f"perplexity {figures['perplexity']:.2f}")
+    for key, name in (("accuracy", "accuracy"), ("top5_accuracy", "top-5 accuracy")):
+        if key in figures:
+            parts.append(f"{name} {100 * figures[key]:.2f}%")
     if "bleu" in figures:
         parts += [f"BLEU {figures['bleu']:.2f}",
                   f"tokenized compound-split BLEU {figures['bleu_tok_compound']:.2f}",

@@ -24,7 +24,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer import attention, layers
+from transformer import attention, layers, linear_attention
 from transformer.blocks import DecoderBlock, EncoderBlock, Norm, Weights
 from transformer.data.tokenizer import BOS_ID
 from transformer.model_config import REMAT_POLICIES, TransformerConfig
@@ -59,6 +59,13 @@ def _stack(block: type[nn.Module], cfg: TransformerConfig, num_layers: int, *,
 def _layer_names(cfg: TransformerConfig, num_layers: int) -> list[str]:
     """The layers' subtrees: `layers` (scanned, all L at once) or `layers_0` .. `layers_{L-1}`."""
     return ["layers"] if cfg.scan_layers else [f"layers_{i}" for i in range(num_layers)]
+
+
+def _layers(cfg: TransformerConfig, num_layers: int) -> list[tuple[str, int | None]]:
+    """(subtree name, local window or None) of each layer (`_layer_names`); scanned layers
+    share one window (the config refuses a mixed pattern with scan_layers)."""
+    return [(name, cfg.layer_window(i))
+            for i, name in enumerate(_layer_names(cfg, num_layers))]
 
 
 def _positions(tokens: jax.Array, positions: jax.Array | None, offset=0) -> jax.Array:
@@ -112,13 +119,15 @@ class Encoder(nn.Module):
         _check_length(cfg, inputs.shape[1], "source")
         positions = _positions(inputs, inputs_positions)
         x = _Embedder(cfg, self.embedding, name="embedder")(inputs, positions, deterministic)
-        if inputs_segmentation is not None:
-            mask = attention.make_segment_mask(inputs_segmentation, inputs_segmentation)
-        else:
-            mask = attention.make_padding_mask(inputs != 0, inputs != 0)
+        segments = (inputs != 0 if inputs_segmentation is None
+                    else inputs_segmentation).astype(jnp.int32)
+        mask = None  # linear attention reads the segments alone
+        if cfg.attention_kind == "softmax":
+            mask = attention.make_segment_mask(segments, segments)
         block = _stack(EncoderBlock, cfg, cfg.num_encoder_layers)
-        for name in _layer_names(cfg, cfg.num_encoder_layers):
-            x, _ = block(cfg, self.attention_fn, name=name)(x, mask, positions, deterministic)
+        for name, window in _layers(cfg, cfg.num_encoder_layers):
+            x, _ = block(cfg, self.attention_fn, window, name=name)(x, mask, positions, segments,
+                                                                   deterministic)
         if cfg.norm_position == "pre":
             x = Norm(cfg, name="norm")(x)
         return x
@@ -149,23 +158,24 @@ def _tied_output_head(cfg: TransformerConfig, embedding: nn.Embed, x) -> OutputH
 
 class Decoder(nn.Module):
     """The embedded decoder input tokens [B, T] through `num_decoder_layers` blocks ->
-    (`OutputHead`, cache or None). Masks come from `Transformer.decode_head`."""
+    (`OutputHead`, cache or None). Masks, `segments` and `in_prefix` [B, T] (read by local and
+    linear self-attention, `blocks.MultiHeadAttention`) come from `Transformer.decode_head`."""
 
     config: TransformerConfig
     embedding: nn.Module
     attention_fn: Callable[..., jax.Array] = attention.dot_product_attention
 
     @nn.compact
-    def __call__(self, tokens, encoded, self_mask, cross_mask, positions, *, cache=None,
-                 deterministic=True):
+    def __call__(self, tokens, encoded, self_mask, cross_mask, positions, *, segments,
+                 in_prefix=None, cache=None, deterministic=True):
         cfg = self.config
         x = _Embedder(cfg, self.embedding, name="embedder")(tokens, positions, deterministic)
         index = None if cache is None else cache["index"]
         new_cache = None if cache is None else {"index": index + tokens.shape[1]}
         block = _stack(DecoderBlock, cfg, cfg.num_decoder_layers, per_layer_args=("cache",))
-        for name in _layer_names(cfg, cfg.num_decoder_layers):
-            x, layer_cache = block(cfg, self.attention_fn, name=name)(
-                x, encoded, self_mask, cross_mask, positions,
+        for name, window in _layers(cfg, cfg.num_decoder_layers):
+            x, layer_cache = block(cfg, self.attention_fn, window, name=name)(
+                x, encoded, self_mask, cross_mask, positions, segments, in_prefix,
                 None if cache is None else cache[name], index, deterministic)
             if cache is not None:
                 new_cache[name] = layer_cache
@@ -278,8 +288,11 @@ class Transformer(nn.Module):
         prefix (nonzero); the decoder inputs of the prefix (BOS and the prefix tokens) attend to
         each other in both directions, the rest causally. With a cache it marks the decoder
         input tokens of this call that form the prefix (a prompt prefilled in one call).
+        Incremental decoding does not keep padding tokens (id 0, e.g. after a prompt) in a
+        local layer's ring buffer or a linear layer's state.
         """
         cfg = self.config
+        self_mask = None  # needed by global softmax layers only
         if cache is None:
             _check_length(cfg, targets.shape[1], "target")
             tokens = shift_right(targets, targets_segmentation)
@@ -287,13 +300,19 @@ class Transformer(nn.Module):
             segments = targets != 0 if targets_segmentation is None else targets_segmentation
             in_prefix = (None if targets_prefix is None
                          else prefix_inputs(targets_prefix, targets_segmentation))
-            self_mask = attention.make_decoder_mask(segments, in_prefix)
+            self_segments = segments.astype(jnp.int32)
+            if cfg.attention_kind == "softmax":
+                self_mask = attention.make_decoder_mask(segments, in_prefix)
         else:
             tokens = targets
             positions = _positions(targets, None, offset=cache["index"])
             segments = jnp.ones_like(targets)
-            self_mask = attention.make_cache_mask(cache["index"], targets.shape[1],
-                                                  _cache_length(cache), targets_prefix)
+            in_prefix = targets_prefix
+            self_segments = (targets != 0).astype(jnp.int32)
+            full = _full_cache_length(cfg, cache)
+            if full is not None:
+                self_mask = attention.make_cache_mask(cache["index"], targets.shape[1], full,
+                                                      targets_prefix)
         cross_mask = None
         if encoded is not None:
             if inputs_segmentation is not None and cache is None:
@@ -301,32 +320,52 @@ class Transformer(nn.Module):
                                                          inputs_segmentation)
             else:
                 cross_mask = attention.make_padding_mask(segments != 0, inputs != 0)
-        return self.decoder(tokens, encoded, self_mask, cross_mask, positions, cache=cache,
+        return self.decoder(tokens, encoded, self_mask, cross_mask, positions,
+                            segments=self_segments, in_prefix=in_prefix, cache=cache,
                             deterministic=deterministic)
 
 
-def _cache_length(cache: Cache) -> int:
-    """S, the positions a decoding cache (`init_cache`) holds."""
-    layer = cache["layers"] if "layers" in cache else cache["layers_0"]
-    return layer["self_attention"]["key"].shape[-3]
+def _full_cache_length(config: TransformerConfig, cache: Cache) -> int | None:
+    """S, the positions the caches of global softmax layers hold (`init_cache`); None when
+    every layer is local or linear."""
+    if config.attention_kind != "softmax":
+        return None
+    for name, window in _layers(config, config.num_decoder_layers):
+        if window is None:
+            return cache[name]["self_attention"]["key"].shape[-3]
+    return None
 
 
 def init_cache(config: TransformerConfig, batch_size: int, max_length: int) -> Cache:
-    """An empty decoding cache: per decoder layer the self-attention keys [B, S, K, H] and
-    values [B, S, K, Hv] (S = max_length) in the compute dtype, an empty cross-attention entry
-    (filled with the projected encoder output by the first `decode` call), and `index`, the
-    number of positions written."""
+    """An empty decoding cache for up to `max_length` positions: per decoder layer the
+    self-attention's, in the compute dtype: keys [B, S, K, H] and values [B, S, K, Hv]
+    (S = max_length) for a global layer; for a local layer of window w a ring buffer of the
+    last min(w, max_length) positions (keys, values and their "position" [B, S], -1 = empty);
+    for a linear layer the recurrent state [B, K, H, Hv] and normaliser [B, K, H] (float32).
+    An empty cross-attention entry (filled with the projected encoder output by the first
+    `decode` call), and `index`, the number of positions written."""
     _check_length(config, max_length, "decode")
     dtype = config.compute_dtype
     lead = (config.num_decoder_layers,) if config.scan_layers else ()
-    kv_lead = lead + (batch_size, max_length, config.num_kv_heads)
+    k, h, hv = config.num_kv_heads, config.d_k, config.d_v
 
-    def layer():
-        entry = {"self_attention": {"key": jnp.zeros(kv_lead + (config.d_k,), dtype),
-                                    "value": jnp.zeros(kv_lead + (config.d_v,), dtype)}}
+    def layer(window):
+        if config.attention_kind == "linear":
+            state = linear_attention.init_state(batch_size, k, h, hv)
+            self_attention = {name: jnp.zeros(lead + x.shape, x.dtype)
+                              for name, x in state.items()}
+        else:
+            length = max_length if window is None else min(window, max_length)
+            kv_lead = lead + (batch_size, length, k)
+            self_attention = {"key": jnp.zeros(kv_lead + (h,), dtype),
+                              "value": jnp.zeros(kv_lead + (hv,), dtype)}
+            if window is not None:
+                self_attention["position"] = jnp.full(lead + (batch_size, length), -1,
+                                                      jnp.int32)
+        entry = {"self_attention": self_attention}
         if config.architecture == "encoder_decoder":
             entry["cross_attention"] = {}
         return entry
 
-    names = _layer_names(config, config.num_decoder_layers)
-    return {"index": jnp.zeros((), jnp.int32), **{name: layer() for name in names}}
+    layers_ = _layers(config, config.num_decoder_layers)
+    return {"index": jnp.zeros((), jnp.int32), **{name: layer(w) for name, w in layers_}}

@@ -12,13 +12,17 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from transformer import attention, layers
+from transformer import attention, layers, linear_attention
 
-ARCHITECTURES = ("encoder_decoder", "encoder", "decoder")
+ARCHITECTURES = ("encoder_decoder", "encoder", "decoder", "vision")  # vision: `transformer.vit`
 POSITIONALS = ("sinusoidal", "learned", "rope", "none")
 NORMS = ("layer_norm", "rms_norm")
 NORM_POSITIONS = ("post", "pre")
+POOLINGS = ("cls", "gap")  # the vision model's image summary: class token, or mean of patches
 DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_KINDS = ("softmax", "linear")
+LAYER_ATTENTION = ("global", "local")  # the entries of model.attention_pattern
+VISION_FIELDS = ("image_size", "patch_size", "num_channels", "num_classes", "pooling")
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -57,6 +61,21 @@ class TransformerConfig:
     remat_policy: str = "none"
     attention_implementation: str = "auto"
     norm_eps: float = 1e-6
+    # Self-attention beyond the paper: "linear" (Katharopoulos et al., 2020; feature map
+    # `linear_feature_map`), or softmax over all positions ("global") or a sliding window
+    # ("local": the `attention_window` previous positions, and as many after in an encoder),
+    # layer by layer as `attention_pattern` (comma-separated, repeated over the layers).
+    attention_kind: str = "softmax"
+    linear_feature_map: str = "elu"
+    attention_window: int | None = None
+    attention_pattern: str = "global"  # e.g. "local" (every layer), "local,global" (Gemma 2)
+    # VISION_FIELDS, read by architecture="vision" only (the ViT, `transformer.vit`): square
+    # images cut into square patches
+    image_size: int = 224
+    patch_size: int = 16
+    num_channels: int = 3
+    num_classes: int = 1000
+    pooling: str = "cls"  # cls: a class token's final state; gap: the mean over the patches
 
     def __post_init__(self):
         set_ = functools.partial(object.__setattr__, self)
@@ -73,12 +92,14 @@ class TransformerConfig:
                                ("norm", NORMS), ("norm_position", NORM_POSITIONS),
                                ("activation", layers.ACTIVATIONS),
                                ("remat_policy", tuple(REMAT_POLICIES)), ("dtype", DTYPES),
+                               ("pooling", POOLINGS),
                                ("attention_implementation", attention.IMPLEMENTATIONS)):
             if getattr(self, field) not in choices:
                 raise ValueError(f"model.{field}={getattr(self, field)!r} is not one of "
                                  f"{', '.join(choices)}")
         for field in ("vocab_size", "d_model", "d_ff", "num_heads", "num_kv_heads", "d_k",
-                      "d_v", "max_len"):
+                      "d_v", "max_len", "image_size", "patch_size", "num_channels",
+                      "num_classes"):
             if getattr(self, field) < 1:
                 raise ValueError(f"model.{field}={getattr(self, field)} must be positive")
         for field in ("dropout_rate", "attention_dropout_rate", "relu_dropout_rate"):
@@ -95,6 +116,61 @@ class TransformerConfig:
         if self.architecture == "encoder_decoder" and min(self.num_encoder_layers,
                                                          self.num_decoder_layers) < 1:
             raise ValueError("model.num_encoder_layers and num_decoder_layers must be >= 1")
+        self._check_attention_pattern()
+        if self.architecture == "vision":
+            self._check_vision()
+
+    def _check_attention_pattern(self):
+        for field, choices in (("attention_kind", ATTENTION_KINDS),
+                               ("linear_feature_map", tuple(linear_attention.FEATURE_MAPS))):
+            if getattr(self, field) not in choices:
+                raise ValueError(f"model.{field}={getattr(self, field)!r} is not one of "
+                                 f"{', '.join(choices)}")
+        pattern = self.attention_pattern.split(",")
+        if any(entry not in LAYER_ATTENTION for entry in pattern):
+            raise ValueError(f"model.attention_pattern={self.attention_pattern!r}: each "
+                             f"comma-separated entry must be global or local (e.g. "
+                             f"'local,global')")
+        if self.attention_window is not None and self.attention_window < 1:
+            raise ValueError(f"model.attention_window={self.attention_window} must be >= 1 "
+                             f"(or None: no local layers)")
+        if "local" in pattern and self.attention_window is None:
+            raise ValueError(f"model.attention_pattern={self.attention_pattern!r} has local "
+                             f"layers: set model.attention_window (e.g. 256)")
+        if self.attention_window is not None and "local" not in pattern:
+            raise ValueError(f"model.attention_window={self.attention_window} has no effect with "
+                             f"attention_pattern='global': set attention_pattern='local' (every "
+                             f"layer) or e.g. 'local,global'")
+        if self.attention_kind == "linear" and self.attention_window is not None:
+            raise ValueError("model.attention_kind='linear' attends to every position: unset "
+                             "model.attention_window and attention_pattern")
+        layers_ = max(self.num_encoder_layers, self.num_decoder_layers)
+        if self.scan_layers and len({self.layer_window(i) for i in range(layers_)}) > 1:
+            raise ValueError(f"model.attention_pattern={self.attention_pattern!r} differs "
+                             f"between layers, which model.scan_layers=True cannot stack (their "
+                             f"decoding caches differ): set scan_layers=False or a uniform "
+                             f"pattern")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The window w of layer `layer`'s self-attention (same index in the encoder and the
+        decoder), or None for a layer that attends to every position."""
+        pattern = self.attention_pattern.split(",")
+        return self.attention_window if pattern[layer % len(pattern)] == "local" else None
+
+    def _check_vision(self):
+        if self.image_size % self.patch_size:
+            raise ValueError(f"model.patch_size={self.patch_size} does not divide "
+                             f"image_size={self.image_size}")
+        if self.positional not in ("learned", "none"):
+            raise ValueError(f"model.positional={self.positional!r}: the vision model takes "
+                             f"'learned' (the ViT's) or 'none'")
+        if self.num_encoder_layers < 1:
+            raise ValueError("model.num_encoder_layers must be >= 1")
+
+    @property
+    def num_patches(self) -> int:
+        """Patches of one image (the vision model): (image_size / patch_size)^2."""
+        return (self.image_size // self.patch_size) ** 2
 
     @property
     def compute_dtype(self):

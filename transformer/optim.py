@@ -11,6 +11,11 @@ Step convention: optax calls a schedule with the 0-based count of updates alread
 every schedule here evaluates its formula at ``step = count + 1``: the k-th update (1-based, the
 ``step`` of metrics.jsonl) uses the formula at k, never at 0.
 
+Float16 training scales the loss dynamically (`LossScaleState`, as NVIDIA's AMP and `jmp` do):
+the loss is multiplied by the scale before differentiation and the float32 gradients divided by
+it; a step whose gradients overflow is skipped and halves the scale (down to 1), and every
+``period`` consecutive finite steps double it.
+
 Shapes are written in the package's legend (`transformer/__init__.py`).
 """
 
@@ -162,6 +167,62 @@ def make_optimizer(
     return tx, schedule
 
 
+# ---- dynamic loss scaling (float16) -------------------------------------------------------------
+
+MIN_LOSS_SCALE = 1.0
+
+
+class LossScaleConfig(NamedTuple):
+    """``optimizer.loss_scale_initial`` and ``optimizer.loss_scale_period`` (float16 runs)."""
+
+    initial: float  # the scale of the first step: a power of two >= 1
+    period: int  # consecutive finite steps after which the scale doubles
+
+
+def loss_scale_config(opt_cfg) -> LossScaleConfig:
+    """The checked loss-scaling settings of the ``optimizer`` section (defaults 2**15 and 2000).
+
+    The scale must be a power of two, so that multiplying the loss by it and dividing the
+    gradients by it are exact in floating point.
+    """
+    initial = opt_cfg.get("loss_scale_initial", 2.0**15)
+    period = opt_cfg.get("loss_scale_period", 2000)
+    if (not isinstance(initial, int | float) or isinstance(initial, bool)
+            or not 1 <= initial < math.inf or not math.log2(initial).is_integer()):
+        _fail("loss_scale_initial", initial, "must be a power of two >= 1 (default 2**15)")
+    if not isinstance(period, int) or isinstance(period, bool) or period < 1:
+        _fail("loss_scale_period", period, "must be an int >= 1 (default 2000)")
+    return LossScaleConfig(float(initial), period)
+
+
+class LossScaleState(NamedTuple):
+    """The dynamic loss scale, part of a float16 run's checkpointed train state."""
+
+    scale: jax.Array  # float32 []: what the loss is multiplied by before differentiation
+    finite_steps: jax.Array  # int32 []: consecutive finite steps since the scale last changed
+    overflow_steps: jax.Array  # int32 []: updates skipped so far for non-finite gradients
+
+
+def init_loss_scale(config: LossScaleConfig) -> LossScaleState:
+    return LossScaleState(scale=jnp.asarray(config.initial, jnp.float32),
+                          finite_steps=jnp.zeros((), jnp.int32),
+                          overflow_steps=jnp.zeros((), jnp.int32))
+
+
+def update_loss_scale(state: LossScaleState, grads_finite: jax.Array,
+                      period: int) -> LossScaleState:
+    """The scale after a step: finite gradients count towards ``period`` and, at the
+    ``period``-th in a row, double the scale (the count restarts); an overflow halves it (never
+    below MIN_LOSS_SCALE), restarts the count and is counted in ``overflow_steps``."""
+    grown = state.finite_steps + 1 >= period
+    finite_scale = jnp.where(grown, state.scale * 2.0, state.scale)
+    return LossScaleState(
+        scale=jnp.where(grads_finite, finite_scale,
+                        jnp.maximum(state.scale * 0.5, MIN_LOSS_SCALE)),
+        finite_steps=jnp.where(grads_finite & ~grown, state.finite_steps + 1, 0),
+        overflow_steps=state.overflow_steps + jnp.where(grads_finite, 0, 1).astype(jnp.int32))
+
+
 class LossSums(NamedTuple):
     """Sums over weighted target tokens; divide by the global ``weight_sum`` for means."""
 
@@ -228,6 +289,7 @@ def projected_cross_entropy_loss(
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     chunk_length: int | None = None,
+    grad_scale: jax.Array | float = 1.0,
 ) -> LossSums:
     """``cross_entropy_loss(hidden @ kernel, ...)`` a chunk of positions at a time, so the
     logits [B,T,V] are never held whole.
@@ -242,6 +304,11 @@ def projected_cross_entropy_loss(
     accumulates over chunks in float32. The backward pass only scales them. Memory holds one
     chunk's logits; on a CPU the chunk stays in cache. Gradients flow through ``loss_sum``;
     ``z_loss_sum`` is a figure, not differentiable (it is part of ``loss_sum``).
+    ``grad_scale`` (a float32 scalar, not differentiated) should be the factor the caller
+    multiplies ``loss_sum`` by before differentiating (e.g. a float16 loss scale over the
+    token count): the chunk's float32 gradient of the logits is multiplied by it before it is
+    rounded to the compute dtype, as an unfused backward pass would round it, so float16 keeps
+    the small probabilities of a large vocabulary. It changes no result, only the rounding.
     """
     if weights is None:
         weights = jnp.ones(targets.shape, jnp.float32)
@@ -250,7 +317,8 @@ def projected_cross_entropy_loss(
     # As many chunks as chunk_length asks for, of equal length (the least padding).
     num_chunks = 1 if chunk_length is None else -(-length // max(1, int(chunk_length)))
     chunk = -(-length // num_chunks)
-    loss_sum, z_loss_sum = _projected_loss(hidden, kernel, targets, weights, vocab_axis,
+    loss_sum, z_loss_sum = _projected_loss(hidden, kernel, targets, weights,
+                                           jnp.asarray(grad_scale, jnp.float32), vocab_axis,
                                            float(label_smoothing), float(z_loss), chunk)
     return LossSums(loss_sum=loss_sum, weight_sum=jnp.sum(weights),
                     z_loss_sum=jax.lax.stop_gradient(z_loss_sum))
@@ -264,9 +332,10 @@ def _chunks(x: jax.Array, chunk: int) -> jax.Array:
     return jnp.moveaxis(x, 1, 0)
 
 
-def _chunk_loss(hidden, kernel, targets, weights, vocab_axis, label_smoothing, z_loss,
-                with_grad):
-    """One chunk: (loss_sum, z_loss_sum) and, with_grad, (d hidden, d kernel as [D, V])."""
+def _chunk_loss(hidden, kernel, targets, weights, grad_scale, vocab_axis, label_smoothing,
+                z_loss, with_grad):
+    """One chunk: (loss_sum, z_loss_sum) and, with_grad, (d hidden, d kernel as [D, V]), both
+    times grad_scale."""
     spec = "BCD,VD->BCV" if vocab_axis == 0 else "BCD,DV->BCV"
 
     def sums(logits):
@@ -279,15 +348,16 @@ def _chunk_loss(hidden, kernel, targets, weights, vocab_axis, label_smoothing, z
         return sums(logits), None
     (loss_sum, z_loss_sum), grad_fn = jax.vjp(sums, logits)
     (d_logits,) = grad_fn((jnp.ones_like(loss_sum), jnp.zeros_like(z_loss_sum)))
-    d_logits = d_logits.astype(hidden.dtype)
+    d_logits = (d_logits * grad_scale).astype(hidden.dtype)
     d_hidden = jnp.einsum("BCV,VD->BCD" if vocab_axis == 0 else "BCV,DV->BCD", d_logits, kernel)
     d_kernel = jnp.einsum("BCD,BCV->DV", hidden, d_logits, preferred_element_type=jnp.float32)
     return (loss_sum, z_loss_sum), (d_hidden, d_kernel)
 
 
-def _scan_chunks(hidden, kernel, targets, weights, vocab_axis, label_smoothing, z_loss, chunk,
-                 with_grad):
-    """Sums over all chunks and, with_grad, d hidden [B,T,D] and d kernel (kernel's layout)."""
+def _scan_chunks(hidden, kernel, targets, weights, grad_scale, vocab_axis, label_smoothing,
+                 z_loss, chunk, with_grad):
+    """Sums over all chunks and, with_grad, d hidden [B,T,D] and d kernel (kernel's layout),
+    both times grad_scale."""
     batch, length = targets.shape
     vocab = kernel.shape[vocab_axis]
 
@@ -295,7 +365,8 @@ def _scan_chunks(hidden, kernel, targets, weights, vocab_axis, label_smoothing, 
         loss_sum, z_loss_sum, d_kernel = carry
         hidden_chunk, targets_chunk, weights_chunk = xs
         (loss, z), grads = _chunk_loss(hidden_chunk, kernel, targets_chunk, weights_chunk,
-                                       vocab_axis, label_smoothing, z_loss, with_grad)
+                                       grad_scale, vocab_axis, label_smoothing, z_loss,
+                                       with_grad)
         if grads is None:
             return (loss_sum + loss, z_loss_sum + z, d_kernel), None
         return (loss_sum + loss, z_loss_sum + z, d_kernel + grads[1]), grads[0]
@@ -312,25 +383,28 @@ def _scan_chunks(hidden, kernel, targets, weights, vocab_axis, label_smoothing, 
     return (loss_sum, z_loss_sum), (d_hidden, d_kernel)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _projected_loss(hidden, kernel, targets, weights, vocab_axis, label_smoothing, z_loss,
-                    chunk):
-    return _scan_chunks(hidden, kernel, targets, weights, vocab_axis, label_smoothing, z_loss,
-                        chunk, with_grad=False)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _projected_loss(hidden, kernel, targets, weights, grad_scale, vocab_axis, label_smoothing,
+                    z_loss, chunk):
+    return _scan_chunks(hidden, kernel, targets, weights, grad_scale, vocab_axis,
+                        label_smoothing, z_loss, chunk, with_grad=False)[0]
 
 
-def _projected_loss_fwd(hidden, kernel, targets, weights, vocab_axis, label_smoothing, z_loss,
-                        chunk):
-    sums, grads = _scan_chunks(hidden, kernel, targets, weights, vocab_axis, label_smoothing,
-                               z_loss, chunk, with_grad=True)
-    return sums, (grads, targets, weights)
+def _projected_loss_fwd(hidden, kernel, targets, weights, grad_scale, vocab_axis,
+                        label_smoothing, z_loss, chunk):
+    sums, grads = _scan_chunks(hidden, kernel, targets, weights, grad_scale, vocab_axis,
+                               label_smoothing, z_loss, chunk, with_grad=True)
+    return sums, (grads, targets, weights, grad_scale)
 
 
 def _projected_loss_bwd(vocab_axis, label_smoothing, z_loss, chunk, residuals, cotangents):
-    (d_hidden, d_kernel), targets, weights = residuals
-    scale = cotangents[0]  # the loss_sum's; z_loss_sum is stopped (see the public function)
+    (d_hidden, d_kernel), targets, weights, grad_scale = residuals
+    # The loss_sum's cotangent (z_loss_sum is stopped, see the public function) over the
+    # grad_scale the forward pass already applied: 1 when the caller passed the cotangent.
+    scale = cotangents[0] / grad_scale
     return ((d_hidden * scale).astype(d_hidden.dtype), (d_kernel * scale).astype(d_kernel.dtype),
-            np.zeros(targets.shape, jax.dtypes.float0), jnp.zeros_like(weights))
+            np.zeros(targets.shape, jax.dtypes.float0), jnp.zeros_like(weights),
+            jnp.zeros_like(grad_scale))
 
 
 _projected_loss.defvjp(_projected_loss_fwd, _projected_loss_bwd)

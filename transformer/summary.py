@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 
-from transformer import flops
+from transformer import flops, vit
 from transformer.config import Resolved
 from transformer.model_config import TransformerConfig
 
@@ -92,7 +92,9 @@ def _flops_lines(config: TransformerConfig, source_length: int, target_length: i
     forward = flops.forward_flops(config, source_length=source_length,
                                   target_length=target_length)
     causal = "; causal self-attention counted in full"
-    if config.architecture == "encoder":
+    if config.architecture == "vision":
+        where, unit, causal = f"S = {vit.num_tokens(config)} tokens", "image", ""
+    elif config.architecture == "encoder":
         where, unit, causal = f"S = {source_length}", "input token", ""
     elif config.architecture == "decoder":
         where, unit = f"T = {target_length}", "target token"
@@ -100,6 +102,8 @@ def _flops_lines(config: TransformerConfig, source_length: int, target_length: i
         where, unit = f"S = {source_length}, T = {target_length}", "target token"
     labels = {"attention_projections": "q/k/v/out projections", "attention_scores_values":
               "QK^T and AV", "ffn": "feed-forward", "logits": "logits"}
+    if "patch_embedding" in forward:
+        labels["patch_embedding"] = "patch embedding"
     parts = ", ".join(f"{label} {forward[name] / forward['total']:.0%}"
                       for name, label in labels.items())
     return [
@@ -118,21 +122,30 @@ def summarize(run: Resolved) -> str:
     counts = flops.param_counts(config)
 
     encoder_layers = 0 if config.architecture == "decoder" else config.num_encoder_layers
-    decoder_layers = 0 if config.architecture == "encoder" else config.num_decoder_layers
+    decoder_layers = (0 if config.architecture in ("encoder", "vision")
+                      else config.num_decoder_layers)
+    inputs = f"vocab {config.vocab_size}"
+    if config.architecture == "vision":
+        inputs = (f"{config.image_size}px x {config.num_channels} images in {config.patch_size}px "
+                  f"patches ({config.num_patches}), {config.pooling} pooling, "
+                  f"{config.num_classes} classes")
     lines = [
         f"Transformer {config.architecture}: {encoder_layers} encoder + {decoder_layers} "
         f"decoder layers, d_model {config.d_model}, d_ff {config.d_ff}, heads {config.num_heads} "
         f"(kv {config.num_kv_heads}) x d_k {config.d_k}/d_v {config.d_v}, "
         f"{config.norm_position}-{config.norm}, {config.activation}, {config.positional} "
-        f"positions, vocab {config.vocab_size}, compute {config.dtype}",
+        f"positions, {inputs}, compute {config.dtype}",
         _row("module", "shapes (one layer for layer.*)", "params"),
         "-" * (_NAME_WIDTH + _SHAPE_WIDTH + _COUNT_WIDTH + 2),
     ]
-    for name in ("embedding", "source_embedding"):
+    for name in ("embedding", "source_embedding", "patch_embedding", "class_token"):
         if name in params:
             lines.append(_row(name, _describe(params[name]), counts[name]))
     positions = {stack: params[stack]["embedder"] for stack in ("encoder", "decoder")
                  if stack in params and "embedder" in params[stack]}
+    if "position_embedding" in params:  # the vision model's, beside its patch embedding
+        lines.append(_row("position_embedding", _describe(params["position_embedding"]),
+                          counts["position_embedding"]))
     if positions:
         lines.append(_row("position_embedding", ", ".join(
             f"{stack} {_shape(leaf.shape)}" for stack, tree in positions.items()
@@ -141,7 +154,9 @@ def summarize(run: Resolved) -> str:
     for name, num_layers in (("encoder", encoder_layers), ("decoder", decoder_layers)):
         if name in params:
             lines += _stack_rows(name, params[name], counts[name], num_layers)
-    if "decoder" in params and "logits" in params["decoder"]:
+    if "head" in params:
+        lines.append(_row("head", _describe(params["head"]), counts["head"]))
+    elif "decoder" in params and "logits" in params["decoder"]:
         lines.append(_row("logits", _describe(params["decoder"]["logits"]), counts["logits"]))
     else:
         lines.append(_row("logits", "tied to embedding (x @ embedding^T)", 0))

@@ -33,6 +33,7 @@ import numpy as np
 from transformer import checkpoint
 from transformer import workdir as workdir_lib
 from transformer.data import tokenizer as tokenizer_lib
+from transformer.data.tokenizer import MODEL_FILE
 
 log = logging.getLogger("transformer")
 POSITION_EMBEDDING = "position_embedding"  # a ViT's learned table: resized, not refused
@@ -89,7 +90,7 @@ def parse(spec: str) -> InitSource:
 
 def copy_vocabulary(source: InitSource, workdir: str, vocab_size: int) -> None:
     """Puts the pretrained run's SentencePiece model into `<workdir>/vocab/` (once)."""
-    src = workdir_lib.path(source.workdir, workdir_lib.VOCAB, tokenizer_lib.MODEL_FILE)
+    src = workdir_lib.path(source.workdir, workdir_lib.VOCAB, MODEL_FILE)
     if not os.path.isfile(src):
         raise ValueError(f"init_from={source.describe()}: {src} is missing; the pretrained "
                          f"run's vocabulary is needed to fine-tune it")
@@ -98,17 +99,18 @@ def copy_vocabulary(source: InitSource, workdir: str, vocab_size: int) -> None:
         raise ValueError(f"init_from={source.describe()} has a {pretrained.vocab_size}-piece "
                          f"vocabulary but data.vocab_size={vocab_size}: set "
                          f"--config.data.vocab_size={pretrained.vocab_size}")
-    target = workdir_lib.path(workdir, workdir_lib.VOCAB, tokenizer_lib.MODEL_FILE)
+    target = workdir_lib.path(workdir, workdir_lib.VOCAB, MODEL_FILE)
     if os.path.isfile(target):
         if tokenizer_lib.Tokenizer.load(target).sha256 != pretrained.sha256:
             raise ValueError(f"{target} is not init_from's vocabulary ({src}): fine-tune in a "
                              f"new --workdir")
         return
     os.makedirs(os.path.dirname(target), exist_ok=True)
-    for name in os.listdir(os.path.dirname(src)):
-        if name.startswith("sentencepiece.") or name == "info.json":
-            shutil.copyfile(os.path.join(os.path.dirname(src), name),
-                            os.path.join(os.path.dirname(target), name))
+    for name in sorted(os.listdir(os.path.dirname(src)), key=lambda n: n == MODEL_FILE):
+        if name.startswith("sentencepiece.") or name == "info.json":  # the model file last
+            destination = os.path.join(os.path.dirname(target), name)
+            shutil.copyfile(os.path.join(os.path.dirname(src), name), f"{destination}.tmp")
+            os.replace(f"{destination}.tmp", destination)  # other processes may copy it too
 
 
 def _read(source: InitSource) -> dict:

@@ -3,9 +3,10 @@
     python -m transformer.translate --workdir=runs/default [--average=5 | --step=N] \\
         [--input=file] [--output=file] [--beam_size=4] [--alpha=0.6]
 
-Reads stdin (or --input) and writes stdout (or --output). Empty lines stay empty; lines longer
-than the model allows are truncated with a warning; input that is not UTF-8 is an error naming
-the line.
+Reads stdin (or --input) and writes stdout (or --output) as it goes: 8 batches of lines at a
+time, each written and flushed before the next are read (`text_input.stream`: bounded memory,
+and an interrupted run leaves whole lines). Empty lines stay empty; lines longer than the model
+allows are truncated with a warning; input that is not UTF-8 is an error naming the line.
 """
 
 from absl import app, flags
@@ -21,6 +22,7 @@ flags.DEFINE_float("alpha", None, "Length penalty alpha (default: the config's).
                    lower_bound=0.0)
 flags.DEFINE_integer("batch_size", 32, "Sentences decoded together.", lower_bound=1)
 FLAGS = flags.FLAGS
+READ_AHEAD_BATCHES = 8  # lines read at a time, sorted by length into batches, then written
 
 
 def main(argv):
@@ -28,12 +30,18 @@ def main(argv):
     from transformer import text_input
     from transformer.translator import load
 
-    def translate(lines: list[str]) -> list[str]:
-        translator = load(FLAGS.workdir, step=FLAGS.step, average=FLAGS.average)
-        return translator.translate(lines, beam_size=FLAGS.beam_size, alpha=FLAGS.alpha,
-                                    batch_size=FLAGS.batch_size)
+    translator = None
 
-    text_input.run(translate, input_path=FLAGS.input, output_path=FLAGS.output)
+    def translate(lines: list[str], first: int) -> list[str]:
+        nonlocal translator
+        if translator is None:
+            translator = load(FLAGS.workdir, step=FLAGS.step, average=FLAGS.average)
+        return translator.translate(lines, beam_size=FLAGS.beam_size, alpha=FLAGS.alpha,
+                                    batch_size=FLAGS.batch_size, show_progress=False)
+
+    text_input.stream(translate, chunk_lines=READ_AHEAD_BATCHES * FLAGS.batch_size,
+                      input_path=FLAGS.input, output_path=FLAGS.output, desc="translated",
+                      unit="sentence")
 
 
 if __name__ == "__main__":

@@ -81,9 +81,9 @@ class Translator:
 
     def translate(self, sentences: list[str], *, beam_size: int | None = None,
                   alpha: float | None = None, max_extra_length: int | None = None,
-                  batch_size: int = 32) -> list[str]:
+                  batch_size: int = 32, show_progress: bool = True) -> list[str]:
         """Translations of `sentences`, in order (beam_size 1 = greedy). Empty in, empty out.
-        More than one batch shows progress on stderr."""
+        More than one batch shows progress on stderr (unless `show_progress` is False)."""
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
         decode_cfg = self.config.decode
@@ -101,7 +101,8 @@ class Translator:
         encoded = self.encode([sentences[i] for i in todo])
         order = sorted(range(len(todo)), key=lambda j: len(encoded[j]))  # similar lengths
         with progress.bar(len(order), "translating", unit="sentence",
-                          show=len(order) > batch_size and jax.process_index() == 0) as bar:
+                          show=show_progress and len(order) > batch_size
+                          and jax.process_index() == 0) as bar:
             for start in range(0, len(order), batch_size):
                 chunk = order[start:start + batch_size]
                 ids = self.translate_ids([encoded[j] for j in chunk], beam_size=beam_size,
@@ -113,13 +114,17 @@ class Translator:
 
     def translate_ids(self, sources: list[list[int]], *, beam_size: int, alpha: float,
                       max_extra_length: int) -> np.ndarray:
-        """Best hypotheses [B, L] for source id lists (EOS included); zeros after EOS."""
+        """Best hypotheses [B, L] for source id lists (EOS included); zeros after EOS. The
+        batch is padded to a power of two rows (copies of the first source, dropped after),
+        so batches of any size compile a few programs per bucket, not one per size."""
         longest = max(len(s) for s in sources)
         length = bucket_length(longest, self.max_source_length)
-        inputs = np.zeros((len(sources), length), np.int32)
-        for row, ids in enumerate(sources):
+        rows = 1 << max(len(sources) - 1, 0).bit_length()
+        padded = list(sources) + [sources[0]] * (rows - len(sources))
+        inputs = np.zeros((rows, length), np.int32)
+        for row, ids in enumerate(padded):
             inputs[row, : len(ids)] = ids
-        max_lengths = np.minimum(np.array([len(s) for s in sources]) + max_extra_length,
+        max_lengths = np.minimum(np.array([len(s) for s in padded]) + max_extra_length,
                                  self.model_config.max_len)
         max_length = int(min(length + max_extra_length, self.model_config.max_len))
         search = _search_fn(self.model, beam_size, float(alpha), max_length,
@@ -127,7 +132,7 @@ class Translator:
         tokens = search(self.params, inputs, max_lengths)
         if not tokens.is_fully_addressable:  # params sharded over several processes
             tokens = multihost_utils.process_allgather(tokens, tiled=True)
-        return np.asarray(tokens)
+        return np.asarray(tokens)[:len(sources)]
 
 
 @functools.lru_cache(maxsize=32)

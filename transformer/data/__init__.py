@@ -22,6 +22,7 @@ CONFIG_KEYS = frozenset({
     "objective", "eval_split", "eval_documents", "mask_rate", "vocab_sample_documents",  # LM
     "num_sentinels",
     "task", "min_length", "eval_examples",  # synthetic
+    "crop_padding", "random_flip",  # images (data/images.py)
 })
 
 
@@ -82,4 +83,8 @@ def make_source(cfg, workdir: str | None = None):
                          f"pip install -e '.[data]', or use data.dataset='synthetic'") from None
     if cfg.data.get("objective"):
         return language_model.from_config(cfg, workdir)
+    if cfg.model.get("architecture") == "vision":
+        from transformer.data import images
+
+        return images.from_config(cfg)
     return translation.from_config(cfg, workdir)
