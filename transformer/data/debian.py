@@ -91,6 +91,17 @@ def fetch(cache_dir: str, names: tuple[str, ...], *, dataset: str,
     return root, packages
 
 
+def copy_licences(root: str, names: tuple[str, ...], directory: str) -> None:
+    """Copies each unpacked package's `usr/share/doc/<name>/copyright` that exists to
+    `<directory>/licenses/<name>.copyright` (a TFDS dataset keeps its licences beside it)."""
+    licences = os.path.join(directory, "licenses")
+    os.makedirs(licences, exist_ok=True)
+    for name in names:
+        path = os.path.join(root, "usr/share/doc", name, "copyright")
+        if os.path.exists(path):
+            shutil.copyfile(path, os.path.join(licences, f"{name}.copyright"))
+
+
 def unpacked_root(dl_manager, names: tuple[str, ...], *, cache: str, marker: str, dataset: str,
                   alternative: str) -> tuple[str, list[dict]]:
     """For a TFDS builder: a manual_dir's unpacked tree when it holds `marker` (a path inside

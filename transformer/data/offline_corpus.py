@@ -36,17 +36,6 @@ VALIDATION_FRACTION = 0.02
 WMT_HINT = "or train on WMT instead (configs/wmt14_ende_base.py; README, Data)"
 
 
-def licence_files(root: str) -> dict[str, str]:
-    """{package: copyright file text} for the unpacked packages that have one."""
-    texts = {}
-    for name in PACKAGES:
-        path = os.path.join(root, "usr/share/doc", name, "copyright")
-        if os.path.exists(path):
-            with open(path, encoding="utf-8") as f:
-                texts[name] = f.read()
-    return texts
-
-
 # --------------------------------------------------------------------------- LibreOffice help
 
 _PARAGRAPH_TAGS = {"p", "h", "h1", "h2", "h3", "h4", "h5", "h6", "td"}

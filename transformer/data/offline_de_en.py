@@ -33,14 +33,17 @@ def unpacked_root(dl_manager) -> tuple[str, list[dict]]:
                                 alternative=offline_corpus.WMT_HINT)
 
 
+MANUAL_DOWNLOAD_INSTRUCTIONS = f"""Optional. Without a manual_dir the builder runs
+    `apt-get download {' '.join(offline_corpus.PACKAGES)}` itself. A
+    manual_dir may hold the packages already unpacked with `dpkg-deb -x` (usr/share/...)."""
+
+
 class OfflineDeEn(tfds.core.GeneratorBasedBuilder):
     """English -> German sentence pairs from LibreOffice help and the Ding dictionary."""
 
     VERSION = tfds.core.Version("1.0.0")
     RELEASE_NOTES = {"1.0.0": "LibreOffice help paragraphs by id + Ding sentence pairs."}
-    MANUAL_DOWNLOAD_INSTRUCTIONS = """Optional. Without a manual_dir the builder runs
-    `apt-get download libreoffice-help-de libreoffice-help-en-us trans-de-en` itself. A
-    manual_dir may hold the packages already unpacked with `dpkg-deb -x` (usr/share/...)."""
+    MANUAL_DOWNLOAD_INSTRUCTIONS = MANUAL_DOWNLOAD_INSTRUCTIONS
 
     def _info(self) -> tfds.core.DatasetInfo:
         return tfds.core.DatasetInfo(
@@ -62,11 +65,7 @@ class OfflineDeEn(tfds.core.GeneratorBasedBuilder):
             "split_rule": "sha256 of the NFKC-casefolded English side: test < 4% (>= 2000 "
                           "pairs), validation next 2%",
         })
-        licences = os.path.join(os.fspath(self.data_dir), "licenses")
-        os.makedirs(licences, exist_ok=True)
-        for name, text in offline_corpus.licence_files(root).items():
-            with open(os.path.join(licences, f"{name}.copyright"), "w", encoding="utf-8") as f:
-                f.write(text)
+        debian.copy_licences(root, offline_corpus.PACKAGES, os.fspath(self.data_dir))
         return {name: self._generate_examples(pairs) for name, pairs in splits.items()}
 
     def _generate_examples(self, pairs):

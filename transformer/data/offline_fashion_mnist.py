@@ -23,7 +23,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import os
-import shutil
 
 import numpy as np
 import tensorflow_datasets as tfds
@@ -32,7 +31,6 @@ from transformer.data import debian
 
 PACKAGE = "dataset-fashion-mnist"
 DATA_DIR = "usr/share/datasets/fashion-mnist"
-COPYRIGHT = f"usr/share/doc/{PACKAGE}/copyright"
 FILES = {"train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
          "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")}
 CLASS_NAMES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt",
@@ -138,11 +136,7 @@ class OfflineFashionMnist(tfds.core.GeneratorBasedBuilder):
             "split_rule": "test: the t10k files; validation: training images whose sha256 of "
                           "the pixel bytes, as a fraction of 2^64, is below 1/12",
         })
-        licences = os.path.join(os.fspath(self.data_dir), "licenses")
-        os.makedirs(licences, exist_ok=True)
-        copyright_file = os.path.join(root, COPYRIGHT)
-        if os.path.exists(copyright_file):
-            shutil.copyfile(copyright_file, os.path.join(licences, f"{PACKAGE}.copyright"))
+        debian.copy_licences(root, (PACKAGE,), os.fspath(self.data_dir))
         return {name: self._generate_examples(*arrays) for name, arrays in splits.items()}
 
     def _generate_examples(self, images, labels):

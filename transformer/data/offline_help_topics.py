@@ -16,7 +16,7 @@ import os
 
 import tensorflow_datasets as tfds
 
-from transformer.data import help_topics, offline_corpus, offline_de_en
+from transformer.data import debian, help_topics, offline_corpus, offline_de_en
 
 _DESCRIPTION = """Paragraphs of the LibreOffice help (MPL-2.0) in English and German, each
 labelled by the module whose help holds it: Writer, Calc, Impress, Draw, Base, Math, Chart,
@@ -30,9 +30,7 @@ class OfflineHelpTopics(tfds.core.GeneratorBasedBuilder):
 
     VERSION = tfds.core.Version("1.0.0")
     RELEASE_NOTES = {"1.0.0": "Help paragraphs of 8 modules, en and de, hash splits."}
-    MANUAL_DOWNLOAD_INSTRUCTIONS = """Optional. Without a manual_dir the builder runs
-    `apt-get download libreoffice-help-de libreoffice-help-en-us trans-de-en` itself. A
-    manual_dir may hold the packages already unpacked with `dpkg-deb -x` (usr/share/...)."""
+    MANUAL_DOWNLOAD_INSTRUCTIONS = offline_de_en.MANUAL_DOWNLOAD_INSTRUCTIONS  # same packages
 
     def _info(self) -> tfds.core.DatasetInfo:
         return tfds.core.DatasetInfo(
@@ -64,11 +62,7 @@ class OfflineHelpTopics(tfds.core.GeneratorBasedBuilder):
             "split_rule": "sha256 of the NFKC-casefolded English text: test < 10%, validation "
                           "next 10%",
         })
-        licences = os.path.join(os.fspath(self.data_dir), "licenses")
-        os.makedirs(licences, exist_ok=True)
-        for name, text in offline_corpus.licence_files(root).items():
-            with open(os.path.join(licences, f"{name}.copyright"), "w", encoding="utf-8") as f:
-                f.write(text)
+        debian.copy_licences(root, offline_corpus.PACKAGES, os.fspath(self.data_dir))
         return {name: self._generate_examples(examples) for name, examples in splits.items()}
 
     def _generate_examples(self, examples):
