@@ -68,6 +68,20 @@ def _layers(cfg: TransformerConfig, num_layers: int) -> list[tuple[str, int | No
             for i, name in enumerate(_layer_names(cfg, num_layers))]
 
 
+def encoder_stack(cfg: TransformerConfig, attention_fn, x, mask, positions, segments,
+                  deterministic: bool) -> jax.Array:
+    """x [B, S, D] through the `num_encoder_layers` encoder blocks, then pre-LN's final norm.
+    Call it inside a compact module (the Encoder, the ViT's encoder): the layers and the norm
+    become that module's submodules (`layers_{i}` or scanned `layers`, `norm`)."""
+    block = _stack(EncoderBlock, cfg, cfg.num_encoder_layers)
+    for name, window in _layers(cfg, cfg.num_encoder_layers):
+        x, _ = block(cfg, attention_fn, window, name=name)(x, mask, positions, segments,
+                                                           deterministic)
+    if cfg.norm_position == "pre":
+        x = Norm(cfg, name="norm")(x)
+    return x
+
+
 def _positions(tokens: jax.Array, positions: jax.Array | None, offset=0) -> jax.Array:
     """[B, T] positions: given (packed rows), or offset + 0..T-1."""
     if positions is not None:
@@ -124,13 +138,8 @@ class Encoder(nn.Module):
         mask = None  # linear attention reads the segments alone
         if cfg.attention_kind == "softmax":
             mask = attention.make_segment_mask(segments, segments)
-        block = _stack(EncoderBlock, cfg, cfg.num_encoder_layers)
-        for name, window in _layers(cfg, cfg.num_encoder_layers):
-            x, _ = block(cfg, self.attention_fn, window, name=name)(x, mask, positions, segments,
-                                                                   deterministic)
-        if cfg.norm_position == "pre":
-            x = Norm(cfg, name="norm")(x)
-        return x
+        return encoder_stack(cfg, self.attention_fn, x, mask, positions, segments,
+                             deterministic)
 
 
 class OutputHead(NamedTuple):

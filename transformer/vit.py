@@ -38,8 +38,8 @@ import jax
 import jax.numpy as jnp
 
 from transformer import attention
-from transformer.blocks import EncoderBlock, Norm, Weights
-from transformer.model import _layers, _stack
+from transformer.blocks import Weights
+from transformer.model import encoder_stack
 from transformer.model_config import TransformerConfig
 
 
@@ -84,14 +84,7 @@ class VisionEncoder(nn.Module):
 
     @nn.compact
     def __call__(self, x, *, deterministic=True):
-        cfg = self.config
-        block = _stack(EncoderBlock, cfg, cfg.num_encoder_layers)
-        for name, window in _layers(cfg, cfg.num_encoder_layers):
-            x, _ = block(cfg, self.attention_fn, window, name=name)(x, None, None, None,
-                                                                   deterministic)
-        if cfg.norm_position == "pre":
-            x = Norm(cfg, name="norm")(x)
-        return x
+        return encoder_stack(self.config, self.attention_fn, x, None, None, None, deterministic)
 
 
 class VisionTransformer(nn.Module):
