@@ -78,14 +78,15 @@ def _one_line(error: BaseException, limit: int = 300) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}"[:limit]
 
 
-def _path_str(path) -> str:
+def path_name(path) -> str:
+    """A pytree key path as the names the checkpoint layout uses: `encoder/layers_0/ffn/...`."""
     return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
                     for k in path)
 
 
 def _shapes(tree) -> dict[str, tuple]:
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {_path_str(path): tuple(leaf.shape) for path, leaf in leaves}
+    return {path_name(path): tuple(leaf.shape) for path, leaf in leaves}
 
 
 class Checkpointer:

@@ -120,7 +120,8 @@ def _read(source: InitSource) -> dict:
 
 
 def _flat(tree) -> dict[str, object]:
-    return {"/".join(str(getattr(k, "key", k)) for k in path): leaf
+    """{path name: leaf}, in the tree's leaf order."""
+    return {checkpoint.path_name(path): leaf
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
@@ -152,10 +153,9 @@ def load(source: InitSource, fresh, *, has_class_token: bool = False):
     run has replaced by its value, placed in the same sharding. Returns (params, the paths left
     fresh)."""
     saved = _flat(_same_layout(_read(source), fresh))
+    wanted = _flat(fresh)
     placed, kept_fresh = [], []
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(fresh)
-    for path, leaf in leaves:
-        name = "/".join(str(getattr(k, "key", k)) for k in path)
+    for name, leaf in wanted.items():
         if name not in saved:
             kept_fresh.append(name)
             placed.append(leaf)
@@ -170,9 +170,8 @@ def load(source: InitSource, fresh, *, has_class_token: bool = False):
         value = value.astype(leaf.dtype)
         placed.append(jax.make_array_from_callback(leaf.shape, leaf.sharding,
                                                    lambda index, v=value: v[index]))
-    unused = sorted(set(saved) - {"/".join(str(getattr(k, "key", k)) for k in p)
-                                  for p, _ in leaves})
+    unused = sorted(set(saved) - set(wanted))
     log.info("init_from %s: %d parameters loaded; left fresh: %s; not used: %s",
-             source.describe(), len(leaves) - len(kept_fresh), ", ".join(kept_fresh) or "none",
+             source.describe(), len(wanted) - len(kept_fresh), ", ".join(kept_fresh) or "none",
              ", ".join(unused) or "none")
-    return jax.tree_util.tree_unflatten(treedef, placed), kept_fresh
+    return jax.tree.unflatten(jax.tree.structure(fresh), placed), kept_fresh
