@@ -6,13 +6,17 @@ the number of processes and this process's index. A single process needs none of
 
 Multi-controller JAX is fate-sharing: when a process dies, the survivors are stopped once the
 coordination service misses its heartbeats for `distributed.heartbeat_timeout_seconds`, instead
-of hanging in a collective.
+of hanging in a collective. A process that stops on an error tells the others at once
+(`FailureNotices`), so they stop too instead of waiting for its heartbeats to end.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
+import threading
+import traceback
 
 import jax
 
@@ -47,3 +51,79 @@ def initialize(dist_cfg, *, coordinator_address: str | None = None,
         heartbeat_timeout_seconds=int(dist_cfg.heartbeat_timeout_seconds))
     log.info("process %d of %d joined; %d local of %d global devices", jax.process_index(),
              jax.process_count(), jax.local_device_count(), jax.device_count())
+
+
+class FailureNotices:
+    """Multi-process runs: a process that stops on an error tells the others, which stop too.
+
+    Otherwise they would wait for it in their next collective or barrier until a timeout: it
+    still sends heartbeats (it is exiting, not dead), and its exit waits for them in JAX's
+    shutdown barrier. A failing process posts `<index><TAB><error>` under one key of the
+    coordination service's key-value store; every process watches that key from a thread and,
+    when a peer posted, logs one line naming it and ends (`os._exit`: its main thread may be
+    blocked in a collective). The failing process, once it has cleaned up, prints its error as
+    train.py would and ends the same way, skipping JAX's shutdown barrier (which would wait for
+    the peers that are gone).
+    """
+
+    KEY = "transformer/failed_process"
+    POLL_MS = 1000
+
+    def __init__(self, *, one_line_errors: tuple[type[BaseException], ...] = (ValueError,)):
+        self._one_line_errors = one_line_errors  # printed as `error: <line>`, others in full
+        self._client, self._thread, self._posted = None, None, False
+        self._stop = threading.Event()
+        if jax.process_count() > 1:
+            from jax._src import distributed  # jax.distributed's client: no public handle
+
+            self._client = distributed.global_state.client
+
+    def __enter__(self):
+        if self._client is not None:
+            self._thread = threading.Thread(target=self._watch, name="failure notices",
+                                            daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, kind, error, tb):
+        if error is not None:
+            self.post(error)
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * self.POLL_MS / 1000)
+        if error is not None and self._client is not None:
+            if isinstance(error, self._one_line_errors):
+                print(f"error: {error}", file=sys.stderr, flush=True)
+            else:
+                traceback.print_exception(error)
+                sys.stderr.flush()
+            os._exit(1)
+
+    def post(self, error: BaseException) -> None:
+        """Tells the other processes that this one stops on `error` (once)."""
+        if self._client is None or self._posted:
+            return
+        self._posted = True
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        try:
+            self._client.key_value_set(
+                self.KEY, f"{jax.process_index()}\t{type(error).__name__}: {first_line}")
+        except Exception:  # another process posted first, or the service is gone
+            pass
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            try:
+                notice = self._client.blocking_key_value_get(self.KEY, self.POLL_MS)
+            except Exception as error:
+                if "DEADLINE_EXCEEDED" in str(error):
+                    continue
+                return  # the coordination service is gone: JAX itself stops this process
+            index, _, message = notice.partition("\t")
+            if int(index) == jax.process_index():
+                return
+            log.error("error: process %s failed (%s); stopping process %d too", index, message,
+                      jax.process_index())
+            for handler in log.handlers:
+                handler.flush()
+            os._exit(1)

@@ -12,10 +12,7 @@ import logging
 import os
 import signal
 import subprocess
-import sys
-import threading
 import time
-import traceback
 from importlib import metadata
 
 import jax
@@ -24,6 +21,7 @@ from jax.experimental import multihost_utils
 
 from transformer import (
     checkpoint_hooks,
+    distributed,
     evaluation,
     flops,
     metrics,
@@ -157,93 +155,18 @@ def _check_bleu_source(cfg, source) -> None:
                          f"to 0")
 
 
-class _FailureNotices:
-    """Multi-process runs: a process that stops on an error tells the others, which stop too.
-
-    Otherwise they would wait for it in their next collective or barrier until a timeout: it
-    still sends heartbeats (it is exiting, not dead), and its exit waits for them in JAX's
-    shutdown barrier. A failing process posts `<index><TAB><error>` under one key of the
-    coordination service's key-value store; every process watches that key from a thread and,
-    when a peer posted, logs one line naming it and ends (`os._exit`: its main thread may be
-    blocked in a collective). The failing process, once it has cleaned up, prints its error as
-    train.py would and ends the same way, skipping JAX's shutdown barrier (which would wait for
-    the peers that are gone).
-    """
-
-    KEY = "transformer/failed_process"
-    POLL_MS = 1000
-
-    def __init__(self):
-        self._client, self._thread, self._posted = None, None, False
-        self._stop = threading.Event()
-        if jax.process_count() > 1:
-            from jax._src import distributed  # jax.distributed's client: no public handle
-
-            self._client = distributed.global_state.client
-
-    def __enter__(self):
-        if self._client is not None:
-            self._thread = threading.Thread(target=self._watch, name="failure notices",
-                                            daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, kind, error, tb):
-        if error is not None:
-            self.post(error)
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=2 * self.POLL_MS / 1000)
-        if error is not None and self._client is not None:
-            if isinstance(error, ValueError | NonFiniteLoss):
-                print(f"error: {error}", file=sys.stderr, flush=True)
-            else:
-                traceback.print_exception(error)
-                sys.stderr.flush()
-            os._exit(1)
-
-    def post(self, error: BaseException) -> None:
-        """Tells the other processes that this one stops on `error` (once)."""
-        if self._client is None or self._posted:
-            return
-        self._posted = True
-        first_line = (str(error).strip().splitlines() or [""])[0]
-        try:
-            self._client.key_value_set(
-                self.KEY, f"{jax.process_index()}\t{type(error).__name__}: {first_line}")
-        except Exception:  # another process posted first, or the service is gone
-            pass
-
-    def _watch(self) -> None:
-        while not self._stop.is_set():
-            try:
-                notice = self._client.blocking_key_value_get(self.KEY, self.POLL_MS)
-            except Exception as error:
-                if "DEADLINE_EXCEEDED" in str(error):
-                    continue
-                return  # the coordination service is gone: JAX itself stops this process
-            index, _, message = notice.partition("\t")
-            if int(index) == jax.process_index():
-                return
-            log.error("error: process %s failed (%s); stopping process %d too", index, message,
-                      jax.process_index())
-            for handler in log.handlers:
-                handler.flush()
-            os._exit(1)
-
-
 def train_and_evaluate(cfg, workdir: str, *,
                        config_file: str | None = None) -> train_lib.TrainState:
     """Trains `cfg` in `workdir` (resuming if it holds a checkpoint); returns the final state.
     `config_file`, where `cfg` came from, is named in errors about its keys. With several
-    processes, an error in one stops all within seconds, naming it (`_FailureNotices`): each
-    process prints its line and ends with status 1 instead of raising."""
-    with _FailureNotices() as notices:
+    processes, an error in one stops all within seconds, naming it (`distributed.FailureNotices`):
+    each process prints its line and ends with status 1 instead of raising."""
+    with distributed.FailureNotices(one_line_errors=(ValueError, NonFiniteLoss)) as notices:
         return _train(cfg, workdir, config_file, notices)
 
 
 def _train(cfg, workdir: str, config_file: str | None,
-           notices: _FailureNotices) -> train_lib.TrainState:
+           notices: distributed.FailureNotices) -> train_lib.TrainState:
     run = resolve(cfg, jax.device_count(), config_file=config_file)
     if not cfg.grad_accum_steps:
         log.info("grad_accum_steps=0: %d microbatches of %d rows per update on %d devices",
