@@ -37,7 +37,7 @@ lint: $(STAMP)
 # Tests run in TEST_WORKERS processes (pytest-xdist); each fakes 8 CPU devices.
 TEST_WORKERS ?= 2
 test: lint
-	$(BIN)/python -m pytest tests -n $(TEST_WORKERS)
+	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --durations=25
 
 test-fast: lint
 	$(BIN)/python -m pytest tests -m "not slow" -n $(TEST_WORKERS)
