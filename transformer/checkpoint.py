@@ -106,6 +106,7 @@ class Checkpointer:
             item_handlers={"state": ocp.StandardCheckpointHandler(),
                            "data": ocp.JsonCheckpointHandler()})
         self._saving: int | None = None  # the step of the save in flight
+        self._abandoned = False  # a failed save left orbax's threads waiting on the others
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -116,6 +117,7 @@ class Checkpointer:
     def save(self, step: int, state: Any, data_state: dict) -> None:
         """Starts an async save of step `step` (waits for the previous save first)."""
         self.wait()
+        checkpoint_hooks.take_save_failure()  # none is in flight: forget any older one
         self._saving = step
         data_state = data_state | {CHECKSUMS: checksums(state)}
         with self._save_errors():
@@ -217,11 +219,29 @@ class Checkpointer:
                 f"(or use another --workdir) and rerun to resume: {intact}") from error
 
     def wait(self) -> None:
+        """Waits for the save in flight; a failed one raises CheckpointSaveError.
+
+        With several processes, a save that fails in one process must raise there at once:
+        orbax's finalize thread would first wait in a barrier for the others, which wait in
+        another for this process's commit, until `AsyncOptions.timeout_secs` (10 minutes).
+        Raising lets `distributed.FailureNotices` stop every process within a second; the
+        stuck orbax threads end with the process."""
         with self._save_errors():
+            if jax.process_count() > 1:
+                while self._manager.is_saving_in_progress():
+                    failure = checkpoint_hooks.take_save_failure()
+                    if failure is not None:
+                        self._abandoned = True
+                        raise failure
+                    time.sleep(0.1)
             self._manager.wait_until_finished()
 
     def close(self) -> None:
-        """Waits for the save in flight (a failed one raises CheckpointSaveError) and closes."""
+        """Waits for the save in flight (a failed one raises CheckpointSaveError) and closes;
+        after a save abandoned by `wait`, closes nothing (the process is ending)."""
+        if self._abandoned:
+            return
+        self.wait()
         with self._save_errors():
             self._manager.close()
 

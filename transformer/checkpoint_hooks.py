@@ -66,12 +66,28 @@ def fault_injecting_path_class() -> type | None:
     return FaultInjecting
 
 
+_failed_saves: list[OSError] = []  # errors of background saves, as orbax logged them
+
+
 class _ReraisedSaveErrors(logging.Filter):
-    """Drops orbax's tracebacks of a failed background save: Checkpointer raises it as one line."""
+    """Drops orbax's tracebacks of a failed background save (Checkpointer raises it as one line)
+    and keeps the error for `take_save_failure`."""
 
     def filter(self, record):
         error = record.exc_info[1] if record.exc_info else None
-        return not (isinstance(error, OSError) and "save" in record.getMessage().lower())
+        if isinstance(error, OSError) and "save" in record.getMessage().lower():
+            _failed_saves.append(error)
+            return False
+        return True
+
+
+def take_save_failure() -> OSError | None:
+    """The error of a background save that failed in this process since the last call, the
+    moment orbax logs it (with several processes, orbax itself only raises it once the others
+    pass a barrier that they never reach)."""
+    failures = _failed_saves[:]
+    _failed_saves.clear()
+    return failures[0] if failures else None
 
 
 class _ReadOnlyNotice(logging.Filter):
