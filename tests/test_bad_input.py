@@ -79,6 +79,17 @@ BAD_CONFIGS = {
     "TFDS name with a typo": ({"data.dataset": "offline_de_eng"},
                               "data.dataset='offline_de_eng': Dataset offline_de_eng not found.; "
                               "did you mean 'offline_de_en'?"),
+    "local layers without a window": ({"model.attention_pattern": "local,global"},
+                                      "model.attention_pattern='local,global' has local layers: "
+                                      "set model.attention_window (e.g. 256)"),
+    "linear attention with a window": ({"model.attention_kind": "linear",
+                                        "model.attention_window": 8,
+                                        "model.attention_pattern": "local"},
+                                       "model.attention_kind='linear' attends to every "
+                                       "position: unset model.attention_window"),
+    "float16 loss scale not a power of two": ({"optimizer.loss_scale_initial": 1000.0},
+                                              "optimizer.loss_scale_initial=1000.0 must be a "
+                                              "power of two >= 1"),
     "missing dataset": ({"data.dataset": "wmt14_translate/de-en", "data.source_lang": "de",
                          "data.target_lang": "en"},
                         "wmt14_translate/de-en is not prepared in"),
@@ -95,6 +106,17 @@ def test_bad_config_or_data_is_one_line_and_changes_nothing(run_workdir, case, t
         train_and_evaluate(tiny(**overrides), str(run_workdir))
     assert message in str(error.value) and "\n" not in str(error.value)
     assert snapshot(run_workdir) == before
+
+
+def test_init_from_that_is_not_a_run_is_one_line_before_any_work(run_workdir, tmp_path):
+    # A new workdir (init_from is read only before a run's first checkpoint): nothing created.
+    workdir = tmp_path / "fine_tuned"
+    for spec, message in ((str(tmp_path / "missing"), "is not a training workdir"),
+                          (f"{run_workdir}/checkpoints", "give the workdir")):
+        with pytest.raises(ValueError) as error:
+            train_and_evaluate(tiny(init_from=spec), str(workdir))
+        assert f"init_from={spec!r}" in str(error.value) and message in str(error.value)
+        assert "\n" not in str(error.value) and not workdir.exists()
 
 
 def test_checkpoints_of_another_model_name_the_parameter_and_both_shapes(run_workdir,
