@@ -81,13 +81,15 @@ def feed_forward(
     bias_in: jax.Array | None = None,
     bias_out: jax.Array | None = None,
     activation: str = "relu",
+    gelu_approximate: bool = True,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
 ) -> jax.Array:
     """Position-wise FFN of x [B, T, D] with ff_in [D, F], ff_out [F, D] (paper eq. 2):
 
         relu:   FFN(x) = max(0, x W1 + b1) W2 + b2
-        gelu:   GELU(x W1 + b1) W2 + b2
+        gelu:   GELU(x W1 + b1) W2 + b2   (tanh approximation, or exact erf when
+                                           `gelu_approximate` is False)
         swiglu: (Swish(x W_gate) * x W1) W2   (Shazeer 2020; needs ff_gate [D, F])
 
     `dropout_rate` drops the hidden activations ("ReLU dropout"; 0 in the paper).
@@ -102,7 +104,7 @@ def feed_forward(
     if activation == "relu":
         hidden = jax.nn.relu(hidden)
     elif activation == "gelu":
-        hidden = jax.nn.gelu(hidden)
+        hidden = jax.nn.gelu(hidden, approximate=gelu_approximate)
     else:
         hidden = jax.nn.silu(jnp.einsum("...D,DF->...F", x, ff_gate)) * hidden
     hidden = dropout(hidden, dropout_rate, dropout_rng)

@@ -1,0 +1,48 @@
+"""Hugging Face checkpoints in and out of our workdirs (`transformer/huggingface/`).
+
+    python -m transformer.convert import --from=<save_pretrained dir> --workdir=<W> \\
+        [--config=configs/lm_default.py]
+    python -m transformer.convert export --workdir=<W> --to=<dir> [--step=N]
+
+`import` writes a run whose parameters `generate`, `evaluate` and `init_from` read; `--config`
+gives its data, optimizer and mesh (default: configs/lm_default.py for language models,
+configs/vit_b16_imagenet.py for a ViT), the checkpoint gives `model.*`. `export` writes
+`config.json` and `model.safetensors` that `transformers`' `from_pretrained` loads.
+"""
+
+from absl import app, flags
+
+from transformer import cli
+
+COMMANDS = ("import", "export")
+flags.DEFINE_string("from", None, "import: the checkpoint directory (save_pretrained's).")
+flags.DEFINE_string("workdir", None, "The run's workdir (import: a new one).")
+flags.DEFINE_string("to", None, "export: the directory to write.")
+flags.DEFINE_string("config", None, "import: the run config file for data and optimizer.")
+flags.DEFINE_integer("step", None, "export: checkpoint step (default: the latest).",
+                     lower_bound=0)
+flags.mark_flags_as_required(["workdir"])
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    if len(argv) < 2 or argv[1] not in COMMANDS:
+        raise app.UsageError(f"give a command: {' or '.join(COMMANDS)}")
+    cli.start(argv[1:])
+    from transformer.huggingface import convert
+
+    with cli.one_line_errors():
+        if argv[1] == "import":
+            if not FLAGS["from"].value:
+                raise ValueError("import needs --from=<save_pretrained directory>")
+            path = convert.import_checkpoint(FLAGS["from"].value, FLAGS.workdir,
+                                             config_file=FLAGS.config)
+        else:
+            if not FLAGS.to:
+                raise ValueError("export needs --to=<directory>")
+            path = convert.export_workdir(FLAGS.workdir, FLAGS.to, step=FLAGS.step)
+        print(path)
+
+
+if __name__ == "__main__":
+    app.run(main)

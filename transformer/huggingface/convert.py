@@ -1,0 +1,290 @@
+"""Hugging Face checkpoint directories <-> our workdirs.
+
+`import_checkpoint(hf_dir, workdir)` reads a directory as `save_pretrained` writes it
+(`config.json`, `model.safetensors` or shards listed in `model.safetensors.index.json`), maps
+the config to `model.*` on top of a run config (the family's default config file, or one
+given), and places each tensor group straight into its mesh sharding as it is read
+(`jax.make_array_from_callback`: a device holds only its shard). The workdir it writes holds
+`config.json` (provenance: the source directory and its config) and the parameters as step 0
+of the params-only series `params/0/`, which `generate`, `evaluate` and `init_from` read as
+any run's. A `tokenizer.model` that is a SentencePiece model with our special ids becomes its
+`vocab/`; other tokenizers are not converted (a warning says what the run then lacks).
+
+`export_workdir(workdir, out_dir)` writes a run's parameters back as `config.json` and
+`model.safetensors` (float32) that `transformers`' `from_pretrained` loads, and its vocabulary
+as `tokenizer.model`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+import runpy
+import shutil
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from ml_collections import ConfigDict
+
+from transformer import checkpoint, sharding
+from transformer import workdir as workdir_lib
+from transformer.config import resolve
+from transformer.data.tokenizer import BOS_ID, EOS_ID, MODEL_FILE, PAD_ID
+from transformer.huggingface import families
+from transformer.model_config import TransformerConfig
+
+log = logging.getLogger("transformer")
+HF_CONFIG = "config.json"
+SINGLE_FILE = "model.safetensors"
+TOKENIZER_MODEL = "tokenizer.model"  # a SentencePiece model, as Llama's checkpoints hold it
+INDEX_FILE = "model.safetensors.index.json"
+CONFIGS_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
+DEFAULT_CONFIG = {"decoder": "lm_default.py", "vision": "vit_b16_imagenet.py"}
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+IMPORTED_STEP = 0  # the params-only series step an import writes (no update made yet)
+EMBEDDING = "embedding/embedding"
+
+
+def read_json(path: str, what: str) -> dict:
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} is missing: {what}")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON ({error.msg} at line {error.lineno})") from None
+
+
+class TensorReader:
+    """The tensors of a checkpoint directory, one at a time, by name (numpy)."""
+
+    def __init__(self, hf_dir: str):
+        index = os.path.join(hf_dir, INDEX_FILE)
+        if os.path.isfile(index):
+            weight_map = read_json(index, "")["weight_map"]
+            self.files = {name: os.path.join(hf_dir, file) for name, file in weight_map.items()}
+        elif os.path.isfile(os.path.join(hf_dir, SINGLE_FILE)):
+            from safetensors import safe_open
+
+            path = os.path.join(hf_dir, SINGLE_FILE)
+            with safe_open(path, framework="numpy") as f:
+                self.files = dict.fromkeys(f.keys(), path)
+        else:
+            raise ValueError(f"{hf_dir} holds neither {SINGLE_FILE} nor {INDEX_FILE}: save the "
+                             f"model with save_pretrained(..., safe_serialization=True)")
+        for path in sorted(set(self.files.values())):
+            if not os.path.isfile(path):
+                raise ValueError(f"{path} is missing ({INDEX_FILE} lists it)")
+
+    def names(self) -> set[str]:
+        return set(self.files)
+
+    def get(self, name: str) -> np.ndarray:
+        """The tensor as float32 (bfloat16 and float16 checkpoints are widened exactly)."""
+        from safetensors import safe_open
+
+        with safe_open(self.files[name], framework="numpy") as f:
+            return np.asarray(f.get_tensor(name), np.float32)
+
+
+def load_run_config(config_file: str | None, architecture: str) -> tuple[ConfigDict, str]:
+    """The run config an import starts from (its data, optimizer and mesh): `config_file`, or
+    the family's default under configs/."""
+    path = config_file or str(CONFIGS_DIR / DEFAULT_CONFIG[architecture])
+    if not os.path.isfile(path):
+        raise ValueError(f"--config={path} is not a file: give a config file (configs/*.py) "
+                         f"for the imported run's data and optimizer")
+    return runpy.run_path(path)["get_config"](), path
+
+
+def _model_of(model_cfg: TransformerConfig):
+    from transformer.model import Transformer
+    from transformer.vit import VisionTransformer
+
+    if model_cfg.architecture == "vision":
+        return VisionTransformer(model_cfg)
+    return Transformer(model_cfg)
+
+
+def abstract_params(model_cfg: TransformerConfig):
+    """The model's parameters as boxed `jax.ShapeDtypeStruct`s (logical axis names kept)."""
+    model = _model_of(model_cfg)
+    if model_cfg.architecture == "vision":
+        size = (1, model_cfg.image_size, model_cfg.image_size, model_cfg.num_channels)
+        return jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros(size)))["params"]
+    tokens = jnp.ones((1, 1), jnp.int32)
+    return jax.eval_shape(lambda: model.init(jax.random.key(0), tokens, tokens))["params"]
+
+
+def _check_tensors(family, model_cfg: TransformerConfig, reader: TensorReader, hf_dir: str):
+    """Every tensor the model needs is there, and nothing there would be silently dropped."""
+    wanted = {name for group in family.tensors(model_cfg) for name in group.hf}
+    missing = sorted(wanted - reader.names())
+    if missing:
+        raise ValueError(f"{hf_dir} lacks tensor {missing[0]} (and {len(missing) - 1} more) "
+                         f"that its config.json implies: is the checkpoint complete?")
+    ignored = getattr(family, "ignored", ())
+    extra = sorted(name for name in reader.names() - wanted if not name.endswith(ignored))
+    if extra:
+        raise ValueError(f"{hf_dir} holds tensor {extra[0]} (and {len(extra) - 1} more) that "
+                         f"our {family.__name__} model has no place for: not supported")
+
+
+def import_checkpoint(hf_dir: str, workdir: str, *, config_file: str | None = None,
+                      overrides: dict | None = None) -> str:
+    """Writes the checkpoint in `hf_dir` as a run in `workdir` (module docstring); returns the
+    params directory. The model fields the checkpoint does not fix (`dtype`,
+    `attention_implementation`, `remat_policy`) come from the run config; `overrides` sets
+    dotted keys after (e.g. {"model.dtype": "float32"}), as `--config.<key>=` flags do."""
+    if not os.path.isdir(hf_dir):
+        raise ValueError(f"--from={hf_dir} is not a directory: give a save_pretrained directory")
+    hf_config = read_json(os.path.join(hf_dir, HF_CONFIG), "not a save_pretrained directory")
+    family = families.for_checkpoint(hf_config, os.path.join(hf_dir, HF_CONFIG))
+    fields = family.config(hf_config)
+    cfg, config_path = load_run_config(config_file, fields["architecture"])
+    base = dict(cfg.model)
+    base.update(fields, scan_layers=False)
+    cfg.model = ConfigDict(base)
+    for key, value in (overrides or {}).items():
+        *sections, last = key.split(".")
+        target = cfg
+        for section in sections:
+            target = target[section]
+        target[last] = value
+    if fields["architecture"] != "vision":
+        cfg.data.vocab_size = fields["vocab_size"]
+    run = resolve(cfg, config_file=config_path)
+    reader = TensorReader(hf_dir)
+    _check_tensors(family, run.model, reader, hf_dir)
+    tokenizer = _vocabulary(hf_dir, run.model)
+    if workdir_lib.read_config_file(workdir) is not None or checkpoint.list_steps(
+            workdir_lib.path(workdir, workdir_lib.PARAMS_SERIES)):
+        raise ValueError(f"--workdir={workdir} already holds a run: import into a new "
+                         f"directory")
+
+    mesh = sharding.make_mesh(run.config.mesh)
+    params = read_params(reader, family, run.model, mesh)
+    os.makedirs(workdir, exist_ok=True)
+    series = checkpoint.ParamsSeries(workdir, every_minutes=1.0, keep=1, use_async=False)
+    series.save(IMPORTED_STEP, params)  # every process writes its shards
+    series.close()
+    if jax.process_index() == 0:
+        if tokenizer is not None:
+            tokenizer.save(workdir_lib.path(workdir, workdir_lib.VOCAB))
+        provenance = {"huggingface": {"source": os.path.abspath(hf_dir),
+                                      "model_type": hf_config["model_type"],
+                                      "config": hf_config}, "mesh": dict(mesh.shape)}
+        workdir_lib.write_config(workdir, run.config.to_dict(), provenance)  # last: complete
+    log.info("imported %s (%s) into %s", hf_dir, hf_config["model_type"], workdir)
+    return workdir_lib.path(workdir, workdir_lib.PARAMS_SERIES, str(IMPORTED_STEP))
+
+
+def read_params(reader: TensorReader, family, model_cfg: TransformerConfig, mesh):
+    """The model's parameters from `reader`, each array placed in its sharding on `mesh` as
+    soon as its tensor group is read."""
+    boxed = abstract_params(model_cfg)
+    abstract = nn.unbox(boxed)
+    names = _names(abstract)
+    shardings = dict(zip(names, jax.tree.leaves(sharding.tree_shardings(boxed, mesh)),
+                         strict=True))
+    shapes = {name: leaf.shape for name, leaf in zip(names, jax.tree.leaves(abstract),
+                                                      strict=True)}
+    placed = {}
+    for group in family.tensors(model_cfg):
+        for name, value in zip(group.ours, group.to_ours([reader.get(n) for n in group.hf]),
+                               strict=True):
+            if value.shape != shapes[name]:
+                raise ValueError(f"{' + '.join(group.hf)} gives {name} shape {value.shape}; "
+                                 f"the checkpoint's config.json implies {shapes[name]}")
+            placed[name] = jax.make_array_from_callback(
+                value.shape, shardings[name], lambda index, v=value: v[index])
+    return jax.tree.unflatten(jax.tree.structure(abstract), [placed[name] for name in names])
+
+
+def _vocabulary(hf_dir: str, model_cfg: TransformerConfig):
+    """The checkpoint's `tokenizer.model` as the run's vocabulary when it is a SentencePiece
+    model with our special ids and the model's size (a checkpoint exported from a run here);
+    otherwise None, with a warning saying what the run then lacks."""
+    path = os.path.join(hf_dir, TOKENIZER_MODEL)
+    if model_cfg.architecture == "vision":
+        return None
+    lacks = ("the run gets no vocab/: generate, evaluate and init_from need one; "
+             "the Python API takes token ids")
+    if not os.path.isfile(path):
+        log.warning("%s has no %s: %s", hf_dir, TOKENIZER_MODEL, lacks)
+        return None
+    from transformer.data import tokenizer as tokenizer_lib
+
+    try:
+        tokenizer = tokenizer_lib.Tokenizer.load(path)
+    except (RuntimeError, ValueError) as error:  # not SentencePiece, or other special ids
+        log.warning("%s is not used (%s): %s", path, error, lacks)
+        return None
+    if tokenizer.vocab_size != model_cfg.vocab_size:
+        log.warning("%s has %d pieces, the model %d: %s", path, tokenizer.vocab_size,
+                    model_cfg.vocab_size, lacks)
+        return None
+    return tokenizer
+
+
+def _names(tree) -> list[str]:
+    return [checkpoint.path_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _special_ids(workdir: str) -> dict:
+    """The token ids `transformers` generates with: the imported checkpoint's (provenance), or
+    ours (`data/tokenizer.py`) for a run trained here."""
+    provenance = (workdir_lib.read_config_file(workdir) or {}).get("provenance", {})
+    source = provenance.get("huggingface", {}).get("config")
+    if source is not None:
+        return {k: source[k] for k in SPECIAL_IDS if source.get(k) is not None}
+    return dict(zip(SPECIAL_IDS, (BOS_ID, EOS_ID, PAD_ID), strict=True))
+
+
+def export_workdir(workdir: str, out_dir: str, *, step: int | None = None) -> str:
+    """Writes the run's parameters (checkpoint `step`, default the latest) to `out_dir` as a
+    `transformers` checkpoint; returns the safetensors path."""
+    from safetensors.numpy import save_file
+
+    run = resolve(workdir_lib.load_config(workdir))
+    model_cfg = run.model
+    # The paper's embedding scale (the lm_* configs keep it) folds into an untied embedding.
+    fold = (model_cfg.scale_embeddings and model_cfg.architecture == "decoder"
+            and not model_cfg.tie_output_embedding)
+    if fold:
+        model_cfg = dataclasses.replace(model_cfg, scale_embeddings=False)
+    family = families.for_model(model_cfg, f"--workdir={workdir}")
+    params = checkpoint.load_params(workdir, step=step)
+    if model_cfg.scan_layers:
+        params = checkpoint.unstack_layers(params)
+    ours = dict(zip(_names(params), jax.tree.leaves(params), strict=True))
+    if fold:
+        table = np.asarray(ours[EMBEDDING], np.float32)
+        ours[EMBEDDING] = table * np.sqrt(np.float32(model_cfg.d_model))
+    tensors, used = {}, set()
+    for group in family.tensors(model_cfg):
+        values = group.to_hf([np.asarray(ours[name]) for name in group.ours])
+        tensors.update((name, np.ascontiguousarray(v, np.float32))
+                       for name, v in zip(group.hf, values, strict=True))
+        used.update(group.ours)
+    unused = sorted(set(ours) - used)
+    if unused:
+        raise ValueError(f"--workdir={workdir}: parameter {unused[0]} has no place in a "
+                         f"{family.__name__} checkpoint")
+    os.makedirs(out_dir, exist_ok=True)
+    hf_config = family.hf_config(model_cfg) | {"dtype": "float32"}
+    if model_cfg.architecture == "decoder":
+        hf_config |= _special_ids(workdir)
+    with open(os.path.join(out_dir, HF_CONFIG), "w") as f:
+        json.dump(hf_config, f, indent=2)
+    path = os.path.join(out_dir, SINGLE_FILE)
+    save_file(tensors, path, metadata={"format": "pt"})
+    vocab = workdir_lib.path(workdir, workdir_lib.VOCAB, MODEL_FILE)
+    if os.path.isfile(vocab):
+        shutil.copyfile(vocab, os.path.join(out_dir, TOKENIZER_MODEL))
+    return path

@@ -1,0 +1,344 @@
+"""The Hugging Face families we read and write: each one's config.json <-> `TransformerConfig`
+fields, and its tensors <-> our parameter paths (DESIGN.md, "Parameter paths").
+
+A `Family` maps a `transformers` config dict to our `model.*` fields (refusing, in one line, an
+option our model does not compute exactly) and back, and lists its `Tensors`: which checkpoint
+tensors make which of our parameters, and the two functions between them (transposes, heads
+split out of fused projections). Arrays here are numpy, one tensor group at a time.
+
+Checkpoint layouts (`torch.nn.Linear` stores weight [out, in]; GPT-2's `Conv1D` [in, out]):
+    Llama  q_proj [N*H, D], k_proj/v_proj [K*H, D], o_proj [D, N*H], gate/up_proj [F, D],
+           down_proj [D, F], RMSNorm weights, lm_head [V, D] (absent when tied)
+    GPT-2  c_attn [D, 3*D] (q, k, v side by side), c_proj [D, D], c_fc [D, F], mlp c_proj
+           [F, D], LayerNorms, wte [V, D] (tied output), wpe [max_len, D]
+    ViT    patch projection: a convolution [D, C, P, P]; cls_token [1, 1, D],
+           position_embeddings [1, S, D], q/k/v/output Linear layers, classifier [classes, D]
+Shapes in the package's legend; C is num_channels, P the patch size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+
+from transformer.model_config import TransformerConfig
+
+Arrays = list[np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensors:
+    """Checkpoint tensors `hf` <-> our parameters `ours` (paths), as one group."""
+
+    hf: tuple[str, ...]
+    ours: tuple[str, ...]
+    to_ours: Callable[[Arrays], Arrays]
+    to_hf: Callable[[Arrays], Arrays]
+
+
+def _same(hf: str, ours: str) -> Tensors:
+    return Tensors((hf,), (ours,), list, list)
+
+
+def _transposed(hf: str, ours: str) -> Tensors:
+    """A Linear weight [out, in] <-> our kernel [in, out]."""
+    return Tensors((hf,), (ours,), lambda a: [a[0].T], lambda a: [a[0].T])
+
+
+def _heads_in(hf: str, ours: str, heads: int, head_dim: int) -> Tensors:
+    """A Linear weight [heads*head_dim, D] <-> our projection kernel [D, heads, head_dim]."""
+    return Tensors((hf,), (ours,), lambda a: [a[0].T.reshape(-1, heads, head_dim)],
+                   lambda a: [a[0].reshape(a[0].shape[0], -1).T])
+
+
+def _heads_out(hf: str, ours: str, heads: int, head_dim: int) -> Tensors:
+    """A Linear weight [D, heads*head_dim] <-> our output kernel [heads, head_dim, D]."""
+    return Tensors((hf,), (ours,), lambda a: [a[0].T.reshape(heads, head_dim, -1)],
+                   lambda a: [a[0].reshape(heads * head_dim, -1).T])
+
+
+def _bias_heads(hf: str, ours: str, heads: int, head_dim: int) -> Tensors:
+    return Tensors((hf,), (ours,), lambda a: [a[0].reshape(heads, head_dim)],
+                   lambda a: [a[0].reshape(-1)])
+
+
+def _norm(hf: str, ours: str, bias: bool) -> list[Tensors]:
+    return [_same(f"{hf}.weight", f"{ours}/scale")] + (
+        [_same(f"{hf}.bias", f"{ours}/bias")] if bias else [])
+
+
+def _unsupported(model_type: str, option: str, value, fix: str) -> ValueError:
+    return ValueError(f"config.json: {model_type} option {option}={value!r} is not supported "
+                      f"({fix})")
+
+
+def _require(hf: dict, model_type: str, option: str, allowed, fix: str) -> None:
+    value = hf.get(option, allowed[0])
+    if value not in allowed:
+        raise _unsupported(model_type, option, value, fix)
+
+
+class Llama:
+    """`LlamaForCausalLM` (and Mistral without a sliding window, Qwen2 without biases): pre-
+    RMSNorm, half-split RoPE, SwiGLU, grouped-query attention, no biases."""
+
+    model_types = ("llama", "mistral", "qwen2")
+
+    @staticmethod
+    def config(hf: dict) -> dict:
+        kind = hf["model_type"]
+        _require(hf, kind, "hidden_act", ("silu",), "only SwiGLU's silu gate")
+        for option in ("attention_bias", "mlp_bias", "sliding_window", "use_sliding_window"):
+            _require(hf, kind, option, (None, False), "our Llama blocks have no biases and "
+                     "attend to every position")
+        if kind == "qwen2":  # Qwen2's q/k/v projections always carry biases
+            raise _unsupported(kind, "q/k/v bias", True, "our Llama blocks have no biases")
+        _require(hf, kind, "pretraining_tp", (1,), "save the checkpoint unsplit")
+        rope = dict(hf.get("rope_parameters") or {})
+        if hf.get("rope_scaling"):
+            rope.update(hf["rope_scaling"])
+        _require(rope, kind, "rope_type", ("default",), "RoPE scaling is not implemented")
+        theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+        return dict(
+            architecture="decoder", vocab_size=hf["vocab_size"], num_encoder_layers=0,
+            num_decoder_layers=hf["num_hidden_layers"], d_model=hf["hidden_size"],
+            d_ff=hf["intermediate_size"], num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads, d_k=head_dim, d_v=head_dim,
+            dropout_rate=0.0, attention_dropout_rate=float(hf.get("attention_dropout", 0.0)),
+            relu_dropout_rate=0.0, positional="rope", norm="rms_norm", norm_position="pre",
+            activation="swiglu", use_bias=False,
+            tie_output_embedding=bool(hf.get("tie_word_embeddings", False)),
+            max_len=hf["max_position_embeddings"], norm_eps=float(hf["rms_norm_eps"]),
+            rope_theta=float(theta), scale_embeddings=False)
+
+    @staticmethod
+    def hf_config(cfg: TransformerConfig) -> dict:
+        return dict(
+            model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=cfg.vocab_size,
+            hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
+            num_hidden_layers=cfg.num_decoder_layers, num_attention_heads=cfg.num_heads,
+            num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.d_k, hidden_act="silu",
+            max_position_embeddings=cfg.max_len, rms_norm_eps=cfg.norm_eps,
+            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+            attention_bias=False, mlp_bias=False, attention_dropout=cfg.attention_dropout_rate,
+            tie_word_embeddings=cfg.tie_output_embedding)
+
+    @staticmethod
+    def matches(cfg: TransformerConfig) -> list[str]:
+        return _mismatches(cfg, architecture="decoder", positional="rope", norm="rms_norm",
+                           norm_position="pre", activation="swiglu", use_bias=False,
+                           scale_embeddings=False)
+
+    @staticmethod
+    def tensors(cfg: TransformerConfig) -> list[Tensors]:
+        n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.d_k
+        out = [_same("model.embed_tokens.weight", "embedding/embedding")]
+        for i in range(cfg.num_decoder_layers):
+            hf, ours = f"model.layers.{i}", f"decoder/layers_{i}"
+            attn, mlp = f"{hf}.self_attn", f"{hf}.mlp"
+            out += [
+                _heads_in(f"{attn}.q_proj.weight", f"{ours}/self_attention/query/kernel", n, h),
+                _heads_in(f"{attn}.k_proj.weight", f"{ours}/self_attention/key/kernel", k, h),
+                _heads_in(f"{attn}.v_proj.weight", f"{ours}/self_attention/value/kernel", k, h),
+                _heads_out(f"{attn}.o_proj.weight", f"{ours}/self_attention/out/kernel", n, h),
+                _transposed(f"{mlp}.gate_proj.weight", f"{ours}/ffn/ff_gate/kernel"),
+                _transposed(f"{mlp}.up_proj.weight", f"{ours}/ffn/ff_in/kernel"),
+                _transposed(f"{mlp}.down_proj.weight", f"{ours}/ffn/ff_out/kernel"),
+                *_norm(f"{hf}.input_layernorm", f"{ours}/norm_attention", False),
+                *_norm(f"{hf}.post_attention_layernorm", f"{ours}/norm_ffn", False)]
+        out += _norm("model.norm", "decoder/norm", False)
+        if not cfg.tie_output_embedding:
+            out.append(_transposed("lm_head.weight", "decoder/logits/kernel"))
+        return out
+
+
+GPT2_UNSUPPORTED = ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn",
+                    "add_cross_attention")
+GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+
+
+class GPT2:
+    """`GPT2LMHeadModel`: pre-LayerNorm, learned positions, tanh GELU, biases, tied output."""
+
+    model_types = ("gpt2",)
+    ignored = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers of old checkpoints
+
+    @staticmethod
+    def config(hf: dict) -> dict:
+        _require(hf, "gpt2", "activation_function", GELU_TANH, "only GELU's tanh approximation")
+        _require(hf, "gpt2", "scale_attn_weights", (True,), "attention scales by 1/sqrt(H)")
+        for option in GPT2_UNSUPPORTED:
+            _require(hf, "gpt2", option, (False,), "not implemented")
+        _require(hf, "gpt2", "tie_word_embeddings", (True,), "GPT-2's output is the embedding")
+        d = hf["n_embd"]
+        return dict(
+            architecture="decoder", vocab_size=hf["vocab_size"], num_encoder_layers=0,
+            num_decoder_layers=hf["n_layer"], d_model=d, d_ff=hf.get("n_inner") or 4 * d,
+            num_heads=hf["n_head"], num_kv_heads=hf["n_head"],
+            dropout_rate=float(hf.get("resid_pdrop", 0.1)),
+            attention_dropout_rate=float(hf.get("attn_pdrop", 0.1)), relu_dropout_rate=0.0,
+            positional="learned", norm="layer_norm", norm_position="pre", activation="gelu",
+            gelu_approximate=True, use_bias=True, tie_output_embedding=True,
+            max_len=hf["n_positions"], norm_eps=float(hf["layer_norm_epsilon"]),
+            scale_embeddings=False)
+
+    @staticmethod
+    def hf_config(cfg: TransformerConfig) -> dict:
+        return dict(
+            model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=cfg.vocab_size,
+            n_embd=cfg.d_model, n_inner=cfg.d_ff, n_layer=cfg.num_decoder_layers,
+            n_head=cfg.num_heads, n_positions=cfg.max_len, layer_norm_epsilon=cfg.norm_eps,
+            activation_function="gelu_new", resid_pdrop=cfg.dropout_rate,
+            embd_pdrop=cfg.dropout_rate, attn_pdrop=cfg.attention_dropout_rate,
+            tie_word_embeddings=True)
+
+    @staticmethod
+    def matches(cfg: TransformerConfig) -> list[str]:
+        return _mismatches(cfg, architecture="decoder", positional="learned",
+                           norm="layer_norm", norm_position="pre", activation="gelu",
+                           gelu_approximate=True, use_bias=True, tie_output_embedding=True,
+                           scale_embeddings=False, num_kv_heads=cfg.num_heads,
+                           d_k=cfg.d_model // cfg.num_heads, d_v=cfg.d_model // cfg.num_heads)
+
+    @staticmethod
+    def tensors(cfg: TransformerConfig) -> list[Tensors]:
+        n, h, d = cfg.num_heads, cfg.d_k, cfg.d_model
+        out = [_same("transformer.wte.weight", "embedding/embedding"),
+               _same("transformer.wpe.weight", "decoder/embedder/position_embedding/embedding")]
+        for i in range(cfg.num_decoder_layers):
+            hf, ours = f"transformer.h.{i}", f"decoder/layers_{i}"
+            attn = f"{ours}/self_attention"
+            qkv = tuple(f"{attn}/{name}" for name in ("query", "key", "value"))
+            out += [
+                Tensors((f"{hf}.attn.c_attn.weight",), tuple(f"{p}/kernel" for p in qkv),
+                        lambda a: [w.reshape(d, n, h) for w in np.split(a[0], 3, axis=1)],
+                        lambda a: [np.concatenate([w.reshape(d, -1) for w in a], axis=1)]),
+                Tensors((f"{hf}.attn.c_attn.bias",), tuple(f"{p}/bias" for p in qkv),
+                        lambda a: [b.reshape(n, h) for b in np.split(a[0], 3)],
+                        lambda a: [np.concatenate([b.reshape(-1) for b in a])]),
+                Tensors((f"{hf}.attn.c_proj.weight",), (f"{attn}/out/kernel",),
+                        lambda a: [a[0].reshape(n, h, d)], lambda a: [a[0].reshape(n * h, d)]),
+                _same(f"{hf}.attn.c_proj.bias", f"{attn}/out/bias"),
+                _same(f"{hf}.mlp.c_fc.weight", f"{ours}/ffn/ff_in/kernel"),
+                _same(f"{hf}.mlp.c_fc.bias", f"{ours}/ffn/ff_in/bias"),
+                _same(f"{hf}.mlp.c_proj.weight", f"{ours}/ffn/ff_out/kernel"),
+                _same(f"{hf}.mlp.c_proj.bias", f"{ours}/ffn/ff_out/bias"),
+                *_norm(f"{hf}.ln_1", f"{ours}/norm_attention", True),
+                *_norm(f"{hf}.ln_2", f"{ours}/norm_ffn", True)]
+        return out + _norm("transformer.ln_f", "decoder/norm", True)
+
+
+class ViT:
+    """`ViTForImageClassification`: the Vision Transformer with its class-token classifier."""
+
+    model_types = ("vit",)
+
+    @staticmethod
+    def config(hf: dict) -> dict:
+        _require(hf, "vit", "hidden_act", ("gelu",) + GELU_TANH, "GELU only")
+        _require(hf, "vit", "qkv_bias", (True,), "our ViT's projections all carry biases")
+        labels = hf.get("id2label") or {}
+        return dict(
+            architecture="vision", num_encoder_layers=hf["num_hidden_layers"],
+            num_decoder_layers=0, d_model=hf["hidden_size"], d_ff=hf["intermediate_size"],
+            num_heads=hf["num_attention_heads"],
+            dropout_rate=float(hf.get("hidden_dropout_prob", 0.0)),
+            attention_dropout_rate=float(hf.get("attention_probs_dropout_prob", 0.0)),
+            relu_dropout_rate=0.0, positional="learned", norm="layer_norm",
+            norm_position="pre", activation="gelu", gelu_approximate=hf["hidden_act"] != "gelu",
+            use_bias=True, norm_eps=float(hf["layer_norm_eps"]), image_size=hf["image_size"],
+            patch_size=hf["patch_size"], num_channels=hf.get("num_channels", 3),
+            num_classes=hf.get("num_labels") or len(labels) or 2, pooling="cls")
+
+    @staticmethod
+    def hf_config(cfg: TransformerConfig) -> dict:
+        return dict(
+            model_type="vit", architectures=["ViTForImageClassification"],
+            hidden_size=cfg.d_model, num_hidden_layers=cfg.num_encoder_layers,
+            num_attention_heads=cfg.num_heads, intermediate_size=cfg.d_ff,
+            hidden_act="gelu_pytorch_tanh" if cfg.gelu_approximate else "gelu",
+            hidden_dropout_prob=cfg.dropout_rate,
+            attention_probs_dropout_prob=cfg.attention_dropout_rate, layer_norm_eps=cfg.norm_eps,
+            image_size=cfg.image_size, patch_size=cfg.patch_size, num_channels=cfg.num_channels,
+            qkv_bias=True, id2label={str(i): f"LABEL_{i}" for i in range(cfg.num_classes)},
+            label2id={f"LABEL_{i}": i for i in range(cfg.num_classes)})
+
+    @staticmethod
+    def matches(cfg: TransformerConfig) -> list[str]:
+        return _mismatches(cfg, architecture="vision", positional="learned", norm="layer_norm",
+                           norm_position="pre", activation="gelu", use_bias=True,
+                           pooling="cls", num_kv_heads=cfg.num_heads,
+                           d_k=cfg.d_model // cfg.num_heads, d_v=cfg.d_model // cfg.num_heads)
+
+    @staticmethod
+    def tensors(cfg: TransformerConfig) -> list[Tensors]:
+        n, h, p, c = cfg.num_heads, cfg.d_k, cfg.patch_size, cfg.num_channels
+        emb = "vit.embeddings"
+        # Our patch vector is flattened (row, column, channel): the conv weight [D, C, P, P]
+        # read as [P, P, C, D].
+        out = [
+            Tensors((f"{emb}.patch_embeddings.projection.weight",), ("patch_embedding/kernel",),
+                    lambda a: [a[0].transpose(2, 3, 1, 0).reshape(p * p * c, -1)],
+                    lambda a: [a[0].reshape(p, p, c, -1).transpose(3, 2, 0, 1)]),
+            _same(f"{emb}.patch_embeddings.projection.bias", "patch_embedding/bias"),
+            Tensors((f"{emb}.cls_token",), ("class_token",), lambda a: [a[0].reshape(-1)],
+                    lambda a: [a[0].reshape(1, 1, -1)]),
+            Tensors((f"{emb}.position_embeddings",), ("position_embedding",),
+                    lambda a: [a[0][0]], lambda a: [a[0][None]])]
+        for i in range(cfg.num_encoder_layers):
+            hf, ours = f"vit.encoder.layer.{i}", f"encoder/layers_{i}"
+            attn = f"{ours}/self_attention"
+            for name in ("query", "key", "value"):
+                weight = f"{hf}.attention.attention.{name}"
+                out += [_heads_in(f"{weight}.weight", f"{attn}/{name}/kernel", n, h),
+                        _bias_heads(f"{weight}.bias", f"{attn}/{name}/bias", n, h)]
+            out += [
+                _heads_out(f"{hf}.attention.output.dense.weight", f"{attn}/out/kernel", n, h),
+                _same(f"{hf}.attention.output.dense.bias", f"{attn}/out/bias"),
+                _transposed(f"{hf}.intermediate.dense.weight", f"{ours}/ffn/ff_in/kernel"),
+                _same(f"{hf}.intermediate.dense.bias", f"{ours}/ffn/ff_in/bias"),
+                _transposed(f"{hf}.output.dense.weight", f"{ours}/ffn/ff_out/kernel"),
+                _same(f"{hf}.output.dense.bias", f"{ours}/ffn/ff_out/bias"),
+                *_norm(f"{hf}.layernorm_before", f"{ours}/norm_attention", True),
+                *_norm(f"{hf}.layernorm_after", f"{ours}/norm_ffn", True)]
+        return out + _norm("vit.layernorm", "encoder/norm", True) + [
+            _transposed("classifier.weight", "head/kernel"), _same("classifier.bias", "head/bias")]
+
+
+FAMILIES = (Llama, GPT2, ViT)
+BY_MODEL_TYPE = {kind: family for family in FAMILIES for kind in family.model_types}
+
+
+def _mismatches(cfg: TransformerConfig, **wanted) -> list[str]:
+    """`model.<field>=<ours> (wants <theirs>)` for each field that differs; also every
+    self-attention option beyond softmax over all positions."""
+    out = [f"model.{field}={getattr(cfg, field)!r} (wants {value!r})"
+           for field, value in wanted.items() if getattr(cfg, field) != value]
+    if cfg.attention_kind != "softmax" or cfg.attention_window is not None:
+        out.append("model.attention_kind/attention_window (wants softmax over all positions)")
+    return out
+
+
+def for_checkpoint(hf_config: dict, source: str) -> type:
+    """The family of a checkpoint's config.json (`source` names it in errors)."""
+    kind = hf_config.get("model_type")
+    if kind not in BY_MODEL_TYPE:
+        raise ValueError(f"{source}: model_type={kind!r} is not supported; supported: "
+                         f"{', '.join(sorted(BY_MODEL_TYPE))}")
+    return BY_MODEL_TYPE[kind]
+
+
+def for_model(cfg: TransformerConfig, source: str) -> type:
+    """The family our model config `cfg` is exactly (`source` names the run in errors)."""
+    problems = {}
+    for family in FAMILIES:
+        problems[family.__name__] = family.matches(cfg)
+        if not problems[family.__name__]:
+            return family
+    closest = min(problems, key=lambda name: len(problems[name]))
+    raise ValueError(f"{source}: the model is none of the exportable families; closest is "
+                     f"{closest}, which differs in {'; '.join(problems[closest])}")
