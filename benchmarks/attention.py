@@ -18,7 +18,8 @@ Implementations: "xla" and "chunked" from `transformer.attention` with the causa
 a diagnostic row that shows how much of chunked's memory is the boolean [T, S] causal mask
 (which the chunked path splits into key blocks and keeps as a backward residual: O(T·S) bytes).
 "chunked/window=W" is a causal sliding window (`local_window_size=(W, 0)`, no mask array: the
-kernel visits only the key blocks of each query block's band), "linear" causal linear attention
+kernel visits only the key blocks of each query block's band; "+global=G": the first G positions
+are global tokens, `global_tokens=G`), "linear" causal linear attention
 (`attention.linear_attention`, elu + 1 features). An implementation whose run at one length
 took more than --stop_after_s is not run at the longer ones (its rows say "skipped").
 `--plot` draws time and memory against length, one line per implementation (matplotlib, the
@@ -43,7 +44,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from transformer import attention  # noqa: E402
 
 IMPLEMENTATIONS = ("xla", "chunked", "chunked/nomask", "chunked/window=256",
-                   "chunked/window=1024", "linear")
+                   "chunked/window=1024", "chunked/window=256+global=64", "linear")
 DEFAULT_IMPLEMENTATIONS = ("xla", "chunked", "chunked/window=256", "chunked/window=1024",
                            "linear")
 
@@ -63,9 +64,10 @@ def _loss(implementation: str, key_chunk_size: int):
         if impl == "linear":
             out = attention.linear_attention(q, k, v, causal=True)
         elif variant.startswith("window="):
+            window, _, global_tokens = variant.removeprefix("window=").partition("+global=")
             out = attention.dot_product_attention(
                 q, k, v, implementation=impl, key_chunk_size=key_chunk_size,
-                local_window_size=(int(variant.removeprefix("window=")), 0))
+                local_window_size=(int(window), 0), global_tokens=int(global_tokens or 0))
         else:
             mask = None if variant == "nomask" else attention.make_causal_mask(q.shape[1])
             out = attention.dot_product_attention(q, k, v, mask=mask, implementation=impl,

@@ -47,6 +47,7 @@ def cpu_config(objective: str, *, num_train_steps: int, learning_rate: float,
     cfg.model.linear_feature_map = "elu"
     cfg.model.attention_window = config_dict.placeholder(int)
     cfg.model.attention_pattern = "global"
+    cfg.model.attention_global_tokens = 0  # e.g. 4: the first positions attend to/from all
     return cfg
 
 

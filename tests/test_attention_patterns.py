@@ -165,7 +165,9 @@ def test_chunked_window_visits_only_the_key_blocks_of_its_band():
     visits 2 key blocks (its own and the previous), forward and backward, instead of 16."""
     plan = attention.BlockPlan.make(8192, 8192, 512, (256, 0))
     assert (plan.num_q_blocks, plan.num_k_blocks, plan.visits) == (16, 16, 2)
-    assert plan.starts == (0,) + tuple(range(15))
+    # Query block 0 has only its own key block: its second step repeats it, marked invalid.
+    assert plan.table == ((0, 0),) + tuple((i, i + 1) for i in range(15))
+    assert plan.valid == ((True, False),) + ((True, True),) * 15
     dense = attention.BlockPlan.make(8192, 8192, 512, None)
     assert (dense.num_q_blocks, dense.visits) == (1, 16)
     # Wider bands visit more blocks; a window wider than the keys visits all, unblocked.
@@ -302,6 +304,8 @@ PATTERNS = {
     "local/global": dict(attention_window=3, attention_pattern="local,global"),
     "linear": dict(attention_kind="linear", scan_layers=True),
     "local": dict(attention_window=2, attention_pattern="local", scan_layers=True),
+    "global tokens": dict(attention_window=2, attention_pattern="local,global",
+                          attention_global_tokens=3),
 }
 
 
@@ -363,7 +367,7 @@ def _train(cfg, steps=30):
 
 
 @pytest.fixture(scope="module", params=[
-    "local/global", "linear", pytest.param("local", marks=pytest.mark.slow)])
+    "local/global", "linear", "global tokens", pytest.param("local", marks=pytest.mark.slow)])
 def trained(request):
     with jax.numpy_dtype_promotion("standard"):
         cfg = dataclasses.replace(LM, **PATTERNS[request.param])

@@ -1,4 +1,5 @@
-"""Scaled dot-product attention and attention masks, as pure functions of arrays.
+"""Scaled dot-product attention, as pure functions of arrays (the masks: `transformer.masks`,
+re-exported here).
 
     Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V            (Vaswani et al., eq. 1)
 
@@ -11,9 +12,11 @@ no key to attend to returns zeros.
 
 Sparse patterns: `local_window_size` (w, or (left, right) as `jax.nn.dot_product_attention`
 spells it) lets query t attend keys t - left .. t + right only (with any mask; a causal sliding
-window is (w, 0)); `make_local_mask` and `make_global_mask` (Longformer's global tokens) build
-the same patterns as masks. Linear attention (`linear_attention`, Katharopoulos et al., 2020)
-is importable from here (the API of DESIGN.md); its home is `transformer.linear_attention`.
+window is (w, 0)); `global_tokens` g beside a window lets the first g positions of a row
+attend to and from every position (Longformer's global tokens); `make_local_mask` and
+`make_global_mask` build the same patterns as masks. Linear attention (`linear_attention`,
+Katharopoulos et al., 2020) is importable from here (the API of DESIGN.md); its home is
+`transformer.linear_attention`.
 
 Three implementations give the same numbers:
   "xla"      the formula as einsums; materialises the [B, N, T, S] weights.
@@ -21,7 +24,8 @@ Three implementations give the same numbers:
              custom VJP that recomputes the blocks in the backward pass (as flash attention
              does), so memory grows linearly with S in both passes. With a local window the
              queries are blocked too and each query block visits only the key blocks that
-             intersect its band, forward and backward: time and memory O(T·w), not O(T·S).
+             intersect its band (and those holding global tokens), forward and backward: time
+             and memory O(T·w), not O(T·S).
   "cudnn"    cuDNN flash attention through `jax.nn.dot_product_attention` (NVIDIA GPUs).
 and "auto" picks one per call from the shapes, dtype and device (`choose_implementation`).
 """
@@ -37,130 +41,24 @@ import numpy as np
 
 from transformer.layers import dropout
 from transformer.linear_attention import FEATURE_MAPS, linear_attention  # noqa: F401 (API)
+from transformer.masks import (  # noqa: F401 (API: every mask importable from here)
+    combine_masks,
+    make_cache_mask,
+    make_causal_mask,
+    make_decoder_mask,
+    make_global_mask,
+    make_local_mask,
+    make_padding_mask,
+    make_prefix_lm_mask,
+    make_segment_mask,
+    make_window_cache_mask,
+    window_sizes,
+)
 
 IMPLEMENTATIONS = ("xla", "chunked", "cudnn", "auto")
 DEFAULT_KEY_CHUNK_SIZE = 512
 AUTO_CHUNKED_MIN_KEYS = 4096  # from here "auto" prefers the chunked kernel's linear memory
 _NEG_INF = float(jnp.finfo(jnp.float32).min)
-
-
-# --------------------------------------------------------------------------- masks
-
-
-def make_causal_mask(length: int) -> jax.Array:
-    """[1, 1, T, T]: query t attends to keys s <= t."""
-    return jnp.tril(jnp.ones((length, length), dtype=jnp.bool_))[None, None]
-
-
-def make_padding_mask(q_valid: jax.Array, kv_valid: jax.Array) -> jax.Array:
-    """[B, 1, T, S] from q_valid [B, T] and kv_valid [B, S] (True or nonzero = real token)."""
-    q_valid, kv_valid = q_valid.astype(jnp.bool_), kv_valid.astype(jnp.bool_)
-    return (q_valid[:, None, :, None] & kv_valid[:, None, None, :])
-
-
-def make_segment_mask(q_segment_ids: jax.Array, kv_segment_ids: jax.Array) -> jax.Array:
-    """[B, 1, T, S] for packed rows: attend within the same segment; segment id 0 is padding."""
-    same = q_segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :]
-    return same & make_padding_mask(q_segment_ids, kv_segment_ids)
-
-
-def make_prefix_lm_mask(in_prefix: jax.Array) -> jax.Array:
-    """[B, 1, T, T] for a prefix LM: causal, except that positions of the prefix (in_prefix
-    [B, T], True or nonzero) attend to each other in both directions."""
-    in_prefix = in_prefix.astype(jnp.bool_)
-    both = in_prefix[:, None, :, None] & in_prefix[:, None, None, :]
-    return make_causal_mask(in_prefix.shape[1]) | both
-
-
-def make_decoder_mask(segment_ids: jax.Array, in_prefix: jax.Array | None = None) -> jax.Array:
-    """[B, 1, T, T], a decoder's self-attention over a whole row (training): causal, or a
-    prefix LM's mask (`make_prefix_lm_mask(in_prefix)`), within each segment.
-
-    segment_ids [B, T]: the packed segments, id 0 = padding (a row of one sequence passes
-    `tokens != 0`).
-    """
-    causal = (make_causal_mask(segment_ids.shape[1]) if in_prefix is None
-              else make_prefix_lm_mask(in_prefix))
-    return combine_masks(causal, make_segment_mask(segment_ids, segment_ids))
-
-
-def make_cache_mask(index: jax.Array | int, query_length: int, cache_length: int,
-                    in_prefix: jax.Array | None = None) -> jax.Array:
-    """[1, 1, T, S] ([B, 1, T, S] with `in_prefix`), incremental decoding's self-attention:
-    the T new queries at positions index..index+T-1 attend to the S cache positions up to
-    their own.
-
-    in_prefix [B, T] (True or nonzero): the new tokens that form a prefix LM's prefix, which
-    attend to each other in both directions (the whole prefix comes in one call).
-    """
-    positions = index + jnp.arange(query_length)
-    mask = (jnp.arange(cache_length)[None, :] <= positions[:, None])[None, None]
-    if in_prefix is None:
-        return mask
-    in_prefix = in_prefix.astype(jnp.bool_)
-    key_in_prefix = jax.lax.dynamic_update_slice(
-        jnp.zeros((in_prefix.shape[0], cache_length), jnp.bool_), in_prefix, (0, index))
-    return mask | (in_prefix[:, None, :, None] & key_in_prefix[:, None, None, :])
-
-
-def window_sizes(local_window_size: int | tuple[int, int] | None) -> tuple[int, int] | None:
-    """(left, right) from w (= (w, w)) or a pair, as `jax.nn.dot_product_attention` reads it."""
-    if local_window_size is None:
-        return None
-    left, right = ((local_window_size, local_window_size) if isinstance(local_window_size, int)
-                   else tuple(local_window_size))
-    if min(left, right) < 0:
-        raise ValueError(f"local_window_size={local_window_size} must be >= 0 on both sides")
-    return int(left), int(right)
-
-
-def make_local_mask(q_positions: jax.Array, kv_positions: jax.Array,
-                    local_window_size: int | tuple[int, int]) -> jax.Array:
-    """[1, 1, T, S] ([B, 1, T, S] from [B, T] / [B, S] positions): a query at position t attends
-    the keys at positions t - left .. t + right (a sliding window; causal: (w, 0)).
-
-    q_positions [T] or [B, T], kv_positions [S] or [B, S]; `make_local_mask(jnp.arange(T),
-    jnp.arange(S), w)` is what `local_window_size=w` applies.
-    """
-    left, right = window_sizes(local_window_size)
-    offset = kv_positions[..., None, :] - q_positions[..., :, None]  # [..., T, S]
-    mask = (offset >= -left) & (offset <= right)
-    return mask[None, None] if mask.ndim == 2 else mask[:, None]
-
-
-def make_global_mask(is_global: jax.Array) -> jax.Array:
-    """[B, 1, S, S] for self-attention with global tokens (Longformer): a global token (is_global
-    [B, S], True or nonzero) attends to every position and every position attends to it.
-    Global tokens widen a sparse pattern: `combine_masks(mask, make_local_mask(..) |
-    make_global_mask(g))`."""
-    is_global = is_global.astype(jnp.bool_)
-    return is_global[:, None, :, None] | is_global[:, None, None, :]
-
-
-def make_window_cache_mask(index: jax.Array | int, query_length: int, kv_positions: jax.Array,
-                           local_window_size: int | tuple[int, int],
-                           in_prefix: jax.Array | None = None) -> jax.Array:
-    """[B, 1, T, S], incremental decoding's self-attention for a local layer: the T new queries
-    at positions index..index+T-1 attend the S keys at `kv_positions` [B, S] (a ring buffer's
-    slots, then the T new tokens; -1 = empty or not kept) that are within their window and not
-    after them. in_prefix [B, T]: the new tokens that form a prefix LM's prefix, which also
-    attend to the later ones within the window (the whole prefix comes in one call)."""
-    q_positions = index + jnp.arange(query_length)
-    mask = make_local_mask(q_positions, kv_positions, local_window_size)
-    earlier = kv_positions[:, None, None, :] <= q_positions[:, None]
-    if in_prefix is not None:
-        in_prefix = in_prefix.astype(jnp.bool_)
-        key_in_prefix = jnp.pad(in_prefix, ((0, 0), (kv_positions.shape[1] - query_length, 0)))
-        earlier = earlier | (in_prefix[:, None, :, None] & key_in_prefix[:, None, None, :])
-    return mask & earlier & (kv_positions >= 0)[:, None, None, :]
-
-
-def combine_masks(*masks: jax.Array | None) -> jax.Array | None:
-    """Logical and of the masks that are not None (None if all are)."""
-    masks = [m for m in masks if m is not None]
-    if not masks:
-        return None
-    return functools.reduce(jnp.logical_and, masks)
 
 
 # --------------------------------------------------------------------------- attention
@@ -185,11 +83,13 @@ def _as_5d(x: jax.Array | None, num_kv_heads: int) -> jax.Array | None:
     return x.reshape(b, num_kv_heads, n // num_kv_heads, t, s)
 
 
-def _with_window(mask, local_window_size, t: int, s: int):
-    """`mask` and the window `local_window_size` (None: no window) as one mask."""
+def _with_window(mask, local_window_size, t: int, s: int, global_tokens: int = 0):
+    """`mask` and the window `local_window_size` (None: no window) widened by `global_tokens`
+    as one mask."""
     if local_window_size is None:
         return mask
-    return combine_masks(mask, make_local_mask(jnp.arange(t), jnp.arange(s), local_window_size))
+    return combine_masks(mask, make_local_mask(jnp.arange(t), jnp.arange(s), local_window_size,
+                                               global_tokens))
 
 
 def attention_weights(
@@ -200,6 +100,7 @@ def attention_weights(
     bias: jax.Array | None = None,
     scale: float | None = None,
     local_window_size: int | tuple[int, int] | None = None,
+    global_tokens: int = 0,
 ) -> jax.Array:
     """softmax(q k^T * scale + bias) over unmasked keys: [B, N, T, S], float32.
 
@@ -212,7 +113,7 @@ def attention_weights(
         "BTKGH,BSKH->BKGTS", _group_queries(q, num_kv_heads), k,
         preferred_element_type=jnp.float32,
     ) * scale
-    mask = _with_window(mask, local_window_size, q.shape[1], k.shape[1])
+    mask = _with_window(mask, local_window_size, q.shape[1], k.shape[1], global_tokens)
     bias5, mask5 = _as_5d(bias, num_kv_heads), _as_5d(mask, num_kv_heads)
     if bias5 is not None:
         logits = logits + bias5.astype(jnp.float32)
@@ -225,9 +126,10 @@ def attention_weights(
     return weights.reshape(b, kh * g, t, s)
 
 
-def _xla_attention(q, k, v, mask, bias, scale, dropout_rate, dropout_rng, local_window_size):
+def _xla_attention(q, k, v, mask, bias, scale, dropout_rate, dropout_rng, local_window_size,
+                   global_tokens):
     weights = attention_weights(q, k, mask=mask, bias=bias, scale=scale,
-                                local_window_size=local_window_size)
+                                local_window_size=local_window_size, global_tokens=global_tokens)
     weights = dropout(weights, dropout_rate, dropout_rng)
     b, n, t, s = weights.shape
     num_kv_heads = k.shape[2]
@@ -236,7 +138,11 @@ def _xla_attention(q, k, v, mask, bias, scale, dropout_rate, dropout_rng, local_
     return out.reshape(b, t, n, v.shape[-1]).astype(v.dtype)
 
 
-def _cudnn_attention(q, k, v, mask, bias, scale, dropout_rate, local_window_size):
+def _cudnn_attention(q, k, v, mask, bias, scale, dropout_rate, local_window_size,
+                     global_tokens):
+    if global_tokens:
+        raise ValueError(f"implementation='cudnn' has no global tokens (global_tokens="
+                         f"{global_tokens}): use 'chunked' or 'xla'")
     if dropout_rate > 0.0:
         raise ValueError("implementation='cudnn' has no attention dropout: set the attention "
                          "dropout rate to 0 or use implementation='xla'")
@@ -272,15 +178,17 @@ def cudnn_supports(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
 
 def choose_implementation(q: jax.Array, k: jax.Array, v: jax.Array, *,
                           dropout_rate: float = 0.0,
-                          local_window_size: tuple[int, int] | None = None) -> str:
+                          local_window_size: tuple[int, int] | None = None,
+                          global_tokens: int = 0) -> str:
     """What implementation="auto" runs: "cudnn" where `cudnn_supports` the inputs (and the
-    window, if any, looks back only), else "chunked" from `AUTO_CHUNKED_MIN_KEYS` keys on (where
-    the [B, N, T, S] weights of "xla" would bind memory), else "xla"; always "xla" with
-    attention dropout (only it has dropout). Decided at trace time from static shapes and
-    dtypes."""
+    window, if any, looks back only, without global tokens), else "chunked" from
+    `AUTO_CHUNKED_MIN_KEYS` keys on (where the [B, N, T, S] weights of "xla" would bind memory),
+    else "xla"; always "xla" with attention dropout (only it has dropout). Decided at trace
+    time from static shapes and dtypes."""
     if dropout_rate > 0.0:
         return "xla"
-    if cudnn_supports(q, k, v) and (local_window_size is None or local_window_size[1] == 0):
+    if (cudnn_supports(q, k, v) and not global_tokens
+            and (local_window_size is None or local_window_size[1] == 0)):
         return "cudnn"
     return "chunked" if k.shape[1] >= AUTO_CHUNKED_MIN_KEYS else "xla"
 
@@ -298,6 +206,7 @@ def dot_product_attention(
     implementation: str = "xla",
     key_chunk_size: int = DEFAULT_KEY_CHUNK_SIZE,
     local_window_size: int | tuple[int, int] | None = None,
+    global_tokens: int = 0,
 ) -> jax.Array:
     """Multi-head, grouped-query or multi-query attention.
 
@@ -311,6 +220,8 @@ def dot_product_attention(
       key_chunk_size: keys per block for "chunked" (and queries per block with a window).
       local_window_size: w or (left, right): query t attends keys t - left .. t + right only
         (and-ed with `mask`); None: all keys.
+      global_tokens: with a window, the first `global_tokens` positions of a row attend to and
+        from every position (Longformer's global tokens; still and-ed with `mask`).
     Returns:
       [B, T, N, Hv] in v's dtype.
     """
@@ -318,19 +229,26 @@ def dot_product_attention(
         raise ValueError(f"q, k, v must be [B,T,N,H], [B,S,K,H], [B,S,K,Hv]; got shapes "
                          f"{q.shape}, {k.shape}, {v.shape}")
     window = window_sizes(local_window_size)
+    if global_tokens < 0 or (global_tokens and window is None):
+        raise ValueError(f"global_tokens={global_tokens} must be >= 0 and widens a local window: "
+                         f"set local_window_size (without one every position attends to all)")
     if implementation == "auto":
         implementation = choose_implementation(q, k, v, dropout_rate=dropout_rate,
-                                               local_window_size=window)
+                                               local_window_size=window,
+                                               global_tokens=global_tokens)
     if implementation == "xla":
-        return _xla_attention(q, k, v, mask, bias, scale, dropout_rate, dropout_rng, window)
+        return _xla_attention(q, k, v, mask, bias, scale, dropout_rate, dropout_rng, window,
+                              global_tokens)
     if implementation == "chunked":
         if dropout_rate > 0.0:
             raise ValueError("implementation='chunked' has no attention dropout: set the "
                              "attention dropout rate to 0 or use implementation='xla'")
         return chunked_attention(q, k, v, mask=mask, bias=bias, scale=scale,
-                                 key_chunk_size=key_chunk_size, local_window_size=window)
+                                 key_chunk_size=key_chunk_size, local_window_size=window,
+                                 global_tokens=global_tokens)
     if implementation == "cudnn":
-        return _cudnn_attention(q, k, v, mask, bias, scale, dropout_rate, window)
+        return _cudnn_attention(q, k, v, mask, bias, scale, dropout_rate, window,
+                                global_tokens)
     raise ValueError(f"implementation={implementation!r}; choose one of {IMPLEMENTATIONS}")
 
 
@@ -339,12 +257,14 @@ def dot_product_attention(
 
 @dataclasses.dataclass(frozen=True)
 class BlockPlan:
-    """Which key blocks each query block visits (static, from the shapes and the window).
+    """Which key blocks each query block visits (static, from the shapes and the pattern).
 
     Queries form `num_q_blocks` blocks of `q_chunk` (one block of all T without a window), keys
-    `num_k_blocks` blocks of `chunk`; query block i visits the `visits` key blocks
-    starts[i] .. starts[i] + visits - 1, which cover every key its band can reach. Without a
-    window every query block visits all key blocks: work O(T·S); with one, O(T·(w + chunk)).
+    `num_k_blocks` blocks of `chunk`; at step j < `visits` query block i visits key block
+    `table[i][j]` (steps with `valid[i][j]` False repeat a block and count nothing). With a
+    window a query block visits the key blocks its band reaches and those holding the first
+    `global_tokens` keys: work O(T·(w + global_tokens + chunk)), not O(T·S). Rows of global
+    queries need every key: `chunked_attention` computes them apart.
     """
 
     t: int
@@ -354,11 +274,19 @@ class BlockPlan:
     num_q_blocks: int
     num_k_blocks: int
     visits: int
-    starts: tuple[int, ...]
+    table: tuple[tuple[int, ...], ...]
+    valid: tuple[tuple[bool, ...], ...]
     window: tuple[int, int] | None
+    global_tokens: int = 0
+
+    @property
+    def banded(self) -> bool:
+        """Whether query blocks skip key blocks (else every block visits all of them)."""
+        return self.visits < self.num_k_blocks
 
     @classmethod
-    def make(cls, t: int, s: int, key_chunk_size: int, window, *, band: bool = True):
+    def make(cls, t: int, s: int, key_chunk_size: int, window, *, band: bool = True,
+             global_tokens: int = 0):
         chunk = min(key_chunk_size, s)
         num_k_blocks = -(-s // chunk)
         window = window_sizes(window)
@@ -369,26 +297,35 @@ class BlockPlan:
             first_q = np.arange(num_q) * q_chunk
             lo = np.clip(first_q - left, 0, s - 1) // chunk
             hi = np.clip(first_q + q_chunk - 1 + right, 0, s - 1) // chunk
-            visits = int((hi - lo).max()) + 1
+            global_blocks = set(range(-(-min(global_tokens, s) // chunk)))
+            rows = [sorted(global_blocks | set(range(a, b + 1)))
+                    for a, b in zip(lo, hi, strict=True)]
+            visits = max(len(row) for row in rows)
             if visits < num_k_blocks:
-                starts = np.minimum(lo, num_k_blocks - visits)
-                return cls(t, s, chunk, q_chunk, num_q, num_k_blocks, visits,
-                           tuple(int(i) for i in starts), window)
-        return cls(t, s, chunk, t, 1, num_k_blocks, num_k_blocks, (0,), window)
+                table = tuple(tuple(row + row[-1:] * (visits - len(row))) for row in rows)
+                valid = tuple((True,) * len(row) + (False,) * (visits - len(row))
+                              for row in rows)
+                return cls(t, s, chunk, q_chunk, num_q, num_k_blocks, visits, table, valid,
+                           window, global_tokens)
+        return cls(t, s, chunk, t, 1, num_k_blocks, num_k_blocks, (tuple(range(num_k_blocks)),),
+                   ((True,) * num_k_blocks,), window, global_tokens)
 
     def key_blocks(self, j) -> jax.Array:
         """[num_q_blocks] the key block each query block visits at step j."""
-        return jnp.asarray(self.starts, jnp.int32) + j
+        return jnp.asarray(self.table, jnp.int32)[:, j]
 
-    def allowed(self, blocks: jax.Array) -> jax.Array:
-        """[Q, 1, 1, 1, q_chunk, chunk]: real keys (not padding) inside the window."""
+    def allowed(self, blocks: jax.Array, j) -> jax.Array:
+        """[Q, 1, 1, 1, q_chunk, chunk]: real keys (not padding) of a valid step, inside the
+        window or global."""
         q_pos = (jnp.arange(self.num_q_blocks) * self.q_chunk)[:, None] + jnp.arange(self.q_chunk)
         k_pos = blocks[:, None] * self.chunk + jnp.arange(self.chunk)
-        ok = jnp.broadcast_to(k_pos[:, None, :] < self.s, (self.num_q_blocks, self.q_chunk,
-                                                           self.chunk))
+        real = (k_pos < self.s) & jnp.asarray(self.valid)[:, j, None]
+        ok = jnp.broadcast_to(real[:, None, :], (self.num_q_blocks, self.q_chunk, self.chunk))
         if self.window is not None:
             offset = k_pos[:, None, :] - q_pos[:, :, None]
-            ok = ok & (offset >= -self.window[0]) & (offset <= self.window[1])
+            ok = ok & (((offset >= -self.window[0]) & (offset <= self.window[1]))
+                       | (k_pos[:, None, :] < self.global_tokens)
+                       | (q_pos[:, :, None] < self.global_tokens))
         return ok[:, None, None, None]
 
     def view(self, x, fill):
@@ -414,18 +351,41 @@ class BlockPlan:
 
 
 def chunked_attention(q, k, v, *, mask=None, bias=None, scale=None,
-                      key_chunk_size=DEFAULT_KEY_CHUNK_SIZE, local_window_size=None):
+                      key_chunk_size=DEFAULT_KEY_CHUNK_SIZE, local_window_size=None,
+                      global_tokens=0):
     """Memory-efficient attention: same contract as `dot_product_attention`, no dropout.
 
-    With a window and no bias, only the key blocks that intersect each query block's band are
-    visited (`BlockPlan`); with a bias all are (the window still applies), so that the bias
-    gradient keeps one block per key block.
+    With a window and no bias, only the key blocks that intersect each query block's band, or
+    hold global keys, are visited (`BlockPlan`); the rows of the global queries, which attend
+    to every key, are then a second, unbanded pass over those rows only. With a bias all key
+    blocks are visited (the pattern still applies), so that the bias gradient keeps one block
+    per key block.
     """
-    b, t, n, h = q.shape
-    s, num_kv_heads = k.shape[1], k.shape[2]
-    scale = h ** -0.5 if scale is None else scale
+    t, s = q.shape[1], k.shape[1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     plan = BlockPlan.make(t, s, key_chunk_size, window_sizes(local_window_size),
-                          band=bias is None)
+                          band=bias is None, global_tokens=global_tokens)
+    out = _chunked(plan, scale, q, k, v, mask, bias)
+    rows = min(global_tokens, t)
+    if plan.banded and rows:
+        full = BlockPlan.make(rows, s, key_chunk_size, None)
+        out_global = _chunked(full, scale, q[:, :rows], k, v, _first_rows(mask, rows), None)
+        out = jnp.concatenate([out_global, out[:, rows:]], axis=1)
+    return out
+
+
+def _first_rows(x, rows: int):
+    """A mask broadcastable to [B, N, T, S] -> to [B, N, rows, S] (the first query rows)."""
+    if x is None:
+        return None
+    x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+    return x if x.shape[2] == 1 else x[:, :, :rows]
+
+
+def _chunked(plan, scale, q, k, v, mask, bias):
+    """`chunked_attention` over the blocks of `plan`: q [B, T, N, H] ... -> [B, T, N, Hv]."""
+    b, t, n, _ = q.shape
+    s, num_kv_heads = k.shape[1], k.shape[2]
     q5 = _group_queries(q, num_kv_heads)
     q5 = jnp.pad(q5, [(0, 0), (0, plan.num_q_blocks * plan.q_chunk - t)] + [(0, 0)] * 3)
     q5 = q5.reshape((b, plan.num_q_blocks, plan.q_chunk) + q5.shape[2:]).swapaxes(0, 1)
@@ -442,7 +402,7 @@ def chunked_attention(q, k, v, *, mask=None, bias=None, scale=None,
     return out[:, :t]
 
 
-def _block_logits(plan, scale, q, k_blocks, mask_view, bias_view, blocks):
+def _block_logits(plan, scale, q, k_blocks, mask_view, bias_view, blocks, j):
     """Scaled, biased, masked logits of the visited key blocks: [Q, B, K, G, Cq, C] float32,
     and the mask applied ([Q, B|1, K|1, G|1, Cq, C])."""
     logits = jnp.einsum("QBTKGH,QBCKH->QBKGTC", q, k_blocks[blocks],
@@ -450,7 +410,7 @@ def _block_logits(plan, scale, q, k_blocks, mask_view, bias_view, blocks):
     bias_blk = plan.fetch(bias_view, blocks)
     if bias_blk is not None:
         logits = logits + bias_blk.astype(jnp.float32)
-    allowed = plan.allowed(blocks)
+    allowed = plan.allowed(blocks, j)
     mask_blk = plan.fetch(mask_view, blocks)
     if mask_blk is not None:
         allowed = allowed & mask_blk
@@ -465,7 +425,8 @@ def _forward(plan, scale, q, k_blocks, v_blocks, mask_view, bias_view):
     def step(carry, j):
         m, l, acc = carry
         blocks = plan.key_blocks(j)
-        logits, allowed = _block_logits(plan, scale, q, k_blocks, mask_view, bias_view, blocks)
+        logits, allowed = _block_logits(plan, scale, q, k_blocks, mask_view, bias_view,
+                                        blocks, j)
         m_new = jnp.maximum(m, logits.max(axis=-1))
         p = jnp.where(allowed, jnp.exp(logits - m_new[..., None]), 0.0)
         correction = jnp.exp(m - m_new)
@@ -506,7 +467,8 @@ def _chunked_bwd(plan, scale, residuals, d_out):
     def step(carry, j):
         dq, dk, dv = carry
         blocks = plan.key_blocks(j)
-        logits, allowed = _block_logits(plan, scale, q, k_blocks, mask_view, bias_view, blocks)
+        logits, allowed = _block_logits(plan, scale, q, k_blocks, mask_view, bias_view,
+                                        blocks, j)
         p = jnp.where(allowed, jnp.exp(logits - logsumexp[..., None]), 0.0)
         dv = dv.at[blocks].add(jnp.einsum("QBKGTC,QBTKGE->QBCKE", p, d_out))
         dp = jnp.einsum("QBTKGE,QBCKE->QBKGTC", d_out, v_blocks[blocks].astype(jnp.float32))
