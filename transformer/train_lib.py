@@ -9,8 +9,9 @@ only its rows (a pure function of seed and global batch index) and
 with in/out shardings and the state donated; nothing in it reads host randomness.
 
 Sequence batches ("targets", and "inputs" where there is a source) train the token loss; a
-batch with "label" [A, B] (an image classifier's "image" [A, B, H, W, C]) trains the
-classification loss over the logits [B, num_classes], rows labelled -1 (eval padding) left out.
+batch with "label" [A, B] (an image classifier's "image" [A, B, H, W, C], a text classifier's
+"inputs" [A, B, S]) trains the classification loss over the logits [B, num_classes], rows
+labelled -1 (eval padding) left out.
 For a classifier every "token" counted (loss weights, throughput) is one labelled row.
 
 With `model.dtype=float16` the state is a `ScaledTrainState`: the dynamic loss scale
@@ -169,15 +170,20 @@ def sequence_tokens(config: TransformerConfig, batch: dict) -> jax.Array:
 
 def classifier_logits(trainer: Trainer, params, batch: dict, dropout_rng) -> jax.Array:
     """The classifier's logits [B, num_classes] float32 for a batch with "label": the vision
-    model reads "image" [B, H, W, C]. Dropout when `dropout_rng` is given."""
-    if "image" not in batch:
-        raise ValueError(f"a classification batch needs 'image' (keys: {sorted(batch)})")
+    model reads "image" [B, H, W, C], the text classifier (`Transformer.classify`) "inputs"
+    [B, S]. Dropout when `dropout_rng` is given."""
     deterministic = dropout_rng is None
+    rngs = None if deterministic else {"dropout": dropout_rng}
     with nn.logical_axis_rules(sharding.LOGICAL_AXIS_RULES), \
             jax.sharding.use_abstract_mesh(trainer.mesh.abstract_mesh):
-        return trainer.model.apply({"params": params}, batch["image"],
-                                   deterministic=deterministic,
-                                   rngs=None if deterministic else {"dropout": dropout_rng})
+        if "image" in batch:
+            return trainer.model.apply({"params": params}, batch["image"],
+                                       deterministic=deterministic, rngs=rngs)
+        if "inputs" in batch:
+            return trainer.model.apply({"params": params}, batch["inputs"],
+                                       **_model_kwargs(batch), deterministic=deterministic,
+                                       rngs=rngs, method="classify")
+    raise ValueError(f"a classification batch needs 'image' or 'inputs' (keys: {sorted(batch)})")
 
 
 def classification_sums(logits: jax.Array, labels: jax.Array, *, label_smoothing=0.0,

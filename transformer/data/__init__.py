@@ -23,6 +23,7 @@ CONFIG_KEYS = frozenset({
     "num_sentinels",
     "task", "min_length", "eval_examples",  # synthetic
     "crop_padding", "random_flip",  # images (data/images.py)
+    "text_feature", "label_feature",  # text classification (data/text_classification.py)
 })
 
 
@@ -57,8 +58,9 @@ class Source(Protocol):
 
 
 def make_source(cfg, workdir: str | None = None):
-    """The batch source `cfg.data.dataset` names (the contract is `Source`): a language-model
-    source when `cfg.data.objective` is set (causal, prefix, masked, span_corruption), else
+    """The batch source `cfg.data.dataset` names (the contract is `Source`): labelled texts
+    when `cfg.data.objective` is "classification", a language-model source when it is another
+    objective (causal, prefix, masked, span_corruption), images for a vision model, else
     translation pairs.
 
     `workdir` holds what a translation source derives once and reuses on resume: the
@@ -81,6 +83,10 @@ def make_source(cfg, workdir: str | None = None):
     except ImportError as e:
         raise ValueError(f"data.dataset={name!r} needs the data extra ({e.name} is missing): "
                          f"pip install -e '.[data]', or use data.dataset='synthetic'") from None
+    if cfg.data.get("objective") == "classification":
+        from transformer.data import text_classification
+
+        return text_classification.from_config(cfg, workdir)
     if cfg.data.get("objective"):
         return language_model.from_config(cfg, workdir)
     if cfg.model.get("architecture") == "vision":
