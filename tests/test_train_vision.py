@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from transformer import loop, train_lib
+from transformer import evaluate, loop, train_lib
 from transformer.data import offline_fashion_mnist as ofm
 
 FIXTURE = pathlib.Path(__file__).parent / "data" / "offline_fashion_mnist"
@@ -93,3 +93,83 @@ def test_tiny_vit_trains_through_the_loop(load_config, data_dir, tmp_path):
         round(validation["accuracy"] * size), abs=1e-6)
     assert validation["accuracy"] > 0.1  # chance
     assert "perplexity" not in validation and "top5_accuracy" not in validation
+    (test,) = [m for m in lines if m["split"] == "test"]  # scored once, after the last update
+    assert test["step"] == 40 and set(test) == {"step", "split", "loss", "accuracy"}
+    test_size = tfds.builder("offline_fashion_mnist", data_dir=str(data_dir)).info.splits[
+        "test"].num_examples
+    assert test["accuracy"] * test_size == pytest.approx(round(test["accuracy"] * test_size),
+                                                         abs=1e-6)
+    assert (tmp_path / "plots" / "confusion_test.png").stat().st_size > 1000
+    recorded = json.loads((tmp_path / "config.json").read_text())["provenance"]["images"]
+    assert recorded["class_names"][0] == "T-shirt/top" and len(recorded["mean"]) == 1
+    # `python -m transformer.evaluate` on one device scores the final checkpoint alike
+    (tmp_path / "plots" / "confusion_test.png").unlink()
+    again = evaluate.evaluate(str(tmp_path), "test")
+    assert again["accuracy"] == pytest.approx(test["accuracy"], abs=1e-9)
+    assert again["loss"] == pytest.approx(test["loss"], rel=1e-4)
+    assert (tmp_path / "plots" / "confusion_test.png").exists()
+
+
+@pytest.mark.slow
+def test_image_run_resumes_exactly_and_two_processes_match_one(data_dir, tmp_path):
+    """train.py on the fixture: a run killed right after its step-3 checkpoint and resumed logs
+    the uninterrupted run's losses bit for bit (same mesh and processes); 2 processes x 4
+    devices give its train, validation and test losses to float32 rounding."""
+    from test_multihost import figures, finish, launch
+
+    shrink = {"data.data_dir": data_dir, "model.num_encoder_layers": 1, "model.d_model": 16,
+              "model.d_ff": 32, "model.num_heads": 2, "data.batch_size": 16,
+              "data.eval_batch_size": 64, "num_train_steps": 6, "log_every_steps": 1,
+              "eval_every_steps": 6, "checkpoint_every_steps": 3,
+              "checkpoint_every_minutes": 0, "optimizer.warmup_steps": 2}
+    overrides = ["--config=configs/vit_fashion_mnist.py",
+                 *(f"--config.{key}={value}" for key, value in shrink.items())]
+    finish(launch(tmp_path / "one", processes=1, devices=8, overrides=overrides, common=()))
+    reference = figures(tmp_path / "one")
+    assert set(reference) == {(s, "train") for s in range(1, 7)} | {(6, "test"),
+                                                                     (6, "validation")}
+
+    killed = launch(tmp_path / "resumed", processes=1, devices=8, overrides=overrides,
+                    common=(), faults={0: "killafter@3"})
+    killed[0].wait(timeout=600)
+    # killed once step 3's (asynchronous) save completed: the steps logged after it are redone
+    assert killed[0].returncode == -9
+    assert sorted(p.name for p in (tmp_path / "resumed" / "checkpoints").iterdir()) == ["3"]
+    finish(launch(tmp_path / "resumed", processes=1, devices=8, overrides=overrides, common=()))
+    assert figures(tmp_path / "resumed") == reference  # bit for bit
+
+    finish(launch(tmp_path / "two", processes=2, devices=4, overrides=overrides, common=()))
+    two = figures(tmp_path / "two")
+    assert sorted(two) == sorted(reference)
+    np.testing.assert_allclose([two[k] for k in sorted(two)],
+                               [reference[k] for k in sorted(reference)], rtol=1e-5)
+    assert (tmp_path / "two" / "plots" / "confusion_test.png").exists()
+
+
+def test_compile_only_plans_an_image_batch(load_config):
+    """`--compile_only`'s plan of a tiny ViT on 8 devices: a float32 image batch [A, rows, 28,
+    28, 1] and int32 labels; activations counted over 17 tokens, logits one row of 10 per
+    image (encoder layers by `activation_bytes`' formula, remat none, float32)."""
+    import jax
+
+    from transformer import memory
+    from transformer.config import resolve
+
+    cfg = load_config("vit_fashion_mnist.py", **{
+        "model.num_encoder_layers": 1, "model.d_model": 16, "model.d_ff": 32,
+        "model.num_heads": 2, "data.batch_size": 32, "grad_accum_steps": 2})
+    run = resolve(cfg, 8)
+    assert memory.batch_shapes(run.config) == {"image": (2, 16, 28, 28, 1), "label": (2, 16)}
+    report = memory.compile_report(run, 8)
+    assert "32 rows per update = 2 microbatch(es) x 16 rows (2 per device), images 28x28x1 " \
+           "as 17 tokens" in report
+    figures = dict(item.split("=") for item in report.splitlines()[-1].split()[1:])
+    # per image: q, k, v, A.V (4 x 17 x 16), input, out-proj, residual, norm (4 x 17 x 16),
+    # weights 2 x 17 x 17; FFN 17 x (2 x 32 + 3 x 16); the layer input 17 x 16; the embedded
+    # tokens 17 x 16; two float32 copies of 10 logits
+    per_image = (8 * 17 * 16 + 2 * 17 * 17 + 17 * (2 * 32 + 3 * 16) + 17 * 16 + 17 * 16
+                 + 2 * 10) * 4
+    assert int(figures["analytic_activations"]) == 2 * per_image  # 2 images per device
+    batch = 2 * 2 * 28 * 28 * 4 + 2 * 2 * 4  # one device's rows of both microbatches
+    assert int(figures["analytic_batch"]) == batch
+    assert jax.device_count() == 8

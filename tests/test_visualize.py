@@ -118,3 +118,53 @@ def test_cli_bad_input_is_one_line(case, untrained_translation_workdir, tmp_path
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and expected in last
     assert not (tmp_path / "plots").exists()
+
+
+def test_attention_rollout_of_a_hand_worked_case():
+    """Layer 1: heads I and the cyclic shift P (P[i, i+1] = 1), mean (I + P) / 2, so
+    Â1 = 3/4 I + 1/4 P; layer 2: uniform heads U, Â2 = (U + I) / 2. Â2 Â1 = U/2 + 3/8 I + 1/8 P
+    (U M = U for the doubly stochastic M)."""
+    eye, shift, uniform = np.eye(3), np.roll(np.eye(3), 1, axis=1), np.full((3, 3), 1 / 3)
+    weights = np.array([[eye, shift], [uniform, uniform]])
+    rollout = visualize.attention_rollout(weights)
+    np.testing.assert_allclose(rollout[0], [1 / 6 + 3 / 8, 1 / 6 + 1 / 8, 1 / 6])
+    np.testing.assert_allclose(rollout, uniform / 2 + 3 / 8 * eye + 1 / 8 * shift)
+    # one layer of uneven heads: the head mean, the identity, rows re-normalised
+    head = np.array([[0.2, 0.8, 0.0], [0.5, 0.5, 0.0], [0.1, 0.1, 0.8]])
+    np.testing.assert_allclose(visualize.attention_rollout(head[None, None])[0],
+                               [0.6, 0.4, 0.0])
+
+
+def test_image_attention_maps_are_the_class_tokens_rows(load_config, tmp_path):
+    """A tiny untrained ViT on a 28x28 PNG: per-head maps are row 0 of each layer's weights
+    over the 16 patches (a 4x4 grid), the rollout is row 0 of `attention_rollout`, and both
+    figures are written."""
+    import jax
+    from PIL import Image
+
+    from transformer import classify
+    from transformer.config import resolve
+    from transformer.vit import VisionTransformer
+
+    cfg = load_config("vit_fashion_mnist.py", **{
+        "model.num_encoder_layers": 2, "model.d_model": 16, "model.d_ff": 32,
+        "model.num_heads": 2, "model.scan_layers": True})
+    model = resolve(cfg, 1).model
+    params = VisionTransformer(model).init(jax.random.key(0), np.zeros((1, 28, 28, 1)))
+    params = jax.tree.map(np.asarray, jax.tree.map(
+        lambda x: x.value if hasattr(x, "value") else x, params["params"],
+        is_leaf=lambda x: hasattr(x, "value")))
+    classifier = classify.Classifier(model, params, tuple("abcdefghij"), np.array([0.3]),
+                                     np.array([0.4]))
+    pixels = np.random.default_rng(0).integers(0, 256, (28, 28), dtype=np.uint8)
+    Image.fromarray(pixels).save(tmp_path / "x.png")
+    found = visualize.image_attention(classifier, str(tmp_path / "x.png"))
+    assert found.weights.shape == (2, 2, 17, 17) and found.grid == 4
+    np.testing.assert_allclose(found.weights.sum(-1), 1.0, rtol=1e-5)
+    np.testing.assert_array_equal(found.image[..., 0], pixels)
+    np.testing.assert_array_equal(found.per_head()[1, 0], found.weights[1, 0, 0, 1:].reshape(4, 4))
+    np.testing.assert_allclose(
+        found.rollout(), visualize.attention_rollout(found.weights)[0, 1:].reshape(4, 4))
+    paths = visualize.plot_image_attention(found, str(tmp_path / "out"))
+    assert [p.rsplit("/", 1)[1] for p in paths] == ["heads.png", "rollout.png"]
+    assert all(open(p, "rb").read(8) == PNG for p in paths)

@@ -1,4 +1,5 @@
-"""Score a trained run on a split: perplexity and both BLEUs, like the paper's Table 2.
+"""Score a trained run on a split: perplexity and both BLEUs, like the paper's Table 2 (an
+image classifier: loss, accuracy, top-5 accuracy and a confusion matrix, `classify`).
 
     python -m transformer.evaluate --workdir=runs/default --split=test [--average=5 | --step=N]
 
@@ -28,8 +29,14 @@ def evaluate(workdir: str, split: str, *, step=None, average=None, num_sentences
     """Perplexity over the whole split and BLEU over its first `num_sentences` pairs."""
     import jax
 
-    from transformer import evaluation, loop, sharding, train_lib
     from transformer import workdir as workdir_lib
+
+    if workdir_lib.load_config(workdir).model.get("architecture") == "vision":
+        from transformer import classify
+
+        return classify.evaluate_workdir(workdir, split, step=step, average=average)
+
+    from transformer import evaluation, loop, sharding, train_lib
     from transformer.checkpoint import params_step
     from transformer.config import Resolved
     from transformer.data import make_source
@@ -75,6 +82,11 @@ def main(argv):
     with cli.one_line_errors():
         figures = evaluate(FLAGS.workdir, FLAGS.split, step=FLAGS.step, average=FLAGS.average,
                            num_sentences=FLAGS.num_sentences, beam_size=FLAGS.beam_size)
+    if "accuracy" in figures:
+        print(f"{FLAGS.split}: loss {figures['loss']:.4f} | accuracy "
+              f"{100 * figures['accuracy']:.2f}%" + (f" | top-5 accuracy "
+              f"{100 * figures['top5_accuracy']:.2f}%" if "top5_accuracy" in figures else ""))
+        return
     print(f"{FLAGS.split}: perplexity {figures['perplexity']:.2f} | sacreBLEU "
           f"{figures['bleu']:.2f} ({figures['bleu_signature']}) | tokenized compound-split BLEU "
           f"{figures['bleu_tok_compound']:.2f} | {metrics.sentences_scored(figures)}")

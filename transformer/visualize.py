@@ -3,6 +3,7 @@
     python -m transformer.visualize attention --workdir=W --source="..." [--target="..."]
     python -m transformer.visualize curves --workdir W [W2 ...]
     python -m transformer.visualize positions [--d_model=512] [--length=100]
+    python -m transformer.visualize image_attention --workdir=W --image=shirt.png
 
 `attention` runs the model once on the source and the target (by default the run's own beam
 search translation), and writes one heatmap per layer and head of encoder self-attention,
@@ -11,9 +12,14 @@ grid per kind, to `<workdir>/plots/attention/`. The weights are the ones the for
 `MultiHeadAttention` records `attention.attention_weights` when applied with
 `mutable=["intermediates"]`. `curves` plots loss, perplexity, learning rate, BLEU and tokens/s
 against step from each run's `metrics.jsonl`; `positions` the sinusoidal encoding and the dot
-products between positions. Figures are PNGs (matplotlib, Agg backend: no display needed).
+products between positions. `image_attention` runs a Vision Transformer (`transformer.classify`)
+on one image and draws the class token's attention over the patches on top of it, per layer
+and head (`heads.png`) and rolled out over the layers (`rollout.png`, `attention_rollout`),
+to `<workdir>/plots/image_attention/<image name>/`. Figures are PNGs (matplotlib, Agg
+backend: no display needed).
 
-Shape legend: L layers, N heads, T target length, S source length.
+Shape legend: L layers, N heads, T target length, S source length (an image's tokens), G the
+patch grid's side.
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ MAX_POSITIONS = 4096  # `positions` draws a [length, length] matrix
 MAX_D_MODEL = 8192
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -126,7 +133,7 @@ def _heatmap(ax, weights: np.ndarray, queries: list[str], keys: list[str], title
 
 def plot_attention(maps: AttentionMaps, out_dir: str) -> list[str]:
     """One PNG per kind, layer and head, and one overview grid per kind; returns the paths."""
-    plt = _pyplot()
+    plt = pyplot()
     written = []
     for kind in KINDS:
         weights = maps.weights[kind]
@@ -161,6 +168,120 @@ def plot_attention(maps: AttentionMaps, out_dir: str) -> list[str]:
     return written
 
 
+# --------------------------------------------------------------------------- images
+
+
+def attention_rollout(weights: np.ndarray) -> np.ndarray:
+    """Attention rollout (Abnar & Zuidema 2020, "Quantifying Attention Flow in Transformers")
+    of one image's weights [L, N, S, S]: each layer's heads averaged, the residual connection
+    added as the identity, Â_l = (mean_N A_l + I) / 2 with rows re-normalised to sum to 1, and
+    the layers multiplied from the first: R = Â_L ... Â_1, [S, S]. Row t of R: how much of
+    token t's final state flows from each input token (each row sums to 1)."""
+    s = weights.shape[-1]
+    rollout = np.eye(s)
+    for layer in np.asarray(weights, np.float64):
+        mixed = 0.5 * layer.mean(0) + 0.5 * np.eye(s)
+        rollout = (mixed / mixed.sum(-1, keepdims=True)) @ rollout
+    return rollout
+
+
+@dataclasses.dataclass
+class ImageAttention:
+    """One image through a Vision Transformer: the pixels it saw [H, W, ch] uint8, every
+    layer's attention [L, N, S, S], its patch grid's side G and whether token 0 is a class
+    token, and its top class."""
+
+    image: np.ndarray
+    weights: np.ndarray
+    grid: int
+    has_class_token: bool
+    predicted: str
+    probability: float
+
+    def _pooled_row(self, matrix: np.ndarray) -> np.ndarray:
+        """[..., S, S] -> [..., G, G]: the class token's row over the patches; without one
+        (pooling "gap"), the mean of the patches' rows, what the pooled state draws on."""
+        row = matrix[..., 0, 1:] if self.has_class_token else matrix.mean(-2)
+        return row.reshape(*row.shape[:-1], self.grid, self.grid)
+
+    def per_head(self) -> np.ndarray:
+        """[L, N, G, G]: each layer's and head's attention of the class token over the
+        patches."""
+        return self._pooled_row(self.weights)
+
+    def rollout(self) -> np.ndarray:
+        """[G, G]: the class token's row of `attention_rollout` over the patches."""
+        return self._pooled_row(attention_rollout(self.weights))
+
+
+def image_attention(classifier, image_path: str) -> ImageAttention:
+    """Runs `classifier` (`classify.load`) on the image file and keeps every layer's attention
+    weights (recorded with `mutable=["intermediates"]`)."""
+    import jax
+
+    from transformer import classify
+    from transformer.checkpoint import unstack_layers
+    from transformer.vit import VisionTransformer
+
+    cfg = dataclasses.replace(classifier.model_config, scan_layers=False)
+    params = classifier.params
+    if classifier.model_config.scan_layers:
+        params = unstack_layers(params)
+    pixels = classify.read_image(image_path, cfg.image_size, cfg.num_channels)
+    logits, state = VisionTransformer(cfg).apply(
+        {"params": params}, classifier.normalise(pixels[None]), mutable=["intermediates"])
+    found = state["intermediates"]["encoder"]
+    weights = np.stack([np.asarray(found[f"layers_{i}"]["self_attention"]
+                                   ["attention_weights"][0][0])
+                        for i in range(cfg.num_encoder_layers)])
+    probabilities = np.asarray(jax.nn.softmax(logits[0]))
+    best = int(probabilities.argmax())
+    return ImageAttention(pixels, weights, cfg.image_size // cfg.patch_size,
+                          cfg.pooling == "cls", classifier.class_names[best],
+                          float(probabilities[best]))
+
+
+def _overlay(ax, image: np.ndarray, grid_map: np.ndarray, title: str):
+    """The image in grey with `grid_map` [G, G] over it, one block per patch, scaled to its
+    maximum."""
+    h, w = image.shape[:2]
+    ax.imshow(image if image.shape[-1] == 3 else image[..., 0], cmap="gray",
+              extent=(0, w, h, 0))
+    ax.imshow(grid_map / max(float(grid_map.max()), 1e-12), cmap="inferno", alpha=0.55,
+              vmin=0.0, vmax=1.0, extent=(0, w, h, 0), interpolation="nearest")
+    ax.set_title(title, fontsize=8)
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def plot_image_attention(found: ImageAttention, out_dir: str) -> list[str]:
+    """`heads.png` (a grid: rows layers, columns heads) and `rollout.png` (the image, and the
+    rollout over it); returns their paths."""
+    plt = pyplot()
+    os.makedirs(out_dir, exist_ok=True)
+    token = "class token" if found.has_class_token else "mean patch"
+    heads = found.per_head()
+    num_layers, num_heads = heads.shape[:2]
+    fig, axes = plt.subplots(num_layers, num_heads, squeeze=False, layout="constrained",
+                             figsize=(1.8 * num_heads + 0.4, 1.8 * num_layers + 0.6))
+    for layer in range(num_layers):
+        for head in range(num_heads):
+            _overlay(axes[layer, head], found.image, heads[layer, head],
+                     f"layer {layer + 1}, head {head + 1}")
+    fig.suptitle(f"{token}'s attention over the patches (each map scaled to its maximum); "
+                 f"predicted {found.predicted} {100 * found.probability:.1f}%", fontsize=9)
+    paths = [os.path.join(out_dir, "heads.png"), os.path.join(out_dir, "rollout.png")]
+    fig.savefig(paths[0], dpi=100)
+    plt.close(fig)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(6.4, 3.6), layout="constrained")
+    _overlay(left, found.image, np.zeros((found.grid, found.grid)), "input")
+    _overlay(right, found.image, found.rollout(), f"attention rollout over {num_layers} layers")
+    fig.suptitle(f"predicted {found.predicted} {100 * found.probability:.1f}%", fontsize=9)
+    fig.savefig(paths[1], dpi=100)
+    plt.close(fig)
+    return paths
+
+
 # --------------------------------------------------------------------------- curves
 
 
@@ -191,7 +312,7 @@ def read_metrics(workdir: str) -> dict[str, dict[str, list[tuple[int, float]]]]:
 def plot_curves(workdirs: list[str], out: str) -> str:
     """Loss, perplexity, learning rate, BLEU and tokens/s against step, every run on the same
     axes (one colour per run, one line style per split)."""
-    plt = _pyplot()
+    plt = pyplot()
     runs = [(os.path.basename(os.path.normpath(w)) or w, read_metrics(w)) for w in workdirs]
     fig, grid = plt.subplots(2, 3, figsize=(14, 7.5), layout="constrained")
     axes = grid.flat[:len(CURVES)]
@@ -235,7 +356,7 @@ def plot_positions(d_model: int, length: int, out: str) -> str:
         raise ValueError(f"--d_model={d_model} must be even, from 2 to {MAX_D_MODEL}")
     if not 2 <= length <= MAX_POSITIONS:
         raise ValueError(f"--length={length} must be from 2 to {MAX_POSITIONS} positions")
-    plt = _pyplot()
+    plt = pyplot()
     table = np.asarray(sinusoidal_position_encoding(length, d_model))
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5), layout="constrained")
     image = left.imshow(table, cmap="RdBu", vmin=-1, vmax=1, aspect="auto")
@@ -274,6 +395,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     attention.add_argument("--target", help="the target sentence (default: the translation)")
     attention.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     attention.add_argument("--out_dir", help="default: <workdir>/plots/attention")
+    image = commands.add_parser("image_attention", help="a Vision Transformer's attention "
+                                "over an image's patches, per head and rolled out")
+    image.add_argument("--workdir", required=True)
+    image.add_argument("--image", required=True, help="an image file (PNG, JPEG)")
+    image.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    image.add_argument("--out_dir", help="default: <workdir>/plots/image_attention/<image name>")
     curves = commands.add_parser("curves", help="training curves of one or more runs")
     curves.add_argument("--workdir", required=True, nargs="+", help="one or more workdirs")
     curves.add_argument("extra_workdirs", nargs="*", help=argparse.SUPPRESS)
@@ -293,6 +420,13 @@ def run(args: argparse.Namespace) -> list[str]:
         maps = attention_maps(load(args.workdir, step=args.step), args.source, args.target)
         return plot_attention(maps, args.out_dir or workdir_lib.path(
             args.workdir, workdir_lib.PLOTS, "attention"))
+    if args.command == "image_attention":
+        from transformer import classify
+
+        found = image_attention(classify.load(args.workdir, step=args.step), args.image)
+        name = os.path.splitext(os.path.basename(args.image))[0]
+        return plot_image_attention(found, args.out_dir or workdir_lib.path(
+            args.workdir, workdir_lib.PLOTS, "image_attention", name))
     if args.command == "curves":
         workdirs = args.workdir + args.extra_workdirs
         out = args.out or workdir_lib.path(workdirs[0], workdir_lib.PLOTS, "curves.png")

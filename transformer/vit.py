@@ -39,7 +39,7 @@ import jax.numpy as jnp
 
 from transformer import attention
 from transformer.blocks import Weights
-from transformer.model import encoder_stack
+from transformer.model import ClassifierHead, encoder_stack
 from transformer.model_config import TransformerConfig
 
 
@@ -126,22 +126,3 @@ class VisionTransformer(nn.Module):
         pooled = x[:, 0] if cfg.pooling == "cls" else jnp.mean(x, axis=1)
         return ClassifierHead(cfg, name="head")(pooled)
 
-
-class ClassifierHead(nn.Module):
-    """pooled [B, D] -> logits [B, num_classes] float32; kernel and bias start at zero (the
-    paper's zero-initialised head), so the first logits are uniform."""
-
-    config: TransformerConfig
-
-    @nn.compact
-    def __call__(self, pooled):
-        cfg = self.config
-        zeros = nn.initializers.zeros
-        kernel = self.param("kernel", nn.with_logical_partitioning(zeros, ("embed", "vocab")),
-                            (cfg.d_model, cfg.num_classes))
-        bias = self.param("bias", nn.with_logical_partitioning(zeros, ("vocab",)),
-                          (cfg.num_classes,))
-        logits = jnp.einsum("BD,DV->BV", pooled.astype(cfg.compute_dtype),
-                            kernel.astype(cfg.compute_dtype),
-                            preferred_element_type=jnp.float32)
-        return nn.with_logical_constraint(logits + bias, ("batch", None))

@@ -262,6 +262,12 @@ class ImageSource:
     def vocabulary_fingerprint(self) -> str:
         return "classes: " + ", ".join(self.class_names)
 
+    def preprocessing(self) -> dict:
+        """What `transformer.classify` needs to prepare an image as training did, recorded in
+        config.json (provenance "images"): class names, per-channel mean and std."""
+        return {"class_names": list(self.class_names), "mean": self.mean.tolist(),
+                "std": self.std.tolist()}
+
     # ----------------------------------------------------------------- batches
 
     def batch_positions(self, index: int) -> np.ndarray:

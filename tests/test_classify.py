@@ -1,0 +1,158 @@
+"""`transformer.classify`: image files through Pillow, normalised as in training, against the
+model applied by hand; the CLI on good and bad files; the confusion matrix of a split."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from PIL import Image
+
+from transformer import classify, sharding, train_lib
+from transformer.checkpoint import Checkpointer
+from transformer.config import resolve
+from transformer.vit import VisionTransformer
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+CLASSES = [f"class{i}" for i in range(10)]
+MEAN, STD = 0.25, 0.4
+
+
+@pytest.fixture(scope="module")
+def vision_workdir(tmp_path_factory, load_config):
+    """A tiny ViT run (28x28 grey, 10 classes) whose head is random, not zero, so that the
+    probabilities differ between images; config.json records the preprocessing."""
+    path = tmp_path_factory.mktemp("vision_run")
+    cfg = load_config("vit_fashion_mnist.py", **{
+        "model.num_encoder_layers": 1, "model.d_model": 16, "model.d_ff": 32,
+        "model.num_heads": 2})
+    provenance = {"images": {"class_names": CLASSES, "mean": [MEAN], "std": [STD]}}
+    (path / "config.json").write_text(json.dumps(cfg.to_dict() | {"provenance": provenance}))
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+    trainer = train_lib.build_trainer(resolve(cfg, 1), mesh)
+    state = train_lib.init_state(trainer, 0)
+    head = jax.tree.map(lambda x: jax.random.normal(jax.random.key(1), x.shape, x.dtype),
+                        state.params["head"])
+    state = state.replace(params=state.params | {"head": head})
+    checkpointer = Checkpointer(str(path), keep=1)
+    checkpointer.save(1, state, {"next_batch_index": 1})
+    checkpointer.close()
+    return path
+
+
+def _by_hand(workdir, pixels: np.ndarray) -> np.ndarray:
+    """Softmax of the model on uint8 [B, 28, 28, 1] normalised with the recorded statistics."""
+    classifier = classify.load(str(workdir))
+    images = ((pixels / 255.0 - MEAN) / STD).astype(np.float32)
+    logits = VisionTransformer(classifier.model_config).apply(
+        {"params": classifier.params}, images)
+    return np.asarray(jax.nn.softmax(logits, axis=-1))
+
+
+def test_png_and_jpeg_files_match_the_model_applied_by_hand(vision_workdir, tmp_path):
+    rng = np.random.default_rng(0)
+    grey = rng.integers(0, 256, (28, 28), dtype=np.uint8)
+    Image.fromarray(grey).save(tmp_path / "a.png")
+    colour = rng.integers(0, 256, (28, 28, 3), dtype=np.uint8)
+    Image.fromarray(colour).save(tmp_path / "b.jpg", quality=95)
+    classifier = classify.load(str(vision_workdir))
+    # the JPEG as Pillow decodes it, to grey by Pillow's "L" conversion
+    decoded = np.asarray(Image.open(tmp_path / "b.jpg").convert("L"))
+    want = _by_hand(vision_workdir, np.stack([grey, decoded])[..., None])
+    got = classifier.probabilities([str(tmp_path / "a.png"), str(tmp_path / "b.jpg")])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert np.abs(want[0] - want[1]).max() > 1e-3  # the two images are told apart
+    top = classifier.classify([str(tmp_path / "a.png")], top=3)[0]
+    order = np.argsort(-want[0])[:3]
+    assert [name for name, _ in top] == [CLASSES[c] for c in order]
+    np.testing.assert_allclose([p for _, p in top], want[0][order], rtol=1e-5)
+
+
+def test_a_larger_image_is_resized_then_centre_cropped(vision_workdir, tmp_path):
+    """A 56x84 image: shorter side to 28 (Pillow bilinear), centre 28x28 of the 28x42."""
+    rng = np.random.default_rng(1)
+    big = rng.integers(0, 256, (56, 84), dtype=np.uint8)
+    Image.fromarray(big).save(tmp_path / "big.png")
+    pixels = classify.read_image(str(tmp_path / "big.png"), 28, 1)
+    resized = np.asarray(Image.fromarray(big).resize((42, 28), Image.BILINEAR))
+    np.testing.assert_array_equal(pixels[..., 0], resized[:, 7:35])
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "transformer.classify", *map(str, args)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
+def test_cli_prints_the_top_classes(vision_workdir, tmp_path):
+    image = np.random.default_rng(2).integers(0, 256, (28, 28), dtype=np.uint8)
+    Image.fromarray(image).save(tmp_path / "x.png")
+    result = _cli(f"--workdir={vision_workdir}", "--top=2", tmp_path / "x.png")
+    assert result.returncode == 0, result.stderr
+    want = _by_hand(vision_workdir, image[None, ..., None])[0]
+    first, second = np.argsort(-want)[:2]
+    assert result.stdout.strip() == (f"{tmp_path / 'x.png'}: {CLASSES[first]} "
+                                     f"{100 * want[first]:.1f}%, {CLASSES[second]} "
+                                     f"{100 * want[second]:.1f}%")
+
+
+@pytest.mark.parametrize("case", ["not_an_image", "missing", "text_run"])
+def test_cli_bad_input_is_one_line(case, vision_workdir, untrained_translation_workdir,
+                                   tmp_path):
+    good = tmp_path / "good.png"
+    Image.fromarray(np.zeros((28, 28), np.uint8)).save(good)
+    workdir, files, expected = vision_workdir, [good], ""
+    if case == "not_an_image":
+        (tmp_path / "notes.png").write_text("not pixels")
+        files, expected = [good, tmp_path / "notes.png"], "notes.png is not an image"
+    elif case == "missing":
+        files, expected = [tmp_path / "nope.jpg"], "nope.jpg: no such file"
+    else:
+        workdir, expected = untrained_translation_workdir, "not an image classifier"
+    result = _cli(f"--workdir={workdir}", *files)
+    assert result.returncode == 1 and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
+
+
+class _Batches:
+    """Two eval batches of 4 rows (the last row padding) over which the confusion is known."""
+
+    test_split = "test"
+
+    def __init__(self, images, labels):
+        self.images, self.labels = images, labels
+
+    def eval_batches(self, split, rows):
+        for first in (0, 4):
+            yield {"image": self.images[None, first:first + 4],
+                   "label": self.labels[None, first:first + 4]}
+
+
+def test_confusion_matrix_counts_label_and_top1_pairs(vision_workdir, load_config):
+    classifier = classify.load(str(vision_workdir))
+    rng = np.random.default_rng(3)
+    pixels = rng.integers(0, 256, (8, 28, 28, 1), dtype=np.uint8)
+    images = classifier.normalise(pixels)
+    labels = np.array([0, 3, 3, 9, 1, 1, 5, -1], np.int32)
+    cfg = json.loads((vision_workdir / "config.json").read_text())
+    cfg.pop("provenance")
+    from ml_collections import ConfigDict
+
+    mesh = sharding.make_mesh({"data": 4, "fsdp": 1, "tensor": 1}, jax.devices()[:4])
+    trainer = train_lib.build_trainer(resolve(ConfigDict(cfg), 4), mesh)
+    params = jax.device_put(classifier.params, trainer.state_shardings.params)
+    figures, confusion = classify.evaluate_split(trainer, params, _Batches(images, labels),
+                                                 (0, 4), "test")
+    predicted = classifier.probabilities(pixels).argmax(-1)
+    want = np.zeros((10, 10), np.int64)
+    for label, guess in zip(labels, predicted, strict=True):
+        if label >= 0:
+            want[label, guess] += 1
+    np.testing.assert_array_equal(confusion, want)
+    assert figures["accuracy"] == pytest.approx(np.trace(want) / 7)
+    out = classify.plot_confusion_matrix(confusion, CLASSES, str(vision_workdir / "c.png"), "t")
+    assert (vision_workdir / "c.png").stat().st_size > 1000 and out.endswith("c.png")
