@@ -11,7 +11,11 @@ import runpy
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
+# JAX_PLATFORMS=cpu, inherited by the tests' subprocesses, also keeps JAX from probing for a TPU
+# where libtpu (the `tpu` extra) is installed; libtpu itself, loaded for compile-only TPU
+# devices, may then be loaded by both xdist workers at once (else: a /tmp/libtpu_lockfile error).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
