@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml
 	  test -n "$$py" || { ./.ci/find_python --help-install >&2; exit 1; }; \
 	  echo "creating $(VENV) with $$py"; "$$py" -m venv $(VENV); }
 	$(BIN)/pip install --upgrade pip
-	$(BIN)/pip install -e ".[data,viz,test]"
+	$(BIN)/pip install -e ".[data,viz,test,torch,tpu]"
 	touch $(STAMP)
 
 lint: $(STAMP)

@@ -90,10 +90,14 @@ def paper_config(*, size: str, target_lang: str, dropout_rate: float) -> config_
         remat_policy="none",
         attention_implementation="auto",
         norm_eps=1e-6,
+        rope_theta=10000.0,  # read by positional="rope" only
+        scale_embeddings=True,  # section 3.4: embeddings times sqrt(d_model)
+        gelu_approximate=True,  # read by activation="gelu" only
         attention_kind="softmax",  # the paper's: softmax over every position, every layer
         linear_feature_map="elu",  # read by attention_kind="linear" only
         attention_window=config_dict.placeholder(int),  # read by "local" layers only
         attention_pattern="global",
+        attention_global_tokens=0,  # local layers: the first positions attend to/from all
     ))
 
     cfg.optimizer = config_dict.ConfigDict(dict(

@@ -64,6 +64,11 @@ def test_abstract_batch_follows_each_batch_layout(load_config):
         lm.data.objective = objective
         shapes = memory.batch_shapes(lm)
         assert set(shapes) == keys and set(shapes.values()) == {(4, 26, 256)}
+    lm.data.objective = "span_corruption"  # pieces of 284 tokens: 43 noise, 14 spans, EOS
+    assert memory.batch_shapes(lm) == {k: (4, 26, 256 if k.startswith("inputs") else 58)
+                                       for k in memory.TRANSLATION_KEYS}
+    lm.data.objective = "classification"
+    assert memory.batch_shapes(lm) == {"inputs": (4, 26, 256), "label": (4, 26)}
 
 
 def _compile_only(tmp_path, args: list[str]) -> tuple[int, str, str, int]:

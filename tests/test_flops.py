@@ -3,9 +3,10 @@ the summary built on them."""
 
 import dataclasses
 
+import jax.numpy as jnp
 import pytest
 
-from transformer import flops, summary
+from transformer import attention, flops, memory, summary
 from transformer.config import resolve
 from transformer.model import TransformerConfig
 from transformer.model_config import VISION_FIELDS
@@ -134,3 +135,82 @@ def test_summary_of_the_base_config(load_config):
     per_token = flops.train_flops_per_token(TransformerConfig.from_dict(cfg.model),
                                             source_length=256, target_length=256)
     assert f"{per_token:.4g}" in text
+
+
+def test_window_pairs_by_hand_and_as_the_mask_allows():
+    # T = 8, window (2, 0): 1, 2, then 3 keys a query.
+    assert flops.window_pairs(8, (2, 0)) == 1 + 2 + 3 * 6 == 21
+    # (2, 2): 3, 4, 5, 5, 5, 5, 4, 3.
+    assert flops.window_pairs(8, (2, 2)) == 34
+    # 2 global tokens: rows 0 and 1 see all 8; row 2 keys 0..2, row 3 keys 0..3, rows 4..7
+    # keys 0, 1 and their 3.
+    assert flops.window_pairs(8, (2, 0), 2) == 16 + 3 + 4 + 5 * 4 == 43
+    # Causal: global rows see keys up to their own only.
+    assert flops.window_pairs(8, (2, 0), 2, causal=True) == 1 + 2 + 27 == 30
+    assert flops.window_pairs(8, (10, 0)) == 36 and flops.window_pairs(8, (9, 9)) == 64
+    for window, tokens in (((5, 3), 4), ((0, 0), 7), ((3, 0), 0)):
+        mask = attention.make_local_mask(jnp.arange(23), jnp.arange(23), window, tokens)
+        assert flops.window_pairs(23, window, tokens) == int(mask.sum())
+
+
+LM_DIMS = dict(architecture="decoder", vocab_size=8000, num_encoder_layers=0,
+               num_decoder_layers=2, d_model=256, d_ff=704, num_heads=4, num_kv_heads=2,
+               activation="swiglu")
+
+
+def test_local_global_and_linear_attention_flops_by_hand():
+    """configs/lm_default.py's attention at T = 128 over 2 layers (N = 4, K = 2, H = Hv = 64)."""
+    t, n, h = 128, 4, 64
+    dense = TransformerConfig(**LM_DIMS)
+    dense_core = 2 * t * t * n * (h + h)
+    assert flops.forward_flops(dense, source_length=1, target_length=t)[
+        "attention_scores_values"] == 2 * dense_core
+    # local,global with w = 32: the local layer's queries see 1 .. 32 keys, then 33.
+    pairs = sum(range(1, 33)) + 33 * 96
+    local = TransformerConfig(**LM_DIMS, attention_window=32, attention_pattern="local,global")
+    got = flops.forward_flops(local, source_length=1, target_length=t)
+    assert got["attention_scores_values"] == dense_core + 2 * pairs * n * (h + h)
+    # + 4 global tokens: queries 4.. also see keys 0..3 where their window does not (33 .. 36:
+    # 4 more keys from query 36 on, 1 .. 3 for queries 33 .. 35).
+    with_global = dataclasses.replace(local, attention_global_tokens=4)
+    pairs_global = pairs + 4 * (128 - 36) + 1 + 2 + 3
+    assert flops.forward_flops(with_global, source_length=1, target_length=t)[
+        "attention_scores_values"] == dense_core + 2 * pairs_global * n * (h + h)
+    # Linear: one causal scan a layer in chunks of 64 (T = 100 pads to 128).
+    linear = TransformerConfig(**LM_DIMS, attention_kind="linear")
+    scan = 2 * 128 * (64 * n * (h + h) + n * h * (h + 1) + 2 * h * h)
+    assert flops.forward_flops(linear, source_length=1, target_length=100)[
+        "attention_scores_values"] == 2 * scan
+    # An encoder scans both ways; the projections and everything else are unchanged.
+    encoder = dataclasses.replace(linear, architecture="encoder", num_encoder_layers=2,
+                                  num_decoder_layers=0)
+    got = flops.forward_flops(encoder, source_length=100, target_length=1)
+    assert got["attention_scores_values"] == 2 * 2 * scan
+    dense_encoder = dataclasses.replace(encoder, attention_kind="softmax")
+    expected = flops.forward_flops(dense_encoder, source_length=100, target_length=1)
+    assert got["total"] - got["attention_scores_values"] == (
+        expected["total"] - expected["attention_scores_values"])
+
+
+def test_linear_attention_keeps_chunk_scores_not_the_attention_weights():
+    """memory.activation_bytes: without remat each of the 2 layers of a decoder keeps the
+    float32 weights N·T·T of "xla" softmax attention; linear attention keeps its chunks' scores
+    N·T·C instead (C = 64): 2 layers x 4 bytes x 4·128·(128 - 64) fewer per row."""
+    softmax = TransformerConfig(**LM_DIMS, attention_implementation="xla")
+    linear = dataclasses.replace(softmax, attention_kind="linear")
+    sizes = [memory.activation_bytes(cfg, rows=3, source_length=1, target_length=128)
+             for cfg in (softmax, linear)]
+    assert sizes[0] - sizes[1] == 3 * 2 * 4 * 4 * 128 * (128 - 64)
+
+
+def test_the_text_classifier_counts_the_encoder_and_one_row_of_class_logits():
+    dims = dict(vocab_size=100, d_model=32, d_ff=64, num_heads=4, num_encoder_layers=2,
+                num_classes=8, max_len=16)
+    classifier = TransformerConfig(architecture="classifier", **dims)
+    encoder = TransformerConfig(architecture="encoder", **dims)
+    parts = flops.forward_flops(classifier, source_length=16, target_length=1)
+    masked_lm = flops.forward_flops(encoder, source_length=16, target_length=1)
+    assert parts["logits"] == 2 * 32 * 8
+    assert parts["total"] - parts["logits"] == masked_lm["total"] - masked_lm["logits"]
+    per_row = flops.train_flops_per_token(classifier, source_length=16, target_length=1)
+    assert per_row == 3 * parts["total"]

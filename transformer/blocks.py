@@ -75,8 +75,9 @@ class MultiHeadAttention(nn.Module):
 
     Self-attention beyond the paper (`config.attention_kind`, `window`): a local layer attends
     to the `window` previous positions (`causal`) or `window` on each side, and decodes from a
-    ring buffer of the last `window` keys (`decoding.write_ring`); a linear layer runs
-    `linear_attention` and decodes from its recurrent state. Both read `segments` [B, T]
+    ring buffer of the last `window` keys (`decoding.write_ring`; the first
+    `attention_global_tokens` positions, attended from everywhere, in a second one); a linear
+    layer runs `linear_attention` and decodes from its recurrent state. Both read `segments` [B, T]
     (packed sequence ids, 0 = padding; decoding: 0 = a token not to remember; None: one
     sequence of real tokens) and a prefix LM's `in_prefix` [B, T].
     """
@@ -112,8 +113,8 @@ class MultiHeadAttention(nn.Module):
             v = project("value", "BSD,DKE->BSKE", source, (d, kh, hv),
                         ("embed", "kv_heads", "head_dim"))
         if self.use_rope:
-            q = layers.apply_rope(q, q_positions)
-            k = layers.apply_rope(k, kv_positions)
+            q = layers.apply_rope(q, q_positions, base=cfg.rope_theta)
+            k = layers.apply_rope(k, kv_positions, base=cfg.rope_theta)
         q = nn.with_logical_constraint(q, ("batch", "length", "heads", "head_dim"))
         if not is_cross and cfg.attention_kind == "linear":
             y, cache = self._linear(q, k, v, cache, segments, in_prefix)
@@ -149,18 +150,30 @@ class MultiHeadAttention(nn.Module):
             new_positions = jnp.broadcast_to(cache_index + jnp.arange(q.shape[1]), q.shape[:2])
             if segments is not None:  # tokens not to remember (padding) get no position
                 new_positions = jnp.where(segments != 0, new_positions, -1)
+            parts, positions = [cache], [cache["position"]]  # the ring buffer, then
+            if "global" in cache:  # the global tokens that have left it, then the new tokens
+                held = cache["global"]
+                seen = (held["position"][:, :, None] == cache["position"][:, None]).any(-1)
+                parts.append(held)
+                positions.append(jnp.where(seen, -1, held["position"]))
             mask = attention.make_window_cache_mask(
-                cache_index, q.shape[1],
-                jnp.concatenate([cache["position"], new_positions], axis=1), window, in_prefix)
-            k_all, v_all = (jnp.concatenate([cache[name], new.astype(cache[name].dtype)], axis=1)
+                cache_index, q.shape[1], jnp.concatenate(positions + [new_positions], axis=1),
+                window, in_prefix, global_tokens=cfg.attention_global_tokens)
+            k_all, v_all = (jnp.concatenate([part[name] for part in parts]
+                                            + [new.astype(cache[name].dtype)], axis=1)
                             for name, new in (("key", k), ("value", v)))
-            cache = decoding.write_ring(cache, k, v, new_positions)
-            k, v = k_all, v_all
+            ring = decoding.write_ring(cache, k, v, new_positions)
+            if "global" in cache:  # keeps the first attention_global_tokens positions
+                ring["global"] = decoding.write_ring(cache["global"], k, v, jnp.where(
+                    new_positions < cfg.attention_global_tokens, new_positions, -1))
+            cache, k, v = ring, k_all, v_all
         elif cache is not None:
             cache = decoding.write_cache(cache, k, v, cache_index)
             k, v = cache["key"], cache["value"]
         elif window is not None:
             kwargs["local_window_size"] = window
+            if cfg.attention_global_tokens:
+                kwargs["global_tokens"] = cfg.attention_global_tokens
         dropout_rng = None
         if not deterministic and cfg.attention_dropout_rate > 0.0:
             dropout_rng = self.make_rng("dropout")
@@ -194,7 +207,8 @@ class FeedForward(nn.Module):
         relu_dropout = 0.0 if deterministic else cfg.relu_dropout_rate
         return layers.feed_forward(
             x.astype(dtype), ff_in, ff_out, ff_gate=ff_gate, bias_in=bias_in, bias_out=bias_out,
-            activation=cfg.activation, dropout_rate=relu_dropout,
+            activation=cfg.activation, gelu_approximate=cfg.gelu_approximate,
+            dropout_rate=relu_dropout,
             dropout_rng=self.make_rng("dropout") if relu_dropout > 0.0 else None)
 
 

@@ -21,6 +21,7 @@ from jax.experimental import multihost_utils
 
 from transformer import (
     checkpoint_hooks,
+    classify,
     distributed,
     evaluation,
     flops,
@@ -79,7 +80,7 @@ def _provenance(cfg, mesh, source) -> dict:
         "dataset": source.fingerprint(),
         "vocabulary": source.vocabulary_fingerprint(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
+    } | ({"images": source.preprocessing()} if hasattr(source, "preprocessing") else {})
 
 
 def _write_config(cfg, workdir: str, mesh, source) -> None:
@@ -267,6 +268,9 @@ def _train(cfg, workdir: str, config_file: str | None,
             if preempted:
                 log.warning("preempted: checkpoint %d saved, exiting", step)
                 break
+        if step >= total and run.model.classifies:  # trained: score the test split
+            classify.test_evaluation(trainer, state.params, source, eval_rows, step, writer,
+                                     workdir)
     except BaseException as error:  # the others learn of it before this process cleans up
         notices.post(error)
         raise

@@ -33,8 +33,9 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from transformer import attention, flops, sharding, train_lib
+from transformer import attention, flops, linear_attention, sharding, train_lib
 from transformer.config import Resolved
+from transformer.data import span_corruption
 from transformer.model_config import TransformerConfig
 
 GiB = 1024 ** 3
@@ -56,14 +57,21 @@ class Accelerator:
     memory_bytes_per_s: float
 
 
-def batch_shapes(cfg) -> dict[str, tuple[int, int, int]]:
+def batch_shapes(cfg) -> dict[str, tuple[int, ...]]:
     """The global train batch's keys and shapes [A, rows per microbatch, length], from the
     config alone (no dataset is read). `grad_accum_steps` must be resolved (>= 1).
 
     Language-model configs (`data.objective` causal | prefix | masked) and translation configs
-    use rows of `data.max_length`; the synthetic task's targets carry one more token (EOS)."""
+    use rows of `data.max_length`; the synthetic task's targets carry one more token (EOS);
+    span corruption's targets are as long as one piece's noise and sentinels. Classifiers
+    have "label" [A, rows] beside "inputs" (text) or "image" [A, rows, image_size,
+    image_size, num_channels]."""
     accum = int(cfg.grad_accum_steps)
-    rows, length = int(cfg.data.batch_size) // accum, int(cfg.data.max_length)
+    rows = int(cfg.data.batch_size) // accum
+    if cfg.model.architecture == "vision":
+        side, channels = int(cfg.model.image_size), int(cfg.model.num_channels)
+        return {"image": (accum, rows, side, side, channels), "label": (accum, rows)}
+    length = int(cfg.data.max_length)
     objective = cfg.data.get("objective")
     if objective in ("causal", "prefix"):
         keys = ["targets", "targets_positions", "targets_segmentation"]
@@ -72,8 +80,17 @@ def batch_shapes(cfg) -> dict[str, tuple[int, int, int]]:
     if objective == "masked":
         return {k: (accum, rows, length) for k in ("inputs", "inputs_positions",
                                                    "inputs_segmentation", "targets")}
+    if objective == "span_corruption":  # targets: the noise and sentinels of a whole piece
+        noise, spans = span_corruption.span_counts(span_corruption.raw_length(length),
+                                                   span_corruption.NOISE_DENSITY,
+                                                   span_corruption.MEAN_SPAN_LENGTH)
+        return {k: (accum, rows, length if k.startswith("inputs") else noise + spans + 1)
+                for k in TRANSLATION_KEYS}
+    if objective == "classification":
+        return {"inputs": (accum, rows, length), "label": (accum, rows)}
     if objective is not None:
-        raise ValueError(f"data.objective={objective!r} is not one of causal, prefix, masked")
+        raise ValueError(f"data.objective={objective!r} is not one of causal, prefix, masked, "
+                         f"span_corruption, classification")
     if cfg.data.dataset == "synthetic":
         from transformer.data.synthetic import SyntheticTask
 
@@ -85,10 +102,27 @@ def batch_shapes(cfg) -> dict[str, tuple[int, int, int]]:
 
 
 def abstract_batch(cfg, mesh) -> dict[str, jax.ShapeDtypeStruct]:
-    """The global batch as int32 `ShapeDtypeStruct`s sharded P(None, ("data", "fsdp"))."""
+    """The global batch as `ShapeDtypeStruct`s sharded P(None, ("data", "fsdp")): int32, the
+    images float32."""
     batch_sharding = NamedSharding(mesh, P(None, sharding.BATCH_AXES))
-    return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding)
+    return {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "image" else jnp.int32,
+                                    sharding=batch_sharding)
             for k, shape in batch_shapes(cfg).items()}
+
+
+def batch_lengths(model: TransformerConfig,
+                  shapes: dict[str, tuple[int, ...]]) -> tuple[int, int, int, int]:
+    """(A, global rows per microbatch, source length S, target length T) of `batch_shapes`;
+    the vision model's S = T = its tokens (`vit.num_tokens`); the text classifier's T = 1."""
+    accum, rows = next(iter(shapes.values()))[:2]
+    if model.architecture == "vision":
+        from transformer import vit
+
+        return accum, rows, vit.num_tokens(model), vit.num_tokens(model)
+    if model.architecture == "classifier":
+        return accum, rows, shapes["inputs"][2], 1
+    target = shapes["targets"][2]
+    return accum, rows, shapes.get("inputs", shapes["targets"])[2], target
 
 
 def device_bytes(tree) -> int:
@@ -111,13 +145,17 @@ def _materialises_weights(model: TransformerConfig, kv_len: int) -> bool:
     return model.attention_implementation == "xla"
 
 
-def _attention_elements(model, tensor, q_len, kv_len, policy) -> tuple[int, int]:
-    """(compute-dtype, float32) elements one attention sublayer saves per sequence."""
+def _attention_elements(model, tensor, q_len, kv_len, policy,
+                        linear: bool = False) -> tuple[int, int]:
+    """(compute-dtype, float32) elements one attention sublayer saves per sequence; `linear`:
+    linear attention, whose scan keeps each chunk's [C, C] scores instead of the weights."""
     n, k = _local(model.num_heads, tensor), _local(model.num_kv_heads, tensor)
     d, h, hv = model.d_model, model.d_k, model.d_v
     projections = q_len * n * h + kv_len * k * (h + hv)  # q, k, v
     context = q_len * n * hv  # A V
     weights = n * q_len * kv_len if _materialises_weights(model, kv_len) else 0
+    if linear:
+        weights = n * q_len * min(linear_attention.DEFAULT_CHUNK_SIZE, q_len)
     if policy == "none":  # + input, out-projection, residual sum, norm output
         return projections + context + 4 * q_len * d, weights
     if policy == "dots":  # every matmul output: q, k, v, Q K^T (float32), A V, out-projection
@@ -142,7 +180,8 @@ def _layer_bytes(model, tensor, q_len, kv_len, cross_len, policy) -> int:
     """Bytes one layer saves per sequence: self-attention over `kv_len`, cross-attention to
     `cross_len` source tokens (0: none), feed-forward; plus the layer input (always kept)."""
     itemsize = jnp.dtype(model.dtype).itemsize
-    compute, f32 = _attention_elements(model, tensor, q_len, kv_len, policy)
+    compute, f32 = _attention_elements(model, tensor, q_len, kv_len, policy,
+                                       linear=model.attention_kind == "linear")
     if cross_len:
         cross = _attention_elements(model, tensor, q_len, cross_len, policy)
         compute, f32 = compute + cross[0], f32 + cross[1]
@@ -162,7 +201,9 @@ def activation_bytes(model: TransformerConfig, *, rows: int, source_length: int,
         none        attention: q, k, v, A·V, input, out-proj, residual, norm
                         q_len·N·H + kv_len·K·(H + Hv) + q_len·N·Hv + 4·q_len·D
                     + softmax weights N·q_len·kv_len (float32, only where attention
-                      materialises them: "xla", or "auto" below AUTO_CHUNKED_MIN_KEYS keys)
+                      materialises them: "xla", or "auto" below AUTO_CHUNKED_MIN_KEYS keys,
+                      a local window included; linear self-attention: its chunks' scores
+                      N·q_len·C, C = min(64, q_len))
                     FFN: hidden before and after the activation (SwiGLU: and the gate), out,
                     residual, norm            q_len·F·(2 | 3) + 3·q_len·D
         dots        matmul outputs only: q, k, v, Q·K^T (float32), A·V, out-proj; ff_in
@@ -170,7 +211,8 @@ def activation_bytes(model: TransformerConfig, *, rows: int, source_length: int,
         dots_no_batch   as dots without Q·K^T and A·V (they have batch dimensions)
         full        nothing but the layer input
 
-    An encoder layer attends S to S; a decoder layer T to T, then (encoder-decoder) T to S.
+    An encoder layer attends S to S; a decoder layer T to T, then (encoder-decoder) T to S;
+    the vision model is an encoder whose logits are one row of num_classes per image.
     With remat, the backward pass recomputes one layer at a time: one layer's "none" figure is
     added. Outside the layers: the embedded inputs of each stack (S·D, T·D) and the logits,
     counted as two float32 copies of T·V (S·V encoder-only): kept for the loss's backward and
@@ -184,7 +226,7 @@ def activation_bytes(model: TransformerConfig, *, rows: int, source_length: int,
     stacks = []  # (layers, q_len, kv_len, cross_len)
     if model.architecture != "decoder":
         stacks.append((model.num_encoder_layers, s, s, 0))
-    if model.architecture != "encoder":
+    if model.architecture not in ("encoder", "vision", "classifier"):
         cross = s if model.architecture == "encoder_decoder" else 0
         stacks.append((model.num_decoder_layers, t, t, cross))
     per_sequence = sum(num * _layer_bytes(model, tensor, q, kv, c, policy)
@@ -193,8 +235,8 @@ def activation_bytes(model: TransformerConfig, *, rows: int, source_length: int,
         per_sequence += max(_layer_bytes(model, tensor, q, kv, c, "none")
                             for _, q, kv, c in stacks)
     per_sequence += sum(q * model.d_model * itemsize for _, q, _, _ in stacks)
-    output_length = s if model.architecture == "encoder" else t
-    vocab = _local(model.vocab_size, tensor)
+    output_length = 1 if model.classifies else s if model.architecture == "encoder" else t
+    vocab = _local(model.num_classes if model.classifies else model.vocab_size, tensor)
     if loss_chunk_tokens <= 0:
         return rows * (per_sequence + 2 * 4 * output_length * vocab)
     chunk_tokens = rows * min(output_length, max(1, loss_chunk_tokens // rows))
@@ -208,7 +250,7 @@ class MemoryPlan:
 
     mesh_shape: dict[str, int]
     platform: str
-    batch: dict[str, tuple[int, int, int]]  # key -> [A, rows per microbatch, length]
+    batch: dict[str, tuple[int, ...]]  # key -> [A, rows per microbatch, ...] (`batch_shapes`)
     param_count: int
     analytic: dict[str, int]  # params, optimizer_state, gradients, update, activations, batch
     compiled: dict[str, int]  # arguments, outputs, aliased, temporaries, generated_code
@@ -251,10 +293,8 @@ def plan(run: Resolved, mesh) -> MemoryPlan:
     cost = (cost[0] if isinstance(cost, list) else cost) or {}  # a list before jax 0.12
 
     shapes = batch_shapes(cfg)
-    accum, global_rows = shapes["targets"][0], shapes["targets"][1]
+    accum, global_rows, source, target = batch_lengths(model, shapes)
     rows = global_rows // sharding.batch_shards(mesh.shape)
-    lengths = {k: shape[2] for k, shape in shapes.items()}
-    source = lengths.get("inputs", lengths["targets"])
     params = device_bytes(trainer.abstract_state.params)
     analytic = {
         "params": params,
@@ -262,7 +302,7 @@ def plan(run: Resolved, mesh) -> MemoryPlan:
         "gradients": params * (2 if accum > 1 else 1),
         "update": 2 * params,
         "activations": activation_bytes(model, rows=rows, source_length=source,
-                                        target_length=lengths["targets"],
+                                        target_length=target,
                                         loss_chunk_tokens=trainer.loss_chunk_tokens,
                                         tensor=mesh.shape["tensor"]),
         "batch": device_bytes(batch),
@@ -291,11 +331,8 @@ def _human(num_bytes: int) -> str:
 def step_flops_per_device(model: TransformerConfig, memory_plan: MemoryPlan) -> float:
     """Training matmul FLOPs of one update per device (`flops.py`: 3 x forward, over all the
     batch's rows at their full lengths)."""
-    accum, rows, _ = memory_plan.batch["targets"]
-    lengths = {k: shape[2] for k, shape in memory_plan.batch.items()}
-    target = lengths["targets"]
-    source = lengths.get("inputs", target)
-    tokens = source if model.architecture == "encoder" else target
+    accum, rows, source, target = batch_lengths(model, memory_plan.batch)
+    tokens = 1 if model.classifies else source if model.architecture == "encoder" else target
     per_token = flops.train_flops_per_token(model, source_length=source, target_length=target)
     return per_token * tokens * accum * rows / math.prod(memory_plan.mesh_shape.values())
 
@@ -306,9 +343,14 @@ def _compiler_lines(model: TransformerConfig, memory_plan: MemoryPlan,
     peak, hbm, cost = memory_plan.peak_bytes, accelerator.memory_bytes, memory_plan.cost
     analytic = step_flops_per_device(model, memory_plan)
     optimal = cost["optimal_seconds"]
-    if optimal > 0:
+    compute_bound = analytic / accelerator.peak_flops
+    if optimal >= compute_bound:
         seconds, bound = optimal, ""
         source = "the compiler's cost model (optimal_seconds)"
+    elif optimal > 0:  # the cost model counts a loop body (scanned layer, microbatch) once
+        seconds, bound = compute_bound, "at least "
+        source = ("flops.py FLOPs / peak: the compiler's cost model counts each loop body once "
+                  f"and gave {optimal * 1e3:.3f} ms")
     else:  # the cost model gave up (a negative figure): a lower bound on the time
         seconds = max(max(cost["flops"], analytic) / accelerator.peak_flops,
                       cost["bytes accessed"] / accelerator.memory_bytes_per_s)
@@ -336,10 +378,14 @@ def format_report(model: TransformerConfig, memory_plan: MemoryPlan,
     for tools to read. With the `accelerator` compiled for, its fit, time and MFU lines."""
     mesh = " x ".join(f"{axis} {size}" for axis, size in memory_plan.mesh_shape.items())
     devices = math.prod(memory_plan.mesh_shape.values())
-    accum, rows, _ = memory_plan.batch["targets"]
+    accum, rows, source, _ = batch_lengths(model, memory_plan.batch)
     per_device = rows // sharding.batch_shards(memory_plan.mesh_shape)
-    lengths = ", ".join(f"{k} {shape[2]}" for k, shape in memory_plan.batch.items()
-                        if k in ("inputs", "targets"))
+    if model.architecture == "vision":
+        lengths = (f"images {'x'.join(map(str, memory_plan.batch['image'][2:]))} as {source} "
+                   f"tokens")
+    else:
+        lengths = "lengths " + ", ".join(f"{k} {shape[2]}" for k, shape in
+                                         memory_plan.batch.items() if k in ("inputs", "targets"))
     a, c = memory_plan.analytic, memory_plan.compiled
 
     def row(name: str, analytic: str, compiled: str) -> str:
@@ -348,7 +394,7 @@ def format_report(model: TransformerConfig, memory_plan: MemoryPlan,
     lines = [
         f"compile only: {devices} {memory_plan.platform} devices, mesh {mesh}",
         f"batch: {accum * rows} rows per update = {accum} microbatch(es) x {rows} rows "
-        f"({per_device} per device), lengths {lengths}",
+        f"({per_device} per device), {lengths}",
         f"model: {memory_plan.param_count:,} params (float32), compute {model.dtype}, remat "
         f"{model.remat_policy}, scan_layers {model.scan_layers}",
         f"train step lowered in {memory_plan.lower_seconds:.1f} s, compiled in "

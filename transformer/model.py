@@ -8,9 +8,12 @@ paths are a contract (DESIGN.md): `embedding/embedding`, `encoder/layers_{i}/sel
 query/kernel`, ... With `scan_layers` the layers are one `layers` subtree with a leading L axis.
 
 `Transformer(inputs, targets)` returns the logits; `Transformer.output_head` the final hidden
-states and the output projection unapplied (`OutputHead`). Runtime mode is the keyword
-`deterministic=`. `Transformer.decode(..., cache=)` returns `(logits, cache)`: incremental
-decoding passes an explicit cache pytree (`init_cache`) and gets the updated cache back.
+states and the output projection unapplied (`OutputHead`). Architecture "classifier" is the
+encoder (the same parameter paths as "encoder", so a masked LM's weights load into it) plus
+`head` (`ClassifierHead`): `Transformer.classify(inputs)` -> class logits [B, num_classes].
+Runtime mode is the keyword `deterministic=`. `Transformer.decode(..., cache=)` returns
+`(logits, cache)`: incremental decoding passes an explicit cache pytree (`init_cache`) and gets
+the updated cache back.
 """
 
 from __future__ import annotations
@@ -91,7 +94,8 @@ def _positions(tokens: jax.Array, positions: jax.Array | None, offset=0) -> jax.
 
 
 class _Embedder(nn.Module):
-    """Token embedding times sqrt(D), plus positions, then dropout (paper section 3.4, 3.5)."""
+    """Token embedding times sqrt(D) (unless `scale_embeddings` is off), plus positions, then
+    dropout (paper section 3.4, 3.5)."""
 
     config: TransformerConfig
     embedding: nn.Module
@@ -99,8 +103,9 @@ class _Embedder(nn.Module):
     @nn.compact
     def __call__(self, tokens, positions, deterministic):
         cfg = self.config
-        x = self.embedding(tokens).astype(cfg.compute_dtype) * jnp.sqrt(cfg.d_model).astype(
-            cfg.compute_dtype)
+        x = self.embedding(tokens).astype(cfg.compute_dtype)
+        if cfg.scale_embeddings:
+            x = x * jnp.sqrt(cfg.d_model).astype(cfg.compute_dtype)
         if cfg.positional == "sinusoidal":
             table = layers.sinusoidal_position_encoding(cfg.max_len, cfg.d_model)
             x = x + table[positions].astype(x.dtype)
@@ -140,6 +145,38 @@ class Encoder(nn.Module):
             mask = attention.make_segment_mask(segments, segments)
         return encoder_stack(cfg, self.attention_fn, x, mask, positions, segments,
                              deterministic)
+
+
+def pool(encoded: jax.Array, valid: jax.Array, pooling: str) -> jax.Array:
+    """encoded [B, S, D], valid [B, S] (False at padding) -> [B, D] float32: the first
+    token's state ("cls") or the mean of the valid tokens' states ("gap"; zeros for a row
+    with none)."""
+    encoded = encoded.astype(jnp.float32)
+    if pooling == "cls":
+        return encoded[:, 0]
+    weights = valid.astype(jnp.float32)
+    total = jnp.einsum("BSD,BS->BD", encoded, weights)
+    return total / jnp.maximum(weights.sum(axis=1, keepdims=True), 1.0)
+
+
+class ClassifierHead(nn.Module):
+    """pooled [B, D] -> logits [B, num_classes] float32; kernel and bias start at zero (the
+    ViT paper's zero-initialised head), so the first logits are uniform."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, pooled):
+        cfg = self.config
+        zeros = nn.initializers.zeros
+        kernel = self.param("kernel", nn.with_logical_partitioning(zeros, ("embed", "vocab")),
+                            (cfg.d_model, cfg.num_classes))
+        bias = self.param("bias", nn.with_logical_partitioning(zeros, ("vocab",)),
+                          (cfg.num_classes,))
+        logits = jnp.einsum("BD,DV->BV", pooled.astype(cfg.compute_dtype),
+                            kernel.astype(cfg.compute_dtype),
+                            preferred_element_type=jnp.float32)
+        return nn.with_logical_constraint(logits + bias, ("batch", None))
 
 
 class OutputHead(NamedTuple):
@@ -219,13 +256,15 @@ def prefix_inputs(targets_prefix: jax.Array, segmentation: jax.Array | None = No
 
 
 class Transformer(nn.Module):
-    """Encoder-decoder (the paper), encoder-only or decoder-only Transformer.
+    """Encoder-decoder (the paper), encoder-only, decoder-only Transformer, or an encoder
+    classifier.
 
     `__call__(inputs [B,S], targets [B,T]) -> logits [B,T,V]` (teacher forcing: the decoder
     reads `targets` shifted right); `output_head`, with the same arguments, returns the
     `OutputHead` (hidden states and output kernel) for a loss that projects by chunks.
     Encoder-only returns [B,S,V] from `inputs`; decoder-only models `targets` (inputs may be
-    None). Token id 0 is padding; packed rows pass positions and segment ids (0 = padding).
+    None); the classifier returns `classify(inputs)` [B, num_classes] (targets unread).
+    Token id 0 is padding; packed rows pass positions and segment ids (0 = padding).
     """
 
     config: TransformerConfig
@@ -247,18 +286,37 @@ class Transformer(nn.Module):
             self.source_embedding = source_embedding = embed()
         if cfg.architecture != "decoder":
             self.encoder = Encoder(cfg, source_embedding, attention_fn)
-        if cfg.architecture != "encoder":
+        if cfg.architecture in ("encoder_decoder", "decoder"):
             self.decoder = Decoder(cfg, self.embedding, attention_fn)
+        if cfg.architecture == "classifier":
+            self.head = ClassifierHead(cfg)
 
     def __call__(self, inputs, targets, **kwargs) -> jax.Array:
-        """Logits [B, T, V] ([B, S, V] encoder-only); the arguments of `output_head`."""
+        """Logits [B, T, V] ([B, S, V] encoder-only); the arguments of `output_head`. The
+        classifier: `classify(inputs, **kwargs)`."""
+        if self.config.architecture == "classifier":
+            return self.classify(inputs, **kwargs)
         return self.output_head(inputs, targets, **kwargs).logits()
+
+    def classify(self, inputs, *, inputs_positions=None, inputs_segmentation=None,
+                 deterministic=True) -> jax.Array:
+        """inputs [B, S] -> logits [B, num_classes] float32 (architecture "classifier"): the
+        encoder's final states pooled as `model.pooling` (`pool`; padding, id 0 or segment 0,
+        left out of "gap") through the zero-initialised `head`."""
+        encoded = self.encode(inputs, inputs_positions=inputs_positions,
+                              inputs_segmentation=inputs_segmentation,
+                              deterministic=deterministic)
+        valid = inputs != 0 if inputs_segmentation is None else inputs_segmentation != 0
+        return self.head(pool(encoded, valid, self.config.pooling))
 
     def output_head(self, inputs, targets, *, inputs_positions=None, targets_positions=None,
                     inputs_segmentation=None, targets_segmentation=None, targets_prefix=None,
                     deterministic=True) -> OutputHead:
         """The final hidden states and the output projection of the teacher-forced pass."""
         cfg = self.config
+        if cfg.architecture == "classifier":
+            raise ValueError("model.architecture='classifier' outputs class logits "
+                             "(Transformer.classify), not tokens")
         encoded = None
         if cfg.architecture != "decoder":
             encoded = self.encode(inputs, inputs_positions=inputs_positions,
@@ -349,7 +407,8 @@ def init_cache(config: TransformerConfig, batch_size: int, max_length: int) -> C
     """An empty decoding cache for up to `max_length` positions: per decoder layer the
     self-attention's, in the compute dtype: keys [B, S, K, H] and values [B, S, K, Hv]
     (S = max_length) for a global layer; for a local layer of window w a ring buffer of the
-    last min(w, max_length) positions (keys, values and their "position" [B, S], -1 = empty);
+    last min(w, max_length) positions (keys, values and their "position" [B, S], -1 = empty;
+    with `attention_global_tokens` a second one, "global", of the first positions);
     for a linear layer the recurrent state [B, K, H, Hv] and normaliser [B, K, H] (float32).
     An empty cross-attention entry (filled with the projected encoder output by the first
     `decode` call), and `index`, the number of positions written."""
@@ -371,6 +430,12 @@ def init_cache(config: TransformerConfig, batch_size: int, max_length: int) -> C
             if window is not None:
                 self_attention["position"] = jnp.full(lead + (batch_size, length), -1,
                                                       jnp.int32)
+            if window is not None and config.attention_global_tokens:
+                held = min(config.attention_global_tokens, max_length)
+                self_attention["global"] = {
+                    "key": jnp.zeros(lead + (batch_size, held, k, h), dtype),
+                    "value": jnp.zeros(lead + (batch_size, held, k, hv), dtype),
+                    "position": jnp.full(lead + (batch_size, held), -1, jnp.int32)}
         entry = {"self_attention": self_attention}
         if config.architecture == "encoder_decoder":
             entry["cross_attention"] = {}

@@ -14,11 +14,12 @@ import jax.numpy as jnp
 
 from transformer import attention, layers, linear_attention
 
-ARCHITECTURES = ("encoder_decoder", "encoder", "decoder", "vision")  # vision: `transformer.vit`
+# vision: `transformer.vit`; classifier: the encoder and a class head (`Transformer.classify`)
+ARCHITECTURES = ("encoder_decoder", "encoder", "decoder", "vision", "classifier")
 POSITIONALS = ("sinusoidal", "learned", "rope", "none")
 NORMS = ("layer_norm", "rms_norm")
 NORM_POSITIONS = ("post", "pre")
-POOLINGS = ("cls", "gap")  # the vision model's image summary: class token, or mean of patches
+POOLINGS = ("cls", "gap")  # a classifier's summary: first (class) token, or mean of the tokens
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_KINDS = ("softmax", "linear")
 LAYER_ATTENTION = ("global", "local")  # the entries of model.attention_pattern
@@ -61,6 +62,10 @@ class TransformerConfig:
     remat_policy: str = "none"
     attention_implementation: str = "auto"
     norm_eps: float = 1e-6
+    # Exactness with published checkpoints (transformer/huggingface): the paper's values first.
+    rope_theta: float = 10000.0  # RoPE's base
+    scale_embeddings: bool = True  # token embeddings times sqrt(d_model) (paper section 3.4)
+    gelu_approximate: bool = True  # activation="gelu": tanh approximation (False: exact erf)
     # Self-attention beyond the paper: "linear" (Katharopoulos et al., 2020; feature map
     # `linear_feature_map`), or softmax over all positions ("global") or a sliding window
     # ("local": the `attention_window` previous positions, and as many after in an encoder),
@@ -69,13 +74,18 @@ class TransformerConfig:
     linear_feature_map: str = "elu"
     attention_window: int | None = None
     attention_pattern: str = "global"  # e.g. "local" (every layer), "local,global" (Gemma 2)
-    # VISION_FIELDS, read by architecture="vision" only (the ViT, `transformer.vit`): square
-    # images cut into square patches
+    # Local layers: the first positions of a row attend to and from every position
+    # (Longformer's global tokens; the chunked kernel still skips the blocks they do not need).
+    attention_global_tokens: int = 0
+    # VISION_FIELDS, read by architecture="vision" (the ViT, `transformer.vit`): square
+    # images cut into square patches; num_classes and pooling also by "classifier" (text)
     image_size: int = 224
     patch_size: int = 16
     num_channels: int = 3
     num_classes: int = 1000
-    pooling: str = "cls"  # cls: a class token's final state; gap: the mean over the patches
+    # cls: the first token's final state (the ViT's class token; a text's first piece);
+    # gap: the mean of the final states (the patches; a text's non-padding tokens)
+    pooling: str = "cls"
 
     def __post_init__(self):
         set_ = functools.partial(object.__setattr__, self)
@@ -108,6 +118,8 @@ class TransformerConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"model.num_kv_heads={self.num_kv_heads} does not divide "
                              f"num_heads={self.num_heads}")
+        if self.rope_theta <= 0:
+            raise ValueError(f"model.rope_theta={self.rope_theta} must be positive")
         if self.positional == "rope" and self.d_k % 2:
             raise ValueError(f"model.positional='rope' needs an even d_k, got {self.d_k}")
         if self.positional == "sinusoidal" and self.d_model % 2:
@@ -141,6 +153,11 @@ class TransformerConfig:
             raise ValueError(f"model.attention_window={self.attention_window} has no effect with "
                              f"attention_pattern='global': set attention_pattern='local' (every "
                              f"layer) or e.g. 'local,global'")
+        if self.attention_global_tokens < 0 or (self.attention_global_tokens
+                                                and "local" not in pattern):
+            raise ValueError(f"model.attention_global_tokens={self.attention_global_tokens} "
+                             f"must be >= 0 and widens local windows: set 0, or "
+                             f"model.attention_window with a local attention_pattern")
         if self.attention_kind == "linear" and self.attention_window is not None:
             raise ValueError("model.attention_kind='linear' attends to every position: unset "
                              "model.attention_window and attention_pattern")
@@ -171,6 +188,11 @@ class TransformerConfig:
     def num_patches(self) -> int:
         """Patches of one image (the vision model): (image_size / patch_size)^2."""
         return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def classifies(self) -> bool:
+        """One row of class logits per example (the ViT, the text classifier), not per token."""
+        return self.architecture in ("vision", "classifier")
 
     @property
     def compute_dtype(self):
