@@ -7,6 +7,7 @@ import json
 import os
 import pathlib
 import runpy
+import sys
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -16,6 +17,11 @@ os.environ["XLA_FLAGS"] = (
 # devices, may then be loaded by both xdist workers at once (else: a /tmp/libtpu_lockfile error).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+# Triton (bundled with PyPI's CUDA build of torch; GPU kernels only) segfaults when imported into
+# a process that has loaded TensorFlow, as a test worker has by the time a test imports
+# transformers, which imports torch._dynamo, which probes for triton. Marked absent here, its
+# import raises ImportError and torch carries on without it (seen: triton 3.8, TensorFlow 2.21).
+sys.modules.setdefault("triton", None)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
