@@ -166,11 +166,15 @@ def test_a_full_disk_fails_the_save_in_one_line_and_keeps_the_previous_one(tmp_p
         f"another --workdir) and rerun to resume: checkpoint 1 is intact")
     assert isinstance(error.value, ValueError)  # what train.py reports as `error: ...`
     monkeypatch.delenv(checkpoint_hooks.FAULT_ENV)
-    step, state, _ = Checkpointer(str(tmp_path), keep=5).restore_latest(abstract(tree(0)))
+    resumed = Checkpointer(str(tmp_path), keep=5)
+    assert resumed.all_steps() == [1]  # the unfinished save is never listed
+    step, state, _ = resumed.restore_latest(abstract(tree(0)))
     assert step == 1
     for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(tree(1)), strict=True):
         np.testing.assert_array_equal(got, want)
-    assert os.listdir(tmp_path / "checkpoints") == ["1"]  # the unfinished save was removed
+    resumed.save(2, tree(2), {"next_batch_index": 2})  # orbax first removes the leftover
+    resumed.close()
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1", "2"]
 
 
 def test_the_fault_injection_setting_is_checked(tmp_path, monkeypatch):

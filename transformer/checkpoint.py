@@ -8,7 +8,8 @@ Restoring into abstract arrays that carry new shardings moves a checkpoint onto 
 device count.
 
 Faults. Orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it into place last, so
-a save cut short is never listed as a step (and is removed when the next run starts).
+a save cut short is never listed as a step (the next run removes it, at the latest before its
+first save).
 `Checkpointer.restore_latest` skips a checkpoint that fails to restore (a corrupted or truncated
 file), moving it to `<workdir>/skipped_checkpoints/<step>` with one log line saying why, and
 resumes from the one before. A save that fails (a full disk) raises `CheckpointSaveError`, one
