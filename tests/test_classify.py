@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+import transformer
 from transformer import classify, sharding, train_lib
 from transformer.checkpoint import Checkpointer
 from transformer.config import resolve
@@ -59,7 +60,7 @@ def test_png_and_jpeg_files_match_the_model_applied_by_hand(vision_workdir, tmp_
     Image.fromarray(grey).save(tmp_path / "a.png")
     colour = rng.integers(0, 256, (28, 28, 3), dtype=np.uint8)
     Image.fromarray(colour).save(tmp_path / "b.jpg", quality=95)
-    classifier = classify.load(str(vision_workdir))
+    classifier = transformer.load_classifier(str(vision_workdir))  # classify.load
     # the JPEG as Pillow decodes it, to grey by Pillow's "L" conversion
     decoded = np.asarray(Image.open(tmp_path / "b.jpg").convert("L"))
     want = _by_hand(vision_workdir, np.stack([grey, decoded])[..., None])

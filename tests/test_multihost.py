@@ -41,10 +41,15 @@ def launch(workdir, *, processes: int, devices: int, overrides=(),
     (TRANSFORMER_FAULT_INJECT, transformer/checkpoint_hooks.py)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    # No persistent compilation cache: an executable compiled for 1 process x 8 devices has the
-    # same cache key as one for 2 processes x 4 devices but no cross-process collectives
-    # (loading it hangs the 2-process run), and 2-process runs sharing one cache hung in CI.
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    # No persistent compilation cache with several processes: an executable compiled for 1
+    # process x 8 devices has the same cache key as one for 2 processes x 4 devices but no
+    # cross-process collectives (loading it hangs the 2-process run), and 2-process runs sharing
+    # one cache hung in CI. One process uses the tests' cache, which only 1-process programs fill.
+    if processes > 1:
+        env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    else:
+        env.update(JAX_COMPILATION_CACHE_DIR=str(ROOT / ".cache" / "jax"),
+                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5")
     env.pop(FAULT_ENV, None)
     command = [sys.executable, "train.py", f"--workdir={workdir}", *common, *overrides]
     if processes > 1:

@@ -5,6 +5,7 @@ skip, saying why). In-process TPU compiles keep out of JAX's persistent cache
 (`_tpu_compile`); subprocesses compile through `train.py`, as a user does."""
 
 import contextlib
+import dataclasses
 import functools
 import os
 import pathlib
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer import attention, optim, sharding, splash, tpu
+from transformer import attention, memory, optim, sharding, splash, tpu, train_lib
 from transformer.config import resolve
 from transformer.model import OutputHead, Transformer, TransformerConfig
 
@@ -138,7 +139,7 @@ def test_train_py_compiles_a_language_model_for_v5e_2x2(libtpu):
         "--config.model.dtype=bfloat16", "--config.data.vocab_size=512"))
     assert "compile only: 4 tpu devices, mesh data 4 x fsdp 1 x tensor 1" in report
     assert re.search(r"model: [0-9,]+ params \(float32\), compute bfloat16, remat none, "
-                     r"scan_layers True", report)
+                     r"scan_layers True, attention splash", report)
 
 
 def test_train_py_compiles_for_two_slices(libtpu):
@@ -240,6 +241,69 @@ def test_splash_matches_xla_attention_in_interpret_mode(causal, segments, kv_hea
     np.testing.assert_allclose(kernel(q), xla(q), atol=2e-5)
     np.testing.assert_allclose(jax.grad(functools.partial(loss, kernel))(q),
                                jax.grad(functools.partial(loss, xla))(q), atol=2e-5)
+
+
+@pytest.mark.parametrize("architecture", ["decoder", "encoder"])
+def test_splash_in_the_model_matches_xla_attention(architecture):
+    """A decoder-only LM (causal) and an encoder (both directions), each with a local layer
+    (window 40) and a global one: with attention_implementation="splash" (the kernel in Pallas
+    interpret mode on a CPU) the logits and parameter gradients equal "xla"'s, on packed rows
+    with padding; on a 2 x 2 mesh (the kernel in a shard_map) as well."""
+    decoder = architecture == "decoder"
+    config = TransformerConfig(
+        vocab_size=64, architecture=architecture, num_encoder_layers=0 if decoder else 2,
+        num_decoder_layers=2 if decoder else 0, d_model=64, d_ff=128, num_heads=4,
+        num_kv_heads=2, max_len=128, positional="rope", norm_position="pre",
+        attention_window=40, attention_pattern="local,global", attention_implementation="xla")
+    rng = np.random.default_rng(0)
+    segments = np.repeat([[1, 2, 0, 0], [1, 1, 2, 3]], 32, axis=1)
+    tokens = jnp.asarray(np.where(segments > 0, rng.integers(5, 64, segments.shape), 0))
+    positions = jnp.asarray(np.tile(np.arange(32), (2, 4)))
+    side = "targets" if decoder else "inputs"
+    kwargs = {f"{side}_segmentation": jnp.asarray(segments), f"{side}_positions": positions}
+
+    def loss(implementation, params):
+        model = Transformer(dataclasses.replace(config, attention_implementation=implementation))
+        logits = model.apply(params, None if decoder else tokens, tokens if decoder else None,
+                             **kwargs)
+        return jnp.sum(jnp.sin(logits) * (tokens != 0)[..., None]), logits
+
+    params = Transformer(config).init(jax.random.key(0), None if decoder else tokens,
+                                      tokens if decoder else None, **kwargs)
+    (_, want), want_grads = jax.value_and_grad(functools.partial(loss, "xla"), has_aux=True)(
+        params)
+    # the kernel runs in both layers (local, global): the TPU's and its interpreted twin each
+    assert str(jax.make_jaxpr(functools.partial(loss, "splash"))(params)).count(
+        "pallas_call") == 4
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 2, "tensor": 2}, jax.devices()[:4])
+    on_mesh = jax.device_put(params, jax.NamedSharding(mesh, jax.P()))
+    for args, context in ((params, contextlib.nullcontext()),
+                          (on_mesh, jax.sharding.use_abstract_mesh(mesh.abstract_mesh))):
+        with context:
+            (_, got), grads = jax.jit(jax.value_and_grad(
+                functools.partial(loss, "splash"), has_aux=True))(args)
+        np.testing.assert_allclose(got, want, atol=2e-5)
+        for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+            np.testing.assert_allclose(g, w, atol=2e-6 * np.abs(w).max())  # float32 sums
+
+
+def test_auto_attention_is_the_splash_kernel_in_a_tpu_train_step(libtpu, load_config):
+    """A language model's train step for v5e:2x2 with attention "auto": the model runs
+    "splash", and the compiled program holds its kernels (forward, dq and dkv per layer); on
+    CPU devices "auto" stays "auto"."""
+    cfg = load_config("lm_default.py", **{"data.vocab_size": 512, "model.num_decoder_layers": 1})
+    with _tpu_compile():
+        devices = tpu.abstract_devices(tpu.parse_topology("v5e:2x2"))
+        run = resolve(cfg, len(devices))
+        mesh = sharding.make_mesh(run.config.mesh, devices)
+        trainer = train_lib.build_trainer(run, mesh)
+        assert trainer.model.config.attention_implementation == "splash"
+        step = train_lib.make_train_step(trainer, run.config)
+        text = step.lower(trainer.abstract_state, memory.abstract_batch(run.config, mesh)) \
+            .compile().as_text()
+    assert text.count("tpu_custom_call") >= 3
+    cpu = train_lib.build_trainer(run, sharding.make_mesh(run.config.mesh, jax.devices()[:4]))
+    assert cpu.model.config.attention_implementation == "auto"
 
 
 @pytest.mark.parametrize("window", [None, 64])

@@ -7,7 +7,8 @@ their `TransformerConfig` (`model_config`) import no TensorFlow:
 
 `transformer.load(workdir)` loads a trained translation run (`translator.Translator`),
 `transformer.load_generator(workdir)` a trained decoder-only language model
-(`generator.Generator`).
+(`generator.Generator`), `transformer.load_classifier(workdir)` a trained image classifier
+(`classify.Classifier`).
 
 Shape legend, for the einsums, comments and docstrings of every module (one meaning a letter):
 
@@ -55,7 +56,8 @@ from transformer.model_config import TransformerConfig
 
 
 def __getattr__(name):
-    """`transformer.load` and `transformer.load_generator` without importing orbax up front."""
+    """`transformer.load`, `load_generator` and `load_classifier` without importing orbax up
+    front."""
     if name == "load":
         from transformer.translator import load
 
@@ -64,6 +66,10 @@ def __getattr__(name):
         from transformer.generator import load_generator
 
         return load_generator
+    if name == "load_classifier":
+        from transformer.classify import load
+
+        return load
     raise AttributeError(f"module 'transformer' has no attribute {name!r}")
 
 
@@ -71,7 +77,7 @@ __all__ = [
     "Decoder", "DecoderBlock", "Encoder", "EncoderBlock", "MultiHeadAttention", "OutputHead",
     "Transformer", "TransformerConfig", "apply_rope", "attention_weights", "combine_masks",
     "dot_product_attention", "feed_forward", "init_cache", "layer_norm", "load",
-    "load_generator", "make_cache_mask", "make_causal_mask", "make_decoder_mask",
+    "load_classifier", "load_generator", "make_cache_mask", "make_causal_mask", "make_decoder_mask",
     "make_global_mask", "make_local_mask", "make_padding_mask",
     "make_prefix_lm_mask", "make_segment_mask",
     "rms_norm", "shift_right", "sinusoidal_position_encoding",

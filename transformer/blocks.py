@@ -15,7 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer import attention, decoding, layers, linear_attention
+from transformer import attention, decoding, layers, linear_attention, splash
 from transformer.model_config import TransformerConfig
 
 
@@ -177,13 +177,29 @@ class MultiHeadAttention(nn.Module):
         dropout_rng = None
         if not deterministic and cfg.attention_dropout_rate > 0.0:
             dropout_rng = self.make_rng("dropout")
-        y = self.attention_fn(q, k, v, mask=mask,
-                              dropout_rate=0.0 if deterministic else cfg.attention_dropout_rate,
-                              dropout_rng=dropout_rng, **kwargs)
+        if self._runs_splash(q, k, is_cross, cache, in_prefix, deterministic):
+            y = splash.self_attention(q, k, v, causal=self.causal, local_window_size=window,
+                                      segment_ids=segments)
+        else:
+            y = self.attention_fn(
+                q, k, v, mask=mask, dropout_rate=0.0 if deterministic
+                else cfg.attention_dropout_rate, dropout_rng=dropout_rng, **kwargs)
         if self.is_mutable_collection("intermediates"):  # asked for: apply(mutable=[...])
             self.sow("intermediates", "attention_weights",
                      attention.attention_weights(q, k, mask=mask, **kwargs))
         return y, cache
+
+
+    def _runs_splash(self, q, k, is_cross, cache, in_prefix, deterministic) -> bool:
+        """Whether `model.attention_implementation="splash"` runs the kernel here: training's
+        self-attention (no cache), whose mask is the one `causal`, the window and `segments`
+        imply (as Encoder and Decoder build it), without a prefix, global tokens or attention
+        dropout, in shapes the kernel takes (`splash.fits`). Elsewhere "auto" runs."""
+        cfg = self.config
+        return (cfg.attention_implementation == "splash" and not is_cross and cache is None
+                and in_prefix is None and not cfg.attention_global_tokens
+                and (deterministic or cfg.attention_dropout_rate == 0.0)
+                and splash.fits(q, k))
 
 
 class FeedForward(nn.Module):

@@ -139,7 +139,7 @@ def _local(size: int, parts: int) -> int:
 
 def _materialises_weights(model: TransformerConfig, kv_len: int) -> bool:
     """Whether attention keeps the [B, N, T, S] weights ("xla"; "auto" below the chunked
-    threshold as on a CPU compile, where it never picks cuDNN)."""
+    threshold as on a CPU compile, where it never picks cuDNN; not the "splash" kernel)."""
     if model.attention_implementation == "auto":
         return model.attention_dropout_rate > 0.0 or kv_len < attention.AUTO_CHUNKED_MIN_KEYS
     return model.attention_implementation == "xla"
@@ -258,6 +258,7 @@ class MemoryPlan:
     compile_seconds: float
     peak_bytes: int  # the compiler's peak memory (memory_analysis().peak_memory_in_bytes)
     cost: dict[str, float]  # the compiler's per-device flops, bytes accessed, optimal_seconds
+    attention_implementation: str  # as compiled: "auto" on a TPU mesh is "splash"
 
     @property
     def analytic_total(self) -> int:
@@ -275,8 +276,9 @@ class MemoryPlan:
 def plan(run: Resolved, mesh) -> MemoryPlan:
     """Lowers and compiles the real train step on abstract state and batch (nothing is
     allocated) and accounts for its memory. `run` must be resolved for the mesh's devices."""
-    cfg, model = run.config, run.model
+    cfg = run.config
     trainer = train_lib.build_trainer(run, mesh)
+    model = trainer.model.config  # with "auto" attention resolved for the mesh's platform
     if jax.default_backend() == "cpu" and cfg.loss_chunk_tokens == -1:
         # Fake CPU devices (or abstract TPU ones) stand in for accelerators: size the loss's
         # chunks as there.
@@ -318,7 +320,8 @@ def plan(run: Resolved, mesh) -> MemoryPlan:
                       flops.param_counts(model)["total"], analytic, compiled,
                       lowered_at - started, compiled_at - lowered_at, stats.peak_memory_in_bytes,
                       {key: float(cost.get(key, 0.0))
-                       for key in ("flops", "bytes accessed", "optimal_seconds")})
+                       for key in ("flops", "bytes accessed", "optimal_seconds")},
+                      model.attention_implementation)
 
 
 def _human(num_bytes: int) -> str:
@@ -396,7 +399,8 @@ def format_report(model: TransformerConfig, memory_plan: MemoryPlan,
         f"batch: {accum * rows} rows per update = {accum} microbatch(es) x {rows} rows "
         f"({per_device} per device), {lengths}",
         f"model: {memory_plan.param_count:,} params (float32), compute {model.dtype}, remat "
-        f"{model.remat_policy}, scan_layers {model.scan_layers}",
+        f"{model.remat_policy}, scan_layers {model.scan_layers}, attention "
+        f"{memory_plan.attention_implementation}",
         f"train step lowered in {memory_plan.lower_seconds:.1f} s, compiled in "
         f"{memory_plan.compile_seconds:.1f} s",
         "",

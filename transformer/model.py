@@ -273,7 +273,8 @@ class Transformer(nn.Module):
     def setup(self):
         cfg = self.config
         attention_fn = self.attention_fn or functools.partial(
-            attention.dot_product_attention, implementation=cfg.attention_implementation)
+            attention.dot_product_attention,
+            implementation=cfg.dense_attention_implementation)
 
         def embed():
             init = nn.initializers.normal(stddev=cfg.d_model ** -0.5)

@@ -23,6 +23,8 @@ POOLINGS = ("cls", "gap")  # a classifier's summary: first (class) token, or mea
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_KINDS = ("softmax", "linear")
 LAYER_ATTENTION = ("global", "local")  # the entries of model.attention_pattern
+# attention.dot_product_attention's, and "splash": the Pallas TPU kernel where it fits (splash.py)
+ATTENTION_IMPLEMENTATIONS = (*attention.IMPLEMENTATIONS, "splash")
 VISION_FIELDS = ("image_size", "patch_size", "num_channels", "num_classes", "pooling")
 REMAT_POLICIES = {
     "none": None,
@@ -103,7 +105,7 @@ class TransformerConfig:
                                ("activation", layers.ACTIVATIONS),
                                ("remat_policy", tuple(REMAT_POLICIES)), ("dtype", DTYPES),
                                ("pooling", POOLINGS),
-                               ("attention_implementation", attention.IMPLEMENTATIONS)):
+                               ("attention_implementation", ATTENTION_IMPLEMENTATIONS)):
             if getattr(self, field) not in choices:
                 raise ValueError(f"model.{field}={getattr(self, field)!r} is not one of "
                                  f"{', '.join(choices)}")
@@ -193,6 +195,13 @@ class TransformerConfig:
     def classifies(self) -> bool:
         """One row of class logits per example (the ViT, the text classifier), not per token."""
         return self.architecture in ("vision", "classifier")
+
+    @property
+    def dense_attention_implementation(self) -> str:
+        """What `attention.dot_product_attention` runs: the configured implementation, "auto"
+        for "splash" (where the kernel does not fit, `blocks.MultiHeadAttention`)."""
+        return "auto" if self.attention_implementation == "splash" else (
+            self.attention_implementation)
 
     @property
     def compute_dtype(self):

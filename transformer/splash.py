@@ -6,11 +6,17 @@ or (left, right): the kernel's LocalMask skips the blocks outside the band) and/
 (id 0 = padding); a query row with no key to attend to returns zeros. T and S must be
 multiples of BLOCK (`supports`). The kernel runs per example (vmapped over the batch) and cannot
 be partitioned by XLA: on a mesh, `sharded_splash_attention` runs it in a `shard_map` over the
-batch axes and "tensor" (heads). `interpret=True` runs it on a CPU (Pallas interpret mode),
-for tests.
+batch axes and "tensor" (heads). Where the program is lowered for another platform than a TPU
+(a CPU: tests) it runs in Pallas interpret mode, chosen per lowering platform, so a CPU process
+compiling for TPU devices (`train.py --compile_only --topology`) gets the real kernel.
+
+`self_attention` is what `model.attention_implementation="splash"` runs (and "auto" on a TPU
+mesh, `train_lib.build_trainer`) in the self-attention layers it fits (`blocks`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -39,23 +45,34 @@ def _head_mask(t: int, s: int, causal: bool, window: tuple[int, int] | None) -> 
 
 def splash_attention(q, k, v, *, causal: bool = False, local_window_size=None,
                      q_segment_ids=None, kv_segment_ids=None, scale: float | None = None,
-                     interpret: bool = False) -> jax.Array:
-    """Attention on one device's arrays (module docstring); segment ids [B, T] and [B, S]."""
+                     interpret: bool | None = None) -> jax.Array:
+    """Attention on one device's arrays (module docstring); segment ids [B, T] and [B, S].
+    `interpret`: Pallas interpret mode (None: unless lowered for a TPU)."""
     t, n, h = q.shape[1:]
     s = k.shape[1]
     scale = h ** -0.5 if scale is None else scale
     window = window_sizes(local_window_size)
     one = _head_mask(t, s, causal, window)
-    # Grouped-query attention is native: q head n uses kv head n // (N / K).
-    kernel = sa.make_splash_mha(mask=sa.MultiHeadMask([one] * n), head_shards=1,
-                                q_seq_shards=1, interpret=interpret,
-                                block_sizes=sa.BlockSizes.get_default())
+
+    def run(qt, kt, vt, *ids, interpret: bool):
+        # Grouped-query attention is native: q head n uses kv head n // (N / K).
+        kernel = sa.make_splash_mha(mask=sa.MultiHeadMask([one] * n), head_shards=1,
+                                    q_seq_shards=1, interpret=interpret,
+                                    block_sizes=sa.BlockSizes.get_default())
+        return jax.vmap(kernel)(qt, kt, vt, *(sa.SegmentIds(*ids),) if ids else ())
+
     qt = jnp.swapaxes(q * jnp.asarray(scale, q.dtype), 1, 2)  # [B, N, T, H]
     kt, vt = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, K, S, H]
+    args = (qt, kt, vt) + (() if q_segment_ids is None else
+                           (q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32)))
+    if interpret is None:
+        out = jax.lax.platform_dependent(*args, tpu=functools.partial(run, interpret=False),
+                                         default=functools.partial(run, interpret=True))
+    else:
+        out = run(*args, interpret=interpret)
+    out = jnp.swapaxes(out, 1, 2)
     if q_segment_ids is None:
-        return jnp.swapaxes(jax.vmap(kernel)(qt, kt, vt), 1, 2)
-    ids = sa.SegmentIds(q=q_segment_ids.astype(jnp.int32), kv=kv_segment_ids.astype(jnp.int32))
-    out = jnp.swapaxes(jax.vmap(kernel)(qt, kt, vt, ids), 1, 2)
+        return out
     # The kernel returns the mean of V on rows with nothing to attend to, and lets padding
     # (id 0) attend padding: zero both.
     same = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]  # [B, T, S]
@@ -86,3 +103,31 @@ def sharded_splash_attention(q, k, v, mesh, *, q_segment_ids=None, kv_segment_id
     specs = (heads,) * 3 + (ids,) * (len(args) - 3)
     return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=heads,
                          check_vma=False)(*args)
+
+
+def fits(q: jax.Array, k: jax.Array) -> bool:
+    """Whether `self_attention` takes these shapes here: `supports`, and the heads and the
+    batch split over the mesh in context (if any) as its shard_map splits them."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return supports(q, k)
+    shards = 1
+    for axis in sharding.BATCH_AXES:
+        shards *= mesh.shape.get(axis, 1)
+    return (supports(q, k) and q.shape[0] % shards == 0
+            and q.shape[2] % mesh.shape.get("tensor", 1) == 0)
+
+
+def self_attention(q, k, v, *, causal: bool, local_window_size=None,
+                   segment_ids=None) -> jax.Array:
+    """Self-attention by the kernel, over the mesh in context (the train step's
+    `jax.sharding.use_abstract_mesh`) in a shard_map, or on one device without one. Its mask is
+    what `causal`, the window and `segment_ids` [B, T] (0 = padding) imply."""
+    ids = {} if segment_ids is None else dict(q_segment_ids=segment_ids,
+                                              kv_segment_ids=segment_ids)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return splash_attention(q, k, v, causal=causal, local_window_size=local_window_size,
+                                **ids)
+    return sharded_splash_attention(q, k, v, mesh, causal=causal,
+                                    local_window_size=local_window_size, **ids)

@@ -21,6 +21,7 @@ whose checkpoints hold no loss scale.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -79,8 +80,9 @@ class Trainer:
 def build_trainer(run: Resolved, mesh) -> Trainer:
     """Model, optimizer and the state's shardings (nothing allocated yet)."""
     cfg = run.config
-    model = (VisionTransformer(run.model) if run.model.architecture == "vision"
-             else Transformer(run.model))
+    model_config = attention_for_mesh(run.model, mesh)
+    model = (VisionTransformer(model_config) if model_config.architecture == "vision"
+             else Transformer(model_config))
     tx, schedule = optim.make_optimizer(cfg.optimizer, d_model=run.model.d_model,
                                         total_steps=cfg.num_train_steps)
     loss_scale = (optim.loss_scale_config(cfg.optimizer) if run.model.dtype == "float16"
@@ -93,6 +95,14 @@ def build_trainer(run: Resolved, mesh) -> Trainer:
     return Trainer(model, tx, schedule, mesh, shardings, abstract,
                    loss_chunk_tokens=resolve_loss_chunk_tokens(cfg.loss_chunk_tokens),
                    loss_scale=loss_scale)
+
+
+def attention_for_mesh(model: TransformerConfig, mesh) -> TransformerConfig:
+    """`model.attention_implementation="auto"` on a mesh of TPUs (compile-only ones included)
+    becomes "splash": the Pallas kernel in the self-attention layers it fits."""
+    if model.attention_implementation == "auto" and mesh.devices.flat[0].platform == "tpu":
+        return dataclasses.replace(model, attention_implementation="splash")
+    return model
 
 
 # Target tokens per device whose logits the loss computes at once, by backend, for

@@ -121,7 +121,8 @@ class VisionTransformer(nn.Module):
         x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
         x = nn.with_logical_constraint(x, ("batch", "length", None))
         attention_fn = self.attention_fn or functools.partial(
-            attention.dot_product_attention, implementation=cfg.attention_implementation)
+            attention.dot_product_attention,
+            implementation=cfg.dense_attention_implementation)
         x = VisionEncoder(cfg, attention_fn, name="encoder")(x, deterministic=deterministic)
         pooled = x[:, 0] if cfg.pooling == "cls" else jnp.mean(x, axis=1)
         return ClassifierHead(cfg, name="head")(pooled)
