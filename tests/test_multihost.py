@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import SHRUNK_DEFAULT
+from conftest import CACHE_DIR, SHRUNK_DEFAULT
 
 from transformer.checkpoint_hooks import FAULT_ENV
 
@@ -48,7 +48,7 @@ def launch(workdir, *, processes: int, devices: int, overrides=(),
     if processes > 1:
         env.pop("JAX_COMPILATION_CACHE_DIR", None)
     else:
-        env.update(JAX_COMPILATION_CACHE_DIR=str(ROOT / ".cache" / "jax"),
+        env.update(JAX_COMPILATION_CACHE_DIR=str(CACHE_DIR),
                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5")
     env.pop(FAULT_ENV, None)
     command = [sys.executable, "train.py", f"--workdir={workdir}", *common, *overrides]

@@ -189,7 +189,6 @@ class MultiHeadAttention(nn.Module):
                      attention.attention_weights(q, k, mask=mask, **kwargs))
         return y, cache
 
-
     def _runs_splash(self, q, k, is_cross, cache, in_prefix, deterministic) -> bool:
         """Whether `model.attention_implementation="splash"` runs the kernel here: training's
         self-attention (no cache), whose mask is the one `causal`, the window and `segments`

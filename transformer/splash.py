@@ -111,11 +111,8 @@ def fits(q: jax.Array, k: jax.Array) -> bool:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return supports(q, k)
-    shards = 1
-    for axis in sharding.BATCH_AXES:
-        shards *= mesh.shape.get(axis, 1)
-    return (supports(q, k) and q.shape[0] % shards == 0
-            and q.shape[2] % mesh.shape.get("tensor", 1) == 0)
+    return (supports(q, k) and q.shape[0] % sharding.batch_shards(mesh.shape) == 0
+            and q.shape[2] % mesh.shape["tensor"] == 0)
 
 
 def self_attention(q, k, v, *, causal: bool, local_window_size=None,
