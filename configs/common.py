@@ -93,6 +93,7 @@ def paper_config(*, size: str, target_lang: str, dropout_rate: float) -> config_
         rope_theta=10000.0,  # read by positional="rope" only
         scale_embeddings=True,  # section 3.4: embeddings times sqrt(d_model)
         gelu_approximate=True,  # read by activation="gelu" only
+        bos_id=2, eos_id=3, pad_id=0,  # the vocabulary's (transformer/data/tokenizer.py)
         attention_kind="softmax",  # the paper's: softmax over every position, every layer
         linear_feature_map="elu",  # read by attention_kind="linear" only
         attention_window=config_dict.placeholder(int),  # read by "local" layers only

@@ -53,10 +53,12 @@ def _gpt2(path):
     return _save(transformers.GPT2LMHeadModel(config), path)
 
 
-def _hf_logits(model, tokens):
+def _hf_logits(model, tokens, padded=True):
+    """`model`'s logits of `tokens`, id 0 taken for padding unless not `padded`."""
+    mask = tokens != 0 if padded else np.ones_like(tokens)
     with torch.no_grad():
         out = model(input_ids=torch.tensor(tokens, dtype=torch.long),
-                    attention_mask=torch.tensor(tokens != 0, dtype=torch.long))
+                    attention_mask=torch.tensor(mask, dtype=torch.long))
     return out.logits.float().numpy()
 
 
@@ -239,3 +241,133 @@ def test_language_model_trained_here_exports_to_llama(tmp_path, load_config):
     np.testing.assert_allclose(_hf_logits(hf_model, TOKENS)[valid],
                                np.asarray(_prefill_logits(model, params, TOKENS))[valid],
                                atol=ATOL, rtol=0)
+
+
+def _llama_sentencepiece(path):
+    """Llama's special ids (unk 0, bos 1, eos 2, no padding) in a small SentencePiece model."""
+    import io
+
+    import sentencepiece as spm
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(TRANSLATION_SENTENCES), model_writer=model, vocab_size=128,
+        model_type="bpe", unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+    (path / convert.TOKENIZER_MODEL).write_bytes(model.getvalue())
+    return 128, dict(bos_token_id=1, eos_token_id=2)
+
+
+def _gpt2_tokenizer_json(path):
+    """GPT-2's kind of vocabulary: byte-level BPE in a tokenizer.json, "<|endoftext|>" last as
+    both bos and eos, no padding (id 0 is an ordinary token)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(TRANSLATION_SENTENCES, trainers.BpeTrainer(
+        vocab_size=320, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    tokenizer.add_special_tokens(["<|endoftext|>"])
+    tokenizer.save(str(path / tokenizer_lib.JSON_FILE))
+    last = tokenizer.get_vocab_size() - 1
+    return last + 1, dict(bos_token_id=last, eos_token_id=last)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_the_checkpoint_tokenizer_and_its_special_ids_become_the_run_vocabulary(
+        tmp_path, family):
+    """Llama's SentencePiece model (bos 1, eos 2) and GPT-2's tokenizer.json (bos = eos = the
+    last id, no padding): the run reads text with them, teacher-forces behind the checkpoint's
+    BOS, generates what `transformers` generates, and exports them unchanged."""
+    hf_dir = tmp_path / family
+    hf_dir.mkdir()
+    make_vocabulary, config_class, model_class, sizes = {
+        "llama": (_llama_sentencepiece, transformers.LlamaConfig,
+                  transformers.LlamaForCausalLM,
+                  dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=64)),
+        "gpt2": (_gpt2_tokenizer_json, transformers.GPT2Config, transformers.GPT2LMHeadModel,
+                 dict(n_embd=64, n_layer=2, n_head=4, n_positions=64)),
+    }[family]
+    vocab_size, special = make_vocabulary(hf_dir)
+    torch.manual_seed(0)
+    hf_model = _save(model_class(config_class(vocab_size=vocab_size, initializer_range=0.2,
+                                              **special, **sizes)), hf_dir)
+    workdir, run, params = _import(tmp_path, hf_dir)
+    bos, eos = special["bos_token_id"], special["eos_token_id"]
+    assert (run.model.bos_id, run.model.eos_id, run.model.pad_id) == (bos, eos, None)
+    tokenizer = workdir_lib.load_tokenizer(workdir, vocab_size)
+    assert (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id) == (bos, eos, None)
+    text = "Opens a dialog where you can choose" + ("!" if family == "gpt2" else "")
+    ids = tokenizer.encode([text])[0]
+    if family == "gpt2":  # the tokenizers library's own reading, through transformers
+        fast = transformers.PreTrainedTokenizerFast(
+            tokenizer_file=str(hf_dir / tokenizer_lib.JSON_FILE))
+        assert ids == fast.encode(text, add_special_tokens=False)
+        assert ids[-1] == 0  # "!": id 0 is an ordinary token here
+    assert tokenizer.decode(ids + [eos, 7]) == text
+    # Teacher forcing puts the checkpoint's BOS first; id 0 is never taken for padding.
+    targets = np.array([ids + [eos]], np.int32)
+    forced = Transformer(run.model).apply({"params": params}, None, targets)
+    expected = _hf_logits(hf_model, np.array([[bos] + ids], np.int32), padded=False)
+    np.testing.assert_allclose(np.asarray(forced), expected, atol=ATOL, rtol=0)
+    # Greedy generation from text, as `generate --temperature=0` runs it.
+    prompt = tokenizer.encode(["Opens a dialog"])[0]
+    with torch.no_grad():
+        theirs = hf_model.generate(torch.tensor([[bos] + prompt]), max_new_tokens=8,
+                                   do_sample=False, pad_token_id=eos)[0, 1:].tolist()
+    ours = load_generator(workdir).generate(["Opens a dialog"], max_new_tokens=8,
+                                            temperature=0.0)
+    assert ours == [tokenizer.decode(theirs)]
+    # Export writes the vocabulary and the special ids back unchanged.
+    out = tmp_path / "exported"
+    convert.export_workdir(workdir, str(out))
+    name = tokenizer_lib.JSON_FILE if family == "gpt2" else convert.TOKENIZER_MODEL
+    assert (out / name).read_bytes() == (hf_dir / name).read_bytes()
+    exported = convert.read_json(str(out / "config.json"), "")
+    assert {k: exported[k] for k in special} == special
+    assert exported["pad_token_id"] is None
+
+
+def test_a_large_export_is_written_in_shards_with_their_index(tmp_path):
+    """Shards of at most `max_shard_bytes` (a bigger tensor alone in its own), indexed as
+    `save_pretrained` indexes them: `transformers` loads the same tensors and logits."""
+    hf_dir = tmp_path / "llama"
+    hf_model = _llama(hf_dir)
+    workdir, _, _ = _import(tmp_path, hf_dir)
+    out = tmp_path / "sharded"
+    out.mkdir()
+    (out / convert.SINGLE_FILE).write_bytes(b"an earlier export")
+    path = convert.export_workdir(workdir, str(out), max_shard_bytes=40_000)
+    assert path == str(out / convert.INDEX_FILE)
+    index = convert.read_json(path, "")
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and shards[-1] == f"model-{len(shards):05d}-of-{len(shards):05d}" \
+        ".safetensors"
+    assert sorted(p.name for p in out.glob("model*")) == sorted(shards + [convert.INDEX_FILE])
+    original = load_file(str(hf_dir / convert.SINGLE_FILE))
+    sizes = {}
+    for shard in shards:
+        tensors = load_file(str(out / shard))
+        sizes[shard] = sum(v.nbytes for v in tensors.values())
+        assert len(tensors) == 1 or sizes[shard] <= 40_000
+        for name, value in tensors.items():
+            assert index["weight_map"][name] == shard
+            np.testing.assert_array_equal(value, original[name], err_msg=name)
+    assert index["metadata"]["total_size"] == sum(sizes.values())
+    assert set(index["weight_map"]) == set(original)
+    reloaded = transformers.LlamaForCausalLM.from_pretrained(str(out)).eval()
+    np.testing.assert_array_equal(_hf_logits(reloaded, TOKENS), _hf_logits(hf_model, TOKENS))
+
+
+def test_padding_is_read_from_segment_ids_where_a_batch_has_them():
+    """Id 0 is an ordinary token of some imported vocabularies (GPT-2's "!"): where a batch
+    has segment ids they alone say what counts in the loss."""
+    from transformer import train_lib
+
+    targets = np.array([[0, 5, 0, 0]], np.int32)
+    packed = {"targets": targets, "targets_segmentation": np.array([[1, 1, 2, 0]], np.int32)}
+    np.testing.assert_array_equal(train_lib.loss_weights(packed), [[1, 1, 1, 0]])
+    np.testing.assert_array_equal(train_lib.loss_weights({"targets": targets}), [[0, 1, 0, 0]])

@@ -2,12 +2,13 @@
 
     python -m transformer.convert import --from=<save_pretrained dir> --workdir=<W> \\
         [--config=configs/lm_default.py]
-    python -m transformer.convert export --workdir=<W> --to=<dir> [--step=N]
+    python -m transformer.convert export --workdir=<W> --to=<dir> [--step=N] [--max_shard_gb=5]
 
 `import` writes a run whose parameters `generate`, `evaluate` and `init_from` read; `--config`
 gives its data, optimizer and mesh (default: configs/lm_default.py for language models,
 configs/vit_b16_imagenet.py for a ViT), the checkpoint gives `model.*`. `export` writes
-`config.json` and `model.safetensors` that `transformers`' `from_pretrained` loads.
+`config.json`, the safetensors (shards of at most `--max_shard_gb` with their index beyond
+that) and the tokenizer, which `transformers`' `from_pretrained` loads.
 """
 
 from absl import app, flags
@@ -21,6 +22,8 @@ flags.DEFINE_string("to", None, "export: the directory to write.")
 flags.DEFINE_string("config", None, "import: the run config file for data and optimizer.")
 flags.DEFINE_integer("step", None, "export: checkpoint step (default: the latest).",
                      lower_bound=0)
+flags.DEFINE_float("max_shard_gb", 5.0, "export: GB (10^9 bytes) per safetensors file; a "
+                   "bigger model is written as shards with an index", lower_bound=1e-9)
 flags.mark_flags_as_required(["workdir"])
 FLAGS = flags.FLAGS
 
@@ -40,7 +43,8 @@ def main(argv):
         else:
             if not FLAGS.to:
                 raise ValueError("export needs --to=<directory>")
-            path = convert.export_workdir(FLAGS.workdir, FLAGS.to, step=FLAGS.step)
+            path = convert.export_workdir(FLAGS.workdir, FLAGS.to, step=FLAGS.step,
+                                          max_shard_bytes=int(FLAGS.max_shard_gb * 1e9))
         print(path)
 
 

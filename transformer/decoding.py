@@ -233,17 +233,19 @@ def filter_logits(logits: jax.Array, *, temperature: float, top_k: int = 0,
 
 def sample(decode_fn: DecodeFn, cache: Any, logits: jax.Array, *, keys: jax.Array,
            max_length: int, eos_id: int, temperature: float = 1.0, top_k: int = 0,
-           top_p: float = 1.0) -> jax.Array:
+           top_p: float = 1.0, pad_id: int | None = PAD_ID) -> jax.Array:
     """Tokens [B, T] (T = max_length) drawn after a prompt, each row ending at its first EOS,
     zeros after.
 
     `logits` [B, 1, V] are the prompt's last (from the call that filled the cache), `keys` [B]
     one PRNG key per row; token i of a row is drawn with `fold_in(key, i)`. Temperature 0 is
-    greedy (top_k and top_p then change nothing).
+    greedy (top_k and top_p then change nothing). `pad_id` is never drawn (None: every id may
+    be, for a vocabulary without a padding token).
     """
     def choose(logits, step):
         logits = logits[:, 0].astype(jnp.float32)
-        logits = jnp.where(jnp.arange(logits.shape[-1]) == PAD_ID, NEG_INF, logits)
+        if pad_id is not None:
+            logits = jnp.where(jnp.arange(logits.shape[-1]) == pad_id, NEG_INF, logits)
         if temperature == 0.0:
             return jnp.argmax(logits, axis=-1).astype(jnp.int32)
         filtered = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)

@@ -32,7 +32,6 @@ from ml_collections import ConfigDict
 from transformer import checkpoint, decoding, progress
 from transformer import workdir as workdir_lib
 from transformer.config import resolve
-from transformer.data.tokenizer import BOS_ID, EOS_ID
 from transformer.model import Transformer, TransformerConfig, init_cache
 from transformer.translator import bucket_length
 
@@ -143,7 +142,7 @@ class Generator:
         order = list(range(len(prompts))) + [0] * (rows - len(prompts))
         inputs = np.zeros((rows, length), np.int32)
         for row, i in enumerate(order):
-            inputs[row, :1 + len(prompts[i])] = [BOS_ID] + prompts[i]
+            inputs[row, :1 + len(prompts[i])] = [self.model_config.bos_id] + prompts[i]
         lengths = np.array([1 + len(prompts[i]) for i in order], np.int32)
         indices = np.asarray(prompt_indices, np.uint32)[order]
         keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(
@@ -207,8 +206,8 @@ def _sample_fn(model: Transformer, prefix_lm: bool, max_new_tokens: int, tempera
 
         decode_fn = jax.vmap(decode_row, in_axes=(0, axes), out_axes=(0, axes))
         return decoding.sample(decode_fn, cache, last, keys=keys, max_length=max_new_tokens,
-                               eos_id=EOS_ID, temperature=temperature, top_k=top_k,
-                               top_p=top_p)
+                               eos_id=model.config.eos_id, temperature=temperature,
+                               top_k=top_k, top_p=top_p, pad_id=model.config.pad_id)
 
     return jax.jit(run)
 

@@ -235,14 +235,15 @@ class Decoder(nn.Module):
         return head, new_cache
 
 
-def shift_right(targets: jax.Array, segmentation: jax.Array | None = None) -> jax.Array:
-    """Decoder inputs [B, T]: targets shifted right by one, BOS first (and at every packed
+def shift_right(targets: jax.Array, segmentation: jax.Array | None = None, *,
+                bos_id: int = BOS_ID) -> jax.Array:
+    """Decoder inputs [B, T]: targets shifted right by one, `bos_id` first (and at every packed
     segment's start), so position t sees targets < t (teacher forcing)."""
-    shifted = jnp.pad(targets, ((0, 0), (1, 0)), constant_values=BOS_ID)[:, :-1]
+    shifted = jnp.pad(targets, ((0, 0), (1, 0)), constant_values=bos_id)[:, :-1]
     if segmentation is None:
         return shifted
     previous = jnp.pad(segmentation, ((0, 0), (1, 0)))[:, :-1]
-    return jnp.where(segmentation != previous, BOS_ID, shifted)
+    return jnp.where(segmentation != previous, bos_id, shifted)
 
 
 def prefix_inputs(targets_prefix: jax.Array, segmentation: jax.Array | None = None) -> jax.Array:
@@ -363,9 +364,12 @@ class Transformer(nn.Module):
         self_mask = None  # needed by global softmax layers only
         if cache is None:
             _check_length(cfg, targets.shape[1], "target")
-            tokens = shift_right(targets, targets_segmentation)
+            tokens = shift_right(targets, targets_segmentation, bos_id=cfg.bos_id)
             positions = _positions(targets, targets_positions)
-            segments = targets != 0 if targets_segmentation is None else targets_segmentation
+            if targets_segmentation is not None:
+                segments = targets_segmentation
+            else:  # with no padding token (model.pad_id None) every target is one
+                segments = (targets != 0) | (cfg.pad_id is None)
             in_prefix = (None if targets_prefix is None
                          else prefix_inputs(targets_prefix, targets_segmentation))
             self_segments = segments.astype(jnp.int32)

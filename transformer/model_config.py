@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer import attention, layers, linear_attention
+from transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 # vision: `transformer.vit`; classifier: the encoder and a class head (`Transformer.classify`)
 ARCHITECTURES = ("encoder_decoder", "encoder", "decoder", "vision", "classifier")
@@ -68,6 +69,13 @@ class TransformerConfig:
     rope_theta: float = 10000.0  # RoPE's base
     scale_embeddings: bool = True  # token embeddings times sqrt(d_model) (paper section 3.4)
     gelu_approximate: bool = True  # activation="gelu": tanh approximation (False: exact erf)
+    # The token ids the model reads (data/tokenizer.py's unless a checkpoint brings its own
+    # vocabulary): the decoder's start and a sequence's end, and pad_id 0 (never a target,
+    # never generated) or None where id 0 is an ordinary token (GPT-2's "!"): arrays are still
+    # padded with 0, and padding is then read from segment ids and lengths alone.
+    bos_id: int = BOS_ID
+    eos_id: int = EOS_ID
+    pad_id: int | None = PAD_ID
     # Self-attention beyond the paper: "linear" (Katharopoulos et al., 2020; feature map
     # `linear_feature_map`), or softmax over all positions ("global") or a sliding window
     # ("local": the `attention_window` previous positions, and as many after in an encoder),
@@ -120,6 +128,17 @@ class TransformerConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"model.num_kv_heads={self.num_kv_heads} does not divide "
                              f"num_heads={self.num_heads}")
+        if self.pad_id not in (PAD_ID, None):
+            raise ValueError(f"model.pad_id={self.pad_id} must be {PAD_ID} (padding) or None (no "
+                             f"padding token: id {PAD_ID} is an ordinary token)")
+        if self.pad_id is None and (self.attention_kind != "softmax"
+                                    or "local" in self.attention_pattern):
+            raise ValueError("model.pad_id=None needs global softmax attention: local and "
+                             "linear layers read padding from id 0 while decoding")
+        for field in ("bos_id", "eos_id") if self.num_decoder_layers else ():
+            if not 0 <= getattr(self, field) < self.vocab_size:
+                raise ValueError(f"model.{field}={getattr(self, field)} is not an id of the "
+                                 f"vocabulary (0 to vocab_size-1={self.vocab_size - 1})")
         if self.rope_theta <= 0:
             raise ValueError(f"model.rope_theta={self.rope_theta} must be positive")
         if self.positional == "rope" and self.d_k % 2:

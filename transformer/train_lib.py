@@ -155,12 +155,13 @@ def _model_kwargs(batch: dict) -> dict:
 
 
 def loss_weights(batch: dict) -> jax.Array:
-    """1.0 where a target token counts in the loss: not padding (0) and, for a prefix LM, not
+    """1.0 where a target token counts in the loss: not padding (segment 0 where the batch has
+    segment ids, so that id 0 may be an ordinary token; else token 0) and, for a prefix LM, not
     in the prefix. (A masked LM's targets are 0 except at the masked positions.) For a
     classification batch, 1.0 on each row whose label is not -1 (padding)."""
     if "label" in batch:
         return (batch["label"] >= 0).astype(jnp.float32)
-    counted = batch["targets"] != 0
+    counted = batch.get("targets_segmentation", batch["targets"]) != 0
     if "targets_prefix" in batch:
         counted = counted & (batch["targets_prefix"] == 0)
     return counted.astype(jnp.float32)

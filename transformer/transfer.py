@@ -33,7 +33,6 @@ import numpy as np
 from transformer import checkpoint
 from transformer import workdir as workdir_lib
 from transformer.data import tokenizer as tokenizer_lib
-from transformer.data.tokenizer import MODEL_FILE
 
 log = logging.getLogger("transformer")
 POSITION_EMBEDDING = "position_embedding"  # a ViT's learned table: resized, not refused
@@ -89,28 +88,31 @@ def parse(spec: str) -> InitSource:
 
 
 def copy_vocabulary(source: InitSource, workdir: str, vocab_size: int) -> None:
-    """Puts the pretrained run's SentencePiece model into `<workdir>/vocab/` (once)."""
-    src = workdir_lib.path(source.workdir, workdir_lib.VOCAB, MODEL_FILE)
+    """Puts the pretrained run's vocabulary (its SentencePiece model, or an imported
+    tokenizer.json) into `<workdir>/vocab/` (once)."""
+    src_dir = workdir_lib.path(source.workdir, workdir_lib.VOCAB)
+    src = tokenizer_lib.vocabulary_file(src_dir)
     if not os.path.isfile(src):
         raise ValueError(f"init_from={source.describe()}: {src} is missing; the pretrained "
                          f"run's vocabulary is needed to fine-tune it")
-    pretrained = tokenizer_lib.Tokenizer.load(src)
+    pretrained = tokenizer_lib.load(src_dir)
     if pretrained.vocab_size != vocab_size:
         raise ValueError(f"init_from={source.describe()} has a {pretrained.vocab_size}-piece "
                          f"vocabulary but data.vocab_size={vocab_size}: set "
                          f"--config.data.vocab_size={pretrained.vocab_size}")
-    target = workdir_lib.path(workdir, workdir_lib.VOCAB, MODEL_FILE)
+    target_dir = workdir_lib.path(workdir, workdir_lib.VOCAB)
+    target = tokenizer_lib.vocabulary_file(target_dir)
     if os.path.isfile(target):
-        if tokenizer_lib.Tokenizer.load(target).sha256 != pretrained.sha256:
+        if tokenizer_lib.load(target_dir).sha256 != pretrained.sha256:
             raise ValueError(f"{target} is not init_from's vocabulary ({src}): fine-tune in a "
                              f"new --workdir")
         return
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    for name in sorted(os.listdir(os.path.dirname(src)), key=lambda n: n == MODEL_FILE):
-        if name.startswith("sentencepiece.") or name == "info.json":  # the model file last
-            destination = os.path.join(os.path.dirname(target), name)
-            shutil.copyfile(os.path.join(os.path.dirname(src), name), f"{destination}.tmp")
-            os.replace(f"{destination}.tmp", destination)  # other processes may copy it too
+    os.makedirs(target_dir, exist_ok=True)
+    main_file = os.path.basename(src)
+    for name in sorted(os.listdir(src_dir), key=lambda n: n == main_file):  # the model last
+        destination = os.path.join(target_dir, name)
+        shutil.copyfile(os.path.join(src_dir, name), f"{destination}.tmp")
+        os.replace(f"{destination}.tmp", destination)  # other processes may copy it too
 
 
 def _read(source: InitSource) -> dict:

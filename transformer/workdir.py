@@ -87,21 +87,27 @@ def recorded_vocabulary(workdir: str) -> str | None:
 
 
 def load_tokenizer(workdir: str, vocab_size: int):
-    """The run's SentencePiece model (`<workdir>/vocab/`), refused unless it is the vocabulary
-    the run was trained with (`vocab_size` pieces, and the sha256 recorded in config.json)."""
+    """The run's vocabulary (`<workdir>/vocab/`: its SentencePiece model, or an imported
+    checkpoint's tokenizer.json), refused unless it is the vocabulary the run was trained with
+    (`vocab_size` pieces, and the sha256 recorded in config.json)."""
     from transformer.data import tokenizer as tokenizer_lib
 
-    vocab = path(workdir, VOCAB, tokenizer_lib.MODEL_FILE)
+    directory = path(workdir, VOCAB)
+    vocab = tokenizer_lib.vocabulary_file(directory)
     if not os.path.exists(vocab):
-        raise ValueError(f"{vocab} is missing: this run has no SentencePiece vocabulary "
-                         f"(was it trained on text, not the synthetic task?)")
+        raise ValueError(f"{vocab} is missing: this run has no vocabulary (was it trained on "
+                         f"text, not the synthetic task?)")
     if not os.path.isfile(vocab):
         raise ValueError(f"{vocab} is not a file: restore the run's vocab/ directory")
+    kind = ("a tokenizer.json" if vocab.endswith(tokenizer_lib.JSON_FILE)
+            else "a SentencePiece model")
     try:
-        tokenizer = tokenizer_lib.Tokenizer.load(vocab)
-    except RuntimeError:  # sentencepiece: the bytes do not parse as a model
-        raise ValueError(f"{vocab} is damaged (not a SentencePiece model): restore the run's "
-                         f"vocab/ directory from a copy") from None
+        tokenizer = tokenizer_lib.load(directory)
+    except tokenizer_lib.VocabularyMismatch:
+        raise
+    except (RuntimeError, ValueError, OSError):  # the bytes do not parse as a vocabulary
+        raise ValueError(f"{vocab} is damaged (not {kind}): restore the run's vocab/ "
+                         f"directory from a copy") from None
     recorded = recorded_vocabulary(workdir)
     if tokenizer.vocab_size != vocab_size or recorded not in (None, tokenizer.sha256):
         raise tokenizer_lib.VocabularyMismatch(

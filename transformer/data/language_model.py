@@ -63,14 +63,15 @@ LENGTH_SAMPLE = 2000  # documents whose mean length sizes docs_per_batch
 _TRAIN, _EVAL = 0, 1  # random streams
 
 
-def cut_pieces(sequences, length: int, *, eos: bool = True) -> list[np.ndarray]:
-    """Each id sequence (with EOS appended when `eos`), cut into consecutive pieces of at most
-    `length`."""
+def cut_pieces(sequences, length: int, *,
+               eos: int | None = tokenizer_lib.EOS_ID) -> list[np.ndarray]:
+    """Each id sequence (with `eos` appended unless None), cut into consecutive pieces of at
+    most `length`."""
     pieces = []
     for seq in sequences:
         ids = np.asarray(seq, np.int32)
-        if eos:
-            ids = np.append(ids, np.int32(tokenizer_lib.EOS_ID))
+        if eos is not None:
+            ids = np.append(ids, np.int32(eos))
         pieces.extend(ids[i:i + length] for i in range(0, len(ids), length))
     return pieces
 
@@ -251,8 +252,8 @@ class LanguageModelSource:
     def _cut(self, texts: list[str]) -> list[np.ndarray]:
         ids = self.tokenizer.encode(texts)
         if self.span_length:  # corruption needs two tokens; each side gets its own EOS
-            return [p for p in cut_pieces(ids, self.span_length, eos=False) if len(p) >= 2]
-        return cut_pieces(ids, self.max_length)
+            return [p for p in cut_pieces(ids, self.span_length, eos=None) if len(p) >= 2]
+        return cut_pieces(ids, self.max_length, eos=self.tokenizer.eos_id)
 
     def _lengths(self, pieces) -> tuple[np.ndarray, np.ndarray]:
         """(inputs, targets) tokens each piece will take in a row (known before corrupting)."""
@@ -335,7 +336,7 @@ def from_config(cfg, workdir: str | None = None) -> LanguageModelSource:
             int(data.max_length) > int(cfg.model.max_len):
         raise ValueError(f"data.max_length={data.max_length} exceeds model.max_len="
                          f"{cfg.model.max_len}")
-    return LanguageModelSource(
+    source = LanguageModelSource(
         data.dataset, objective=objective, vocab_size=int(data.vocab_size),
         max_length=int(data.max_length), batch_size=int(data.batch_size),
         grad_accum_steps=int(cfg.grad_accum_steps), eval_batch_size=data.get("eval_batch_size"),
@@ -345,3 +346,5 @@ def from_config(cfg, workdir: str | None = None) -> LanguageModelSource:
         data_dir=data.get("data_dir"), manual_dir=data.get("manual_dir"), workdir=workdir,
         vocab_sample_documents=int(data.get("vocab_sample_documents") or 200_000),
         num_sentinels=int(data.get("num_sentinels") or DEFAULT_SENTINELS.get(objective, 0)))
+    tokenizer_lib.check_special_ids(source.tokenizer, cfg.model)
+    return source

@@ -1,10 +1,14 @@
-"""SentencePiece: one vocabulary shared by source and target, trained (seeded) on first use.
+"""Vocabularies: SentencePiece, one vocabulary shared by source and target, trained (seeded)
+on first use; or an imported checkpoint's own (`HuggingFaceTokenizer`).
 
 Ids follow DESIGN.md: pad 0, unk 1, bos 2 (the decoder's start), eos 3, then the user-defined
 `[MASK]` (4): the ids are defined here, once, and imported everywhere (the model and decoding
 included: this module imports SentencePiece only when a model is loaded or trained, so it needs
-no data extra). A run keeps its model in `<workdir>/vocab/` and reuses it on resume; a model whose
-size differs from `data.vocab_size`, or whose sha256 differs from the one the run recorded in
+no data extra). An imported checkpoint's vocabulary keeps its own ids: each tokenizer says its
+`bos_id`, `eos_id` and `pad_id` (0, or None where id 0 is an ordinary token), and the run's
+`model.*` fields of the same names agree with them. A run keeps its vocabulary in
+`<workdir>/vocab/` (`load` reads either kind) and reuses it on resume; a model whose size
+differs from `data.vocab_size`, or whose sha256 differs from the one the run recorded in
 `config.json`, is an error rather than a silent retrain.
 """
 
@@ -26,6 +30,8 @@ MASK_ID, MASK_PIECE = 4, "[MASK]"  # a user-defined piece: the first id after th
 FIRST_ORDINARY_ID = MASK_ID + 1  # ids below are special (sentinels, when reserved, follow)
 SENTINEL_PIECE = "<extra_id_{}>"  # T5's span-corruption sentinels: user-defined, after [MASK]
 MODEL_FILE = "sentencepiece.model"
+JSON_FILE = "tokenizer.json"  # the `tokenizers` library's file, as save_pretrained writes it
+SPECIAL_IDS_FILE = "special_ids.json"  # beside JSON_FILE: its bos_id, eos_id and pad_id
 
 
 class VocabularyMismatch(ValueError):
@@ -33,17 +39,21 @@ class VocabularyMismatch(ValueError):
 
 
 class Tokenizer:
-    """A SentencePiece model: text <-> ids (no EOS added by `encode`; `decode` stops at EOS)."""
+    """A SentencePiece model: text <-> ids (no EOS added by `encode`; `decode` stops at EOS).
+    Ours (`train`) has pad 0, unk 1, bos 2, eos 3; an imported one (Llama's `tokenizer.model`:
+    unk 0, bos 1, eos 2, no pad) keeps its own."""
 
     def __init__(self, model_proto: bytes):
         import sentencepiece as spm
 
         self.model_proto = bytes(model_proto)
         self._sp = spm.SentencePieceProcessor(model_proto=self.model_proto)
-        if (self._sp.pad_id(), self._sp.unk_id(), self._sp.bos_id(), self._sp.eos_id()) != (
-                PAD_ID, UNK_ID, BOS_ID, EOS_ID):
-            raise VocabularyMismatch("the SentencePiece model must have pad 0, unk 1, bos 2, "
-                                     "eos 3 (train it with transformer.data.tokenizer.train)")
+        self.bos_id, self.eos_id = self._sp.bos_id(), self._sp.eos_id()
+        self.pad_id = None if self._sp.pad_id() < 0 else self._sp.pad_id()
+        if self.pad_id not in (PAD_ID, None) or min(self.bos_id, self.eos_id) < 0:
+            raise VocabularyMismatch(
+                f"the SentencePiece model has pad {self._sp.pad_id()}, bos {self.bos_id}, eos "
+                f"{self.eos_id}: it needs a bos and an eos piece, and pad {PAD_ID} or none")
 
     @classmethod
     def load(cls, path: str) -> Tokenizer:
@@ -63,7 +73,7 @@ class Tokenizer:
         """Ids of the reserved sentinels `<extra_id_0>`, `<extra_id_1>`, ... (none unless the
         vocabulary was trained with `num_sentinels`)."""
         ids = []
-        while (i := self._sp.piece_to_id(SENTINEL_PIECE.format(len(ids)))) != UNK_ID:
+        while (i := self._sp.piece_to_id(SENTINEL_PIECE.format(len(ids)))) != self._sp.unk_id():
             ids.append(i)
         return ids
 
@@ -80,14 +90,7 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids` up to the first EOS; padding and BOS are dropped."""
-        kept = []
-        for i in ids:
-            i = int(i)
-            if i == EOS_ID:
-                break
-            if i not in (PAD_ID, BOS_ID):
-                kept.append(i)
-        return self._sp.decode(kept)
+        return self._sp.decode(_content(ids, self))
 
     def id_to_piece(self, i: int) -> str:
         return self._sp.id_to_piece(int(i))
@@ -101,6 +104,97 @@ class Tokenizer:
                          for i in range(self.vocab_size))
         _atomic_write(os.path.join(directory, "sentencepiece.vocab"), pieces.encode("utf-8"))
         return path
+
+
+class HuggingFaceTokenizer:
+    """An imported checkpoint's `tokenizer.json` (the `tokenizers` library: GPT-2's byte-level
+    BPE, Llama 3's, ...) with the special ids of its model's config; the same methods as
+    `Tokenizer` (no [MASK] or sentinels)."""
+
+    def __init__(self, json_bytes: bytes, *, bos_id: int, eos_id: int, pad_id: int | None):
+        from tokenizers import Tokenizer as JsonModel
+
+        self.json_bytes = bytes(json_bytes)
+        self._model = JsonModel.from_str(self.json_bytes.decode("utf-8"))
+        self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
+        self.mask_id, self.sentinel_ids = None, []
+
+    @classmethod
+    def load(cls, directory: str) -> HuggingFaceTokenizer:
+        """From `<directory>/tokenizer.json` and `special_ids.json` (as `save` writes them)."""
+        with open(os.path.join(directory, SPECIAL_IDS_FILE)) as f:
+            special = json.load(f)
+        with open(os.path.join(directory, JSON_FILE), "rb") as f:
+            return cls(f.read(), **special)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._model.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.json_bytes).hexdigest()
+
+    def fingerprint(self) -> str:
+        return f"tokenizer.json vocab_size={self.vocab_size} sha256={self.sha256}"
+
+    def encode(self, texts: Sequence[str], num_threads: int = 1) -> list[list[int]]:
+        """Ids of each text, without the special tokens the tokenizer would add."""
+        del num_threads  # the library picks its own
+        return [e.ids for e in self._model.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of `ids` up to the first EOS; padding (if any) and BOS are dropped."""
+        return self._model.decode(_content(ids, self), skip_special_tokens=False)
+
+    def id_to_piece(self, i: int) -> str:
+        return self._model.id_to_token(int(i))
+
+    def save(self, directory: str) -> str:
+        """Writes `<directory>/tokenizer.json` and its special ids, atomically."""
+        os.makedirs(directory, exist_ok=True)
+        special = {"bos_id": self.bos_id, "eos_id": self.eos_id, "pad_id": self.pad_id}
+        _atomic_write(os.path.join(directory, SPECIAL_IDS_FILE), json.dumps(special).encode())
+        path = os.path.join(directory, JSON_FILE)
+        _atomic_write(path, self.json_bytes)
+        return path
+
+
+def _content(ids: Iterable[int], tokenizer) -> list[int]:
+    """`ids` up to the first EOS, without padding and BOS."""
+    kept = []
+    for i in map(int, ids):
+        if i == tokenizer.eos_id:
+            break
+        if i not in (tokenizer.pad_id, tokenizer.bos_id):
+            kept.append(i)
+    return kept
+
+
+def load(directory: str) -> Tokenizer | HuggingFaceTokenizer:
+    """The vocabulary a run keeps in `directory` (`<workdir>/vocab/`): its SentencePiece model,
+    or an imported `tokenizer.json`. Raises FileNotFoundError naming the SentencePiece file
+    when there is neither, RuntimeError or ValueError when the file is damaged."""
+    if os.path.exists(os.path.join(directory, JSON_FILE)):
+        return HuggingFaceTokenizer.load(directory)
+    return Tokenizer.load(os.path.join(directory, MODEL_FILE))
+
+
+def vocabulary_file(directory: str) -> str:
+    """The file of the vocabulary in `directory`: tokenizer.json if there is one, else the
+    SentencePiece model (which may not exist yet)."""
+    json_path = os.path.join(directory, JSON_FILE)
+    return json_path if os.path.exists(json_path) else os.path.join(directory, MODEL_FILE)
+
+
+def check_special_ids(tokenizer, model) -> None:
+    """Raises `VocabularyMismatch` unless the `model` section's bos_id, eos_id and pad_id are
+    the vocabulary's (they differ from ours for an imported checkpoint)."""
+    for field, default in (("bos_id", BOS_ID), ("eos_id", EOS_ID), ("pad_id", PAD_ID)):
+        ours, theirs = model.get(field, default), getattr(tokenizer, field)
+        if ours != theirs:
+            raise VocabularyMismatch(f"model.{field}={ours} but the vocabulary's {field} is "
+                                     f"{theirs}: set --config.model.{field}={theirs}")
 
 
 def _atomic_write(path: str, data: bytes) -> None:
@@ -146,15 +240,17 @@ def train(sentences: Iterable[str], vocab_size: int, *, seed: int, model_type: s
 
 def load_or_train(directory: str, vocab_size: int, *, seed: int,
                   sentences: Callable[[], Iterable[str]], expected_sha256: str | None = None,
-                  info: dict | None = None, num_sentinels: int = 0) -> Tokenizer:
-    """The model in `directory` (`<workdir>/vocab`), trained from `sentences()` if absent.
+                  info: dict | None = None,
+                  num_sentinels: int = 0) -> Tokenizer | HuggingFaceTokenizer:
+    """The vocabulary in `directory` (`<workdir>/vocab`: `load`), a SentencePiece model trained
+    from `sentences()` if there is none.
 
     `expected_sha256` is the vocabulary the run's checkpoints were trained with (from
     config.json); a model that differs raises `VocabularyMismatch`, as does one whose size is
     not `vocab_size`."""
-    path = os.path.join(directory, MODEL_FILE)
+    path = vocabulary_file(directory)
     if os.path.exists(path):
-        tokenizer = Tokenizer.load(path)
+        tokenizer = load(directory)
         if tokenizer.vocab_size != vocab_size:
             raise VocabularyMismatch(
                 f"{path} has {tokenizer.vocab_size} pieces but data.vocab_size={vocab_size}: "

@@ -7,12 +7,14 @@ given), and places each tensor group straight into its mesh sharding as it is re
 (`jax.make_array_from_callback`: a device holds only its shard). The workdir it writes holds
 `config.json` (provenance: the source directory and its config) and the parameters as step 0
 of the params-only series `params/0/`, which `generate`, `evaluate` and `init_from` read as
-any run's. A `tokenizer.model` that is a SentencePiece model with our special ids becomes its
-`vocab/`; other tokenizers are not converted (a warning says what the run then lacks).
+any run's. The checkpoint's tokenizer becomes the run's `vocab/` with its own special ids
+(`model.bos_id`, `eos_id`, `pad_id` from config.json): `tokenizer.json` through the
+`tokenizers` library, else a SentencePiece `tokenizer.model`.
 
 `export_workdir(workdir, out_dir)` writes a run's parameters back as `config.json` and
-`model.safetensors` (float32) that `transformers`' `from_pretrained` loads, and its vocabulary
-as `tokenizer.model`.
+`model.safetensors` (float32; shards of at most `max_shard_bytes` and their index beyond that,
+as `save_pretrained` writes them) that `transformers`' `from_pretrained` loads, and its
+vocabulary as `tokenizer.json` or `tokenizer.model`.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from ml_collections import ConfigDict
 from transformer import checkpoint, sharding
 from transformer import workdir as workdir_lib
 from transformer.config import resolve
-from transformer.data.tokenizer import BOS_ID, EOS_ID, MODEL_FILE, PAD_ID
+from transformer.data import tokenizer as tokenizer_lib
+from transformer.data.tokenizer import MODEL_FILE
 from transformer.huggingface import families
 from transformer.model_config import TransformerConfig
 
@@ -45,7 +48,7 @@ TOKENIZER_MODEL = "tokenizer.model"  # a SentencePiece model, as Llama's checkpo
 INDEX_FILE = "model.safetensors.index.json"
 CONFIGS_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
 DEFAULT_CONFIG = {"decoder": "lm_default.py", "vision": "vit_b16_imagenet.py"}
-SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+MAX_SHARD_BYTES = 5 * 10**9  # export: bytes per safetensors file (save_pretrained's "5GB")
 IMPORTED_STEP = 0  # the params-only series step an import writes (no update made yet)
 EMBEDDING = "embedding/embedding"
 
@@ -207,27 +210,33 @@ def read_params(reader: TensorReader, family, model_cfg: TransformerConfig, mesh
 
 
 def _vocabulary(hf_dir: str, model_cfg: TransformerConfig):
-    """The checkpoint's `tokenizer.model` as the run's vocabulary when it is a SentencePiece
-    model with our special ids and the model's size (a checkpoint exported from a run here);
-    otherwise None, with a warning saying what the run then lacks."""
-    path = os.path.join(hf_dir, TOKENIZER_MODEL)
+    """The checkpoint's own tokenizer as the run's vocabulary: its `tokenizer.json` (with the
+    special ids of its config.json), else its SentencePiece `tokenizer.model`; None, with a
+    warning saying what the run then lacks, where there is neither or it does not fit the
+    model (another size or other special ids)."""
     if model_cfg.architecture == "vision":
         return None
     lacks = ("the run gets no vocab/: generate, evaluate and init_from need one; "
              "the Python API takes token ids")
+    json_path = os.path.join(hf_dir, tokenizer_lib.JSON_FILE)
+    path = json_path if os.path.isfile(json_path) else os.path.join(hf_dir, TOKENIZER_MODEL)
     if not os.path.isfile(path):
-        log.warning("%s has no %s: %s", hf_dir, TOKENIZER_MODEL, lacks)
+        log.warning("%s has no %s or %s: %s", hf_dir, tokenizer_lib.JSON_FILE, TOKENIZER_MODEL,
+                    lacks)
         return None
-    from transformer.data import tokenizer as tokenizer_lib
-
     try:
-        tokenizer = tokenizer_lib.Tokenizer.load(path)
-    except (RuntimeError, ValueError) as error:  # not SentencePiece, or other special ids
+        if path == json_path:
+            with open(path, "rb") as f:
+                tokenizer = tokenizer_lib.HuggingFaceTokenizer(
+                    f.read(), bos_id=model_cfg.bos_id, eos_id=model_cfg.eos_id,
+                    pad_id=model_cfg.pad_id)
+        else:
+            tokenizer = tokenizer_lib.Tokenizer.load(path)
+        if tokenizer.vocab_size != model_cfg.vocab_size:
+            raise ValueError(f"{tokenizer.vocab_size} pieces, the model {model_cfg.vocab_size}")
+        tokenizer_lib.check_special_ids(tokenizer, dataclasses.asdict(model_cfg))
+    except (RuntimeError, ValueError) as error:  # not parsed, or not this model's
         log.warning("%s is not used (%s): %s", path, error, lacks)
-        return None
-    if tokenizer.vocab_size != model_cfg.vocab_size:
-        log.warning("%s has %d pieces, the model %d: %s", path, tokenizer.vocab_size,
-                    model_cfg.vocab_size, lacks)
         return None
     return tokenizer
 
@@ -236,21 +245,11 @@ def _names(tree) -> list[str]:
     return [checkpoint.path_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
-def _special_ids(workdir: str) -> dict:
-    """The token ids `transformers` generates with: the imported checkpoint's (provenance), or
-    ours (`data/tokenizer.py`) for a run trained here."""
-    provenance = (workdir_lib.read_config_file(workdir) or {}).get("provenance", {})
-    source = provenance.get("huggingface", {}).get("config")
-    if source is not None:
-        return {k: source[k] for k in SPECIAL_IDS if source.get(k) is not None}
-    return dict(zip(SPECIAL_IDS, (BOS_ID, EOS_ID, PAD_ID), strict=True))
-
-
-def export_workdir(workdir: str, out_dir: str, *, step: int | None = None) -> str:
+def export_workdir(workdir: str, out_dir: str, *, step: int | None = None,
+                   max_shard_bytes: int = MAX_SHARD_BYTES) -> str:
     """Writes the run's parameters (checkpoint `step`, default the latest) to `out_dir` as a
-    `transformers` checkpoint; returns the safetensors path."""
-    from safetensors.numpy import save_file
-
+    `transformers` checkpoint, converting one tensor group at a time and writing each shard as
+    it fills; returns the safetensors file (one shard) or the index (several)."""
     run = resolve(workdir_lib.load_config(workdir))
     model_cfg = run.model
     # The paper's embedding scale (the lm_* configs keep it) folds into an untied embedding.
@@ -259,32 +258,89 @@ def export_workdir(workdir: str, out_dir: str, *, step: int | None = None) -> st
     if fold:
         model_cfg = dataclasses.replace(model_cfg, scale_embeddings=False)
     family = families.for_model(model_cfg, f"--workdir={workdir}")
+    if max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes={max_shard_bytes} must be positive")
     params = checkpoint.load_params(workdir, step=step)
     if model_cfg.scan_layers:
         params = checkpoint.unstack_layers(params)
     ours = dict(zip(_names(params), jax.tree.leaves(params), strict=True))
-    if fold:
-        table = np.asarray(ours[EMBEDDING], np.float32)
-        ours[EMBEDDING] = table * np.sqrt(np.float32(model_cfg.d_model))
-    tensors, used = {}, set()
-    for group in family.tensors(model_cfg):
-        values = group.to_hf([np.asarray(ours[name]) for name in group.ours])
-        tensors.update((name, np.ascontiguousarray(v, np.float32))
-                       for name, v in zip(group.hf, values, strict=True))
-        used.update(group.ours)
-    unused = sorted(set(ours) - used)
+    groups = family.tensors(model_cfg)
+    unused = sorted(set(ours) - {name for group in groups for name in group.ours})
     if unused:
         raise ValueError(f"--workdir={workdir}: parameter {unused[0]} has no place in a "
                          f"{family.__name__} checkpoint")
+    if fold:
+        table = np.asarray(ours[EMBEDDING], np.float32)
+        ours[EMBEDDING] = table * np.sqrt(np.float32(model_cfg.d_model))
     os.makedirs(out_dir, exist_ok=True)
+    for old in pathlib.Path(out_dir).glob("model*.safetensors*"):  # an earlier export's
+        old.unlink()
+    with ShardWriter(out_dir, max_shard_bytes) as writer:
+        for group in groups:
+            values = group.to_hf([np.asarray(ours[name]) for name in group.ours])
+            for name, value in zip(group.hf, values, strict=True):
+                writer.add(name, np.ascontiguousarray(value, np.float32))
     hf_config = family.hf_config(model_cfg) | {"dtype": "float32"}
-    if model_cfg.architecture == "decoder":
-        hf_config |= _special_ids(workdir)
     with open(os.path.join(out_dir, HF_CONFIG), "w") as f:
         json.dump(hf_config, f, indent=2)
-    path = os.path.join(out_dir, SINGLE_FILE)
-    save_file(tensors, path, metadata={"format": "pt"})
-    vocab = workdir_lib.path(workdir, workdir_lib.VOCAB, MODEL_FILE)
+    vocab = tokenizer_lib.vocabulary_file(workdir_lib.path(workdir, workdir_lib.VOCAB))
     if os.path.isfile(vocab):
-        shutil.copyfile(vocab, os.path.join(out_dir, TOKENIZER_MODEL))
-    return path
+        name = TOKENIZER_MODEL if vocab.endswith(MODEL_FILE) else tokenizer_lib.JSON_FILE
+        shutil.copyfile(vocab, os.path.join(out_dir, name))
+    return writer.path
+
+
+class ShardWriter:
+    """Safetensors shards of at most `max_bytes` each (a bigger tensor gets a shard of its
+    own), named and indexed as `save_pretrained` names them; one shard is `model.safetensors`
+    without an index. Each shard is written as soon as the next tensor would overflow it."""
+
+    def __init__(self, out_dir: str, max_bytes: int):
+        self.out_dir, self.max_bytes = out_dir, max_bytes
+        self.pending: dict[str, np.ndarray] = {}
+        self.files: list[str] = []  # shards written, under temporary names
+        self.weight_map: dict[str, int] = {}  # tensor -> shard number
+        self.total_bytes = 0
+        self.path = ""
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def add(self, name: str, value: np.ndarray) -> None:
+        if self.pending and _bytes(self.pending) + value.nbytes > self.max_bytes:
+            self._flush()
+        self.pending[name] = value
+        self.weight_map[name] = len(self.files)
+        self.total_bytes += value.nbytes
+
+    def _flush(self) -> None:
+        from safetensors.numpy import save_file
+
+        path = os.path.join(self.out_dir, f"model.safetensors.part{len(self.files)}")
+        save_file(self.pending, path, metadata={"format": "pt"})
+        self.files.append(path)
+        self.pending = {}
+
+    def __exit__(self, kind, error, traceback) -> None:
+        if error is not None:
+            for path in self.files:
+                os.unlink(path)
+            return
+        self._flush()
+        count = len(self.files)
+        names = ([SINGLE_FILE] if count == 1 else
+                 [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)])
+        for path, name in zip(self.files, names, strict=True):
+            os.replace(path, os.path.join(self.out_dir, name))
+        self.path = os.path.join(self.out_dir, names[0])
+        if count > 1:
+            index = {"metadata": {"total_size": self.total_bytes},
+                     "weight_map": {tensor: names[shard]
+                                    for tensor, shard in sorted(self.weight_map.items())}}
+            self.path = os.path.join(self.out_dir, INDEX_FILE)
+            with open(self.path, "w") as f:
+                json.dump(index, f, indent=2)
+
+
+def _bytes(tensors: dict[str, np.ndarray]) -> int:
+    return sum(value.nbytes for value in tensors.values())

@@ -80,6 +80,24 @@ def _require(hf: dict, model_type: str, option: str, allowed, fix: str) -> None:
         raise _unsupported(model_type, option, value, fix)
 
 
+def token_ids(hf: dict) -> dict:
+    """A language model's `bos_id`, `eos_id` and `pad_id` from its config.json: the first eos
+    where it lists several (Llama 3.1's chat ends); pad 0 only where the checkpoint pads with
+    id 0, else None (id 0 is an ordinary token)."""
+    bos, eos = hf.get("bos_token_id"), hf.get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    if bos is None or eos is None:
+        raise _unsupported(hf["model_type"], "bos_token_id/eos_token_id", (bos, eos),
+                           "the decoder needs a start and an end token")
+    return dict(bos_id=int(bos), eos_id=int(eos), pad_id=0 if hf.get("pad_token_id") == 0
+                else None)
+
+
+def token_ids_config(cfg: TransformerConfig) -> dict:
+    """config.json's special token ids of our model `cfg` (`token_ids` read back)."""
+    return dict(bos_token_id=cfg.bos_id, eos_token_id=cfg.eos_id, pad_token_id=cfg.pad_id)
+
+
 class Llama:
     """`LlamaForCausalLM` (and Mistral without a sliding window, Qwen2 without biases): pre-
     RMSNorm, half-split RoPE, SwiGLU, grouped-query attention, no biases."""
@@ -113,7 +131,7 @@ class Llama:
             activation="swiglu", use_bias=False,
             tie_output_embedding=bool(hf.get("tie_word_embeddings", False)),
             max_len=hf["max_position_embeddings"], norm_eps=float(hf["rms_norm_eps"]),
-            rope_theta=float(theta), scale_embeddings=False)
+            rope_theta=float(theta), scale_embeddings=False, **token_ids(hf))
 
     @staticmethod
     def hf_config(cfg: TransformerConfig) -> dict:
@@ -125,7 +143,7 @@ class Llama:
             max_position_embeddings=cfg.max_len, rms_norm_eps=cfg.norm_eps,
             rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
             attention_bias=False, mlp_bias=False, attention_dropout=cfg.attention_dropout_rate,
-            tie_word_embeddings=cfg.tie_output_embedding)
+            tie_word_embeddings=cfg.tie_output_embedding, **token_ids_config(cfg))
 
     @staticmethod
     def matches(cfg: TransformerConfig) -> list[str]:
@@ -184,7 +202,7 @@ class GPT2:
             positional="learned", norm="layer_norm", norm_position="pre", activation="gelu",
             gelu_approximate=True, use_bias=True, tie_output_embedding=True,
             max_len=hf["n_positions"], norm_eps=float(hf["layer_norm_epsilon"]),
-            scale_embeddings=False)
+            scale_embeddings=False, **token_ids(hf))
 
     @staticmethod
     def hf_config(cfg: TransformerConfig) -> dict:
@@ -194,7 +212,7 @@ class GPT2:
             n_head=cfg.num_heads, n_positions=cfg.max_len, layer_norm_epsilon=cfg.norm_eps,
             activation_function="gelu_new", resid_pdrop=cfg.dropout_rate,
             embd_pdrop=cfg.dropout_rate, attn_pdrop=cfg.attention_dropout_rate,
-            tie_word_embeddings=True)
+            tie_word_embeddings=True, **token_ids_config(cfg))
 
     @staticmethod
     def matches(cfg: TransformerConfig) -> list[str]:
