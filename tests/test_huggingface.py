@@ -371,3 +371,40 @@ def test_padding_is_read_from_segment_ids_where_a_batch_has_them():
     packed = {"targets": targets, "targets_segmentation": np.array([[1, 1, 2, 0]], np.int32)}
     np.testing.assert_array_equal(train_lib.loss_weights(packed), [[1, 1, 1, 0]])
     np.testing.assert_array_equal(train_lib.loss_weights({"targets": targets}), [[0, 1, 0, 0]])
+
+
+@pytest.mark.slow
+def test_an_imported_gpt2_fine_tunes_on_the_offline_corpus_with_its_own_vocabulary(
+        tmp_path, offline_fixture_data_dir):
+    """configs/finetune.py on an imported GPT-2 (tokenizer.json, bos = eos, no padding): the
+    run reads the corpus with the checkpoint's vocabulary, starts from its weights, the loss
+    falls, and the result generates text."""
+    import runpy
+
+    from transformer.loop import train_and_evaluate
+
+    hf_dir = tmp_path / "gpt2"
+    hf_dir.mkdir()
+    vocab_size, special = _gpt2_tokenizer_json(hf_dir)
+    torch.manual_seed(0)
+    _save(transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=vocab_size, n_embd=32, n_layer=2, n_head=2, n_positions=64,
+        initializer_range=0.2, **special)), hf_dir)
+    pretrained = tmp_path / "imported"
+    convert.import_checkpoint(str(hf_dir), str(pretrained), overrides={"model.dtype": "float32"})
+    cfg = runpy.run_path("configs/finetune.py")["get_config"](str(pretrained))
+    assert (cfg.model.bos_id, cfg.data.vocab_size) == (vocab_size - 1, vocab_size)
+    cfg.data.update(dict(data_dir=str(offline_fixture_data_dir), max_length=32, batch_size=8))
+    cfg.update(dict(num_train_steps=30, eval_every_steps=30, checkpoint_every_steps=30,
+                    log_every_steps=1))
+    cfg.optimizer.update(dict(warmup_steps=3, learning_rate=3e-3))
+    workdir = tmp_path / "finetuned"
+    train_and_evaluate(cfg, str(workdir))
+    assert (workdir / "vocab" / tokenizer_lib.JSON_FILE).read_bytes() == (
+        hf_dir / tokenizer_lib.JSON_FILE).read_bytes()
+    with open(workdir / "metrics.jsonl") as f:
+        losses = [line["loss"] for line in map(json.loads, f) if line["split"] == "train"]
+    assert len(losses) == 30 and np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.5, losses
+    text = load_generator(str(workdir)).generate(["Click the"], max_new_tokens=8,
+                                                 temperature=0.0)[0]
+    assert text.startswith("Click the") and len(text) > len("Click the")

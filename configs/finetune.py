@@ -1,0 +1,38 @@
+"""Fine-tune a run on the offline corpus's text: its model, vocabulary and weights (an imported
+Hugging Face checkpoint, say), `lm_default.py`'s data, and a fine-tuning schedule.
+
+    python -m transformer.convert import --from=hf/gpt2 --workdir=runs/gpt2
+    python train.py --config=configs/finetune.py:runs/gpt2 --workdir=runs/gpt2_finetuned
+    python -m transformer.generate --workdir=runs/gpt2_finetuned --prompt="Click the"
+
+The argument is the pretrained workdir (`init_from`, also `workdir:step`): its `config.json`
+gives `model.*` (the checkpoint's special token ids included) and `data.vocab_size`; its
+`vocab/` (a tokenizer.json or SentencePiece model) becomes the new run's. AdamW 1e-4 (b2 0.95,
+weight decay 0.1, clipped at 1), 50 warmup updates, cosine to 10% at update 500; rows of 128
+tokens, 16 rows per update, float32; no dropout unless the checkpoint's config asks for it.
+"""
+
+import json
+import pathlib
+import runpy
+
+from ml_collections import config_dict
+
+HERE = pathlib.Path(__file__).parent
+
+
+def get_config(pretrained: str):
+    workdir = pretrained.rpartition(":")[0] if pretrained.rpartition(":")[2].isdigit() \
+        else pretrained
+    path = pathlib.Path(workdir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"configs/finetune.py:{pretrained}: {path} is missing; give a run's "
+                         f"workdir (python -m transformer.convert import writes one)")
+    recorded = json.loads(path.read_text())
+    cfg = runpy.run_path(str(HERE / "lm_default.py"))["cpu_config"](
+        "causal", num_train_steps=500, learning_rate=1e-4, warmup_steps=50)
+    cfg.model = config_dict.ConfigDict(recorded["model"])
+    cfg.data.vocab_size = cfg.model.vocab_size
+    cfg.data.max_length = min(cfg.data.max_length, cfg.model.max_len)
+    cfg.init_from = pretrained
+    return cfg
