@@ -5,6 +5,8 @@ import logging
 import os
 import re
 
+import pytest
+
 import transformer
 from transformer import cli, loop, metrics, progress
 from transformer.metrics import sentences_scored
@@ -87,3 +89,26 @@ def test_the_bleu_line_during_training_says_how_many_were_translated_whole(
     metrics.log_evaluation(4, "validation", figures, 3.2)
     assert caplog.messages[-1].endswith(
         " | 3 sentences, 1 of them truncated to the model's max_len (scored as translated) | 3 s")
+
+
+@pytest.mark.parametrize("installed, device_files, expected", [
+    ({"libtpu"}, [], "cpu"),  # libtpu for --compile_only on a CPU machine: no probe
+    ({"libtpu"}, ["/dev/accel0"], None),  # a TPU VM
+    ({"libtpu", "jax_cuda13_plugin"}, [], None),  # a GPU machine decides for itself
+    (set(), [], None),  # no libtpu: nothing to avoid
+])
+def test_jax_stays_on_the_cpu_only_where_libtpu_has_no_tpu_to_drive(
+        monkeypatch, installed, device_files, expected):
+    import glob
+    import importlib.util
+
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name: object() if name in installed else None)
+    monkeypatch.setattr(glob, "glob", lambda pattern: [f for f in device_files
+                                                       if f.startswith(pattern[:9])])
+    cli.cpu_unless_an_accelerator()
+    assert os.environ.get("JAX_PLATFORMS") == expected
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+    cli.cpu_unless_an_accelerator()
+    assert os.environ["JAX_PLATFORMS"] == "cuda"  # the user's choice is kept

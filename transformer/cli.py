@@ -2,7 +2,9 @@
 flags that name a trained run, quiet logging, and errors as one line.
 
 Importing this module silences the C++ start-up chatter of TensorFlow, XLA, libtpu and gRPC
-(their errors stay) unless `TRANSFORMER_VERBOSE=1` is set or `--verbosity`/`-v` is given:
+(their errors stay) unless `TRANSFORMER_VERBOSE=1` is set or `--verbosity`/`-v` is given, and
+keeps JAX on the CPU where libtpu (the `tpu` extra, for `--compile_only`) is installed but the
+machine has no TPU and no GPU plugin (else JAX loads libtpu, which prints its failed probes):
 import it before anything starts a backend or imports TensorFlow.
 
     from transformer import cli
@@ -17,6 +19,8 @@ import it before anything starts a backend or imports TensorFlow.
 from __future__ import annotations
 
 import contextlib
+import glob
+import importlib.util
 import logging
 import os
 import sys
@@ -45,7 +49,22 @@ def quiet_native_logs(argv: list[str]) -> None:
             os.environ.setdefault(name, value)
 
 
+GPU_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm7_plugin")
+TPU_DEVICE_FILES = ("/dev/accel*", "/dev/vfio/[0-9]*")  # what JAX's own TPU check reads
+
+
+def cpu_unless_an_accelerator() -> None:
+    """Sets JAX_PLATFORMS=cpu (where unset) when libtpu is installed, no TPU device file
+    exists and no GPU plugin is installed: the CPU is all JAX could use there."""
+    if ("JAX_PLATFORMS" in os.environ or importlib.util.find_spec("libtpu") is None
+            or any(glob.glob(pattern) for pattern in TPU_DEVICE_FILES)
+            or any(importlib.util.find_spec(name) for name in GPU_PLUGINS)):
+        return
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+
 quiet_native_logs(sys.argv)
+cpu_unless_an_accelerator()
 
 
 def define_run_flags(*, average: bool) -> None:
