@@ -21,7 +21,10 @@ from ml_collections import config_dict
 HERE = pathlib.Path(__file__).parent
 
 
-def get_config(pretrained: str):
+def get_config(pretrained: str = ""):
+    if not pretrained:
+        raise ValueError("configs/finetune.py needs the pretrained run: "
+                         "--config=configs/finetune.py:<workdir>")
     workdir = pretrained.rpartition(":")[0] if pretrained.rpartition(":")[2].isdigit() \
         else pretrained
     path = pathlib.Path(workdir) / "config.json"

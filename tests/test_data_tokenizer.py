@@ -67,3 +67,13 @@ def test_impossible_vocab_size_is_one_line(sentences):
     with pytest.raises(tk.VocabularyMismatch, match="data.vocab_size=100000") as error:
         tk.train(sentences[:20], 100_000, seed=0)
     assert "\n" not in str(error.value)
+
+
+def test_the_model_reads_the_special_ids_of_its_vocabulary(tokenizer):
+    """Ours are pad 0, unk 1, bos 2, eos 3; a model section that says otherwise is one line
+    naming the key and the value to set."""
+    assert (tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id) == (0, 2, 3)
+    tk.check_special_ids(tokenizer, {})  # the defaults are ours
+    with pytest.raises(tk.VocabularyMismatch, match=r"^model.eos_id=2 but the vocabulary's "
+                       r"eos_id is 3: set --config.model.eos_id=3$"):
+        tk.check_special_ids(tokenizer, {"bos_id": 2, "eos_id": 2, "pad_id": 0})

@@ -602,6 +602,10 @@ BAD_CONFIGS = [
     (dict(positional="rope", d_k=7), "positional"),
     (dict(positional="sinusoidal", d_model=33, num_heads=1), "positional"),
     (dict(num_encoder_layers=0), "num_encoder_layers"),
+    (dict(pad_id=5), "pad_id"),  # 0, or None where id 0 is an ordinary token
+    (dict(pad_id=None, attention_window=4, attention_pattern="local"), "pad_id"),
+    (dict(bos_id=V), "bos_id"),
+    (dict(eos_id=-1), "eos_id"),
 ]
 
 
