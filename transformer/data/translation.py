@@ -357,7 +357,7 @@ def from_config(cfg, workdir: str | None = None) -> TranslationSource:
     if int(cfg.model.get("vocab_size", data.vocab_size)) != int(data.vocab_size):
         raise ValueError(f"model.vocab_size={cfg.model.vocab_size} differs from "
                          f"data.vocab_size={data.vocab_size} (one shared vocabulary)")
-    return TranslationSource(
+    source = TranslationSource(
         data.dataset, source_lang=data.source_lang, target_lang=data.target_lang,
         vocab_size=int(data.vocab_size), max_length=int(data.max_length),
         batch_size=int(data.batch_size), grad_accum_steps=int(cfg.grad_accum_steps),
@@ -365,3 +365,5 @@ def from_config(cfg, workdir: str | None = None) -> TranslationSource:
         eval_batch_size=data.get("eval_batch_size"), seed=int(cfg.seed),
         data_dir=data.get("data_dir"), manual_dir=data.get("manual_dir"), workdir=workdir,
         vocab_sample_pairs=int(data.get("vocab_sample_pairs") or 500_000))
+    tokenizer_lib.check_special_ids(source.tokenizer, cfg.model)  # translation keeps ours
+    return source
