@@ -38,3 +38,58 @@ def test_the_peer_computes_our_logits_and_loss(load_config):
     smoothed = 0.9 * np.take_along_axis(np.asarray(log_probs), targets[..., None], -1)[..., 0] \
         + 0.1 * np.asarray(log_probs).mean(-1)
     assert loss == pytest.approx(-smoothed.mean(), rel=1e-5)
+
+
+
+@pytest.fixture(scope="module")
+def copy_model(tmp_path_factory, load_config):
+    """configs/tiny.py trained for 100 updates on the copy task (test_train_translation's
+    recipe): outputs that follow the source, half right, so searches have real choices."""
+    from transformer import checkpoint
+    from transformer import workdir as workdir_lib
+    from transformer.data.synthetic import SyntheticTask
+    from transformer.loop import train_and_evaluate
+
+    task = SyntheticTask("copy", vocab_size=16, min_length=4, max_length=8, seed=0)
+    cfg = load_config("tiny.py", **{
+        "data.task": task.task, "data.vocab_size": task.vocab_size,
+        "data.min_length": task.min_length, "data.max_length": task.max_length,
+        "seed": task.seed, "num_train_steps": 100, "checkpoint_every_steps": 100,
+        "eval_every_steps": 0, "log_every_steps": 100, "model.num_encoder_layers": 1,
+        "model.num_decoder_layers": 1, "model.dropout_rate": 0.0, "label_smoothing": 0.0,
+        "optimizer.learning_rate": 1e-2, "optimizer.warmup_steps": 10})
+    workdir = str(tmp_path_factory.mktemp("copy"))
+    train_and_evaluate(cfg, workdir)
+    run = resolve(workdir_lib.load_config(workdir))
+    sources = [list(map(int, task.example("test", i)[0])) for i in range(12)]
+    return run, checkpoint.load_params(workdir), sources
+
+
+@pytest.mark.parametrize("beam_size", [1, 4])
+def test_the_peer_searches_our_tokens(copy_model, beam_size):
+    """Greedy and beam search of the PyTorch peer (torch_search.py) with our parameters copied
+    in: the same tokens as `Translator.translate_ids`, sources of unequal lengths padded."""
+    from benchmarks.peers import torch_search
+    from transformer.translator import Translator
+
+    run, params, sources = copy_model
+    extra, alpha = 6, 2.0  # a penalty strong enough to change hypotheses here (0.6 does not)
+    expected = Translator(run.config, run.model, params, None).translate_ids(
+        sources, beam_size=beam_size, alpha=alpha, max_extra_length=extra)
+    assert len({tuple(row) for row in expected}) == len(sources)  # no degenerate outputs
+
+    theirs = peer.Transformer(run.model).eval()
+    peer.load_params(theirs, jax.tree.map(np.asarray, params))
+    longest = max(map(len, sources))
+    inputs = torch.zeros(len(sources), longest, dtype=torch.long)
+    for row, ids in enumerate(sources):
+        inputs[row, :len(ids)] = torch.tensor(ids)
+    max_lengths = torch.tensor([min(len(s) + extra, run.model.max_len) for s in sources])
+    max_length = int(max_lengths.max())
+    if beam_size == 1:
+        found = torch_search.greedy_search(theirs, inputs, max_lengths, max_length)
+    else:
+        found = torch_search.beam_search(theirs, inputs, max_lengths, max_length, beam_size,
+                                         alpha)
+    np.testing.assert_array_equal(found.numpy(), expected[:, :max_length])
+    assert not expected[:, max_length:].any()

@@ -194,3 +194,15 @@ def test_decode_benchmark_reports_both_searches(run):
         assert r["sentences"] == 2 and r["seconds"] > 0
         assert r["sentences_per_sec"] == pytest.approx(2 / r["seconds"])
         assert r["generated_tokens"] >= 0
+
+
+def test_decode_peer_benchmark_decodes_what_we_decode(run):
+    """benchmarks/peers/decode.py on a trained run: the PyTorch peer, given our weights,
+    outputs exactly our greedy and beam translations, and both rates are measured."""
+    compare = runpy.run_path(str(ROOT / "benchmarks" / "peers" / "decode.py"))["compare"]
+    results = compare(str(run), "validation", 2, [2, 1], 1, 1)
+    assert [r["beam_size"] for r in results] == [2, 1]
+    for r in results:
+        assert r["sentences"] == 2 and r["identical_outputs"] == 1.0
+        assert r["ratio"] == pytest.approx(r["ours_sentences_per_sec"]
+                                           / r["peer_sentences_per_sec"])
