@@ -80,16 +80,8 @@ def test_the_peer_searches_our_tokens(copy_model, beam_size):
 
     theirs = peer.Transformer(run.model).eval()
     peer.load_params(theirs, jax.tree.map(np.asarray, params))
-    longest = max(map(len, sources))
-    inputs = torch.zeros(len(sources), longest, dtype=torch.long)
-    for row, ids in enumerate(sources):
-        inputs[row, :len(ids)] = torch.tensor(ids)
-    max_lengths = torch.tensor([min(len(s) + extra, run.model.max_len) for s in sources])
-    max_length = int(max_lengths.max())
-    if beam_size == 1:
-        found = torch_search.greedy_search(theirs, inputs, max_lengths, max_length)
-    else:
-        found = torch_search.beam_search(theirs, inputs, max_lengths, max_length, beam_size,
-                                         alpha)
+    found = torch_search.search(theirs, sources, beam_size=beam_size, alpha=alpha,
+                                max_extra_length=extra)
+    max_length = found.shape[1]  # the longest source's limit; ours pads to its bucket's
     np.testing.assert_array_equal(found.numpy(), expected[:, :max_length])
     assert not expected[:, max_length:].any()

@@ -49,25 +49,12 @@ def ours(translator, chunks, beam_size: int, alpha: float, extra: int) -> list[t
                                                 max_extra_length=extra)]
 
 
-def theirs(model, chunks, beam_size: int, alpha: float, extra: int, max_len: int) -> list:
-    import torch
-
+def theirs(model, chunks, beam_size: int, alpha: float, extra: int) -> list[tuple]:
     from benchmarks.peers import torch_search
 
-    out = []
-    for chunk in chunks:
-        inputs = torch.zeros(len(chunk), max(map(len, chunk)), dtype=torch.long)
-        for row, ids in enumerate(chunk):
-            inputs[row, :len(ids)] = torch.tensor(ids)
-        max_lengths = torch.tensor([min(len(ids) + extra, max_len) for ids in chunk])
-        max_length = int(max_lengths.max())
-        if beam_size == 1:
-            tokens = torch_search.greedy_search(model, inputs, max_lengths, max_length)
-        else:
-            tokens = torch_search.beam_search(model, inputs, max_lengths, max_length, beam_size,
-                                              alpha)
-        out.extend(_up_to_eos(row) for row in tokens.tolist())
-    return out
+    return [_up_to_eos(row) for chunk in chunks
+            for row in torch_search.search(model, chunk, beam_size=beam_size, alpha=alpha,
+                                           max_extra_length=extra).tolist()]
 
 
 def compare(workdir: str, split: str, num_sentences: int, beam_sizes: list[int],
@@ -91,11 +78,10 @@ def compare(workdir: str, split: str, num_sentences: int, beam_sizes: list[int],
     torch_transformer.load_params(peer, jax.tree.map(np.asarray, translator.params))
     alpha = float(translator.config.decode.alpha)
     extra = int(translator.config.decode.max_extra_length)
-    max_len = translator.model_config.max_len
     results = []
     for beam in beam_sizes:
         runs = {"ours": lambda b=beam: ours(translator, chunks, b, alpha, extra),
-                "peer": lambda b=beam: theirs(peer, chunks, b, alpha, extra, max_len)}
+                "peer": lambda b=beam: theirs(peer, chunks, b, alpha, extra)}
         outputs = {name: run() for name, run in runs.items()}  # untimed: compiles, warms up
         seconds = {name: [] for name in runs}
         for _ in range(rounds):

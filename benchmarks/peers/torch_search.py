@@ -152,3 +152,19 @@ def beam_search(model, inputs, max_lengths, max_length: int, beam_size: int, alp
             entry["keys"], entry["values"] = entry["keys"][rows], entry["values"][rows]
         logits = decode_step(model, token.gather(1, keep).flatten(), step + 1, cache, mask)
     return finished_seqs[:, 0]
+
+
+def search(model, sources: list[list[int]], *, beam_size: int, alpha: float,
+           max_extra_length: int):
+    """Tokens [B, T] for id lists `sources` (EOS included), padded with 0 at the end as
+    `Translator.translate_ids` pads them, each allowed `max_extra_length` more tokens than its
+    source (at most the model's max_len): greedy for a beam of 1, else beam search."""
+    inputs = torch.zeros(len(sources), max(map(len, sources)), dtype=torch.long)
+    for row, ids in enumerate(sources):
+        inputs[row, :len(ids)] = torch.tensor(ids)
+    max_lengths = torch.tensor([min(len(ids) + max_extra_length, model.cfg.max_len)
+                                for ids in sources])
+    max_length = int(max_lengths.max())
+    if beam_size == 1:
+        return greedy_search(model, inputs, max_lengths, max_length)
+    return beam_search(model, inputs, max_lengths, max_length, beam_size, alpha)
