@@ -298,6 +298,7 @@ class ShardWriter:
     def __init__(self, out_dir: str, max_bytes: int):
         self.out_dir, self.max_bytes = out_dir, max_bytes
         self.pending: dict[str, np.ndarray] = {}
+        self.pending_bytes = 0
         self.files: list[str] = []  # shards written, under temporary names
         self.weight_map: dict[str, int] = {}  # tensor -> shard number
         self.total_bytes = 0
@@ -307,9 +308,10 @@ class ShardWriter:
         return self
 
     def add(self, name: str, value: np.ndarray) -> None:
-        if self.pending and _bytes(self.pending) + value.nbytes > self.max_bytes:
+        if self.pending and self.pending_bytes + value.nbytes > self.max_bytes:
             self._flush()
         self.pending[name] = value
+        self.pending_bytes += value.nbytes
         self.weight_map[name] = len(self.files)
         self.total_bytes += value.nbytes
 
@@ -319,7 +321,7 @@ class ShardWriter:
         path = os.path.join(self.out_dir, f"model.safetensors.part{len(self.files)}")
         save_file(self.pending, path, metadata={"format": "pt"})
         self.files.append(path)
-        self.pending = {}
+        self.pending, self.pending_bytes = {}, 0
 
     def __exit__(self, kind, error, traceback) -> None:
         if error is not None:
@@ -341,6 +343,3 @@ class ShardWriter:
             with open(self.path, "w") as f:
                 json.dump(index, f, indent=2)
 
-
-def _bytes(tensors: dict[str, np.ndarray]) -> int:
-    return sum(value.nbytes for value in tensors.values())
