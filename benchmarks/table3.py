@@ -1,18 +1,24 @@
 """The paper's Table 3: train every row of `configs/table3.py`, then write the table and a plot.
 
     python benchmarks/table3.py --workdir=runs/table3 [--rows=base,A_h1,...] [--scale=wmt14]
+        [--results=docs/table3/results.json]
 
 Each row trains in its own workdir (`<workdir>/<row>`) with `train.py`, so an interrupted run
-resumes where it stopped and rerunning skips finished rows. The figures are each row's last
-validation line: the unsmoothed per-token perplexity and sacreBLEU with beam search (on the
-whole validation split at the reduced scale). Writes `<workdir>/table3.md` (the paper's columns
-beside the measured ones) and `<workdir>/table3.png`. Progress: rows done, elapsed time, and an
-ETA that weighs the remaining rows by their training FLOPs.
+resumes where it stopped. The figures are each row's last validation line: the unsmoothed
+per-token perplexity and sacreBLEU with beam search (on the whole validation split at the
+reduced scale). As each row ends, its setting, figures and wall time go into the results file
+(`--results`, default `<workdir>/table3.json`), and `<workdir>/table3.md` (the paper's columns
+beside the measured ones) and `<workdir>/table3.png` are rewritten. Rows already in the results
+file are skipped, so a table too long for one sitting continues from a copy of that file on
+another machine; an entry whose setting `configs/table3.py` no longer gives is an error before
+anything trains. Progress: rows done, elapsed time, and an ETA that weighs the remaining rows by
+their training FLOPs.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
 import runpy
 import subprocess
@@ -61,6 +67,53 @@ def finished(workdir: pathlib.Path) -> dict | None:
             if points[-1][0] == total_steps}
 
 
+def setting(cfg) -> dict:
+    """What a row trains (the paper's columns, the positions and the updates) from its config."""
+    model = config_lib.resolve(cfg).model
+    return {"N": model.num_encoder_layers, "d_model": model.d_model, "d_ff": model.d_ff,
+            "h": model.num_heads, "d_k": model.d_k, "d_v": model.d_v,
+            "P_drop": model.dropout_rate, "ls": cfg.label_smoothing,
+            "positional": model.positional, "updates": cfg.num_train_steps,
+            "learning_rate": cfg.optimizer.learning_rate,
+            "params": flops.param_counts(model)["total"]}
+
+
+def record(row: str, workdir: pathlib.Path, figures: dict, minutes: float | None) -> dict:
+    """A results-file entry: the setting the row's run recorded, its figures, its wall time
+    (None when it was found finished rather than trained by this runner)."""
+    return {"row": row, **setting(workdir_lib.load_config(str(workdir))),
+            "perplexity": figures["perplexity"], "bleu": figures.get("bleu"),
+            "minutes": minutes}
+
+
+def read_results(path: pathlib.Path, rows: list[str], scale: str) -> dict:
+    """The rows already in the results file, checked against what `configs/table3.py` says
+    they train now: a stale entry is an error naming the row and the fix."""
+    if not path.exists():
+        return {}
+    try:
+        results = {entry["row"]: entry for entry in json.loads(path.read_text())}
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise SystemExit(f"error: {path} is not a Table 3 results file ({error}): give another "
+                         "--results or remove it") from None
+    for row in rows:
+        if row in results:
+            now = setting(row_config(row, scale))
+            then = {key: results[row].get(key) for key in now}
+            if then != now:
+                changed = ", ".join(f"{k} {then[k]} -> {now[k]}" for k in now if then[k] != now[k])
+                raise SystemExit(f"error: {path}: row {row} was trained with another setting "
+                                 f"than configs/table3.py now gives ({changed}): remove its "
+                                 "entry to train it again, or give another --results")
+    return results
+
+
+def write_results(path: pathlib.Path, results: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".tmp").write_text(json.dumps(list(results.values()), indent=1) + "\n")
+    path.with_suffix(".tmp").replace(path)
+
+
 def train_row(row: str, scale: str, workdir: pathlib.Path, extra: list[str]) -> None:
     command = [sys.executable, str(ROOT / "train.py"),
                f"--config={ROOT / 'configs' / 'table3.py'}:{_argument(row, scale)}",
@@ -75,42 +128,57 @@ def _cost(cfg) -> float:
                                        target_length=length) * cfg.num_train_steps
 
 
-def run_rows(root: pathlib.Path, rows: list[str], scale: str, extra: list[str]) -> dict:
-    costs = {row: _cost(row_config(row, scale)) for row in rows}
-    started, done_cost, results = time.monotonic(), 0.0, {}
-    for number, row in enumerate(rows, 1):
+def run_rows(root: pathlib.Path, rows: list[str], scale: str, extra: list[str],
+             results_path: pathlib.Path, on_row=None) -> dict:
+    """Trains the rows not yet in the results file (or finished in their workdir), in order,
+    adding each to the file as it ends; `on_row(results)` after each."""
+    results = read_results(results_path, rows, scale)
+    todo = [row for row in rows if row not in results]
+    costs = {row: _cost(row_config(row, scale)) for row in todo}
+    started, done_cost = time.monotonic(), 0.0
+    for row in todo:
         workdir = root / row
-        results[row] = finished(workdir)
-        if results[row] is None:
+        figures, minutes = finished(workdir), None
+        if figures is None:
             elapsed = time.monotonic() - started
-            remaining = sum(costs[r] for r in rows[number - 1:])
+            remaining = sum(costs[r] for r in todo[todo.index(row):])
             eta = f", ETA {elapsed / done_cost * remaining / 60:.0f} min" if done_cost else ""
-            print(f"[table3] row {number}/{len(rows)} {row}: training in {workdir} "
-                  f"({elapsed / 60:.0f} min so far{eta})", flush=True)
+            print(f"[table3] row {rows.index(row) + 1}/{len(rows)} {row}: training in "
+                  f"{workdir} ({len(results)} rows done, {elapsed / 60:.0f} min so far{eta})",
+                  flush=True)
+            row_started = time.monotonic()
             train_row(row, scale, workdir, extra)
+            minutes = (time.monotonic() - row_started) / 60
             done_cost += costs[row]
-            results[row] = finished(workdir)
-            if results[row] is None:
+            figures = finished(workdir)
+            if figures is None:
                 raise SystemExit(f"error: {workdir} ended without a validation line at its "
                                  "last step; see its log")
-    return results
+        results[row] = record(row, workdir, figures, minutes)
+        write_results(results_path, results)
+        if on_row is not None:
+            on_row(results)
+    return {row: results[row] for row in rows}
 
 
-def table(root: pathlib.Path, results: dict) -> str:
-    """Markdown: each row's recorded config (what ran) and figures, the paper's beside."""
+def _number(value, spec: str) -> str:
+    return "" if value is None else format(value, spec)
+
+
+def table(results: dict) -> str:
+    """Markdown: each row's setting and figures, the paper's beside."""
     head = ("| row | N | d_model | d_ff | h | d_k | d_v | P_drop | ε_ls | params | dev PPL | "
-            "dev BLEU | paper PPL | paper BLEU | paper params |")
+            "dev BLEU | minutes | paper PPL | paper BLEU | paper params |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for row, figures in results.items():
-        cfg = workdir_lib.load_config(str(root / row))
-        model = config_lib.resolve(cfg).model
-        params = flops.param_counts(model)["total"] / 1e6
+    for row, r in results.items():
         ppl, bleu, paper_params = PAPER[row]
+        setting_ = (f"{r['N']} | {r['d_model']} | {r['d_ff']} | {r['h']} | {r['d_k']} | "
+                    f"{r['d_v']} | {r['P_drop']} | {r['ls']}")
+        if r["positional"] != "sinusoidal":
+            setting_ += f" ({r['positional']} positions)"
         lines.append(
-            f"| {row} | {model.num_encoder_layers} | {model.d_model} | {model.d_ff} | "
-            f"{model.num_heads} | {model.d_k} | {model.d_v} | {model.dropout_rate} | "
-            f"{cfg.label_smoothing} | {params:.1f}M | {figures['perplexity']:.2f} | "
-            f"{figures.get('bleu', float('nan')):.1f} | {ppl} | {bleu} | "
+            f"| {row} | {setting_} | {r['params'] / 1e6:.2f}M | {r['perplexity']:.2f} | "
+            f"{_number(r['bleu'], '.1f')} | {_number(r['minutes'], '.0f')} | {ppl} | {bleu} | "
             f"{'' if paper_params is None else f'{paper_params}M'} |")
     return "\n".join(lines) + "\n"
 
@@ -124,7 +192,7 @@ def plot(results: dict, out: pathlib.Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained")
     for ax, (key, index, label) in zip(axes, (("perplexity", 0, "dev perplexity"),
                                               ("bleu", 1, "dev BLEU")), strict=True):
-        rows = [row for row in results if key in results[row]]
+        rows = [row for row in results if results[row].get(key) is not None]
         ours = [results[row][key] for row in rows]
         paper = [PAPER[row][index] for row in rows]
         ax.scatter(paper, ours)
@@ -142,17 +210,25 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--workdir", required=True, help="one subdirectory per row")
     parser.add_argument("--rows", default=",".join(TABLE3["ROWS"]))
     parser.add_argument("--scale", choices=("reduced", "wmt14"), default="reduced")
+    parser.add_argument("--results", help="the rows' figures, read and extended (JSON); "
+                        "default <workdir>/table3.json")
     args, extra = parser.parse_known_args(argv)
     rows = args.rows.split(",")
     unknown = [row for row in rows if row not in TABLE3["ROWS"]]
     if unknown:
         sys.exit(f"error: --rows has unknown rows {unknown}; rows: {', '.join(TABLE3['ROWS'])}")
     root = pathlib.Path(args.workdir)
-    results = run_rows(root, rows, args.scale, extra)
-    markdown = table(root, results)
-    (root / "table3.md").write_text(markdown)
-    plot(results, root / "table3.png")
-    print(markdown + f"wrote {root / 'table3.md'} and {root / 'table3.png'}")
+    results_path = pathlib.Path(args.results) if args.results else root / "table3.json"
+
+    def write_table(results: dict) -> None:
+        (root / "table3.md").write_text(table(results))
+        plot(results, root / "table3.png")
+
+    root.mkdir(parents=True, exist_ok=True)
+    results = run_rows(root, rows, args.scale, extra, results_path, on_row=write_table)
+    write_table(results)
+    print(table(results) + f"wrote {results_path}, {root / 'table3.md'} and "
+          f"{root / 'table3.png'}")
 
 
 if __name__ == "__main__":

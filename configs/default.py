@@ -39,8 +39,8 @@ def get_config():
     cfg.checkpoint_every_steps = 500
     cfg.checkpoint_every_minutes = 10
     cfg.keep_checkpoints = 3
-    cfg.params_every_minutes = 0.0  # 0: no params-only series for averaging
-    cfg.params_keep = 0
+    cfg.params_every_minutes = 1.0  # a params-only series for `evaluate --average=N`:
+    cfg.params_keep = 10  # the last 10 minutes (~1,200 updates), 18 MB each
     cfg.eval_every_steps = 500
     cfg.bleu_every_steps = 2500  # beam search on the first bleu_num_sentences validation pairs
     cfg.bleu_num_sentences = 300

@@ -65,7 +65,15 @@ def test_reduced_rows_scale_the_same_way():
         assert small.d_model * 4 == paper.d_model and small.d_ff * 4 == paper.d_ff
         assert (small.num_heads, small.d_k * 4, small.d_v * 4) == (
             paper.num_heads, paper.d_k, paper.d_v)
-    assert (base.d_model, base.num_heads, base.num_encoder_layers) == (128, 8, 6)
+    assert (base.d_model, base.num_heads, base.num_encoder_layers) == (128, 8, 3)
+    # N 2/4/8 against the paper's 6 become 1/2/4 against the base's 3.
+    assert [_model_reduced(f"C_N{n}").num_decoder_layers for n in (2, 4, 8)] == [1, 2, 4]
+    # The peak learning rate follows d_model^-0.5, as the paper's schedule does.
+    rates = {row: TABLE3["get_config"](row).optimizer.learning_rate
+             for row in ("base", "C_d256", "C_d1024", "big")}
+    assert rates["base"] == TABLE3["REDUCED_LEARNING_RATE"]
+    for row, d_model in (("C_d256", 64), ("C_d1024", 256), ("big", 256)):
+        assert rates[row] == pytest.approx(rates["base"] * (128 / d_model) ** 0.5)
     cfg = TABLE3["get_config"]("D_ls0.0")
     assert cfg.label_smoothing == 0.0 and cfg.data.dataset == "offline_de_en"
 
@@ -77,22 +85,62 @@ def test_a_bad_row_or_scale_is_one_line():
         TABLE3["get_config"]("base,wmt15")
 
 
+def _finished_row(root, row, figures):
+    """A row's workdir as train.py leaves it: its config and a validation line at its last step
+    (with `figures`; None: not yet)."""
+    workdir = root / row
+    workdir.mkdir(parents=True)
+    cfg = TABLE3["get_config"](row)
+    workdir_lib.write_config(str(workdir), cfg.to_dict(), {})
+    lines = [dict(step=cfg.num_train_steps // 2, split="validation", loss=2.0, perplexity=7.39),
+             dict(step=cfg.num_train_steps, split="train", loss=1.5)]
+    if figures:
+        lines.append(dict(step=cfg.num_train_steps, split="validation", **figures))
+    (workdir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return workdir
+
+
 def test_the_runner_reads_finished_rows_and_writes_the_papers_columns(tmp_path):
     runner = runpy.run_path("benchmarks/table3.py")
-    workdir = tmp_path / "C_N2"
-    workdir.mkdir()
-    cfg = TABLE3["get_config"]("C_N2")
-    cfg.num_train_steps, cfg.optimizer.warmup_steps = 20, 5
-    workdir_lib.write_config(str(workdir), cfg.to_dict(), {})
-    lines = [dict(step=10, split="validation", loss=2.0, perplexity=7.39),
-             dict(step=20, split="train", loss=1.5)]
-    (workdir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    assert runner["finished"](workdir) is None  # no validation line at its last step yet
-    lines.append(dict(step=20, split="validation", loss=1.8, perplexity=6.05, bleu=3.25))
-    (workdir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    figures = runner["finished"](workdir)
-    assert figures == {"loss": 1.8, "perplexity": 6.05, "bleu": 3.25}
-    header, rule, row = runner["table"](tmp_path, {"C_N2": figures}).splitlines()
-    assert header.count("|") == rule.count("|") == row.count("|") == 16
-    assert row == "| C_N2 | 2 | 128 | 512 | 8 | 16 | 16 | 0.1 | 0.1 | 1.9M | 6.05 | 3.2 | 6.11 | " \
-                  "23.7 | 36M |"
+    assert runner["finished"](_finished_row(tmp_path / "a", "C_N2", None)) is None
+    figures = dict(loss=1.8, perplexity=6.05, bleu=3.25)
+    workdir = _finished_row(tmp_path, "C_N2", figures)
+    assert runner["finished"](workdir) == figures
+    results = {"C_N2": runner["record"]("C_N2", workdir, figures, 12.4)}
+    header, rule, row = runner["table"](results).splitlines()
+    assert header.count("|") == rule.count("|") == row.count("|") == 17
+    model = _model_reduced("C_N2")
+    params = flops.param_counts(model)["total"] / 1e6
+    assert row == (f"| C_N2 | {model.num_encoder_layers} | {model.d_model} | {model.d_ff} | "
+                   f"{model.num_heads} | {model.d_k} | {model.d_v} | 0.1 | 0.1 | {params:.2f}M | "
+                   "6.05 | 3.2 | 12 | 6.11 | 23.7 | 36M |")
+
+
+def test_the_results_file_carries_rows_over_and_refuses_stale_ones(tmp_path):
+    """Rows in the results file or finished in their workdir train nothing; each lands in the
+    file as it is read; an entry whose setting the config no longer gives is refused."""
+    runner = runpy.run_path("benchmarks/table3.py")
+    results_path = tmp_path / "elsewhere" / "results.json"
+    _finished_row(tmp_path, "C_N2", dict(loss=1.8, perplexity=6.05, bleu=3.25))
+    seen = []
+    first = runner["run_rows"](tmp_path, ["C_N2"], "reduced", [], results_path,
+                               on_row=lambda results: seen.append(list(results)))
+    assert seen == [["C_N2"]] and first["C_N2"]["perplexity"] == 6.05
+    assert first["C_N2"]["minutes"] is None  # found finished, not timed here
+    # Another machine: no workdirs, only the file; a second row finished there.
+    other = tmp_path / "other"
+    other.mkdir()
+    _finished_row(other, "E_learned", dict(loss=1.9, perplexity=6.7, bleu=2.5))
+    both = runner["run_rows"](other, ["C_N2", "E_learned"], "reduced", [], results_path)
+    assert list(both) == ["C_N2", "E_learned"] and both["C_N2"] == first["C_N2"]
+    assert "(learned positions)" in runner["table"](both).splitlines()[-1]
+    assert [e["row"] for e in json.loads(results_path.read_text())] == ["C_N2", "E_learned"]
+    stale = json.loads(results_path.read_text())
+    stale[0]["updates"] += 1
+    results_path.write_text(json.dumps(stale))
+    with pytest.raises(SystemExit, match="row C_N2 was trained with another setting than "
+                       r"configs/table3.py now gives \(updates \d+ -> \d+\)"):
+        runner["run_rows"](other, ["C_N2"], "reduced", [], results_path)
+    results_path.write_text("{")
+    with pytest.raises(SystemExit, match="is not a Table 3 results file"):
+        runner["run_rows"](other, ["C_N2"], "reduced", [], results_path)
