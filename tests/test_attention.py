@@ -273,6 +273,31 @@ def test_matches_jax_nn_on_rows_that_are_not_fully_masked(mask_name, kv_heads):
     np.testing.assert_array_equal(np.asarray(ours)[~row_has_key], 0.0)
 
 
+@pytest.mark.parametrize("kv_heads", [N, 2, 1])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_one_query_matches_jax_nn(kv_heads, dtype):
+    """A decoding step (T = 1) sums products where the keys and values lie instead of a
+    batched matrix product: the same numbers as jax.nn, masked (per head) or not, and the same
+    attention weights as the rows of a longer query."""
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.normal(size=(B, 1, N, H)), dtype)
+    k = jnp.asarray(rng.normal(size=(B, S, kv_heads, H)), dtype)
+    v = jnp.asarray(rng.normal(size=(B, S, kv_heads, H)), dtype)
+    mask = jnp.asarray(rng.random((B, N, 1, S)) > 0.3).at[..., 0].set(True)
+    tolerance = dict(atol=2e-6, rtol=1e-5) if dtype == jnp.float32 else dict(atol=2e-2)
+    for m in (None, mask):
+        ours = attention.dot_product_attention(q, k, v, mask=m)
+        theirs = jax.nn.dot_product_attention(
+            q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), mask=m)
+        assert ours.dtype == dtype and ours.shape == (B, 1, N, H)
+        np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(theirs),
+                                   **tolerance)
+    longer = jnp.concatenate([q, q], axis=1)  # T = 2 takes the batched matrix product
+    np.testing.assert_allclose(attention.attention_weights(q, k, mask=mask),
+                               attention.attention_weights(longer, k, mask=jnp.concatenate(
+                                   [mask, mask], axis=2))[:, :, :1], atol=1e-6)
+
+
 @pytest.mark.parametrize("implementation", ["xla", "chunked"])
 @pytest.mark.parametrize("kv_heads", [2, 1])
 def test_gqa_and_mqa_equal_mha_with_repeated_kv(implementation, kv_heads):
