@@ -8,6 +8,7 @@ and fits "big" to 1.3M). The README's Table 3 section shows both columns.
 """
 
 import json
+import pathlib
 import runpy
 
 import pytest
@@ -144,3 +145,13 @@ def test_the_results_file_carries_rows_over_and_refuses_stale_ones(tmp_path):
     results_path.write_text("{")
     with pytest.raises(SystemExit, match="is not a Table 3 results file"):
         runner["run_rows"](other, ["C_N2"], "reduced", [], results_path)
+
+
+def test_the_committed_results_are_what_the_config_trains():
+    """docs/table3/results.json continues the table elsewhere: its rows must still be what
+    configs/table3.py gives, or the runner refuses it."""
+    runner = runpy.run_path("benchmarks/table3.py")
+    path = pathlib.Path("docs/table3/results.json")
+    rows = [entry["row"] for entry in json.loads(path.read_text())]
+    assert rows and set(rows) <= set(TABLE3["ROWS"])
+    assert list(runner["read_results"](path, rows, "reduced")) == rows
