@@ -136,12 +136,12 @@ def run_rows(root: pathlib.Path, rows: list[str], scale: str, extra: list[str],
     todo = [row for row in rows if row not in results]
     costs = {row: _cost(row_config(row, scale)) for row in todo}
     started, done_cost = time.monotonic(), 0.0
-    for row in todo:
+    for number, row in enumerate(todo):
         workdir = root / row
         figures, minutes = finished(workdir), None
         if figures is None:
             elapsed = time.monotonic() - started
-            remaining = sum(costs[r] for r in todo[todo.index(row):])
+            remaining = sum(costs[r] for r in todo[number:])
             eta = f", ETA {elapsed / done_cost * remaining / 60:.0f} min" if done_cost else ""
             print(f"[table3] row {rows.index(row) + 1}/{len(rows)} {row}: training in "
                   f"{workdir} ({len(results)} rows done, {elapsed / 60:.0f} min so far{eta})",
@@ -220,14 +220,15 @@ def main(argv: list[str]) -> None:
     root = pathlib.Path(args.workdir)
     results_path = pathlib.Path(args.results) if args.results else root / "table3.json"
 
-    def write_table(results: dict) -> None:
-        (root / "table3.md").write_text(table(results))
+    def write_table(results: dict) -> str:
+        markdown = table(results)
+        (root / "table3.md").write_text(markdown)
         plot(results, root / "table3.png")
+        return markdown
 
     root.mkdir(parents=True, exist_ok=True)
     results = run_rows(root, rows, args.scale, extra, results_path, on_row=write_table)
-    write_table(results)
-    print(table(results) + f"wrote {results_path}, {root / 'table3.md'} and "
+    print(write_table(results) + f"wrote {results_path}, {root / 'table3.md'} and "
           f"{root / 'table3.png'}")
 
 

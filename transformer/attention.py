@@ -109,7 +109,7 @@ def attention_weights(
     """
     num_kv_heads = k.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    logits = _contract("BTKGH,BSKH->BKGTS", _group_queries(q, num_kv_heads), k) * scale
+    logits = _logits(_group_queries(q, num_kv_heads), k) * scale
     mask = _with_window(mask, local_window_size, q.shape[1], k.shape[1], global_tokens)
     bias5, mask5 = _as_5d(bias, num_kv_heads), _as_5d(mask, num_kv_heads)
     if bias5 is not None:
@@ -131,23 +131,30 @@ def _xla_attention(q, k, v, mask, bias, scale, dropout_rate, dropout_rng, local_
     b, n, t, s = weights.shape
     num_kv_heads = k.shape[2]
     weights = weights.reshape(b, num_kv_heads, n // num_kv_heads, t, s).astype(v.dtype)
-    out = _contract("BKGTS,BSKE->BTKGE", weights, v)
+    out = _weighted_values(weights, v)
     return out.reshape(b, t, n, v.shape[-1]).astype(v.dtype)
 
 
-def _contract(spec: str, x: jax.Array, y: jax.Array) -> jax.Array:
-    """`jnp.einsum(spec, x, y)` in float32, for the two contractions of attention. With one
-    query (T = 1: a decoding step) as products summed in place, which read the [B, S, K, H]
-    keys and values where they lie: a batched matrix product would first copy them into a
-    [B, K, S, H] layout at every step (most of beam search's time on CPU)."""
-    f32 = jnp.float32
-    if spec == "BTKGH,BSKH->BKGTS" and x.shape[1] == 1:  # q [B,1,K,G,H], k -> [B,K,G,1,S]
-        logits = (x.astype(f32) * y[:, :, :, None].astype(f32)).sum(-1)  # [B, S, K, G]
-        return jnp.moveaxis(logits, 1, -1)[:, :, :, None]
-    if spec == "BKGTS,BSKE->BTKGE" and x.shape[3] == 1:  # weights [B,K,G,1,S], v -> [B,1,K,G,E]
-        weights = jnp.moveaxis(x[:, :, :, 0], -1, 1)[..., None].astype(f32)  # [B, S, K, G, 1]
-        return (weights * y[:, :, :, None].astype(f32)).sum(1)[:, None]
-    return jnp.einsum(spec, x, y, preferred_element_type=f32)
+# With one query (T = 1: a decoding step) both contractions are products summed where the
+# [B, S, K, H] keys and values lie: a batched matrix product would first copy them into a
+# [B, K, S, H] layout at every step (most of beam search's time on CPU).
+
+
+def _logits(q: jax.Array, k: jax.Array) -> jax.Array:
+    """q [B, T, K, G, H] . k [B, S, K, H] -> [B, K, G, T, S], float32."""
+    if q.shape[1] == 1:
+        logits = (q.astype(jnp.float32) * k[:, :, :, None].astype(jnp.float32)).sum(-1)
+        return jnp.moveaxis(logits, 1, -1)[:, :, :, None]  # [B, S, K, G] -> [B, K, G, 1, S]
+    return jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
+
+
+def _weighted_values(weights: jax.Array, v: jax.Array) -> jax.Array:
+    """weights [B, K, G, T, S] . v [B, S, K, E] -> [B, T, K, G, E], float32."""
+    if weights.shape[3] == 1:
+        weights = jnp.moveaxis(weights[:, :, :, 0], -1, 1)[..., None]  # [B, S, K, G, 1]
+        out = (weights.astype(jnp.float32) * v[:, :, :, None].astype(jnp.float32)).sum(1)
+        return out[:, None]
+    return jnp.einsum("BKGTS,BSKE->BTKGE", weights, v, preferred_element_type=jnp.float32)
 
 
 def _cudnn_attention(q, k, v, mask, bias, scale, dropout_rate, local_window_size,
