@@ -310,7 +310,11 @@ class ParamsSeries:
         checkpoint_hooks.install_log_filters()
         options = ocp.CheckpointManagerOptions(
             preservation_policy=ocp.checkpoint_managers.LatestN(keep),
-            enable_async_checkpointing=use_async, cleanup_tmp_directories=True)
+            enable_async_checkpointing=use_async, cleanup_tmp_directories=True,
+            # orbax names its multi-host barriers by step: without a prefix of its own, saving
+            # a step that `Checkpointer` saves too joins the same barrier twice and times out.
+            multiprocessing_options=ocp.options.MultiprocessingOptions(
+                barrier_sync_key_prefix=PARAMS_SERIES))
         self._manager = ocp.CheckpointManager(self.directory, item_names=("params",),
                                               options=options)
 
