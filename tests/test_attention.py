@@ -275,27 +275,28 @@ def test_matches_jax_nn_on_rows_that_are_not_fully_masked(mask_name, kv_heads):
 
 @pytest.mark.parametrize("kv_heads", [N, 2, 1])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_one_query_matches_jax_nn(kv_heads, dtype):
-    """A decoding step (T = 1) sums products where the keys and values lie instead of a
-    batched matrix product: the same numbers as jax.nn, masked (per head) or not, and the same
-    attention weights as the rows of a longer query."""
+@pytest.mark.parametrize("queries", [1, 3])
+def test_cache_attention_matches_jax_nn(kv_heads, dtype, queries):
+    """Attention over a head-major cache (k, v [B, K, S, H]): the numbers of jax.nn over the same
+    keys in [B, S, K, H], masked per head or not, for a decoding step (T = 1) and a prefill;
+    a query with no key to attend to gives zeros."""
     rng = np.random.default_rng(3)
-    q = jnp.asarray(rng.normal(size=(B, 1, N, H)), dtype)
+    q = jnp.asarray(rng.normal(size=(B, queries, N, H)), dtype)
     k = jnp.asarray(rng.normal(size=(B, S, kv_heads, H)), dtype)
     v = jnp.asarray(rng.normal(size=(B, S, kv_heads, H)), dtype)
-    mask = jnp.asarray(rng.random((B, N, 1, S)) > 0.3).at[..., 0].set(True)
+    mask = jnp.asarray(rng.random((B, N, queries, S)) > 0.3).at[..., 0].set(True)
     tolerance = dict(atol=2e-6, rtol=1e-5) if dtype == jnp.float32 else dict(atol=2e-2)
+    heads_first = jax.jit(attention.cache_attention)
     for m in (None, mask):
-        ours = attention.dot_product_attention(q, k, v, mask=m)
+        ours = heads_first(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), mask=m)
         theirs = jax.nn.dot_product_attention(
             q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), mask=m)
-        assert ours.dtype == dtype and ours.shape == (B, 1, N, H)
+        assert ours.dtype == dtype and ours.shape == (B, queries, N, H)
         np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(theirs),
                                    **tolerance)
-    longer = jnp.concatenate([q, q], axis=1)  # T = 2 takes the batched matrix product
-    np.testing.assert_allclose(attention.attention_weights(q, k, mask=mask),
-                               attention.attention_weights(longer, k, mask=jnp.concatenate(
-                                   [mask, mask], axis=2))[:, :, :1], atol=1e-6)
+    nothing = mask.at[:, :, 0].set(False)  # the first query of every head sees no key
+    ours = heads_first(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), mask=nothing)
+    np.testing.assert_array_equal(np.asarray(ours[:, 0], np.float32), 0.0)
 
 
 @pytest.mark.parametrize("implementation", ["xla", "chunked"])

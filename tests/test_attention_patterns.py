@@ -407,7 +407,7 @@ def test_pattern_lm_decodes_as_full_recomputation(trained):
         if cfg.attention_kind == "linear":
             assert set(first) == {"state", "normaliser"}
         else:
-            assert first["key"].shape[-3] == cfg.attention_window  # not steps + 1
+            assert first["key"].shape[-2] == cfg.attention_window  # not steps + 1
 
         def cached(tokens, cache):
             return model.apply({"params": params}, None, None, tokens, cache=cache,

@@ -53,17 +53,31 @@ def sequence_logprob(model, params, encoded, inputs, row, seq):
 
 def test_write_cache_writes_at_the_index_in_the_caches_dtype():
     rng = np.random.default_rng(0)
-    cache = {"key": jnp.zeros((2, 5, 3, 4), jnp.bfloat16),
-             "value": jnp.ones((2, 5, 3, 6), jnp.bfloat16)}
-    key, value = rng.normal(size=(2, 2, 3, 4)), rng.normal(size=(2, 2, 3, 6))
+    cache = {"key": jnp.zeros((2, 3, 5, 4), jnp.bfloat16),  # [B, K, S, H]
+             "value": jnp.ones((2, 3, 5, 6), jnp.bfloat16)}
+    key, value = rng.normal(size=(2, 2, 3, 4)), rng.normal(size=(2, 2, 3, 6))  # [B, T, K, H]
     out = jax.jit(decoding.write_cache)(cache, jnp.asarray(key, jnp.float32),
                                         jnp.asarray(value, jnp.float32), jnp.asarray(2))
-    expected_key, expected_value = np.zeros((2, 5, 3, 4)), np.ones((2, 5, 3, 6))
-    expected_key[:, 2:4], expected_value[:, 2:4] = key, value
+    expected_key, expected_value = np.zeros((2, 3, 5, 4)), np.ones((2, 3, 5, 6))
+    expected_key[:, :, 2:4] = key.transpose(0, 2, 1, 3)
+    expected_value[:, :, 2:4] = value.transpose(0, 2, 1, 3)
     assert out["key"].dtype == out["value"].dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(out["key"], np.float32), expected_key, rtol=1e-2)
     np.testing.assert_allclose(np.asarray(out["value"], np.float32), expected_value, rtol=1e-2)
-    np.testing.assert_array_equal(np.asarray(out["key"][:, [0, 1, 4]], np.float32), 0.0)
+    np.testing.assert_array_equal(np.asarray(out["key"][:, :, [0, 1, 4]], np.float32), 0.0)
+
+
+def test_write_ring_keeps_the_newest_position_of_each_slot():
+    """A ring of C = 3 slots, heads first: position p goes to slot p % 3, the newer of two new
+    positions for one slot wins, a position of -1 (not to remember) leaves its slot alone."""
+    ring = {"key": jnp.full((1, 2, 3, 1), -1.0), "value": jnp.full((1, 2, 3, 1), -1.0),
+            "position": jnp.full((1, 3), -1, jnp.int32)}
+    positions = jnp.array([[0, 1, 2, 3, -1]], jnp.int32)
+    key = jnp.arange(10.0).reshape(1, 5, 2, 1)  # token t, head k: 2t + k
+    out = jax.jit(decoding.write_ring)(ring, key, -key, positions)
+    np.testing.assert_array_equal(out["position"], [[3, 1, 2]])
+    np.testing.assert_array_equal(out["key"][0, :, :, 0], [[6, 2, 4], [7, 3, 5]])
+    np.testing.assert_array_equal(out["value"][0, :, :, 0], -out["key"][0, :, :, 0])
 
 
 def test_length_penalty_is_gnmt():

@@ -487,11 +487,11 @@ def test_init_cache_layout():
     cache = M.init_cache(cfg, 3, 5)
     assert int(cache["index"]) == 0
     assert sorted(cache) == ["index", "layers_0", "layers_1"]
-    assert cache["layers_0"]["self_attention"]["key"].shape == (3, 5, 2, 8)
-    assert cache["layers_0"]["self_attention"]["value"].shape == (3, 5, 2, 6)
+    assert cache["layers_0"]["self_attention"]["key"].shape == (3, 2, 5, 8)  # heads first
+    assert cache["layers_0"]["self_attention"]["value"].shape == (3, 2, 5, 6)
     assert cache["layers_0"]["self_attention"]["key"].dtype == jnp.bfloat16
     scanned = M.init_cache(dataclasses.replace(cfg, scan_layers=True), 3, 5)
-    assert scanned["layers"]["self_attention"]["key"].shape == (2, 3, 5, 2, 8)
+    assert scanned["layers"]["self_attention"]["key"].shape == (2, 3, 2, 5, 8)
     with pytest.raises(ValueError, match="max_len"):
         M.init_cache(cfg, 1, cfg.max_len + 1)
 

@@ -109,18 +109,23 @@ def attention_weights(
     """
     num_kv_heads = k.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    logits = _logits(_group_queries(q, num_kv_heads), k) * scale
+    logits = jnp.einsum("BTKGH,BSKH->BKGTS", _group_queries(q, num_kv_heads), k,
+                        preferred_element_type=jnp.float32) * scale
     mask = _with_window(mask, local_window_size, q.shape[1], k.shape[1], global_tokens)
-    bias5, mask5 = _as_5d(bias, num_kv_heads), _as_5d(mask, num_kv_heads)
+    weights = _masked_softmax(logits, _as_5d(mask, num_kv_heads), _as_5d(bias, num_kv_heads))
+    b, kh, g, t, s = weights.shape
+    return weights.reshape(b, kh * g, t, s)
+
+
+def _masked_softmax(logits: jax.Array, mask5: jax.Array | None,
+                    bias5: jax.Array | None) -> jax.Array:
+    """softmax over the keys (last axis) of logits [B, K, G, T, S] + bias, masked keys at 0."""
     if bias5 is not None:
         logits = logits + bias5.astype(jnp.float32)
     if mask5 is not None:
         logits = jnp.where(mask5, logits, _NEG_INF)
     weights = jax.nn.softmax(logits, axis=-1)
-    if mask5 is not None:
-        weights = jnp.where(mask5, weights, 0.0)
-    b, kh, g, t, s = weights.shape
-    return weights.reshape(b, kh * g, t, s)
+    return weights if mask5 is None else jnp.where(mask5, weights, 0.0)
 
 
 def _xla_attention(q, k, v, mask, bias, scale, dropout_rate, dropout_rng, local_window_size,
@@ -131,30 +136,30 @@ def _xla_attention(q, k, v, mask, bias, scale, dropout_rate, dropout_rng, local_
     b, n, t, s = weights.shape
     num_kv_heads = k.shape[2]
     weights = weights.reshape(b, num_kv_heads, n // num_kv_heads, t, s).astype(v.dtype)
-    out = _weighted_values(weights, v)
+    out = jnp.einsum("BKGTS,BSKE->BTKGE", weights, v, preferred_element_type=jnp.float32)
     return out.reshape(b, t, n, v.shape[-1]).astype(v.dtype)
 
 
-# With one query (T = 1: a decoding step) both contractions are products summed where the
-# [B, S, K, H] keys and values lie: a batched matrix product would first copy them into a
-# [B, K, S, H] layout at every step (most of beam search's time on CPU).
+def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
+                    mask: jax.Array | None = None, scale: float | None = None) -> jax.Array:
+    """Attention over a decoding cache, whose keys and values are head-major: q [B, T, N, H],
+    k [B, K, S, H], v [B, K, S, Hv] -> [B, T, N, Hv] in v's dtype; `mask` broadcastable to
+    [B, N, T, S], True = attend.
 
-
-def _logits(q: jax.Array, k: jax.Array) -> jax.Array:
-    """q [B, T, K, G, H] . k [B, S, K, H] -> [B, K, G, T, S], float32."""
-    if q.shape[1] == 1:
-        logits = (q.astype(jnp.float32) * k[:, :, :, None].astype(jnp.float32)).sum(-1)
-        return jnp.moveaxis(logits, 1, -1)[:, :, :, None]  # [B, S, K, G] -> [B, K, G, 1, S]
-    return jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
-
-
-def _weighted_values(weights: jax.Array, v: jax.Array) -> jax.Array:
-    """weights [B, K, G, T, S] . v [B, S, K, E] -> [B, T, K, G, E], float32."""
-    if weights.shape[3] == 1:
-        weights = jnp.moveaxis(weights[:, :, :, 0], -1, 1)[..., None]  # [B, S, K, G, 1]
-        out = (weights.astype(jnp.float32) * v[:, :, :, None].astype(jnp.float32)).sum(1)
-        return out[:, None]
-    return jnp.einsum("BKGTS,BSKE->BTKGE", weights, v, preferred_element_type=jnp.float32)
+    The numbers of `dot_product_attention` with k and v in [B, S, K, H]. Heads first, a decoding
+    step's two contractions are batched matrix-vector products over each head's contiguous keys
+    and values; over [B, S, K, H] they would first copy the whole cache into this layout, or
+    reduce across strided memory, at every step (README, Benchmarks: decoding).
+    """
+    num_kv_heads = k.shape[1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    logits = jnp.einsum("BTKGH,BKSH->BKGTS", _group_queries(q, num_kv_heads), k,
+                        preferred_element_type=jnp.float32) * scale
+    weights = _masked_softmax(logits, _as_5d(mask, num_kv_heads), None).astype(v.dtype)
+    # Heads-first output: XLA:CPU has no bfloat16 -> float32 kernel for "->BTKGE" here.
+    out = jnp.einsum("BKGTS,BKSE->BKGTE", weights, v, preferred_element_type=jnp.float32)
+    b, t = q.shape[:2]
+    return jnp.moveaxis(out, 3, 1).reshape(b, t, q.shape[2], v.shape[-1]).astype(v.dtype)
 
 
 def _cudnn_attention(q, k, v, mask, bias, scale, dropout_rate, local_window_size,

@@ -69,6 +69,8 @@ class MultiHeadAttention(nn.Module):
     `__call__(x [B,T,D], kv_inputs [B,S,D] or None for self-attention, ...) -> (y [B,T,D],
     cache)`. With a cache, self-attention writes the new keys/values at `cache_index` and
     attends over the whole cache; cross-attention projects `kv_inputs` once and reuses them.
+    A cache holds keys and values heads first ([B, K, S, H]), and attention over it is
+    `attention.cache_attention` (not `attention_fn`: a decoding step's layout, see there).
     Applied with `mutable=["intermediates"]`, it also records its softmax attention weights
     [B,N,T,S] (`attention.attention_weights`, what the "xla" implementation multiplies V with)
     as `intermediates/.../attention_weights` (the plots of `transformer.visualize`).
@@ -106,7 +108,7 @@ class MultiHeadAttention(nn.Module):
         q = project("query", "BTD,DNH->BTNH", x, (d, n, h), ("embed", "heads", "head_dim"))
         if is_cross and cache is not None and cache.get("key") is not None:
             k, v = cache["key"], cache["value"]  # encoder keys/values projected once
-        else:
+        else:  # [B, S, K, H]; a cross-attention cache keeps them heads first
             source = kv_inputs if is_cross else x
             k = project("key", "BSD,DKH->BSKH", source, (d, kh, h),
                         ("embed", "kv_heads", "head_dim"))
@@ -145,6 +147,8 @@ class MultiHeadAttention(nn.Module):
             window = (self.window, 0 if self.causal and in_prefix is None else self.window)
         kwargs = {}
         if is_cross and cache is not None:
+            if cache.get("key") is None:  # projected just now
+                k, v = decoding.heads_first(k), decoding.heads_first(v)
             cache = {"key": k, "value": v}
         elif cache is not None and window is not None:
             new_positions = jnp.broadcast_to(cache_index + jnp.arange(q.shape[1]), q.shape[:2])
@@ -159,9 +163,10 @@ class MultiHeadAttention(nn.Module):
             mask = attention.make_window_cache_mask(
                 cache_index, q.shape[1], jnp.concatenate(positions + [new_positions], axis=1),
                 window, in_prefix, global_tokens=cfg.attention_global_tokens)
-            k_all, v_all = (jnp.concatenate([part[name] for part in parts]
-                                            + [new.astype(cache[name].dtype)], axis=1)
-                            for name, new in (("key", k), ("value", v)))
+            k_all, v_all = (jnp.concatenate(
+                [part[name] for part in parts]
+                + [decoding.heads_first(new).astype(cache[name].dtype)], axis=2)
+                for name, new in (("key", k), ("value", v)))
             ring = decoding.write_ring(cache, k, v, new_positions)
             if "global" in cache:  # keeps the first attention_global_tokens positions
                 ring["global"] = decoding.write_ring(cache["global"], k, v, jnp.where(
@@ -177,7 +182,9 @@ class MultiHeadAttention(nn.Module):
         dropout_rng = None
         if not deterministic and cfg.attention_dropout_rate > 0.0:
             dropout_rng = self.make_rng("dropout")
-        if self._runs_splash(q, k, is_cross, cache, in_prefix, deterministic):
+        if cache is not None:  # k, v [B, K, S, H]
+            y = attention.cache_attention(q, k, v, mask=mask)
+        elif self._runs_splash(q, k, is_cross, cache, in_prefix, deterministic):
             y = splash.self_attention(q, k, v, causal=self.causal, local_window_size=window,
                                       segment_ids=segments)
         else:
@@ -185,8 +192,9 @@ class MultiHeadAttention(nn.Module):
                 q, k, v, mask=mask, dropout_rate=0.0 if deterministic
                 else cfg.attention_dropout_rate, dropout_rng=dropout_rng, **kwargs)
         if self.is_mutable_collection("intermediates"):  # asked for: apply(mutable=[...])
+            keys = k if cache is None else jnp.swapaxes(k, 1, 2)
             self.sow("intermediates", "attention_weights",
-                     attention.attention_weights(q, k, mask=mask, **kwargs))
+                     attention.attention_weights(q, keys, mask=mask, **kwargs))
         return y, cache
 
     def _runs_splash(self, q, k, is_cross, cache, in_prefix, deterministic) -> bool:

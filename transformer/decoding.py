@@ -38,17 +38,23 @@ NEG_INF = -1.0e9  # finite, so that NEG_INF - NEG_INF stays 0
 DecodeFn = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
 
 
+def heads_first(x: jax.Array) -> jax.Array:
+    """[B, T, K, H] keys or values as a cache holds them: [B, K, T, H]."""
+    return jnp.swapaxes(x, 1, 2)
+
+
 def write_cache(cache: dict, key: jax.Array, value: jax.Array, index: jax.Array | int) -> dict:
-    """A layer's self-attention cache {"key": [B, S, K, H], "value": [B, S, K, Hv]} with the new
-    key [B, T, K, H] and value [B, T, K, Hv] written at positions index..index+T-1, in the
-    cache's dtype."""
-    start = (0, index, 0, 0)
-    return {name: jax.lax.dynamic_update_slice(cache[name], new.astype(cache[name].dtype), start)
-            for name, new in (("key", key), ("value", value))}
+    """A layer's self-attention cache {"key": [B, K, S, H], "value": [B, K, S, Hv]} (heads first,
+    as `attention.cache_attention` reads it) with the new key [B, T, K, H] and value
+    [B, T, K, Hv] written at positions index..index+T-1, in the cache's dtype."""
+    start = (0, 0, index, 0)
+    return {name: jax.lax.dynamic_update_slice(
+        cache[name], heads_first(new).astype(cache[name].dtype), start)
+        for name, new in (("key", key), ("value", value))}
 
 
 def write_ring(cache: dict, key: jax.Array, value: jax.Array, positions: jax.Array) -> dict:
-    """A local layer's ring buffer {"key": [B, C, K, H], "value": [B, C, K, Hv], "position":
+    """A local layer's ring buffer {"key": [B, K, C, H], "value": [B, K, C, Hv], "position":
     [B, C]} (slot i holds the newest position p kept with p % C == i; -1 = empty) with the new
     key [B, T, K, H] and value [B, T, K, Hv] at `positions` [B, T] (-1: not kept, e.g. the
     padding after a prompt): each slot takes the newest new token that maps to it. With C = w,
@@ -58,10 +64,11 @@ def write_ring(cache: dict, key: jax.Array, value: jax.Array, positions: jax.Arr
     newest = t - 1 - jnp.argmax(hit[:, ::-1], axis=1)  # [B, C]
     taken = hit.any(axis=1)
 
-    def put(old, new):
-        trailing = (1,) * (old.ndim - 2)
-        new = jnp.take_along_axis(new, newest.reshape(newest.shape + trailing), axis=1)
-        return jnp.where(taken.reshape(taken.shape + trailing), new.astype(old.dtype), old)
+    def put(old, new):  # along the slots axis: 1 of [B, C], 2 of [B, K, C, H]
+        if old.ndim == 2:
+            return jnp.where(taken, jnp.take_along_axis(new, newest, axis=1), old)
+        new = jnp.take_along_axis(heads_first(new), newest[:, None, :, None], axis=2)
+        return jnp.where(taken[:, None, :, None], new.astype(old.dtype), old)
 
     return {"key": put(cache["key"], key), "value": put(cache["value"], value),
             "position": put(cache["position"], positions)}

@@ -404,14 +404,14 @@ def _full_cache_length(config: TransformerConfig, cache: Cache) -> int | None:
         return None
     for name, window in _layers(config, config.num_decoder_layers):
         if window is None:
-            return cache[name]["self_attention"]["key"].shape[-3]
+            return cache[name]["self_attention"]["key"].shape[-2]
     return None
 
 
 def init_cache(config: TransformerConfig, batch_size: int, max_length: int) -> Cache:
     """An empty decoding cache for up to `max_length` positions: per decoder layer the
-    self-attention's, in the compute dtype: keys [B, S, K, H] and values [B, S, K, Hv]
-    (S = max_length) for a global layer; for a local layer of window w a ring buffer of the
+    self-attention's, in the compute dtype: keys [B, K, S, H] and values [B, K, S, Hv], heads
+    first (S = max_length) for a global layer; for a local layer of window w a ring buffer of the
     last min(w, max_length) positions (keys, values and their "position" [B, S], -1 = empty;
     with `attention_global_tokens` a second one, "global", of the first positions);
     for a linear layer the recurrent state [B, K, H, Hv] and normaliser [B, K, H] (float32).
@@ -429,7 +429,7 @@ def init_cache(config: TransformerConfig, batch_size: int, max_length: int) -> C
                               for name, x in state.items()}
         else:
             length = max_length if window is None else min(window, max_length)
-            kv_lead = lead + (batch_size, length, k)
+            kv_lead = lead + (batch_size, k, length)
             self_attention = {"key": jnp.zeros(kv_lead + (h,), dtype),
                               "value": jnp.zeros(kv_lead + (hv,), dtype)}
             if window is not None:
@@ -438,8 +438,8 @@ def init_cache(config: TransformerConfig, batch_size: int, max_length: int) -> C
             if window is not None and config.attention_global_tokens:
                 held = min(config.attention_global_tokens, max_length)
                 self_attention["global"] = {
-                    "key": jnp.zeros(lead + (batch_size, held, k, h), dtype),
-                    "value": jnp.zeros(lead + (batch_size, held, k, hv), dtype),
+                    "key": jnp.zeros(lead + (batch_size, k, held, h), dtype),
+                    "value": jnp.zeros(lead + (batch_size, k, held, hv), dtype),
                     "position": jnp.full(lead + (batch_size, held), -1, jnp.int32)}
         entry = {"self_attention": self_attention}
         if config.architecture == "encoder_decoder":
