@@ -46,7 +46,7 @@ class Soak:
 
     def __init__(self, workdir: pathlib.Path, *, steps: int, checkpoint_every: int,
                  log_every: int, eval_every: int, processes: int, devices: int,
-                 heartbeat: int):
+                 heartbeat: int, config: tuple[str, ...] = ()):
         self.workdir, self.processes, self.devices = workdir, processes, devices
         self.checkpoint_every, self.runs, self.seconds = checkpoint_every, 0, 0.0
         self.flags = ["--config=configs/tiny.py", f"--config.num_train_steps={steps}",
@@ -55,7 +55,8 @@ class Soak:
                       f"--config.checkpoint_every_steps={checkpoint_every}",
                       "--config.keep_checkpoints=3", "--config.data.batch_size=16",
                       "--config.data.eval_examples=32",
-                      f"--config.distributed.heartbeat_timeout_seconds={heartbeat}"]
+                      f"--config.distributed.heartbeat_timeout_seconds={heartbeat}",
+                      *(f"--config.{setting}" for setting in config)]
 
     def start(self, fault: str | None = None) -> list[subprocess.Popen]:
         """The command, once per process (output to `<workdir>.run<n>.p<i>.log`)."""
@@ -325,6 +326,9 @@ def main(argv=None) -> int:
     parser.add_argument("--processes", type=int, choices=(1, 2), default=1)
     parser.add_argument("--heartbeat", type=int, default=5,
                         help="distributed.heartbeat_timeout_seconds with 2 processes")
+    parser.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                        help="another --config.KEY=VALUE for every train.py run, after the "
+                             "soak's own (repeatable; the tests shrink the model with it)")
     parser.add_argument("--workdir", default=None, help="default: a new temporary directory")
     parser.add_argument("--out", default="soak.json")
     args = parser.parse_args(argv)
@@ -338,7 +342,8 @@ def main(argv=None) -> int:
     base.mkdir(parents=True)
     common = dict(steps=total, checkpoint_every=args.checkpoint_every, log_every=args.log_every,
                   eval_every=args.eval_every, processes=args.processes,
-                  devices=4 if args.processes > 1 else 2, heartbeat=args.heartbeat)
+                  devices=4 if args.processes > 1 else 2, heartbeat=args.heartbeat,
+                  config=tuple(args.config))
 
     reference = Soak(base / "reference", **common)
     codes = reference.wait(reference.start())
@@ -376,7 +381,7 @@ def main(argv=None) -> int:
     summary = {
         "faults": sum(delivered.values()), "faults_by_kind": dict(sorted(delivered.items())),
         "processes": args.processes, "devices_per_process": common["devices"],
-        "steps": total, "seed": args.seed, "restarts": soak.runs - 1,
+        "steps": total, "seed": args.seed, "config": args.config, "restarts": soak.runs - 1,
         "steps_recomputed": figures.pop("steps_recomputed"),
         "reference_seconds": round(reference.seconds, 1),
         "faulted_seconds": round(soak.seconds, 1),

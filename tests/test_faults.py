@@ -202,11 +202,15 @@ def test_a_short_soak_of_every_fault_kind_loses_nothing(tmp_path):
     SIGTERM, a kill inside an async save, a kill just after a save completes, a full disk, a
     damaged latest checkpoint), each followed by a restart of the same train.py command; the
     script checks each outcome (exit status, checkpoints, the log line each must print) and
-    compares the faulted run with an uninterrupted one."""
+    compares the faulted run with an uninterrupted one. The model has one layer each side (as
+    test_multihost.COMMON): the faults and restarts are what is under test."""
     out = tmp_path / "soak.json"
+    shrink = [f"--config={setting}" for setting in (
+        "model.num_encoder_layers=1", "model.num_decoder_layers=1", "model.d_model=32",
+        "model.d_ff=64")]
     result = subprocess.run([sys.executable, "benchmarks/soak.py", "--faults=6", "--seed=9",
-                             f"--workdir={tmp_path / 'soak'}", f"--out={out}"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=1800)
+                             *shrink, f"--workdir={tmp_path / 'soak'}", f"--out={out}"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert out.exists(), result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads(out.read_text())
     assert summary["problems"] == [], summary["fault_log"]
@@ -230,7 +234,7 @@ def test_a_killed_coordinator_stops_its_peer_and_the_run_resumes_exactly(tmp_pat
     before, exactly. (Each 2-process start compiles afresh, ~1 min on 2 cores: one kill here.)"""
     from test_multihost import DEAD_PEER_MESSAGE, launch, output_of
 
-    heartbeat, total, target = 5, 12, 5
+    heartbeat, total, target = 5, 8, 5  # saves at 3, 6 and 8; killed after step 5
     overrides = ["--config.eval_every_steps=0", f"--config.num_train_steps={total}",
                  f"--config.distributed.heartbeat_timeout_seconds={heartbeat}",
                  "--config.checkpoint_every_steps=3"]
