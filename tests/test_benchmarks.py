@@ -21,7 +21,7 @@ def one_cpu_device_env() -> dict:
 @pytest.mark.slow
 def test_gpu_check_dry_run_writes_every_result(tmp_path):
     out = tmp_path / "gpu_check.json"
-    env = one_cpu_device_env()
+    env = dict(one_cpu_device_env(), GPU_CHECK_TIMEOUT_S="540")  # 195 s on an idle CI machine
     with open(tmp_path / "log.txt", "w") as log:  # a file, not a pipe nobody reads
         result = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--dry-run", f"--out={out}",
                                  "--steps=1"], cwd=ROOT, env=env, stdout=log,
