@@ -93,6 +93,18 @@ def test_flush_without_a_peak_writes_no_mfu():
     assert writer.lines[0][2]["tokens_per_sec"] == pytest.approx(50.0)
 
 
+@pytest.mark.parametrize(("architecture", "unit"), [
+    ("encoder_decoder", "tok"), ("decoder", "tok"), ("vision", "img"), ("classifier", "ex")])
+def test_progress_line_names_what_the_run_counts(architecture, unit):
+    """The metric stays `tokens_per_sec`; the console says images/s for a ViT, examples/s for a
+    text classifier."""
+    values = {"loss": 1.0, "learning_rate": 1e-3, "tokens_per_sec": 1234.4,
+              "data_wait_fraction": 0.0, "eta_seconds": 0.0}
+    got = loop._progress_unit(types.SimpleNamespace(architecture=architecture))
+    assert got == unit
+    assert f" | 1,234 {unit}/s | " in metrics.format_progress(3, 9, values, got)
+
+
 def test_tensorboard_events_hold_the_metrics_jsonl_values(tmp_path):
     """Read back by TensorFlow's own event reader (the `data` extra; `tensorboard` reads the
     same records)."""

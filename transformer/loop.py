@@ -216,7 +216,7 @@ def _train(cfg, workdir: str, config_file: str | None,
         run.model, source_length=source.source_length,
         target_length=source.target_length)
     peak = metrics.peak_flops_per_device()
-    progress = metrics.Progress(step, total)
+    progress = metrics.Progress(step, total, unit=_progress_unit(run.model))
     pending: list[tuple[int, dict]] = []
     last_save_time, last_saved = time.monotonic(), latest
     profile_start, profile_steps = int(cfg.profile_start_step), int(cfg.profile_num_steps)
@@ -295,6 +295,11 @@ def _compile(jitted, what: str, *example_args):
     return compiled
 
 
+def _progress_unit(model) -> str:
+    """What a train step's `sequence_tokens` count: images, examples or tokens."""
+    return {"vision": "img", "classifier": "ex"}.get(model.architecture, "tok")
+
+
 def _due(every: int, step: int, total: int) -> bool:
     """Every `every` steps (0: never) and at the last step."""
     return bool(every) and (step % every == 0 or step == total)
@@ -341,4 +346,4 @@ def _flush(pending, progress, writer, step, total, flops_per_token, peak, cfg, l
             line["mfu"] = window["mfu"]
         line |= {k: m[k] for k in train_lib.LOSS_SCALE_METRICS if k in m}  # float16 runs
         writer.write(s, "train", line)
-    metrics.log_progress(step, total, fetched[-1] | window)
+    metrics.log_progress(step, total, fetched[-1] | window, progress.unit)

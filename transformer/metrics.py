@@ -140,10 +140,13 @@ def _plain(value):
 
 class Progress:
     """Throughput, ETA and data-wait accounting between two reports (`clock`: seconds, by
-    default `time.perf_counter`; tests pass their own)."""
+    default `time.perf_counter`; tests pass their own). `unit` names what the run counts in the
+    console line ("tok", or "img" and "ex" for a classifier's images and examples); the metric
+    keeps its name, `tokens_per_sec`."""
 
-    def __init__(self, start_step: int, total_steps: int, clock=time.perf_counter):
-        self.start_step, self.total_steps = start_step, total_steps
+    def __init__(self, start_step: int, total_steps: int, clock=time.perf_counter, *,
+                 unit: str = "tok"):
+        self.start_step, self.total_steps, self.unit = start_step, total_steps, unit
         self._clock = clock
         self._window_start = clock()
         self._data_wait = 0.0
@@ -176,13 +179,13 @@ class Progress:
         return figures
 
 
-def format_progress(step: int, total: int, values: dict) -> str:
-    """One console line: step, loss, tokens/s, ETA, data wait, MFU, and a float16 run's loss
-    scale and overflow-skipped updates."""
+def format_progress(step: int, total: int, values: dict, unit: str = "tok") -> str:
+    """One console line: step, loss, tokens (or images, examples: `unit`) per second, ETA, data
+    wait, MFU, and a float16 run's loss scale and overflow-skipped updates."""
     eta = values.get("eta_seconds", 0.0)
     hours, rest = divmod(int(eta), 3600)
     parts = [f"step {step}/{total}", f"loss {values['loss']:.4f}",
-             f"lr {values['learning_rate']:.3g}", f"{values['tokens_per_sec']:,.0f} tok/s",
+             f"lr {values['learning_rate']:.3g}", f"{values['tokens_per_sec']:,.0f} {unit}/s",
              f"ETA {hours}:{rest // 60:02d}:{rest % 60:02d}",
              f"data wait {100 * values['data_wait_fraction']:.1f}%"]
     if "mfu" in values:
@@ -193,9 +196,9 @@ def format_progress(step: int, total: int, values: dict) -> str:
     return " | ".join(parts)
 
 
-def log_progress(step: int, total: int, values: dict) -> None:
+def log_progress(step: int, total: int, values: dict, unit: str = "tok") -> None:
     if jax.process_index() == 0:
-        log.info(format_progress(step, total, values))
+        log.info(format_progress(step, total, values, unit))
 
 
 def log_evaluation(step: int, split: str, figures: dict, seconds: float) -> None:
