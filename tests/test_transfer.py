@@ -140,3 +140,36 @@ def test_a_run_starts_from_another_once_then_resumes_from_its_own(tmp_path, capl
     shutil.rmtree(pretrained)  # resuming reads the run's own checkpoint, never init_from
     train_and_evaluate(_tiny(**frozen | {"num_train_steps": 3}), str(finetuned))
     assert checkpoint.list_steps(str(finetuned / "checkpoints"))[-1] == 3
+
+
+@pytest.mark.slow  # two runs: span corruption, then translation
+def test_a_span_corruption_run_fine_tunes_on_translation(load_config, offline_fixture_data_dir,
+                                                        tmp_path, caplog):
+    """configs/t5_default.py (2 updates), then configs/t5_translate.py from it, both shrunk:
+    every parameter is the pretrained run's (none fresh, none unused), its vocabulary (with the
+    sentinels) is the translation run's, and the translation loss falls."""
+    from transformer.loop import train_and_evaluate
+
+    common = {"model.d_model": 32, "model.d_ff": 64, "model.num_heads": 2,
+              "model.num_kv_heads": 1, "model.num_encoder_layers": 1,
+              "model.num_decoder_layers": 1, "data.vocab_size": 200, "data.max_length": 32,
+              "data.data_dir": str(offline_fixture_data_dir), "data.batch_size": 8,
+              "optimizer.warmup_steps": 1, "checkpoint_every_steps": 0,
+              "checkpoint_every_minutes": 0, "log_every_steps": 5}
+    pretrained = tmp_path / "t5"
+    train_and_evaluate(load_config("t5_default.py", **common | {
+        "data.num_sentinels": 10, "num_train_steps": 2, "eval_every_steps": 0}), str(pretrained))
+    finetuned = tmp_path / "translate"
+    cfg = load_config("t5_translate.py", **common | {
+        "init_from": str(pretrained), "data.tokens_per_batch": 256, "data.eval_batch_size": 8,
+        "num_train_steps": 20, "eval_every_steps": 20, "bleu_every_steps": 0,
+        "optimizer.learning_rate": 3e-3})
+    with caplog.at_level("INFO", logger="transformer"):
+        train_and_evaluate(cfg, str(finetuned))
+    assert "parameters loaded; left fresh: none; not used: none" in caplog.text
+    vocab = "vocab/sentencepiece.model"
+    assert (finetuned / vocab).read_bytes() == (pretrained / vocab).read_bytes()
+    lines = [json.loads(line) for line in (finetuned / "metrics.jsonl").read_text().splitlines()]
+    train = [m["loss"] for m in lines if m["split"] == "train"]
+    assert len(train) == 20 and np.mean(train[-5:]) < np.mean(train[:5]) - 0.2
+    assert [m["step"] for m in lines if m["split"] == "validation"] == [20]
