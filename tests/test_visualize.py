@@ -92,6 +92,23 @@ def test_curves_of_two_runs_keep_the_last_line_per_step(tmp_path):
     assert (tmp_path / "curves.png").read_bytes().startswith(PNG) and out.endswith("curves.png")
 
 
+def test_curves_draw_a_classifiers_accuracy(tmp_path, monkeypatch):
+    """A text classifier's validation accuracy gets its own panel, on the axes titled so."""
+    run = tmp_path / "classifier"
+    run.mkdir()
+    lines = [{"step": s, "split": "validation", "loss": 1.0 / s, "accuracy": 0.5 + s / 10_000}
+             for s in (200, 400, 600)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    plt = visualize.pyplot()
+    drawn = {}
+    monkeypatch.setattr(plt, "close", lambda fig: drawn.update(
+        {ax.get_title(): ax for ax in fig.axes}))
+    visualize.plot_curves([str(run)], str(tmp_path / "curves.png"))
+    (line,) = drawn["accuracy (a classifier)"].get_lines()
+    assert list(line.get_xdata()) == [200, 400, 600]
+    np.testing.assert_allclose(line.get_ydata(), [0.52, 0.54, 0.56])
+
+
 def test_positions_figure(tmp_path):
     out = visualize.plot_positions(64, 50, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").read_bytes().startswith(PNG) and out.endswith("p.png")

@@ -38,7 +38,8 @@ from transformer import workdir as workdir_lib
 KINDS = ("encoder_self_attention", "decoder_self_attention", "cross_attention")
 CURVES = (("loss", "loss (NLL per target token)"), ("perplexity", "perplexity"),
           ("learning_rate", "learning rate"), ("bleu", "sacreBLEU"),
-          ("tokens_per_sec", "tokens/s (non-pad target)"))
+          ("tokens_per_sec", "tokens/s (non-pad target; images or examples for a classifier)"),
+          ("accuracy", "accuracy (a classifier)"))
 MAX_POSITIONS = 4096  # `positions` draws a [length, length] matrix
 MAX_D_MODEL = 8192
 
@@ -310,8 +311,8 @@ def read_metrics(workdir: str) -> dict[str, dict[str, list[tuple[int, float]]]]:
 
 
 def plot_curves(workdirs: list[str], out: str) -> str:
-    """Loss, perplexity, learning rate, BLEU and tokens/s against step, every run on the same
-    axes (one colour per run, one line style per split)."""
+    """Loss, perplexity, learning rate, BLEU, tokens/s and accuracy against step, every run on the
+    same axes (one colour per run, one line style per split)."""
     plt = pyplot()
     runs = [(os.path.basename(os.path.normpath(w)) or w, read_metrics(w)) for w in workdirs]
     fig, grid = plt.subplots(2, 3, figsize=(14, 7.5), layout="constrained")
