@@ -3,6 +3,7 @@ termination) against a plain numpy beam search over the same model's full forwar
 scanned-layer caches against per-layer ones."""
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -12,7 +13,7 @@ import pytest
 
 from transformer import decoding, translator
 from transformer.checkpoint import stack_layers
-from transformer.model import BOS_ID, Transformer, TransformerConfig, init_cache
+from transformer.model import BOS_ID, Transformer, TransformerConfig, grow_cache, init_cache
 
 EOS, BEAM, ALPHA, MAX_LENGTH = 3, 4, 0.6, 8
 CFG = TransformerConfig(vocab_size=12, num_encoder_layers=1, num_decoder_layers=2, d_model=16,
@@ -96,7 +97,9 @@ def reference_beam_search(params):
 
 
 def production_search(params, *, scan_layers=False):
-    """`decoding.beam_search` as `translator._search_fn` calls it, all W hypotheses kept."""
+    """`decoding.beam_search` as `translator._search_fn` calls it (the beams sharing their
+    sentence's encoder rows, a cache grown in stages, of 3 positions here), all W hypotheses
+    kept."""
     config = dataclasses.replace(CFG, scan_layers=scan_layers)
     model = Transformer(config)
     if scan_layers:
@@ -105,17 +108,18 @@ def production_search(params, *, scan_layers=False):
     @jax.jit
     def search(params, inputs, max_lengths):
         encoded = model.apply({"params": params}, inputs, method="encode")
-        encoded, inputs = (jnp.repeat(x, BEAM, axis=0) for x in (encoded, inputs))
 
         def decode_fn(tokens, cache):
             return model.apply({"params": params}, encoded, inputs, tokens, cache=cache,
                                method="decode")
 
+        lengths = decoding.stage_lengths(MAX_LENGTH, 3)
         return decoding.beam_search(
-            decode_fn, init_cache(config, inputs.shape[0], MAX_LENGTH),
+            decode_fn, init_cache(config, inputs.shape[0] * BEAM, lengths[0]),
             bos=jnp.full((max_lengths.shape[0],), BOS_ID), max_lengths=max_lengths,
             max_length=MAX_LENGTH, beam_size=BEAM, alpha=ALPHA, eos_id=EOS,
-            cache_batch_axis=1 if scan_layers else 0, beam_invariant=translator._is_cross_attention)
+            cache_batch_axis=1 if scan_layers else 0, cache_lengths=lengths,
+            grow_cache=functools.partial(grow_cache, config))
 
     seqs, scores = search(params, INPUTS, MAX_LENGTHS)
     return np.asarray(seqs), np.asarray(scores)

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer import decoding, translator
-from transformer.model import BOS_ID, Transformer, TransformerConfig, init_cache
+from transformer import decoding
+from transformer.model import BOS_ID, Transformer, TransformerConfig, grow_cache, init_cache
 
 EOS = 3
 CFG = TransformerConfig(vocab_size=6, num_encoder_layers=1, num_decoder_layers=2, d_model=16,
@@ -112,13 +112,25 @@ def test_greedy_equals_argmax_of_full_forward_passes(setup):
         np.testing.assert_array_equal(tokens[row], expected)
 
 
-def run_beam(setup, beam_size, alpha, max_lengths, max_length, beam_invariant=None):
+def staged(max_length, stage):
+    """The keyword arguments of a staged search (stage 0: the whole cache from the start) and
+    the length of the cache to start with."""
+    if not stage:
+        return {}, max_length
+    lengths = decoding.stage_lengths(max_length, stage)
+    return {"cache_lengths": lengths, "grow_cache": functools.partial(grow_cache, CFG)}, lengths[0]
+
+
+def run_beam(setup, beam_size, alpha, max_lengths, max_length, shared_encoder=False, stage=0):
+    """Beam search's (hypotheses [B, W, T], scores [B, W]); `shared_encoder`: the beams read
+    their sentence's one encoder row (as the translator runs it), else a copy per beam."""
     model, params, inputs, encoded = setup
+    stages, first_length = staged(max_length, stage)
     run = jit(lambda enc, inp: decoding.beam_search(
-        decode_fn_for(model, params, enc, inp, repeat=beam_size),
-        init_cache(CFG, 2 * beam_size, max_length), bos=jnp.full((2,), BOS_ID),
+        decode_fn_for(model, params, enc, inp, repeat=1 if shared_encoder else beam_size),
+        init_cache(CFG, 2 * beam_size, first_length), bos=jnp.full((2,), BOS_ID),
         max_lengths=jnp.array(max_lengths), max_length=max_length, beam_size=beam_size,
-        alpha=alpha, eos_id=EOS, beam_invariant=beam_invariant))
+        alpha=alpha, eos_id=EOS, **stages))
     seqs, scores = run(encoded, inputs)
     return np.asarray(seqs), np.asarray(scores)
 
@@ -162,17 +174,61 @@ def test_beam_respects_each_sentences_maximum_length(setup):
     assert (np.diff(scores, axis=1) <= 1e-6).all()  # best first
 
 
-def test_beam_invariant_cache_leaves_are_left_in_place():
-    rows = jnp.arange(4.0)[:, None]  # 2 sentences x 2 beams
-    cache = {"layers_0": {"self_attention": {"key": rows}, "cross_attention": {"key": rows}}}
+def test_beams_follow_their_origin_and_rows_per_sentence_stay():
+    beams = jnp.arange(4.0)[:, None]  # 2 sentences x 2 beams
+    sentences = jnp.arange(2.0)[:, None]  # the encoder keys of 2 sentences, shared by beams
+    cache = {"layers_0": {"self_attention": {"key": beams},
+                          "cross_attention": {"key": sentences}}}
     origin = jnp.array([[1, 1], [0, 0]])  # both beams continue beam 1, resp. beam 0
-    out = decoding._gather_beams(cache, origin, 2, 2, 0, translator._is_cross_attention)
+    out = decoding._gather_beams(cache, origin, 2, 2, 0)
     np.testing.assert_array_equal(out["layers_0"]["self_attention"]["key"][:, 0], [1, 1, 2, 2])
-    np.testing.assert_array_equal(out["layers_0"]["cross_attention"]["key"][:, 0], [0, 1, 2, 3])
+    np.testing.assert_array_equal(out["layers_0"]["cross_attention"]["key"][:, 0], [0, 1])
 
 
-def test_skipping_the_cross_attention_cache_changes_no_hypothesis(setup):
-    plain = run_beam(setup, 3, 0.6, [6, 4], 6)
-    skipped = run_beam(setup, 3, 0.6, [6, 4], 6, translator._is_cross_attention)
-    for a, b in zip(plain, skipped, strict=True):
-        np.testing.assert_array_equal(a, b)
+def test_beams_sharing_their_sentences_encoder_rows_change_no_hypothesis(setup):
+    copied = run_beam(setup, 3, 0.6, [6, 4], 6)
+    shared = run_beam(setup, 3, 0.6, [6, 4], 6, shared_encoder=True)
+    np.testing.assert_array_equal(shared[0], copied[0])
+    np.testing.assert_allclose(shared[1], copied[1], rtol=1e-6)
+
+
+def test_stage_lengths_end_at_the_maximum():
+    assert decoding.stage_lengths(40, 16) == (16, 32, 40)
+    assert decoding.stage_lengths(32, 16) == (16, 32)
+    assert decoding.stage_lengths(5, 16) == (5,)
+    with pytest.raises(ValueError, match="stage=0"):
+        decoding.stage_lengths(8, 0)
+
+
+def test_grow_cache_pads_the_self_attention_positions_and_keeps_the_rest():
+    cache = init_cache(CFG, 3, 4)
+    cache["layers_0"]["self_attention"]["key"] = jnp.ones_like(
+        cache["layers_0"]["self_attention"]["key"])
+    grown = grow_cache(CFG, cache, 9)
+    key = np.asarray(grown["layers_0"]["self_attention"]["key"])  # [B, K, S, H]
+    assert key.shape == (3, CFG.num_kv_heads or CFG.num_heads, 9, CFG.d_model // CFG.num_heads)
+    assert (key[:, :, :4] == 1).all() and (key[:, :, 4:] == 0).all()
+    assert grown["layers_1"]["self_attention"]["value"].shape[2] == 9
+    assert grown["layers_1"]["cross_attention"] == {} and int(grown["index"]) == 0
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_staged_search_decodes_what_the_whole_cache_decodes(setup, stage):
+    """Greedy and beam search whose cache starts at `stage` positions and grows give the same
+    tokens and scores as with all max_length positions from the start."""
+    model, params, inputs, encoded = setup
+    max_length, limits = 7, jnp.array([7, 4])
+    greedy = {}
+    for s in (0, stage):
+        stages, first_length = staged(max_length, s)
+        greedy[s] = np.asarray(jit(lambda enc, inp, stages=stages, n=first_length:
+                                   decoding.greedy_search(
+            decode_fn_for(model, params, enc, inp), init_cache(CFG, 2, n),
+            bos=jnp.full((2,), BOS_ID), max_lengths=limits, max_length=max_length,
+            eos_id=EOS, **stages))(encoded, inputs))
+    np.testing.assert_array_equal(greedy[stage], greedy[0])
+    whole = run_beam(setup, 3, 0.6, [7, 4], max_length)
+    grown = run_beam(setup, 3, 0.6, [7, 4], max_length, stage=stage)
+    np.testing.assert_array_equal(grown[0], whole[0])
+    np.testing.assert_allclose(grown[1], whole[1], rtol=1e-6)
+    assert (whole[0] != 0).sum(axis=-1).max() > stage  # a hypothesis went past the first stage

@@ -49,6 +49,7 @@ from transformer.model import (
     Encoder,
     OutputHead,
     Transformer,
+    grow_cache,
     init_cache,
     shift_right,
 )
@@ -76,7 +77,7 @@ def __getattr__(name):
 __all__ = [
     "Decoder", "DecoderBlock", "Encoder", "EncoderBlock", "MultiHeadAttention", "OutputHead",
     "Transformer", "TransformerConfig", "apply_rope", "attention_weights", "combine_masks",
-    "dot_product_attention", "feed_forward", "init_cache", "layer_norm", "load",
+    "dot_product_attention", "feed_forward", "grow_cache", "init_cache", "layer_norm", "load",
     "load_classifier", "load_generator", "make_cache_mask", "make_causal_mask", "make_decoder_mask",
     "make_global_mask", "make_local_mask", "make_padding_mask",
     "make_prefix_lm_mask", "make_segment_mask",

@@ -146,11 +146,18 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     k [B, K, S, H], v [B, K, S, Hv] -> [B, T, N, Hv] in v's dtype; `mask` broadcastable to
     [B, N, T, S], True = attend.
 
+    q may hold W rows per row of the cache ([B*W, T, N, H], the W rows of one cache row
+    adjacent: a beam search's beams over their sentence's encoder keys and values); they are
+    attended as W*T queries of that row, and `mask` must then be the same for every query
+    (broadcastable to [B, N, 1, S]).
+
     The numbers of `dot_product_attention` with k and v in [B, S, K, H]. Heads first, a decoding
     step's two contractions are batched matrix-vector products over each head's contiguous keys
     and values; over [B, S, K, H] they would first copy the whole cache into this layout, or
     reduce across strided memory, at every step (README, Benchmarks: decoding).
     """
+    rows, t = q.shape[:2]
+    q = q.reshape(k.shape[0], -1, *q.shape[2:])  # [B, W*T, N, H]
     num_kv_heads = k.shape[1]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     logits = jnp.einsum("BTKGH,BKSH->BKGTS", _group_queries(q, num_kv_heads), k,
@@ -158,8 +165,7 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     weights = _masked_softmax(logits, _as_5d(mask, num_kv_heads), None).astype(v.dtype)
     # Heads-first output: XLA:CPU has no bfloat16 -> float32 kernel for "->BTKGE" here.
     out = jnp.einsum("BKGTS,BKSE->BKGTE", weights, v, preferred_element_type=jnp.float32)
-    b, t = q.shape[:2]
-    return jnp.moveaxis(out, 3, 1).reshape(b, t, q.shape[2], v.shape[-1]).astype(v.dtype)
+    return jnp.moveaxis(out, 3, 1).reshape(rows, t, q.shape[2], v.shape[-1]).astype(v.dtype)
 
 
 def _cudnn_attention(q, k, v, mask, bias, scale, dropout_rate, local_window_size,

@@ -18,6 +18,12 @@ the `top_k` most likely tokens and to the smallest set whose probability reaches
 (nucleus sampling, Holtzman et al., 2019); temperature 0 is greedy. Each row has its own key,
 so a row's tokens do not depend on the other rows of its batch.
 
+Staged searches: the caller may start with a short self-attention cache and give the lengths
+it grows through (`stage_lengths`) and a `grow_cache(cache, length)` (`model.grow_cache`). The
+search then runs one `lax.while_loop` per length, so that each step attends over, and beam
+search reorders, only the cache positions up to the next stage's end, not all T; the tokens are
+the same as with the whole cache from the start.
+
 The model's side of the cache, a step's keys and values written at their positions, is
 `write_cache` (a local layer's ring buffer of its last w positions: `write_ring`; a linear
 layer's recurrent state: `linear_attention.decode_step`). Shapes are written in the package's
@@ -26,7 +32,7 @@ legend (`transformer/__init__.py`); T is the maximum output length.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -36,6 +42,7 @@ from transformer.data.tokenizer import PAD_ID  # never a target, so never decode
 
 NEG_INF = -1.0e9  # finite, so that NEG_INF - NEG_INF stays 0
 DecodeFn = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
+GrowFn = Callable[[Any, int], Any]
 
 
 def heads_first(x: jax.Array) -> jax.Array:
@@ -90,11 +97,40 @@ def _next_logprobs(logits: jax.Array, step: jax.Array, max_lengths: jax.Array, e
     return jnp.where(banned, NEG_INF, logprobs)
 
 
+def stage_lengths(max_length: int, stage: int) -> tuple[int, ...]:
+    """The cache lengths of a staged search: stage, 2 * stage, ..., then max_length."""
+    if stage <= 0:
+        raise ValueError(f"stage={stage}: give a positive number of positions per stage")
+    return tuple(range(stage, max_length, stage)) + (max_length,)
+
+
+def _in_stages(cond: Callable[[dict], jax.Array], body: Callable[[dict], dict], state: dict, *,
+               max_length: int, cache_lengths: Sequence[int], grow_cache: GrowFn | None) -> dict:
+    """`lax.while_loop(cond, body, state)`, run as one loop per cache length when
+    `cache_lengths` are given (the cache holds the first at the start): the step that would
+    write at position n (step n - 1) waits for a cache longer than n. The last length is T,
+    whose loop runs to the end (its last step's write is clamped, and its logits unused)."""
+    if not cache_lengths:
+        return jax.lax.while_loop(cond, body, state)
+    if cache_lengths[-1] != max_length or grow_cache is None:
+        raise ValueError(f"cache_lengths {tuple(cache_lengths)} must end at max_length="
+                         f"{max_length} and come with grow_cache")
+    for i, length in enumerate(cache_lengths):
+        if i:
+            state = {**state, "cache": grow_cache(state["cache"], length)}
+        limit = length - 1 if length < max_length else max_length
+        state = jax.lax.while_loop(
+            lambda s, limit=limit: cond(s) & (s["step"] < limit), body, state)
+    return state
+
+
 def greedy_search(decode_fn: DecodeFn, cache: Any, *, bos: jax.Array, max_lengths: jax.Array,
-                  max_length: int, eos_id: int) -> jax.Array:
+                  max_length: int, eos_id: int, cache_lengths: Sequence[int] = (),
+                  grow_cache: GrowFn | None = None) -> jax.Array:
     """Tokens [B, T] (T = max_length), each row ending at its first EOS, zeros after.
 
     `bos` [B] holds the start tokens, `max_lengths` [B] each row's output limit (<= T).
+    `cache_lengths` and `grow_cache`: a staged search (module docstring).
     """
     logits, cache = decode_fn(bos[:, None], cache)
 
@@ -103,63 +139,62 @@ def greedy_search(decode_fn: DecodeFn, cache: Any, *, bos: jax.Array, max_length
         return jnp.argmax(logprobs, axis=-1).astype(jnp.int32)
 
     return _token_by_token(decode_fn, cache, logits, choose, max_length=max_length,
-                           eos_id=eos_id)
+                           eos_id=eos_id, cache_lengths=cache_lengths, grow_cache=grow_cache)
 
 
 def _token_by_token(decode_fn: DecodeFn, cache: Any, logits: jax.Array,
                     choose: Callable[[jax.Array, jax.Array], jax.Array], *, max_length: int,
-                    eos_id: int) -> jax.Array:
+                    eos_id: int, cache_lengths: Sequence[int] = (),
+                    grow_cache: GrowFn | None = None) -> jax.Array:
     """Tokens [B, T]: `choose(logits [B, 1, V], step) -> [B]` picks each row's next token from
     the last logits, `decode_fn` feeds it back; a row stops at its first EOS (zeros after), the
     loop when every row has or at T tokens."""
     batch = logits.shape[0]
 
     def body(state):
-        step, tokens, finished, logits, cache = state
-        token = jnp.where(finished, 0, choose(logits, step))
-        tokens = tokens.at[:, step].set(token)
-        finished = finished | (token == eos_id)
-        logits, cache = decode_fn(token[:, None], cache)
-        return step + 1, tokens, finished, logits, cache
+        step, finished = state["step"], state["finished"]
+        token = jnp.where(finished, 0, choose(state["logits"], step))
+        logits, cache = decode_fn(token[:, None], state["cache"])
+        return {"step": step + 1, "tokens": state["tokens"].at[:, step].set(token),
+                "finished": finished | (token == eos_id), "logits": logits, "cache": cache}
 
     def cond(state):
-        step, _, finished, _, _ = state
-        return (step < max_length) & ~finished.all()
+        return (state["step"] < max_length) & ~state["finished"].all()
 
-    init = (jnp.zeros((), jnp.int32), jnp.zeros((batch, max_length), jnp.int32),
-            jnp.zeros((batch,), bool), logits, cache)
-    return jax.lax.while_loop(cond, body, init)[1]
+    init = {"step": jnp.zeros((), jnp.int32), "tokens": jnp.zeros((batch, max_length), jnp.int32),
+            "finished": jnp.zeros((batch,), bool), "logits": logits, "cache": cache}
+    return _in_stages(cond, body, init, max_length=max_length, cache_lengths=cache_lengths,
+                      grow_cache=grow_cache)["tokens"]
 
 
-def _gather_beams(tree: Any, indices: jax.Array, batch: int, beam: int, batch_axis: int,
-                  beam_invariant: Callable[[tuple], bool] | None = None):
+def _gather_beams(tree: Any, indices: jax.Array, batch: int, beam: int, batch_axis: int):
     """Reorders the rows of every cache leaf [.., B*W, ..] (batch axis `batch_axis`) so that row
-    (b, w) takes row (b, indices[b, w]). Leaves whose key path `beam_invariant` accepts hold the
-    same values for all beams of a sentence (e.g. projected encoder outputs): left as they are.
-    """
+    (b, w) takes row (b, indices[b, w]). Leaves with one row per sentence (the cross-attention
+    keys and values the beams share) are left as they are."""
     flat = (indices + beam * jnp.arange(batch)[:, None]).reshape(-1)
 
-    def gather(path, leaf):
-        if leaf.ndim <= batch_axis or leaf.shape[batch_axis] != batch * beam or (
-                beam_invariant is not None and beam_invariant(path)):
+    def gather(leaf):
+        if leaf.ndim <= batch_axis or leaf.shape[batch_axis] != batch * beam:
             return leaf
         return jnp.take(leaf, flat, axis=batch_axis)
 
-    return jax.tree_util.tree_map_with_path(gather, tree)
+    return jax.tree.map(gather, tree)
 
 
 def beam_search(decode_fn: DecodeFn, cache: Any, *, bos: jax.Array, max_lengths: jax.Array,
                 max_length: int, beam_size: int, alpha: float, eos_id: int,
-                cache_batch_axis: int = 0,
-                beam_invariant: Callable[[tuple], bool] | None = None,
+                cache_batch_axis: int = 0, cache_lengths: Sequence[int] = (),
+                grow_cache: GrowFn | None = None,
                 ) -> tuple[jax.Array, jax.Array]:
     """Finished hypotheses [B, W, T] and their scores [B, W] (log-probability over the length
     penalty), best first. Rows end at EOS (forced at `max_lengths` [B]), zeros after.
 
-    `cache` and `decode_fn` work on B * W rows (sentence b's beams are rows b*W .. b*W+W-1);
-    `bos` [B] holds the start tokens. `cache_batch_axis` is the rows axis of the cache leaves
-    (1 when layers are scanned). `beam_invariant(key_path)` marks cache leaves that are equal
-    across a sentence's beams (the cross-attention keys and values), which need no reordering.
+    `decode_fn` works on B * W rows (sentence b's beams are rows b*W .. b*W+W-1); `bos` [B]
+    holds the start tokens. The cache leaves with B * W rows along `cache_batch_axis` (1 when
+    layers are scanned) follow their beams at every step; those with B rows (the encoder keys
+    and values that a sentence's beams share: `model.decode` with one encoder row per
+    sentence) stay in place.
+    `cache_lengths` and `grow_cache`: a staged search (module docstring).
     """
     batch = bos.shape[0]
     logits, cache = decode_fn(jnp.repeat(bos, beam_size)[:, None], cache)
@@ -200,8 +235,7 @@ def beam_search(decode_fn: DecodeFn, cache: Any, *, bos: jax.Array, max_lengths:
         alive_logprobs, keep = jax.lax.top_k(jnp.where(is_eos, NEG_INF, top_logprobs), beam_size)
         alive_seqs = jnp.take_along_axis(seqs, keep[..., None], axis=1)
         alive_origin = jnp.take_along_axis(origin, keep, axis=1)
-        cache = _gather_beams(state["cache"], alive_origin, batch, beam_size, cache_batch_axis,
-                              beam_invariant)
+        cache = _gather_beams(state["cache"], alive_origin, batch, beam_size, cache_batch_axis)
         last = jnp.take_along_axis(token, keep, axis=1).reshape(batch * beam_size, 1)
         logits, cache = decode_fn(last, cache)
         return {"step": step + 1, "alive_seqs": alive_seqs, "alive_logprobs": alive_logprobs,
@@ -216,7 +250,8 @@ def beam_search(decode_fn: DecodeFn, cache: Any, *, bos: jax.Array, max_lengths:
             state["step"] < max_lengths)
         return (state["step"] < max_length) & open_.any()
 
-    state = jax.lax.while_loop(undecided, expand, state)
+    state = _in_stages(undecided, expand, state, max_length=max_length,
+                       cache_lengths=cache_lengths, grow_cache=grow_cache)
     return state["finished_seqs"], state["finished_scores"]
 
 

@@ -351,7 +351,10 @@ class Transformer(nn.Module):
 
         Training (cache None): `targets` [B, T] are shifted right inside. Incremental decoding:
         `targets` [B, T] are the decoder's input tokens for positions index..index+T-1 (BOS
-        first). `encoded` [B, S, D] and `inputs` [B, S] are None for decoder-only.
+        first). `encoded` [B, S, D] and `inputs` [B, S] are None for decoder-only. With a
+        cache they may hold one row per W rows of `targets` (a beam search's W beams of a
+        sentence, adjacent): the cross-attention keys and values are then projected and
+        kept once per sentence, not once per beam.
 
         Prefix LM (decoder-only): `targets_prefix` [B, T] marks the targets that belong to the
         prefix (nonzero); the decoder inputs of the prefix (BOS and the prefix tokens) attend to
@@ -390,6 +393,8 @@ class Transformer(nn.Module):
             if inputs_segmentation is not None and cache is None:
                 cross_mask = attention.make_segment_mask(targets_segmentation,
                                                          inputs_segmentation)
+            elif cache is not None:  # every query attends to the source's tokens
+                cross_mask = (inputs != 0)[:, None, None, :]  # [B, 1, 1, S]
             else:
                 cross_mask = attention.make_padding_mask(segments != 0, inputs != 0)
         return self.decoder(tokens, encoded, self_mask, cross_mask, positions,
@@ -448,3 +453,31 @@ def init_cache(config: TransformerConfig, batch_size: int, max_length: int) -> C
 
     layers_ = _layers(config, config.num_decoder_layers)
     return {"index": jnp.zeros((), jnp.int32), **{name: layer(w) for name, w in layers_}}
+
+
+def cache_can_grow(config: TransformerConfig) -> bool:
+    """Whether `grow_cache` applies: every decoder layer is a global softmax layer, whose
+    cache is a plain list of positions."""
+    return config.attention_kind == "softmax" and all(
+        window is None for _, window in _layers(config, config.num_decoder_layers))
+
+
+def grow_cache(config: TransformerConfig, cache: Cache, max_length: int) -> Cache:
+    """`cache` (`init_cache`, every layer global softmax: `cache_can_grow`) with room for
+    `max_length` positions: the self-attention keys and values padded with zeros after the
+    ones held. A search can then start with a short cache and attend over, and reorder, only
+    the positions it has reached (`decoding.beam_search`'s `cache_lengths`)."""
+    if not cache_can_grow(config):
+        raise ValueError("grow_cache needs every decoder layer global softmax attention "
+                         "(no local windows, no linear attention)")
+
+    def pad(x):  # [.., B, K, S, H]
+        widths = [(0, 0)] * x.ndim
+        widths[-2] = (0, max_length - x.shape[-2])
+        return jnp.pad(x, widths)
+
+    grown = dict(cache)
+    for name, _ in _layers(config, config.num_decoder_layers):
+        grown[name] = {**cache[name], "self_attention": jax.tree.map(
+            pad, cache[name]["self_attention"])}
+    return grown

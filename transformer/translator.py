@@ -25,10 +25,14 @@ from transformer import checkpoint, decoding, progress
 from transformer import workdir as workdir_lib
 from transformer.config import resolve
 from transformer.data.tokenizer import BOS_ID, EOS_ID
-from transformer.model import Transformer, TransformerConfig, init_cache
+from transformer.model import Transformer, TransformerConfig, cache_can_grow, grow_cache, init_cache
 
 log = logging.getLogger("transformer")
 BUCKET = 16  # source (and prompt) lengths are padded up to a multiple of this
+DECODE_STAGE = 16  # a staged search's self-attention cache grows by this many positions
+# Shorter searches keep the whole cache: attending over a few dozen positions costs less than
+# compiling one loop per stage.
+MIN_STAGED_LENGTH = 48
 
 
 def bucket_length(length: int, limit: int) -> int:
@@ -143,32 +147,28 @@ def _search_fn(model: Transformer, beam_size: int, alpha: float, max_length: int
     def search(params, inputs, max_lengths):
         batch = inputs.shape[0]
         encoded = model.apply({"params": params}, inputs, method="encode")
-        if beam_size > 1:
-            encoded, inputs = (jnp.repeat(x, beam_size, axis=0) for x in (encoded, inputs))
 
-        def decode_fn(tokens, cache):
+        def decode_fn(tokens, cache):  # beams share their sentence's encoder keys and values
             return model.apply({"params": params}, encoded, inputs, tokens, cache=cache,
                                method="decode")
 
-        cache = init_cache(model.config, batch * beam_size, max_length)
+        staged = {}
+        if cache_can_grow(model.config) and max_length >= MIN_STAGED_LENGTH:
+            staged = {"cache_lengths": decoding.stage_lengths(max_length, DECODE_STAGE),
+                      "grow_cache": functools.partial(grow_cache, model.config)}
+        first_length = staged["cache_lengths"][0] if staged else max_length
+        cache = init_cache(model.config, batch * beam_size, first_length)
         bos = jnp.full((batch,), BOS_ID, jnp.int32)
         if beam_size == 1:
             return decoding.greedy_search(decode_fn, cache, bos=bos, max_lengths=max_lengths,
-                                          max_length=max_length, eos_id=EOS_ID)
+                                          max_length=max_length, eos_id=EOS_ID, **staged)
         seqs, _ = decoding.beam_search(decode_fn, cache, bos=bos, max_lengths=max_lengths,
                                        max_length=max_length, beam_size=beam_size,
                                        alpha=alpha, eos_id=EOS_ID,
-                                       cache_batch_axis=1 if scan_layers else 0,
-                                       beam_invariant=_is_cross_attention)
+                                       cache_batch_axis=1 if scan_layers else 0, **staged)
         return seqs[:, 0]
 
     return jax.jit(search)
-
-
-def _is_cross_attention(path: tuple) -> bool:
-    """Cache leaves of cross-attention: the encoder's keys and values, the same for every beam
-    of a sentence."""
-    return any(getattr(key, "key", None) == "cross_attention" for key in path)
 
 
 def load(workdir: str, *, step: int | None = None, average: int | None = None) -> Translator:
