@@ -299,6 +299,23 @@ def test_cache_attention_matches_jax_nn(kv_heads, dtype, queries):
     np.testing.assert_array_equal(np.asarray(ours[:, 0], np.float32), 0.0)
 
 
+@pytest.mark.parametrize("queries", [1, 3])
+def test_cache_attention_of_beams_sharing_a_row_equals_copies_per_beam(queries):
+    """q with W = 3 rows per cache row (a sentence's beams, adjacent) over one copy of its keys
+    and values: the numbers of each beam over its own copy, with a mask of the source's
+    padding."""
+    rng = np.random.default_rng(4)
+    beams = 3
+    q = jnp.asarray(rng.normal(size=(B * beams, queries, N, H)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(B, 2, S, H)), jnp.float32) for _ in range(2))
+    mask = jnp.asarray(rng.random((B, 1, 1, S)) > 0.3).at[..., 0].set(True)
+    shared = jax.jit(attention.cache_attention)(q, k, v, mask=mask)
+    k_copies, v_copies, mask_copies = (jnp.repeat(x, beams, axis=0) for x in (k, v, mask))
+    copies = jax.jit(attention.cache_attention)(q, k_copies, v_copies, mask=mask_copies)
+    assert shared.shape == (B * beams, queries, N, H)
+    np.testing.assert_allclose(np.asarray(shared), np.asarray(copies), atol=2e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("implementation", ["xla", "chunked"])
 @pytest.mark.parametrize("kv_heads", [2, 1])
 def test_gqa_and_mqa_equal_mha_with_repeated_kv(implementation, kv_heads):

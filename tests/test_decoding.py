@@ -210,6 +210,8 @@ def test_grow_cache_pads_the_self_attention_positions_and_keeps_the_rest():
     assert (key[:, :, :4] == 1).all() and (key[:, :, 4:] == 0).all()
     assert grown["layers_1"]["self_attention"]["value"].shape[2] == 9
     assert grown["layers_1"]["cross_attention"] == {} and int(grown["index"]) == 0
+    with pytest.raises(ValueError, match="holds 9 positions, more than max_length=4"):
+        grow_cache(CFG, grown, 4)
 
 
 @pytest.mark.parametrize("stage", [1, 3])

@@ -10,6 +10,7 @@ import sys
 import pytest
 from conftest import TRANSLATION_SENTENCES
 
+from transformer import translator as translator_lib
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.translator import Translator, load
 
@@ -33,6 +34,23 @@ def test_translate_keeps_order_and_empty_lines(workdir):
     # Translating one at a time gives the same result as a batch (padding does not leak).
     alone = [translator.translate([line], beam_size=2)[0] for line in lines]
     assert out == alone
+
+
+def test_a_cache_grown_in_stages_translates_as_the_whole_cache(workdir, monkeypatch):
+    """The translator's staged search (here stages of 3 positions from the first length on)
+    gives the translations of the whole cache, with beam search and greedily."""
+    translator = load(str(workdir))
+    lines = ["Sie geht oft ins Kino.", "Opens a dialog.", "Ja."]
+    whole = {beam: translator.translate(lines, beam_size=beam) for beam in (1, 2)}
+    monkeypatch.setattr(translator_lib, "MIN_STAGED_LENGTH", 0)
+    monkeypatch.setattr(translator_lib, "DECODE_STAGE", 3)
+    translator_lib._search_fn.cache_clear()
+    try:
+        staged = {beam: translator.translate(lines, beam_size=beam) for beam in (1, 2)}
+    finally:
+        translator_lib._search_fn.cache_clear()  # the other tests compile the default
+    assert staged == whole
+    assert max(len(translator.encode([out])[0]) for out in whole[2]) > 3  # past one stage
 
 
 def test_long_input_is_truncated_with_a_warning(workdir, caplog):

@@ -68,7 +68,8 @@ class MultiHeadAttention(nn.Module):
 
     `__call__(x [B,T,D], kv_inputs [B,S,D] or None for self-attention, ...) -> (y [B,T,D],
     cache)`. With a cache, self-attention writes the new keys/values at `cache_index` and
-    attends over the whole cache; cross-attention projects `kv_inputs` once and reuses them.
+    attends over the whole cache; cross-attention projects `kv_inputs` once and reuses them
+    (with a cache, `kv_inputs` may hold one row per W rows of x: beams sharing a sentence).
     A cache holds keys and values heads first ([B, K, S, H]), and attention over it is
     `attention.cache_attention` (not `attention_fn`: a decoding step's layout, see there).
     Applied with `mutable=["intermediates"]`, it also records its softmax attention weights
@@ -193,6 +194,11 @@ class MultiHeadAttention(nn.Module):
                 else cfg.attention_dropout_rate, dropout_rng=dropout_rng, **kwargs)
         if self.is_mutable_collection("intermediates"):  # asked for: apply(mutable=[...])
             keys = k if cache is None else jnp.swapaxes(k, 1, 2)
+            rows = q.shape[0] // keys.shape[0]  # W beams sharing their sentence's keys
+            if rows > 1:
+                keys = jnp.repeat(keys, rows, axis=0)
+                mask = mask if mask is None or mask.shape[0] == 1 else jnp.repeat(
+                    mask, rows, axis=0)
             self.sow("intermediates", "attention_weights",
                      attention.attention_weights(q, keys, mask=mask, **kwargs))
         return y, cache

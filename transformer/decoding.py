@@ -21,8 +21,8 @@ so a row's tokens do not depend on the other rows of its batch.
 Staged searches: the caller may start with a short self-attention cache and give the lengths
 it grows through (`stage_lengths`) and a `grow_cache(cache, length)` (`model.grow_cache`). The
 search then runs one `lax.while_loop` per length, so that each step attends over, and beam
-search reorders, only the cache positions up to the next stage's end, not all T; the tokens are
-the same as with the whole cache from the start.
+search reorders, only the current stage's cache positions, not all T; the tokens are the same as
+with the whole cache from the start.
 
 The model's side of the cache, a step's keys and values written at their positions, is
 `write_cache` (a local layer's ring buffer of its last w positions: `write_ring`; a linear
@@ -107,7 +107,7 @@ def stage_lengths(max_length: int, stage: int) -> tuple[int, ...]:
 def _in_stages(cond: Callable[[dict], jax.Array], body: Callable[[dict], dict], state: dict, *,
                max_length: int, cache_lengths: Sequence[int], grow_cache: GrowFn | None) -> dict:
     """`lax.while_loop(cond, body, state)`, run as one loop per cache length when
-    `cache_lengths` are given (the cache holds the first at the start): the step that would
+    `cache_lengths` are given (`grow_cache` sizes the cache before each): the step that would
     write at position n (step n - 1) waits for a cache longer than n. The last length is T,
     whose loop runs to the end (its last step's write is clamped, and its logits unused)."""
     if not cache_lengths:
@@ -115,9 +115,8 @@ def _in_stages(cond: Callable[[dict], jax.Array], body: Callable[[dict], dict], 
     if cache_lengths[-1] != max_length or grow_cache is None:
         raise ValueError(f"cache_lengths {tuple(cache_lengths)} must end at max_length="
                          f"{max_length} and come with grow_cache")
-    for i, length in enumerate(cache_lengths):
-        if i:
-            state = {**state, "cache": grow_cache(state["cache"], length)}
+    for length in cache_lengths:
+        state = {**state, "cache": grow_cache(state["cache"], length)}
         limit = length - 1 if length < max_length else max_length
         state = jax.lax.while_loop(
             lambda s, limit=limit: cond(s) & (s["step"] < limit), body, state)
@@ -169,8 +168,8 @@ def _token_by_token(decode_fn: DecodeFn, cache: Any, logits: jax.Array,
 
 def _gather_beams(tree: Any, indices: jax.Array, batch: int, beam: int, batch_axis: int):
     """Reorders the rows of every cache leaf [.., B*W, ..] (batch axis `batch_axis`) so that row
-    (b, w) takes row (b, indices[b, w]). Leaves with one row per sentence (the cross-attention
-    keys and values the beams share) are left as they are."""
+    (b, w) takes row (b, indices[b, w]). With W > 1, leaves with one row per sentence (the
+    cross-attention keys and values the beams share) are left as they are."""
     flat = (indices + beam * jnp.arange(batch)[:, None]).reshape(-1)
 
     def gather(leaf):
@@ -191,9 +190,9 @@ def beam_search(decode_fn: DecodeFn, cache: Any, *, bos: jax.Array, max_lengths:
 
     `decode_fn` works on B * W rows (sentence b's beams are rows b*W .. b*W+W-1); `bos` [B]
     holds the start tokens. The cache leaves with B * W rows along `cache_batch_axis` (1 when
-    layers are scanned) follow their beams at every step; those with B rows (the encoder keys
-    and values that a sentence's beams share: `model.decode` with one encoder row per
-    sentence) stay in place.
+    layers are scanned) follow their beams at every step; with W > 1 those with B rows (the
+    encoder keys and values that a sentence's beams share: `model.decode` with one encoder row
+    per sentence) stay in place.
     `cache_lengths` and `grow_cache`: a staged search (module docstring).
     """
     batch = bos.shape[0]

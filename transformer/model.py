@@ -470,6 +470,11 @@ def grow_cache(config: TransformerConfig, cache: Cache, max_length: int) -> Cach
     if not cache_can_grow(config):
         raise ValueError("grow_cache needs every decoder layer global softmax attention "
                          "(no local windows, no linear attention)")
+    _check_length(config, max_length, "decode")
+    held = _full_cache_length(config, cache)
+    if max_length < held:
+        raise ValueError(f"grow_cache: the cache holds {held} positions, more than "
+                         f"max_length={max_length}; it only grows")
 
     def pad(x):  # [.., B, K, S, H]
         widths = [(0, 0)] * x.ndim
