@@ -12,9 +12,6 @@ from transformer import attention
 
 pytestmark = pytest.mark.usefixtures("strict_dtype_promotion")
 
-# LLVM optimisation buys nothing for these tiny programs and halves their compile time.
-jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0,
-                                                  "xla_llvm_disable_expensive_passes": True})
 
 B, T, S, N, H = 2, 6, 6, 4, 8
 
@@ -52,7 +49,7 @@ def qkv(seed, b=B, t=T, s=S, n=N, kh=N, h=H, hv=None, dtype=jnp.float32):
     return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
 
 
-@functools.partial(jit, static_argnames=("implementation", "key_chunk_size"))
+@functools.partial(jax.jit, static_argnames=("implementation", "key_chunk_size"))
 def attend(q, k, v, mask=None, bias=None, implementation="xla", key_chunk_size=4):
     return attention.dot_product_attention(q, k, v, mask=mask, bias=bias,
                                            implementation=implementation,
@@ -206,7 +203,7 @@ def formula_results():
     """Every (mask, bias) case in one compilation: {(mask_name, with_bias): out}."""
     masks = {name: mask_case(name) for name in MASK_NAMES}
 
-    @jit
+    @jax.jit
     def run(q, k, v, bias, masks):
         return {(name, with_bias): attention.dot_product_attention(
                     q, k, v, mask=mask, bias=bias if with_bias else None)
@@ -249,7 +246,7 @@ def jax_nn_results(kv_heads):
     q, k, v = qkv(3, kh=kv_heads)
     bias = jnp.asarray(np.random.default_rng(4).normal(size=(1, N, T, S)), jnp.float32)
 
-    @jit
+    @jax.jit
     def run(q, k, v, bias, masks):
         return {name: (attention.dot_product_attention(q, k, v, mask=mask, bias=bias),
                        jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask,
@@ -340,7 +337,7 @@ def test_gqa_and_mqa_equal_mha_with_repeated_kv(implementation, kv_heads):
 # --------------------------------------------------------------------------- chunked == xla
 
 
-@functools.partial(jit, static_argnames="key_chunk_size")
+@functools.partial(jax.jit, static_argnames="key_chunk_size")
 def _values_and_grads(q, k, v, bias, mask, cotangent, key_chunk_size):
     """{implementation: (out, (dq, dk, dv, dbias))} of sum(out * cotangent)."""
 
@@ -416,7 +413,7 @@ def test_chunked_gradient_matches_finite_differences():
     directions = [jnp.asarray(rng.normal(size=x.shape), jnp.float32) for x in primals]
     eps = 1e-2
 
-    @jit
+    @jax.jit
     def analytic_and_numeric(primals, directions):
         grads = jax.grad(f, argnums=(0, 1, 2, 3))(*primals)
         analytic = sum(jnp.sum(g * d) for g, d in zip(grads, directions, strict=True))
@@ -445,7 +442,7 @@ def test_fully_masked_row_gives_zeros_and_finite_gradients(implementation):
                                               implementation=implementation, key_chunk_size=3)
         return jnp.sum(out**2), out
 
-    (_, out), grads = jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
         q, k, v, bias)
     out = np.asarray(out)
     assert not np.isnan(out).any()
@@ -520,7 +517,7 @@ def test_dropout_rate_zero_is_identity():
     np.testing.assert_array_equal(with_rng, plain)
 
 
-@jit
+@jax.jit
 def _dropout_weights(rng):
     """With q = 0 the weights are uniform (1/S); v = I makes the output the dropped weights."""
     s = 64
@@ -664,7 +661,7 @@ def test_jit_grad_and_vmap_over_extra_leading_axis():
 
         return f(q, k, v), jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), (0, 1, 2))(q, k, v)
 
-    @jit
+    @jax.jit
     def both(q, k, v):
         return {impl: jax.vmap(functools.partial(value_and_grads, impl))(q, k, v)
                 for impl in ("xla", "chunked")}
@@ -680,6 +677,6 @@ def test_jit_grad_and_vmap_over_extra_leading_axis():
         np.testing.assert_allclose(g_c, g_x, atol=2e-5, rtol=1e-4)
         assert np.abs(np.asarray(g_x)).max() > 1e-2
     # The batched gradient is the per-slice gradient (slice 1 alone, unbatched).
-    grads_1 = jit(functools.partial(value_and_grads, "chunked"))(q[1], k[1], v[1])[1]
+    grads_1 = jax.jit(functools.partial(value_and_grads, "chunked"))(q[1], k[1], v[1])[1]
     for g, g1 in zip(grads_c, grads_1, strict=True):
         np.testing.assert_allclose(g[1], g1, atol=1e-5, rtol=1e-5)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_attention import jit, np_causal, np_segment, qkv, reference_attention
+from test_attention import np_causal, np_segment, qkv, reference_attention
 
 from transformer import attention, decoding, linear_attention
 from transformer.model import BOS_ID, Transformer, TransformerConfig, init_cache
@@ -47,7 +47,7 @@ def test_make_global_mask_by_hand():
     np.testing.assert_array_equal(mask[0, 0], np.asarray(expected, bool))
 
 
-@functools.partial(jit, static_argnames=("implementation", "key_chunk_size", "window"))
+@functools.partial(jax.jit, static_argnames=("implementation", "key_chunk_size", "window"))
 def attend_window(q, k, v, mask=None, implementation="xla", key_chunk_size=4, window=None):
     return attention.dot_product_attention(q, k, v, mask=mask, implementation=implementation,
                                            key_chunk_size=key_chunk_size,
@@ -117,9 +117,9 @@ def test_chunked_window_with_a_bias_visits_every_block_and_matches_the_dense_for
             return (attention.dot_product_attention(
                 q, k, v, bias=bias, implementation=implementation, key_chunk_size=4,
                 local_window_size=(2, 0)) ** 2).sum()
-        return jit(jax.grad(f))(bias)
+        return jax.jit(jax.grad(f))(bias)
 
-    out = jit(functools.partial(attention.dot_product_attention, implementation="chunked",
+    out = jax.jit(functools.partial(attention.dot_product_attention, implementation="chunked",
                                 key_chunk_size=4, local_window_size=(2, 0)))(q, k, v, bias=bias)
     np.testing.assert_allclose(out, expected, atol=2e-5)
     np.testing.assert_allclose(grad_bias("chunked"), grad_bias("xla"), atol=2e-5)
@@ -221,7 +221,7 @@ def test_linear_attention_matches_its_quadratic_form(chunk, feature_map):
     q, k, v = qkv(5, b=2, t=t, s=t, n=4, kh=2, hv=6)
     kv_valid = np.ones((2, t), bool)
     kv_valid[0, 9:] = False
-    run = jit(functools.partial(linear_attention.linear_attention, feature_map=feature_map,
+    run = jax.jit(functools.partial(linear_attention.linear_attention, feature_map=feature_map,
                                 chunk_size=chunk), static_argnames=("causal",))
     segments = np.array([[1] * 4 + [2] * 5 + [0] * 3, [1] * 7 + [2] * 2 + [3] * 3], np.int32)
     in_prefix = np.zeros((2, t), bool)
@@ -262,7 +262,7 @@ def test_linear_attention_cross_shapes_and_gradients():
         return num / (a.sum(-1).transpose(0, 2, 1)[..., None] + linear_attention.EPS)
 
     def loss(f):
-        return jit(jax.grad(lambda *x: (f(*x) ** 2).sum(), argnums=(0, 1, 2)))(q, k, v)
+        return jax.jit(jax.grad(lambda *x: (f(*x) ** 2).sum(), argnums=(0, 1, 2)))(q, k, v)
 
     chunked = functools.partial(linear_attention.linear_attention, causal=True, chunk_size=3)
     for g, e in zip(loss(chunked), loss(quadratic), strict=True):
@@ -282,11 +282,11 @@ def test_linear_attention_decode_step_equals_the_parallel_form():
     pad = 3  # the prompt call carries 3 padding positions after the prompt
     padded = [jnp.pad(x[:, :prompt], ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v)]
     valid = jnp.arange(prompt + pad)[None, :] < prompt
-    out, state = jit(linear_attention.decode_step)(
+    out, state = jax.jit(linear_attention.decode_step)(
         *padded, state, valid=jnp.broadcast_to(valid, (2, prompt + pad)),
         in_prefix=jnp.asarray(np.pad(in_prefix[:, :prompt], ((0, 0), (0, pad)))))
     outs = [out[:, :prompt]]
-    step = jit(linear_attention.decode_step)
+    step = jax.jit(linear_attention.decode_step)
     for i in range(prompt, t):
         out, state = step(q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1], state)
         outs.append(out)
@@ -353,7 +353,7 @@ def _train(cfg, steps=30):
                              targets_segmentation=segments)
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens).mean()
 
-    @jit
+    @jax.jit
     def step(params, opt_state):
         loss, grads = jax.value_and_grad(loss_fn)(params)
         updates, opt_state = opt.update(grads, opt_state)
@@ -421,14 +421,14 @@ def test_pattern_lm_decodes_as_full_recomputation(trained):
         bos = jnp.full((2,), BOS_ID)
         kwargs = dict(bos=bos, max_lengths=jnp.full((2,), steps), max_length=steps, eos_id=1)
         greedy = functools.partial(decoding.greedy_search, **kwargs)
-        np.testing.assert_array_equal(jit(functools.partial(greedy, cached))(cache),
-                                      jit(functools.partial(greedy, recompute))(recomputing(2)),
+        np.testing.assert_array_equal(jax.jit(functools.partial(greedy, cached))(cache),
+                                      jax.jit(functools.partial(greedy, recompute))(recomputing(2)),
                                       err_msg=name)
         search = functools.partial(decoding.beam_search, beam_size=beam, alpha=0.6, **kwargs)
-        by_cache = jit(functools.partial(
+        by_cache = jax.jit(functools.partial(
             search, cached, cache_batch_axis=1 if cfg.scan_layers else 0))(
             init_cache(cfg, 2 * beam, steps + 1))
-        by_recompute = jit(functools.partial(search, recompute))(recomputing(2 * beam))
+        by_recompute = jax.jit(functools.partial(search, recompute))(recomputing(2 * beam))
         np.testing.assert_array_equal(by_cache[0], by_recompute[0], err_msg=name)
         np.testing.assert_allclose(by_cache[1], by_recompute[1], atol=1e-4, err_msg=name)
 
@@ -444,7 +444,7 @@ def test_pattern_lm_prefill_with_padding_and_a_prefix_equals_the_training_pass(t
         expected = model.apply({"params": params}, None,
                                np.pad(inputs[:, 1:], ((0, 0), (0, 1)), constant_values=5),
                                targets_prefix=targets_prefix)
-        decode = jit(functools.partial(model.apply, method="decode"))
+        decode = jax.jit(functools.partial(model.apply, method="decode"))
         prompt = 5
         padded = np.pad(inputs[:, :prompt], ((0, 0), (0, 3)))  # 3 pads after the prompt
         in_prefix = np.arange(prompt + 3)[None].repeat(2, 0) < prompt

@@ -7,13 +7,15 @@ import subprocess
 import sys
 
 import pytest
+from conftest import FAST_COMPILE
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def one_cpu_device_env() -> dict:
-    """The environment of a user's shell: one CPU device (conftest fakes 8), no cache."""
-    env = dict(os.environ, PYTHON=sys.executable, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    """A user's shell, but for the tests' fast compiling: one CPU device (conftest fakes 8), no
+    compilation cache."""
+    env = dict(os.environ, PYTHON=sys.executable, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE)
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     return env
 

@@ -16,8 +16,6 @@ from transformer.model import BOS_ID, Transformer, TransformerConfig, grow_cache
 EOS = 3
 CFG = TransformerConfig(vocab_size=6, num_encoder_layers=1, num_decoder_layers=2, d_model=16,
                         d_ff=32, num_heads=2, max_len=16, dropout_rate=0.0)
-jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0,
-                                                   "xla_llvm_disable_expensive_passes": True})
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +88,7 @@ def test_length_penalty_is_gnmt():
 def test_greedy_equals_argmax_of_full_forward_passes(setup):
     model, params, inputs, encoded = setup
     max_length = 6
-    run = jit(lambda enc, inp: decoding.greedy_search(
+    run = jax.jit(lambda enc, inp: decoding.greedy_search(
         decode_fn_for(model, params, enc, inp), init_cache(CFG, 2, max_length),
         bos=jnp.full((2,), BOS_ID), max_lengths=jnp.array([6, 4]), max_length=max_length,
         eos_id=EOS))
@@ -126,7 +124,7 @@ def run_beam(setup, beam_size, alpha, max_lengths, max_length, shared_encoder=Fa
     their sentence's one encoder row (as the translator runs it), else a copy per beam."""
     model, params, inputs, encoded = setup
     stages, first_length = staged(max_length, stage)
-    run = jit(lambda enc, inp: decoding.beam_search(
+    run = jax.jit(lambda enc, inp: decoding.beam_search(
         decode_fn_for(model, params, enc, inp, repeat=1 if shared_encoder else beam_size),
         init_cache(CFG, 2 * beam_size, first_length), bos=jnp.full((2,), BOS_ID),
         max_lengths=jnp.array(max_lengths), max_length=max_length, beam_size=beam_size,
@@ -223,7 +221,7 @@ def test_a_staged_search_decodes_what_the_whole_cache_decodes(setup, stage):
     greedy = {}
     for s in (0, stage):
         stages, first_length = staged(max_length, s)
-        greedy[s] = np.asarray(jit(lambda enc, inp, stages=stages, n=first_length:
+        greedy[s] = np.asarray(jax.jit(lambda enc, inp, stages=stages, n=first_length:
                                    decoding.greedy_search(
             decode_fn_for(model, params, enc, inp), init_cache(CFG, 2, n),
             bos=jnp.full((2,), BOS_ID), max_lengths=limits, max_length=max_length,

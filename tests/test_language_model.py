@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import FAST_COMPILE
 
 from transformer import attention, decoding, train_lib
 from transformer import model as M
@@ -401,7 +402,7 @@ def test_generate_cli_is_seeded_and_batch_independent(lm_config, tmp_path):
     assert greedy[0] == greedy[2]
     assert generator.generate(prompts, max_new_tokens=8, temperature=0.5, top_k=1) == greedy
 
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE)
     cli = subprocess.run([sys.executable, "-m", "transformer.generate", f"--workdir={tmp_path}",
                           "--max_new_tokens=8", "--temperature=0"], input=b"Opens a dialog\n",
                          capture_output=True, cwd=ROOT, env=env, timeout=300)

@@ -1,7 +1,6 @@
 """Tests of transformer.layers: positional encodings, norms, the feed-forward network and
 dropout, against numpy."""
 
-import functools
 import math
 
 import jax
@@ -13,9 +12,6 @@ from transformer import layers
 
 pytestmark = pytest.mark.usefixtures("strict_dtype_promotion")
 
-# LLVM optimisation buys nothing for these tiny programs and halves their compile time.
-jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0,
-                                                  "xla_llvm_disable_expensive_passes": True})
 
 # --------------------------------------------------------------------------- sinusoidal
 
@@ -33,7 +29,7 @@ def paper_pe(length, d_model):
 
 @pytest.mark.parametrize("length,d_model", [(50, 16), (7, 6), (5, 7)])
 def test_sinusoidal_matches_paper_formula(length, d_model):
-    pe = jit(layers.sinusoidal_position_encoding, static_argnums=(0, 1))(length, d_model)
+    pe = jax.jit(layers.sinusoidal_position_encoding, static_argnums=(0, 1))(length, d_model)
     assert pe.shape == (length, d_model) and pe.dtype == jnp.float32
     np.testing.assert_allclose(pe, paper_pe(length, d_model), atol=2e-5)
     # Interleaved: position 0 is sin(0)=0 at even, cos(0)=1 at odd indices.
@@ -45,7 +41,7 @@ def test_sinusoidal_pe_pos_plus_k_is_a_rotation_of_pe_pos():
     """For each frequency w_i, [PE(p+k, 2i), PE(p+k, 2i+1)] = R(k w_i) [PE(p, 2i), PE(p, 2i+1)]
     with R depending only on k (the paper's reason for choosing sinusoids)."""
     d_model, length = 16, 64
-    pe = jit(layers.sinusoidal_position_encoding, static_argnums=(0, 1))(length, d_model)
+    pe = jax.jit(layers.sinusoidal_position_encoding, static_argnums=(0, 1))(length, d_model)
     pe = np.asarray(pe, np.float64)
     pairs = pe.reshape(length, d_model // 2, 2)  # [pos, i, (sin, cos)]
     freqs = 1.0 / 10000 ** (np.arange(0, d_model, 2) / d_model)
@@ -87,7 +83,7 @@ def _rope_dot(q, k, m, n):
     return np.asarray(_rope_dot_jit(q, k, pos_q, pos_k))[:, 0, 0]
 
 
-@jit
+@jax.jit
 def _rope_dot_jit(q, k, pos_q, pos_k):
     b = pos_q.shape[0]
     qr = layers.apply_rope(jnp.broadcast_to(q, (b, 1, 1, q.shape[-1])), pos_q)
@@ -116,7 +112,7 @@ def test_rope_preserves_norm_and_position_zero_is_identity():
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.normal(size=(2, 5, 3, 8)), jnp.float32)
     positions = jnp.asarray(rng.integers(0, 100, size=(2, 5)))
-    rope = jit(layers.apply_rope)
+    rope = jax.jit(layers.apply_rope)
     out = rope(x, positions)
     assert out.shape == x.shape and out.dtype == jnp.float32
     np.testing.assert_allclose(jnp.linalg.norm(out, axis=-1), jnp.linalg.norm(x, axis=-1),
@@ -266,7 +262,7 @@ def test_feed_forward_relu_dropout():
     ff_in = jnp.asarray(rng.normal(size=(d, f)), jnp.float32)
     eye = jnp.eye(f)
     hidden = np.asarray(jax.nn.relu(x @ ff_in))
-    run = jit(lambda key: layers.feed_forward(x, ff_in, eye, dropout_rate=rate,
+    run = jax.jit(lambda key: layers.feed_forward(x, ff_in, eye, dropout_rate=rate,
                                                   dropout_rng=key))
     out = np.asarray(run(jax.random.key(0)))
     positive = hidden > 0

@@ -20,10 +20,6 @@ from flax import traverse_util
 from transformer import model as M
 from transformer.checkpoint import stack_layers, unstack_layers
 
-# LLVM optimisation buys nothing for these tiny programs and halves their compile time.
-jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0,
-                                                  "xla_llvm_disable_expensive_passes": True})
-
 V, D, F, NH = 40, 32, 64, 4
 TINY = dict(vocab_size=V, d_model=D, d_ff=F, num_heads=NH, num_encoder_layers=2,
             num_decoder_layers=2, max_len=32, dropout_rate=0.0)
@@ -94,7 +90,7 @@ def random_params(cfg, seed=0):
 def forward(cfg, deterministic=True):
     model = M.Transformer(cfg)
 
-    @jit
+    @jax.jit
     def run(variables, inputs, targets, packing=None, rng=None):
         rngs = None if rng is None else {"dropout": rng}
         return model.apply(variables, inputs, targets, **(packing or {}),
@@ -109,7 +105,7 @@ def incremental(cfg, prefill):
     in a lax.scan. Returns logits [B, T, V] and the final cache index."""
     model = M.Transformer(cfg)
 
-    @jit
+    @jax.jit
     def run(variables, inputs, targets):
         b, t = targets.shape
         encoded = None
@@ -467,7 +463,7 @@ def test_output_head_and_decode_without_a_cache():
     inputs, targets = std_batch(15)
     model = M.Transformer(cfg)
 
-    @jit
+    @jax.jit
     def run(variables):
         head = model.apply(variables, inputs, targets, method=M.Transformer.output_head)
         encoded = model.apply(variables, inputs, method=M.Transformer.encode)
@@ -508,7 +504,7 @@ def test_dropout_and_gradients():
     inputs, targets = std_batch(10)
     model = M.Transformer(cfg)
 
-    @jit
+    @jax.jit
     def run(variables, rng):
         deterministic = model.apply(variables, inputs, targets, deterministic=True,
                                     rngs={"dropout": rng})

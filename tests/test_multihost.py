@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import CACHE_DIR, SHRUNK_DEFAULT
+from conftest import CACHE_DIR, FAST_COMPILE, SHRUNK_DEFAULT
 
 from transformer.checkpoint_hooks import FAULT_ENV
 
@@ -28,11 +28,6 @@ COMMON = ["--config=configs/tiny.py", "--config.log_every_steps=1",
           # processes, meshes and collectives under test are those of any size.
           "--config.model.num_encoder_layers=1", "--config.model.num_decoder_layers=1",
           "--config.model.d_model=32", "--config.model.d_ff=64"]
-# LLVM's cheapest optimisation for the processes' XLA programs: a train.py start spends most of
-# its CPU time compiling, and this takes ~40% off it (measured: 61 -> 36 CPU s for a 4-step run
-# of COMMON's model, same losses). The processes compared with each other all use it; what these
-# tests check (processes, meshes, faults, resume) is not the machine code's speed.
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 # The fatal line of a process that the coordination service stops after a peer died.
 DEAD_PEER_MESSAGE = ("Terminating process because the JAX distributed service detected fatal "
                      "errors. This most likely indicates that another task died")

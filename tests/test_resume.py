@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+from conftest import FAST_COMPILE
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CHECK_WORKDIR = ROOT.parent / "shared" / "scripts" / "check_workdir.py"
@@ -20,7 +21,7 @@ COMMON = ["--config=configs/tiny.py", "--config.log_every_steps=1",
 
 def _env():
     env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=2 {FAST_COMPILE}"
     env["JAX_PLATFORMS"] = "cpu"
     env["JAX_COMPILATION_CACHE_DIR"] = str(ROOT / ".cache" / "jax")
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.5"
