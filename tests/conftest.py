@@ -39,6 +39,11 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+def subprocess_env(**overrides) -> dict:
+    """The environment of a CLI the tests start: one CPU device (no fake 8), FAST_COMPILE."""
+    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE, **overrides)
+
+
 @pytest.fixture
 def strict_dtype_promotion():
     """JAX's strict dtype promotion (no implicit int/float or precision mixing), for the pure

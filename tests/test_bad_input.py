@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import FAST_COMPILE, TRANSLATION_SENTENCES
+from conftest import TRANSLATION_SENTENCES, subprocess_env
 from ml_collections import ConfigDict
 
 from transformer.data import tokenizer as tokenizer_lib
@@ -161,7 +161,7 @@ def test_an_empty_training_split_is_named_before_any_work(kind, tmp_path):
 # --------------------------------------------------------------------------- the CLIs
 
 def cli(*args, stdin: bytes = b""):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE)
+    env = subprocess_env()
     return subprocess.run([sys.executable, *args], input=stdin, cwd=ROOT, env=env,
                           capture_output=True, timeout=300)
 
@@ -458,7 +458,7 @@ VISUALIZE_MISTAKES = {
 @pytest.mark.parametrize("args, message", list(VISUALIZE_MISTAKES.values()),
                          ids=list(VISUALIZE_MISTAKES))
 def test_visualize_mistakes_are_one_line_and_write_nothing(args, message, tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE)
+    env = subprocess_env()
     result = subprocess.run([sys.executable, "-m", "transformer.visualize",
                              *(a.format(tmp=tmp_path) for a in args)], cwd=tmp_path, env=env,
                             capture_output=True, timeout=300)

@@ -1,13 +1,12 @@
 """The benchmark scripts keep working: the GPU check end to end at its dry-run sizes on CPU."""
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
-from conftest import FAST_COMPILE
+from conftest import subprocess_env
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -15,7 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def one_cpu_device_env() -> dict:
     """A user's shell, but for the tests' fast compiling: one CPU device (conftest fakes 8), no
     compilation cache."""
-    env = dict(os.environ, PYTHON=sys.executable, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE)
+    env = subprocess_env(PYTHON=sys.executable)
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     return env
 

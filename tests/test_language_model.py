@@ -3,7 +3,6 @@ without attention across documents, the prefix-LM mask and cache, sampling, and 
 generation end to end on the offline corpus fixture."""
 
 import json
-import os
 import pathlib
 import runpy
 import subprocess
@@ -13,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import FAST_COMPILE
+from conftest import subprocess_env
 
 from transformer import attention, decoding, train_lib
 from transformer import model as M
@@ -402,7 +401,7 @@ def test_generate_cli_is_seeded_and_batch_independent(lm_config, tmp_path):
     assert greedy[0] == greedy[2]
     assert generator.generate(prompts, max_new_tokens=8, temperature=0.5, top_k=1) == greedy
 
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE)
+    env = subprocess_env()
     cli = subprocess.run([sys.executable, "-m", "transformer.generate", f"--workdir={tmp_path}",
                           "--max_new_tokens=8", "--temperature=0"], input=b"Opens a dialog\n",
                          capture_output=True, cwd=ROOT, env=env, timeout=300)
