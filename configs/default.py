@@ -60,7 +60,7 @@ def get_config():
         num_kv_heads=config_dict.placeholder(int), d_k=config_dict.placeholder(int),
         d_v=config_dict.placeholder(int), dropout_rate=0.1, attention_dropout_rate=0.0,
         relu_dropout_rate=0.0, positional="sinusoidal", norm="layer_norm",
-        norm_position="post", activation="relu", use_bias=True, share_embeddings=True,
+        norm_position="pre", activation="relu", use_bias=True, share_embeddings=True,
         tie_output_embedding=True, max_len=128, dtype="float32", scan_layers=False,
         remat_policy="none", attention_implementation="auto", norm_eps=1e-6))
     cfg.optimizer = config_dict.ConfigDict(dict(
