@@ -14,8 +14,9 @@ torch = pytest.importorskip("torch", reason='the PyTorch peer needs pip install 
 peer = pytest.importorskip("benchmarks.peers.torch_transformer")
 
 
-def test_the_peer_computes_our_logits_and_loss(load_config):
-    run = resolve(load_config("tiny.py"), 1)
+@pytest.mark.parametrize("norm_position", ["post", "pre"])
+def test_the_peer_computes_our_logits_and_loss(load_config, norm_position):
+    run = resolve(load_config("tiny.py", **{"model.norm_position": norm_position}), 1)
     model_cfg = run.model
     rng = np.random.default_rng(0)
     inputs = rng.integers(3, model_cfg.vocab_size, (2, 7))
@@ -41,10 +42,17 @@ def test_the_peer_computes_our_logits_and_loss(load_config):
 
 
 
-@pytest.fixture(scope="module")
-def copy_model(tmp_path_factory, load_config):
-    """configs/tiny.py trained for 100 updates on the copy task (test_train_translation's
-    recipe): outputs that follow the source, half right, so searches have real choices."""
+def test_the_peer_refuses_a_block_it_does_not_compute(load_config):
+    run = resolve(load_config("tiny.py", **{"model.positional": "rope"}), 1)
+    with pytest.raises(ValueError, match="paper's block only, not model.positional='rope'"):
+        peer.Transformer(run.model)
+
+
+@pytest.fixture(scope="module", params=["post", "pre"])
+def copy_model(tmp_path_factory, load_config, request):
+    """configs/tiny.py (post-LN or pre-LN) trained for 100 updates on the copy task
+    (test_train_translation's recipe): outputs that follow the source, half right, so searches
+    have real choices."""
     from transformer import checkpoint
     from transformer import workdir as workdir_lib
     from transformer.data.synthetic import SyntheticTask
@@ -57,7 +65,8 @@ def copy_model(tmp_path_factory, load_config):
         "seed": task.seed, "num_train_steps": 100, "checkpoint_every_steps": 100,
         "eval_every_steps": 0, "log_every_steps": 100, "model.num_encoder_layers": 1,
         "model.num_decoder_layers": 1, "model.dropout_rate": 0.0, "label_smoothing": 0.0,
-        "optimizer.learning_rate": 1e-2, "optimizer.warmup_steps": 10})
+        "optimizer.learning_rate": 1e-2, "optimizer.warmup_steps": 10,
+        "model.norm_position": request.param})
     workdir = str(tmp_path_factory.mktemp("copy"))
     train_and_evaluate(cfg, workdir)
     run = resolve(workdir_lib.load_config(workdir))

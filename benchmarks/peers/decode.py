@@ -12,7 +12,8 @@ pass compiles its programs); the peer is `torch_search` with as many threads as 
 after an untimed pass. Rounds interleave ours and the peer, so a shared machine's drift hits
 both alike. Prints sentences/s of each (medians over rounds), the ratio (ours / peer), and how
 many outputs are identical, then one JSON line per search. The peer computes the paper's
-post-LN model only (`configs/default.py`'s shape).
+block with LayerNorm after each residual sum or before each sublayer (`configs/default.py`'s),
+sinusoidal positions, ReLU and a tied output.
 """
 
 from __future__ import annotations

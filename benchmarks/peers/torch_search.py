@@ -6,7 +6,8 @@ hypotheses among the best W candidates of each step (scored with GNMT's length p
 best W alive ones, and stops when no alive hypothesis can beat a sentence's best finished one.
 
 Sources are padded with 0 at the end (keys at padding are masked in the encoder and in
-cross-attention), as `Translator.translate_ids` pads them. With our parameters copied in
+cross-attention), as `Translator.translate_ids` pads them. Residuals and norms are the model's
+(`Layer.residual`: post-LN or pre-LN). With our parameters copied in
 (`torch_transformer.load_params`) both give the same tokens (tests/test_peers.py).
 
 Shapes: B sentences, W beams, S source length, T output length, D d_model, H heads, V vocab.
@@ -15,6 +16,7 @@ Shapes: B sentences, W beams, S source length, T output length, D d_model, H hea
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -35,16 +37,27 @@ def _attend(module, query, keys, values, mask=None):
     return module.out(attended.transpose(1, 2).flatten(2))
 
 
+def _self_attend(module, x, cache=None, mask=None):
+    """`module`'s self-attention of `x` [B, L, D] over its own keys and values, appended first
+    to `cache`'s (a decoder layer's entry; None in the encoder)."""
+    keys, values = _heads(module, module.key(x)), _heads(module, module.value(x))
+    if cache is not None:
+        if cache["keys"] is not None:
+            keys, values = (torch.cat([cache["keys"], keys], 2),
+                            torch.cat([cache["values"], values], 2))
+        cache["keys"], cache["values"] = keys, values
+    return _attend(module, x, keys, values, mask)
+
+
 def encode(model, inputs):
     """(encoded [B, S, D], key mask [B, 1, 1, S]) of `inputs` [B, S] padded with 0."""
     mask = (inputs != PAD_ID)[:, None, None, :]
     x = model._embed(inputs)
     for layer in model.encoder:
-        attention = layer.self_attention
-        keys, values = (_heads(attention, attention.key(x)), _heads(attention, attention.value(x)))
-        x = layer.norms[0](x + _attend(attention, x, keys, values, mask))
-        x = layer.norms[1](x + layer.ffn(x))
-    return x, mask
+        attention = partial(_self_attend, layer.self_attention, mask=mask)
+        x = layer.residual(x, attention, layer.norms[0])
+        x = layer.residual(x, layer.ffn, layer.norms[1])
+    return model.encoder_norm(x), mask
 
 
 def start_cache(model, encoded):
@@ -63,17 +76,13 @@ def decode_step(model, tokens, position: int, cache, mask):
     x = model.embedding(tokens)[:, None] * math.sqrt(model.cfg.d_model)
     x = x + model.positions[position]
     for layer, entry in zip(model.decoder, cache, strict=True):
-        attention = layer.self_attention
-        keys, values = _heads(attention, attention.key(x)), _heads(attention, attention.value(x))
-        if entry["keys"] is not None:
-            keys, values = (torch.cat([entry["keys"], keys], 2),
-                            torch.cat([entry["values"], values], 2))
-        entry["keys"], entry["values"] = keys, values
-        x = layer.norms[0](x + _attend(attention, x, keys, values))
-        x = layer.norms[1](x + _attend(layer.cross_attention, x, entry["cross_keys"],
-                                       entry["cross_values"], mask))
-        x = layer.norms[2](x + layer.ffn(x))
-    return (x @ model.embedding.weight.T)[:, 0]
+        cross = layer.cross_attention
+        x = layer.residual(x, partial(_self_attend, layer.self_attention, cache=entry),
+                           layer.norms[0])
+        x = layer.residual(x, lambda h, cross=cross, entry=entry: _attend(
+            cross, h, entry["cross_keys"], entry["cross_values"], mask), layer.norms[1])
+        x = layer.residual(x, layer.ffn, layer.norms[2])
+    return (model.decoder_norm(x) @ model.embedding.weight.T)[:, 0]
 
 
 def _next_logprobs(logits, step: int, max_lengths, rows_per_sentence: int):

@@ -1,11 +1,13 @@
-"""The PyTorch eager peer of our train step: the paper's post-LN encoder-decoder, written as a
-PyTorch user would (`torch.nn` modules, `F.scaled_dot_product_attention`, `torch.optim.Adam`).
+"""The PyTorch eager peer of our train step: the paper's encoder-decoder, written as a PyTorch
+user would (`torch.nn` modules, `F.scaled_dot_product_attention`, `torch.optim.Adam`).
 
 It is built from the same `TransformerConfig` and optimizer settings as ours, so the work per
 step is the same: tied and scaled embeddings shared by source and target, sinusoidal positions,
 dropout on embeddings and sublayer outputs (`dropout_rate`; attention and ReLU dropout as
-configured), LayerNorm after each residual sum, label-smoothed cross-entropy over the tied output
-projection, gradient clipping by global norm, Adam with the rsqrt schedule.
+configured), LayerNorm after each residual sum (`norm_position="post"`, the paper's) or before
+each sublayer and after each stack (`"pre"`, `configs/default.py`'s), label-smoothed
+cross-entropy over the tied output projection, gradient clipping by global norm, Adam with the
+rsqrt schedule.
 
 Rows are whole (no padding: the benchmark's copy task has none), so no padding mask is built.
 `load_params` copies our parameters in, for checking that both compute the same function.
@@ -23,6 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from transformer.data.tokenizer import BOS_ID
+
+PEER_BLOCK = dict(architecture="encoder_decoder", positional="sinusoidal", norm="layer_norm",
+                  activation="relu", use_bias=True, share_embeddings=True,
+                  tie_output_embedding=True, scale_embeddings=True, attention_kind="softmax",
+                  attention_pattern="global")  # what the peer computes; norm_position: either
 
 
 def sinusoids(length: int, d_model: int) -> torch.Tensor:
@@ -67,7 +74,7 @@ class FeedForward(nn.Module):
 
 class Layer(nn.Module):
     """An encoder layer (self-attention, FFN) or, with `cross`, a decoder layer (causal
-    self-attention, attention over the encoder output, FFN); post-LN residuals."""
+    self-attention, attention over the encoder output, FFN); post-LN or pre-LN residuals."""
 
     def __init__(self, cfg, cross: bool):
         super().__init__()
@@ -78,17 +85,22 @@ class Layer(nn.Module):
         self.ffn = FeedForward(d, cfg.d_ff, cfg.relu_dropout_rate)
         self.norms = nn.ModuleList(nn.LayerNorm(d, eps=cfg.norm_eps)
                                    for _ in range(3 if cross else 2))
-        self.dropout = cfg.dropout_rate
+        self.dropout, self.pre_norm = cfg.dropout_rate, cfg.norm_position == "pre"
 
-    def _residual(self, x, sublayer_out, norm):
-        return norm(x + F.dropout(sublayer_out, self.dropout, self.training))
+    def residual(self, x, sublayer, norm):
+        """x + Dropout(sublayer(norm(x))) for pre-LN, norm(x + Dropout(sublayer(x))) for post."""
+        if self.pre_norm:
+            return x + F.dropout(sublayer(norm(x)), self.dropout, self.training)
+        return norm(x + F.dropout(sublayer(x), self.dropout, self.training))
 
     def forward(self, x, encoded=None):
         norms = iter(self.norms)
-        x = self._residual(x, self.self_attention(x, x, causal=encoded is not None), next(norms))
+        x = self.residual(x, lambda h: self.self_attention(h, h, causal=encoded is not None),
+                          next(norms))
         if self.cross_attention is not None:
-            x = self._residual(x, self.cross_attention(x, encoded, causal=False), next(norms))
-        return self._residual(x, self.ffn(x), next(norms))
+            x = self.residual(x, lambda h: self.cross_attention(h, encoded, causal=False),
+                              next(norms))
+        return self.residual(x, self.ffn, next(norms))
 
 
 class Transformer(nn.Module):
@@ -96,6 +108,15 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
+        unsupported = [f"model.{key}={getattr(cfg, key)!r}" for key, value in PEER_BLOCK.items()
+                       if getattr(cfg, key) != value]
+        heads = (cfg.num_heads, cfg.d_model // cfg.num_heads, cfg.d_model // cfg.num_heads)
+        if (cfg.num_kv_heads, cfg.d_k, cfg.d_v) != heads:
+            unsupported.append(f"model.num_kv_heads/d_k/d_v={cfg.num_kv_heads}/{cfg.d_k}/"
+                               f"{cfg.d_v} (not {'/'.join(map(str, heads))})")
+        if unsupported:
+            raise ValueError(f"the PyTorch peer computes the paper's block only, not "
+                             f"{', '.join(unsupported)}")
         self.cfg = cfg
         self.embedding = nn.Embedding(cfg.vocab_size, cfg.d_model)
         nn.init.normal_(self.embedding.weight, std=cfg.d_model ** -0.5)
@@ -104,6 +125,9 @@ class Transformer(nn.Module):
                                      for _ in range(cfg.num_encoder_layers))
         self.decoder = nn.ModuleList(Layer(cfg, cross=True)
                                      for _ in range(cfg.num_decoder_layers))
+        final_norm = (lambda: nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)) \
+            if cfg.norm_position == "pre" else nn.Identity  # pre-LN normalises each stack's end
+        self.encoder_norm, self.decoder_norm = final_norm(), final_norm()
 
     def _embed(self, tokens):
         x = self.embedding(tokens) * math.sqrt(self.cfg.d_model)
@@ -115,10 +139,11 @@ class Transformer(nn.Module):
         encoded = self._embed(inputs)
         for layer in self.encoder:
             encoded = layer(encoded)
+        encoded = self.encoder_norm(encoded)
         x = self._embed(decoder_inputs)
         for layer in self.decoder:
             x = layer(x, encoded)
-        return x @ self.embedding.weight.T
+        return self.decoder_norm(x) @ self.embedding.weight.T
 
     def loss(self, inputs, targets, label_smoothing: float):
         decoder_inputs = F.pad(targets[:, :-1], (1, 0), value=BOS_ID)  # teacher forcing
@@ -129,7 +154,8 @@ class Transformer(nn.Module):
 
 def load_params(model: Transformer, params: dict) -> None:
     """Copies our parameter tree (`params["params"]`'s content: embedding, encoder/layers_i,
-    decoder/layers_i) into `model`: kernels [in, ...] become Linear weights [out, in]."""
+    decoder/layers_i, pre-LN's encoder/norm and decoder/norm) into `model`: kernels [in, ...]
+    become Linear weights [out, in]."""
     def linear(module: nn.Linear, ours: dict, heads_in: bool = False):
         kernel = np.asarray(ours["kernel"])
         kernel = kernel.reshape(-1, kernel.shape[-1]) if heads_in else kernel.reshape(
@@ -148,7 +174,10 @@ def load_params(model: Transformer, params: dict) -> None:
 
     embedding = np.asarray(params["embedding"]["embedding"])
     model.embedding.weight.data = torch.from_numpy(embedding.copy())
-    for stack, layers in (("encoder", model.encoder), ("decoder", model.decoder)):
+    for stack, layers, final_norm in (("encoder", model.encoder, model.encoder_norm),
+                                      ("decoder", model.decoder, model.decoder_norm)):
+        if isinstance(final_norm, nn.LayerNorm):
+            norm(final_norm, params[stack]["norm"])
         for i, layer in enumerate(layers):
             ours = params[stack][f"layers_{i}"]
             attention(layer.self_attention, ours["self_attention"])
