@@ -76,11 +76,10 @@ def decode_step(model, tokens, position: int, cache, mask):
     x = model.embedding(tokens)[:, None] * math.sqrt(model.cfg.d_model)
     x = x + model.positions[position]
     for layer, entry in zip(model.decoder, cache, strict=True):
-        cross = layer.cross_attention
         x = layer.residual(x, partial(_self_attend, layer.self_attention, cache=entry),
                            layer.norms[0])
-        x = layer.residual(x, lambda h, cross=cross, entry=entry: _attend(
-            cross, h, entry["cross_keys"], entry["cross_values"], mask), layer.norms[1])
+        x = layer.residual(x, partial(_attend, layer.cross_attention, keys=entry["cross_keys"],
+                                      values=entry["cross_values"], mask=mask), layer.norms[1])
         x = layer.residual(x, layer.ffn, layer.norms[2])
     return (model.decoder_norm(x) @ model.embedding.weight.T)[:, 0]
 

@@ -176,7 +176,7 @@ def load_params(model: Transformer, params: dict) -> None:
     model.embedding.weight.data = torch.from_numpy(embedding.copy())
     for stack, layers, final_norm in (("encoder", model.encoder, model.encoder_norm),
                                       ("decoder", model.decoder, model.decoder_norm)):
-        if isinstance(final_norm, nn.LayerNorm):
+        if model.cfg.norm_position == "pre":
             norm(final_norm, params[stack]["norm"])
         for i, layer in enumerate(layers):
             ours = params[stack][f"layers_{i}"]
