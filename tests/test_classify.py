@@ -1,6 +1,7 @@
 """`transformer.classify`: image files through Pillow, normalised as in training, against the
 model applied by hand; the CLI on good and bad files; the confusion matrix of a split."""
 
+import dataclasses
 import json
 import pathlib
 import subprocess
@@ -133,8 +134,12 @@ class _Batches:
                    "label": self.labels[None, first:first + 4]}
 
 
-def test_confusion_matrix_counts_label_and_top1_pairs(vision_workdir, load_config):
-    classifier = classify.load(str(vision_workdir))
+@pytest.mark.parametrize("test_time_flip", [False, True])
+def test_confusion_matrix_counts_label_and_top1_pairs(vision_workdir, test_time_flip):
+    """The split's loss, accuracy and confusion (4 devices) against the classifier's
+    probabilities; with `test_time_flip`, those of each image and its mirror averaged."""
+    classifier = dataclasses.replace(classify.load(str(vision_workdir)),
+                                     test_time_flip=test_time_flip)
     rng = np.random.default_rng(3)
     pixels = rng.integers(0, 256, (8, 28, 28, 1), dtype=np.uint8)
     images = classifier.normalise(pixels)
@@ -144,11 +149,19 @@ def test_confusion_matrix_counts_label_and_top1_pairs(vision_workdir, load_confi
     from ml_collections import ConfigDict
 
     mesh = sharding.make_mesh({"data": 4, "fsdp": 1, "tensor": 1}, jax.devices()[:4])
+    cfg["data"]["test_time_flip"] = test_time_flip
     trainer = train_lib.build_trainer(resolve(ConfigDict(cfg), 4), mesh)
     params = jax.device_put(classifier.params, trainer.state_shardings.params)
     figures, confusion = classify.evaluate_split(trainer, params, _Batches(images, labels),
                                                  (0, 4), "test")
-    predicted = classifier.probabilities(pixels).argmax(-1)
+    probabilities = classifier.probabilities(pixels)
+    if test_time_flip:
+        plain, mirrored = (_by_hand(vision_workdir, x) for x in (pixels, pixels[:, :, ::-1]))
+        np.testing.assert_allclose(probabilities, (plain + mirrored) / 2, rtol=1e-5, atol=1e-6)
+    labelled = labels >= 0
+    want_loss = -np.log(probabilities[labelled, labels[labelled]]).mean()
+    assert figures["loss"] == pytest.approx(want_loss, rel=1e-5)
+    predicted = probabilities.argmax(-1)
     want = np.zeros((10, 10), np.int64)
     for label, guess in zip(labels, predicted, strict=True):
         if label >= 0:

@@ -147,6 +147,9 @@ def test_bad_settings_are_one_line(tmp_path):
     with pytest.raises(ValueError, match="data.random_flip=True mirrors mnist's images"):
         images_lib.ImageSource("mnist", image_size=28, num_channels=1, batch_size=8,
                                random_flip=True)
+    with pytest.raises(ValueError, match="data.test_time_flip=True mirrors mnist's images"):
+        images_lib.ImageSource("mnist", image_size=28, num_channels=1, batch_size=8,
+                               test_time_flip=True)
     with pytest.raises(ValueError, match="'svhn' is not an image dataset"):
         images_lib.ImageSource("svhn", image_size=32, num_channels=3, batch_size=8)
     with pytest.raises(images_lib.DataUnavailable, match="fashion_mnist is not prepared in .* "

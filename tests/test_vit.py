@@ -93,6 +93,32 @@ def test_pooling_and_head_against_numpy(pooling):
     np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-4, atol=1e-4)
 
 
+def test_mirror_averaged_logits_against_numpy():
+    model = vit.VisionTransformer(tiny())
+    rng = np.random.default_rng(4)
+    images = rng.normal(size=(3, 8, 8, 3)).astype(np.float32)
+    params = nn.unbox(model.init(jax.random.key(0), jnp.asarray(images))["params"])
+    params = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape), jnp.float32), params)
+
+    def logits_fn(x):
+        return model.apply({"params": params}, x)
+
+    def softmax(z):
+        z = np.asarray(z, np.float64)
+        e = np.exp(z - z.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+
+    mirrored = images[:, :, ::-1]  # columns reversed: [B, H, W, C]
+    want = (softmax(logits_fn(images)) + softmax(logits_fn(mirrored))) / 2
+    got = np.asarray(vit.mirror_averaged_logits(logits_fn, jnp.asarray(images)))
+    assert got.shape == (3, 5) and got.dtype == np.float32
+    np.testing.assert_allclose(np.exp(got), want, rtol=1e-5, atol=1e-6)
+    assert np.abs(softmax(logits_fn(images)) - want).max() > 1e-3  # the mirror changed them
+    symmetric = (images + mirrored) / 2  # its own mirror image: the average is the image's
+    np.testing.assert_allclose(np.exp(vit.mirror_averaged_logits(logits_fn, symmetric)),
+                               softmax(logits_fn(symmetric)), rtol=1e-5, atol=1e-6)
+
+
 def test_wrong_image_shape_is_one_line():
     model = vit.VisionTransformer(tiny())
     with pytest.raises(ValueError, match=r"model.image_size=8, num_channels=3: want \(8, 8, 3\)"):

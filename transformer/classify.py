@@ -204,6 +204,7 @@ class Classifier:
     class_names: tuple[str, ...]
     mean: np.ndarray  # [ch], in [0, 1] pixel units
     std: np.ndarray  # [ch]
+    test_time_flip: bool = False  # average each image's probabilities with its mirror's
 
     def normalise(self, images: np.ndarray) -> np.ndarray:
         """uint8 [B, H, W, ch] -> float32 (x / 255 - mean) / std, as in training."""
@@ -213,11 +214,19 @@ class Classifier:
     def _probabilities(self):
         import jax
 
-        from transformer.vit import VisionTransformer
+        from transformer.vit import VisionTransformer, mirror_averaged_logits
 
         model = VisionTransformer(self.model_config)
-        return jax.jit(lambda params, images: jax.nn.softmax(
-            model.apply({"params": params}, images), axis=-1))
+
+        def probabilities(params, images):
+            def logits_fn(x):
+                return model.apply({"params": params}, x)
+
+            logits = (mirror_averaged_logits(logits_fn, images) if self.test_time_flip
+                      else logits_fn(images))
+            return jax.nn.softmax(logits, axis=-1)
+
+        return jax.jit(probabilities)
 
     def probabilities(self, images: list[str] | np.ndarray) -> np.ndarray:
         """Class probabilities [B, C] of image files, or of uint8 images [B, H, W, ch]."""
@@ -254,7 +263,8 @@ def load(workdir: str, *, step: int | None = None) -> Classifier:
     params = checkpoint.load_params(workdir, step=step)
     return Classifier(run.model, params, tuple(recorded["class_names"]),
                       np.asarray(recorded["mean"], np.float32),
-                      np.asarray(recorded["std"], np.float32))
+                      np.asarray(recorded["std"], np.float32),
+                      test_time_flip=bool(run.config.data.get("test_time_flip")))
 
 
 # --------------------------------------------------------------------------- CLI

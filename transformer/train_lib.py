@@ -39,7 +39,7 @@ from transformer import optim, sharding
 from transformer.config import Resolved
 from transformer.evaluation import perplexity
 from transformer.model import Transformer, TransformerConfig
-from transformer.vit import VisionTransformer
+from transformer.vit import VisionTransformer, mirror_averaged_logits
 
 BATCH_KEYS = ("inputs", "targets", "inputs_positions", "targets_positions",
               "inputs_segmentation", "targets_segmentation", "targets_prefix")
@@ -75,6 +75,8 @@ class Trainer:
     # Float16 only (else None): the dynamic loss scale's settings.
     loss_scale: optim.LossScaleConfig | None = flax.struct.field(pytree_node=False,
                                                                  default=None)
+    # Images: evaluation averages each image's class probabilities with its mirror's.
+    test_time_flip: bool = flax.struct.field(pytree_node=False, default=False)
 
 
 def build_trainer(run: Resolved, mesh) -> Trainer:
@@ -94,7 +96,8 @@ def build_trainer(run: Resolved, mesh) -> Trainer:
                             nn.unbox(boxed), shardings)
     return Trainer(model, tx, schedule, mesh, shardings, abstract,
                    loss_chunk_tokens=resolve_loss_chunk_tokens(cfg.loss_chunk_tokens),
-                   loss_scale=loss_scale)
+                   loss_scale=loss_scale,
+                   test_time_flip=bool(cfg.data.get("test_time_flip")))
 
 
 def attention_for_mesh(model: TransformerConfig, mesh) -> TransformerConfig:
@@ -182,14 +185,20 @@ def sequence_tokens(config: TransformerConfig, batch: dict) -> jax.Array:
 def classifier_logits(trainer: Trainer, params, batch: dict, dropout_rng) -> jax.Array:
     """The classifier's logits [B, num_classes] float32 for a batch with "label": the vision
     model reads "image" [B, H, W, C], the text classifier (`Transformer.classify`) "inputs"
-    [B, S]. Dropout when `dropout_rng` is given."""
+    [B, S]. Dropout when `dropout_rng` is given; without it, `trainer.test_time_flip` gives the
+    log of the mean probabilities of each image and its mirror (`mirror_averaged_logits`)."""
     deterministic = dropout_rng is None
     rngs = None if deterministic else {"dropout": dropout_rng}
     with nn.logical_axis_rules(sharding.LOGICAL_AXIS_RULES), \
             jax.sharding.use_abstract_mesh(trainer.mesh.abstract_mesh):
         if "image" in batch:
-            return trainer.model.apply({"params": params}, batch["image"],
-                                       deterministic=deterministic, rngs=rngs)
+            def image_logits(images):
+                return trainer.model.apply({"params": params}, images,
+                                           deterministic=deterministic, rngs=rngs)
+
+            if deterministic and trainer.test_time_flip:
+                return mirror_averaged_logits(image_logits, batch["image"])
+            return image_logits(batch["image"])
         if "inputs" in batch:
             return trainer.model.apply({"params": params}, batch["inputs"],
                                        **_model_kwargs(batch), deterministic=deterministic,

@@ -52,6 +52,17 @@ def patchify(images: jax.Array, patch_size: int) -> jax.Array:
     return x.reshape(b, (h // p) * (w // p), p * p * c)
 
 
+def mirror_averaged_logits(logits_fn: Callable[[jax.Array], jax.Array],
+                           images: jax.Array) -> jax.Array:
+    """Test-time flip: the log of the mean class probabilities of `images` [B, H, W, C] and
+    their mirror images (columns reversed), [B, num_classes] float32. `logits_fn` maps images
+    to logits; it runs once on the 2B images. Usable as logits: their softmax is that mean."""
+    logits = logits_fn(jnp.concatenate([images, images[:, :, ::-1]]))
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    plain, mirrored = jnp.split(log_probs, 2)
+    return jnp.logaddexp(plain, mirrored) - jnp.log(2.0)
+
+
 def num_tokens(config: TransformerConfig) -> int:
     """S of the vision model: the patches, plus the class token with pooling "cls"."""
     return config.num_patches + (config.pooling == "cls")

@@ -14,6 +14,9 @@ by `data.crop_padding` pixels, and a horizontal flip with probability 1/2 when
 `data.random_flip` (not for digits); the draws of the whole global batch come from a generator
 seeded by (seed, index), so a batch is a pure function of (seed, index) and a process computes
 only its own rows (`rows` = (start, stop) of each microbatch) yet gets exactly their share.
+Evaluation batches are never augmented; `data.test_time_flip` (checked here: not for digits)
+makes evaluation and `transformer.classify` average each image's class probabilities with its
+mirror image's (`vit.mirror_averaged_logits`).
 
 Splits: `offline_fashion_mnist` has train, validation and test. For `fashion_mnist`, `mnist`
 and `cifar10` (train and test only) validation is carved from train by the offline builder's
@@ -163,15 +166,17 @@ class ImageSource:
 
     def __init__(self, dataset: str, *, image_size: int, num_channels: int, batch_size: int,
                  grad_accum_steps: int = 1, eval_batch_size: int | None = None,
-                 crop_padding: int = 0, random_flip: bool = False, seed: int = 0,
+                 crop_padding: int = 0, random_flip: bool = False,
+                 test_time_flip: bool = False, seed: int = 0,
                  data_dir: str | None = None, manual_dir: str | None = None):
         spec = DATASETS.get(dataset)
         if spec is None:
             raise ValueError(f"data.dataset={dataset!r} is not an image dataset this source "
                              f"reads ({', '.join(DATASETS)})")
-        if random_flip and not spec.flip_suits:
-            raise ValueError(f"data.random_flip=True mirrors {dataset}'s images out of their "
-                             f"class (digits): set it False")
+        for key, value in (("random_flip", random_flip), ("test_time_flip", test_time_flip)):
+            if value and not spec.flip_suits:
+                raise ValueError(f"data.{key}=True mirrors {dataset}'s images out of their "
+                                 f"class (digits): set it False")
         if int(batch_size) < 1 or int(batch_size) % int(grad_accum_steps):
             raise ValueError(f"data.batch_size={batch_size} must be a positive multiple of "
                              f"grad_accum_steps={grad_accum_steps}")
@@ -320,7 +325,8 @@ def from_config(cfg) -> ImageSource:
         batch_size=int(data.batch_size), grad_accum_steps=int(cfg.grad_accum_steps),
         eval_batch_size=data.get("eval_batch_size"),
         crop_padding=int(data.get("crop_padding") or 0),
-        random_flip=bool(data.get("random_flip")), seed=int(cfg.seed),
+        random_flip=bool(data.get("random_flip")),
+        test_time_flip=bool(data.get("test_time_flip")), seed=int(cfg.seed),
         data_dir=data.get("data_dir"), manual_dir=data.get("manual_dir"))
     if source.num_classes != int(model.num_classes):
         raise ValueError(f"model.num_classes={model.num_classes} but {data.dataset} has "
