@@ -4,6 +4,7 @@ model applied by hand; the CLI on good and bad files; the confusion matrix of a 
 import dataclasses
 import json
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -27,11 +28,12 @@ MEAN, STD = 0.25, 0.4
 @pytest.fixture(scope="module")
 def vision_workdir(tmp_path_factory, load_config):
     """A tiny ViT run (28x28 grey, 10 classes) whose head is random, not zero, so that the
-    probabilities differ between images; config.json records the preprocessing."""
+    probabilities differ between images; config.json records the preprocessing. Evaluated
+    without the mirror (the tests that want it set `test_time_flip`)."""
     path = tmp_path_factory.mktemp("vision_run")
     cfg = load_config("vit_fashion_mnist.py", **{
         "model.num_encoder_layers": 1, "model.d_model": 16, "model.d_ff": 32,
-        "model.num_heads": 2})
+        "model.num_heads": 2, "data.test_time_flip": False})
     provenance = {"images": {"class_names": CLASSES, "mean": [MEAN], "std": [STD]}}
     (path / "config.json").write_text(json.dumps(cfg.to_dict() | {"provenance": provenance}))
     mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
@@ -72,6 +74,19 @@ def test_png_and_jpeg_files_match_the_model_applied_by_hand(vision_workdir, tmp_
     order = np.argsort(-want[0])[:3]
     assert [name for name, _ in top] == [CLASSES[c] for c in order]
     np.testing.assert_allclose([p for _, p in top], want[0][order], rtol=1e-5)
+
+
+def test_a_run_evaluated_with_the_mirror_classifies_with_it(vision_workdir, tmp_path):
+    workdir = tmp_path / "run"
+    shutil.copytree(vision_workdir, workdir)
+    config = json.loads((workdir / "config.json").read_text())
+    config["data"]["test_time_flip"] = True
+    (workdir / "config.json").write_text(json.dumps(config))
+    pixels = np.random.default_rng(5).integers(0, 256, (3, 28, 28, 1), dtype=np.uint8)
+    want = (_by_hand(workdir, pixels) + _by_hand(workdir, pixels[:, :, ::-1])) / 2
+    got = classify.load(str(workdir)).probabilities(pixels)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert np.abs(got - _by_hand(workdir, pixels)).max() > 1e-4  # the mirror changed them
 
 
 def test_a_larger_image_is_resized_then_centre_cropped(vision_workdir, tmp_path):

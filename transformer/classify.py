@@ -11,7 +11,9 @@ Files are read with Pillow (PNG, JPEG, whatever it opens), converted to the mode
 (grey or RGB), their shorter side resized to `model.image_size` and the centre cropped as the
 pipeline prepares ImageNet (`images.resize_and_crop`; an image of the model's size is left as
 it is), then normalised by the per-channel mean and standard deviation of the training split
-that the run recorded in config.json (provenance "images", `ImageSource.preprocessing`).
+that the run recorded in config.json (provenance "images", `ImageSource.preprocessing`). With the
+run's `data.test_time_flip`, an image's probabilities are the mean of its own and its mirror
+image's, as in the run's evaluation.
 
 At the end of training the loop scores the test split here (`test_evaluation`): loss, top-1 and
 (more than 10 classes) top-5 accuracy on a "test" line of metrics.jsonl, and the confusion
