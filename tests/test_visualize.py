@@ -185,3 +185,26 @@ def test_image_attention_maps_are_the_class_tokens_rows(load_config, tmp_path):
     paths = visualize.plot_image_attention(found, str(tmp_path / "out"))
     assert [p.rsplit("/", 1)[1] for p in paths] == ["heads.png", "rollout.png"]
     assert all(open(p, "rb").read(8) == PNG for p in paths)
+
+
+def test_curves_against_hours_of_training(tmp_path, monkeypatch):
+    """--x=hours puts each evaluation at the summed time of the train steps before it: 10 steps
+    of 900 tokens at 1,000 tokens/s then 10 at 450 tokens/s are 0.0025 h, then 0.0075 h."""
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = [{"step": s, "split": "train", "loss": 5 / s, "target_tokens_per_update": 900.0,
+              "tokens_per_sec": 1000.0 if s <= 10 else 450.0} for s in range(1, 21)]
+    lines += [{"step": s, "split": "validation", "loss": 3.0, "perplexity": 20.1}
+              for s in (10, 20)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    plt = visualize.pyplot()
+    drawn = {}
+    monkeypatch.setattr(plt, "close", lambda fig: drawn.update(
+        {ax.get_title(): ax for ax in fig.axes}))
+    visualize.plot_curves([str(run)], str(tmp_path / "curves.png"), x="hours")
+    (line,) = drawn["perplexity"].get_lines()
+    np.testing.assert_allclose(line.get_xdata(), [10 * 0.9 / 3600, 10 * 0.9 / 3600 + 10 * 2 / 3600])
+    assert drawn["perplexity"].get_xlabel().startswith("hours of training")
+    (run / "metrics.jsonl").write_text(json.dumps(lines[-1]) + "\n")
+    with pytest.raises(ValueError, match="no train lines with tokens_per_sec.*--x=step"):
+        visualize.plot_curves([str(run)], str(tmp_path / "curves.png"), x="hours")

@@ -44,9 +44,10 @@ MODES = {1: "L", 3: "RGB"}  # Pillow's mode for the model's channel count
 # --------------------------------------------------------------------------- scoring a split
 
 
-def _confusion_step(trainer):
-    """`step(params, batch [1, B, ...]) -> [C, C]` counts of (label, top-1 class) over the
-    rows labelled >= 0, summed over the global batch."""
+def _scoring_step(trainer):
+    """`step(params, batch [1, B, ...]) -> (sums, confusion)`: the eval step's sums
+    (`train_lib.classification_figures`) and the [C, C] counts of (label, top-1 class) over the
+    rows labelled >= 0, both summed over the global batch, from one pass of the model."""
     import jax
     import jax.numpy as jnp
 
@@ -59,7 +60,8 @@ def _confusion_step(trainer):
         labels = batch["label"]
         truth = jax.nn.one_hot(jnp.maximum(labels, 0), classes) * (labels >= 0)[:, None]
         predicted = jax.nn.one_hot(jnp.argmax(logits, axis=-1), classes)
-        return jnp.einsum("BC,BK->CK", truth, predicted).astype(jnp.int32)
+        confusion = jnp.einsum("BC,BK->CK", truth, predicted).astype(jnp.int32)
+        return train_lib.classification_figures(logits, labels), confusion
 
     batch_sharding = jax.NamedSharding(trainer.mesh, jax.P(None, sharding.BATCH_AXES))
     return jax.jit(step, in_shardings=(trainer.state_shardings.params, batch_sharding),
@@ -75,14 +77,14 @@ def evaluate_split(trainer, params, source, rows: tuple[int, int],
 
     from transformer import train_lib
 
-    eval_step, confusion_step = train_lib.make_eval_step(trainer), _confusion_step(trainer)
+    scoring_step = _scoring_step(trainer)
     totals: dict[str, float] = {}
     confusion = 0
     for local in source.eval_batches(split, rows):
-        batch = train_lib.global_batch(trainer.mesh, local)
-        sums = jax.device_get(eval_step(params, batch))
+        sums, counts = jax.device_get(
+            scoring_step(params, train_lib.global_batch(trainer.mesh, local)))
         totals = {k: totals.get(k, 0.0) + float(v) for k, v in sums.items()}
-        confusion = confusion + np.asarray(jax.device_get(confusion_step(params, batch)))
+        confusion = confusion + np.asarray(counts)
     return train_lib.eval_metrics(totals), np.asarray(confusion, np.int64)
 
 

@@ -227,6 +227,14 @@ def classification_sums(logits: jax.Array, labels: jax.Array, *, label_smoothing
     return sums, correct, top5
 
 
+def classification_figures(logits: jax.Array, labels: jax.Array) -> dict[str, jax.Array]:
+    """An eval step's sums for a classifier, logits [B, C] and labels [B] (-1: padding):
+    "nll_sum", "tokens" (rows), "correct" and, with more than 10 classes, "top5_correct"."""
+    sums, correct, top5 = classification_sums(logits, labels)
+    figures = {"nll_sum": sums.loss_sum, "tokens": sums.weight_sum, "correct": correct}
+    return figures | ({"top5_correct": top5} if logits.shape[-1] > 10 else {})
+
+
 def _loss_sums(trainer: Trainer, params, batch, *, label_smoothing, z_loss, dropout_rng,
                grad_scale=1.0):
     if "label" in batch:
@@ -348,10 +356,8 @@ def make_eval_step(trainer: Trainer) -> Callable:
     def eval_step(params, batch):
         batch = jax.tree.map(lambda x: x[0], batch)
         if "label" in batch:
-            logits = classifier_logits(trainer, params, batch, None)
-            sums, correct, top5 = classification_sums(logits, batch["label"])
-            figures = {"nll_sum": sums.loss_sum, "tokens": sums.weight_sum, "correct": correct}
-            return figures | ({"top5_correct": top5} if logits.shape[-1] > 10 else {})
+            return classification_figures(classifier_logits(trainer, params, batch, None),
+                                          batch["label"])
         sums = _loss_sums(trainer, params, batch, label_smoothing=0.0, z_loss=0.0,
                           dropout_rng=None)
         return {"nll_sum": sums.loss_sum, "tokens": sums.weight_sum}

@@ -1,7 +1,7 @@
 """Look inside a trained model: attention maps, training curves, positional encodings.
 
     python -m transformer.visualize attention --workdir=W --source="..." [--target="..."]
-    python -m transformer.visualize curves --workdir W [W2 ...]
+    python -m transformer.visualize curves --workdir W [W2 ...] [--x=hours]
     python -m transformer.visualize positions [--d_model=512] [--length=100]
     python -m transformer.visualize image_attention --workdir=W --image=shirt.png
 
@@ -11,10 +11,10 @@ decoder self-attention and cross-attention, labelled with SentencePiece pieces, 
 grid per kind, to `<workdir>/plots/attention/`. The weights are the ones the forward pass used:
 `MultiHeadAttention` records `attention.attention_weights` when applied with
 `mutable=["intermediates"]`. `curves` plots loss, perplexity, learning rate, BLEU and tokens/s
-against step from each run's `metrics.jsonl`; `positions` the sinusoidal encoding and the dot
-products between positions. `image_attention` runs a Vision Transformer (`transformer.classify`)
-on one image and draws the class token's attention over the patches on top of it, per layer
-and head (`heads.png`) and rolled out over the layers (`rollout.png`, `attention_rollout`),
+against step (or, `--x=hours`, hours of training) from each run's `metrics.jsonl`;
+`positions` the sinusoidal encoding and the dot products between positions.
+`image_attention` runs a Vision Transformer (`transformer.classify`) on one image and draws
+the class token's attention over the patches on top of it, per layer and head (`heads.png`) and rolled out over the layers (`rollout.png`, `attention_rollout`),
 to `<workdir>/plots/image_attention/<image name>/`. Figures are PNGs (matplotlib, Agg
 backend: no display needed).
 
@@ -310,11 +310,31 @@ def read_metrics(workdir: str) -> dict[str, dict[str, list[tuple[int, float]]]]:
     return curves
 
 
-def plot_curves(workdirs: list[str], out: str) -> str:
-    """Loss, perplexity, learning rate, BLEU, tokens/s and accuracy against step, every run on the
-    same axes (one colour per run, one line style per split)."""
+def training_hours(curves: dict, workdir: str) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, hours) of a run's train lines (`read_metrics`): the hours of training up to the
+    end of each step, the sum of the steps' times (target tokens of the update over the
+    tokens/s logged), so pauses, resumes and evaluations are left out."""
+    train = curves.get("train", {})
+    if not train.get("tokens_per_sec") or not train.get("target_tokens_per_update"):
+        raise ValueError(f"{workdir}'s metrics.jsonl has no train lines with tokens_per_sec and "
+                         f"target_tokens_per_update: plot it with --x=step")
+    rate = dict(train["tokens_per_sec"])
+    steps = np.array([step for step, _ in train["target_tokens_per_update"]])
+    seconds = [tokens / rate[step] if rate.get(step) else 0.0
+               for step, tokens in train["target_tokens_per_update"]]
+    return steps, np.cumsum(seconds) / 3600
+
+
+def plot_curves(workdirs: list[str], out: str, x: str = "step") -> str:
+    """Loss, perplexity, learning rate, BLEU, tokens/s and accuracy against step (`x` "step")
+    or hours of training (`x` "hours": `training_hours`), every run on the same axes (one
+    colour per run, one line style per split)."""
+    if x not in ("step", "hours"):
+        raise ValueError(f"--x={x}: give step or hours")
     plt = pyplot()
     runs = [(os.path.basename(os.path.normpath(w)) or w, read_metrics(w)) for w in workdirs]
+    clocks = [training_hours(curves, workdir) if x == "hours" else None
+              for (_, curves), workdir in zip(runs, workdirs, strict=True)]
     fig, grid = plt.subplots(2, 3, figsize=(14, 7.5), layout="constrained")
     axes = grid.flat[:len(CURVES)]
     for unused in grid.flat[len(CURVES):]:
@@ -327,11 +347,13 @@ def plot_curves(workdirs: list[str], out: str) -> str:
                 if not points:
                     continue
                 steps, values = zip(*points, strict=True)
+                if x == "hours":
+                    steps = np.interp(steps, *clocks[colour])
                 ax.plot(steps, values, styles.get(split, "-."), color=f"C{colour}",
                         marker="o" if len(points) < 20 else None, markersize=3,
                         label=f"{name} ({split})")
         ax.set_title(label)
-        ax.set_xlabel("step")
+        ax.set_xlabel("step" if x == "step" else "hours of training (train steps only)")
         if key in ("loss", "perplexity"):
             ax.set_yscale("log")
         if ax.has_data():
@@ -406,6 +428,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     curves.add_argument("--workdir", required=True, nargs="+", help="one or more workdirs")
     curves.add_argument("extra_workdirs", nargs="*", help=argparse.SUPPRESS)
     curves.add_argument("--out", help="default: <first workdir>/plots/curves.png")
+    curves.add_argument("--x", default="step", choices=["step", "hours"],
+                        help="horizontal axis: update step, or hours of training (the train "
+                             "steps' times summed; evaluations and pauses left out)")
     positions = commands.add_parser("positions", help="the sinusoidal positional encoding")
     positions.add_argument("--d_model", type=int, default=512)
     positions.add_argument("--length", type=int, default=100)
@@ -431,7 +456,7 @@ def run(args: argparse.Namespace) -> list[str]:
     if args.command == "curves":
         workdirs = args.workdir + args.extra_workdirs
         out = args.out or workdir_lib.path(workdirs[0], workdir_lib.PLOTS, "curves.png")
-        return [plot_curves(workdirs, out)]
+        return [plot_curves(workdirs, out, x=args.x)]
     out = args.out or os.path.join("plots", f"positions_d{args.d_model}.png")
     return [plot_positions(args.d_model, args.length, out)]
 
