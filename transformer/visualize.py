@@ -16,7 +16,8 @@ against step (or, `--x=hours`, hours of training) from each run's `metrics.jsonl
 `image_attention` runs a Vision Transformer (`transformer.classify`) on one image and draws the
 class token's attention over the patches on top of it, per layer and head (`heads.png`) and rolled
 out over the layers (`rollout.png`, `attention_rollout`), to
-`<workdir>/plots/image_attention/<image name>/`. Figures are PNGs (matplotlib, Agg backend: no display needed).
+`<workdir>/plots/image_attention/<image name>/`. Figures are PNGs (matplotlib, Agg backend: no
+display needed).
 
 Shape legend: L layers, N heads, T target length, S source length (an image's tokens), G the
 patch grid's side.
