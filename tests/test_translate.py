@@ -38,18 +38,28 @@ def test_translate_keeps_order_and_empty_lines(workdir):
 
 def test_a_cache_grown_in_stages_translates_as_the_whole_cache(workdir, monkeypatch):
     """The translator's staged search (here stages of 3 positions from the first length on)
-    gives the translations of the whole cache, with beam search and greedily."""
+    gives the translations of the whole cache, with beam search and greedily. Beam search
+    goes on with fewer rows once the sentences still open fit in half of them: here the
+    sentences decide, or reach their step limits (their lengths + 6), at different stages."""
     translator = load(str(workdir))
-    lines = ["Sie geht oft ins Kino.", "Opens a dialog.", "Ja."]
+    lines = ["Sie geht oft ins Kino.", "Opens a dialog.", "Ja.", "Öffnet einen Dialog."]
     whole = {beam: translator.translate(lines, beam_size=beam) for beam in (1, 2)}
     monkeypatch.setattr(translator_lib, "MIN_STAGED_LENGTH", 0)
     monkeypatch.setattr(translator_lib, "DECODE_STAGE", 3)
+    kept = []
+    select = translator_lib.decoding.select_sentences
+    monkeypatch.setattr(translator_lib.decoding, "select_sentences",
+                        lambda state, sentences, **kw: kept.append(sentences.shape[0])
+                        or select(state, sentences, **kw))
     translator_lib._search_fn.cache_clear()
+    translator_lib._dropping_fns.cache_clear()
     try:
         staged = {beam: translator.translate(lines, beam_size=beam) for beam in (1, 2)}
     finally:
         translator_lib._search_fn.cache_clear()  # the other tests compile the default
+        translator_lib._dropping_fns.cache_clear()
     assert staged == whole
+    assert kept and min(kept) < 4, kept  # rows were dropped
     assert max(len(translator.encode([out])[0]) for out in whole[2]) > 3  # past one stage
 
 

@@ -32,6 +32,8 @@ legend (`transformer/__init__.py`); T is the maximum output length.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -107,20 +109,27 @@ def stage_lengths(max_length: int, stage: int) -> tuple[int, ...]:
 def _in_stages(cond: Callable[[dict], jax.Array], body: Callable[[dict], dict], state: dict, *,
                max_length: int, cache_lengths: Sequence[int], grow_cache: GrowFn | None) -> dict:
     """`lax.while_loop(cond, body, state)`, run as one loop per cache length when
-    `cache_lengths` are given (`grow_cache` sizes the cache before each): the step that would
-    write at position n (step n - 1) waits for a cache longer than n. The last length is T,
-    whose loop runs to the end (its last step's write is clamped, and its logits unused)."""
+    `cache_lengths` are given (`_stage`). The last length is T, whose loop runs to the end."""
     if not cache_lengths:
         return jax.lax.while_loop(cond, body, state)
     if cache_lengths[-1] != max_length or grow_cache is None:
         raise ValueError(f"cache_lengths {tuple(cache_lengths)} must end at max_length="
                          f"{max_length} and come with grow_cache")
     for length in cache_lengths:
-        state = {**state, "cache": grow_cache(state["cache"], length)}
-        limit = length - 1 if length < max_length else max_length
-        state = jax.lax.while_loop(
-            lambda s, limit=limit: cond(s) & (s["step"] < limit), body, state)
+        state = _stage(cond, body, state, length=length, max_length=max_length,
+                       grow_cache=grow_cache)
     return state
+
+
+def _stage(cond: Callable[[dict], jax.Array], body: Callable[[dict], dict], state: dict, *,
+           length: int, max_length: int, grow_cache: GrowFn) -> dict:
+    """One stage of a staged loop: `grow_cache` sizes the cache to `length`, then the loop
+    runs while `cond` holds and the step that would write at position n (step n - 1) finds a
+    cache longer than n. At `length` T the loop runs to the end (its last step's write is
+    clamped, and its logits unused)."""
+    state = {**state, "cache": grow_cache(state["cache"], length)}
+    limit = length - 1 if length < max_length else max_length
+    return jax.lax.while_loop(lambda s: cond(s) & (s["step"] < limit), body, state)
 
 
 def greedy_search(decode_fn: DecodeFn, cache: Any, *, bos: jax.Array, max_lengths: jax.Array,
@@ -193,11 +202,26 @@ def beam_search(decode_fn: DecodeFn, cache: Any, *, bos: jax.Array, max_lengths:
     layers are scanned) follow their beams at every step; with W > 1 those with B rows (the
     encoder keys and values that a sentence's beams share: `model.decode` with one encoder row
     per sentence) stay in place.
-    `cache_lengths` and `grow_cache`: a staged search (module docstring).
+    `cache_lengths` and `grow_cache`: a staged search (module docstring). A caller that runs
+    the stages itself, between them dropping the sentences already decided, composes
+    `beam_search_start`, `beam_search_stage`, `beam_search_open` and `select_sentences`.
     """
+    state = beam_search_start(decode_fn, cache, bos=bos, beam_size=beam_size,
+                              max_length=max_length)
+    rules = _BeamRules(max_lengths, max_length, beam_size, alpha, eos_id, cache_batch_axis)
+    state = _in_stages(rules.undecided, functools.partial(rules.expand, decode_fn), state,
+                       max_length=max_length, cache_lengths=cache_lengths,
+                       grow_cache=grow_cache)
+    return state["finished_seqs"], state["finished_scores"]
+
+
+def beam_search_start(decode_fn: DecodeFn, cache: Any, *, bos: jax.Array, beam_size: int,
+                      max_length: int) -> dict:
+    """A beam search's state before its first step: the logits after BOS (`decode_fn`'s first
+    call, on B * W rows), the cache, no hypotheses yet."""
     batch = bos.shape[0]
     logits, cache = decode_fn(jnp.repeat(bos, beam_size)[:, None], cache)
-    state = {
+    return {
         "step": jnp.zeros((), jnp.int32),
         "alive_seqs": jnp.zeros((batch, beam_size, max_length), jnp.int32),
         # All beams start identical: only beam 0 may expand at the first step.
@@ -208,9 +232,66 @@ def beam_search(decode_fn: DecodeFn, cache: Any, *, bos: jax.Array, max_lengths:
         "cache": cache,
     }
 
-    def expand(state):
-        step = state["step"]
-        logprobs = _next_logprobs(state["logits"], step, max_lengths, eos_id)  # [B, W, V]
+
+def beam_search_stage(decode_fn: DecodeFn, state: dict, *, max_lengths: jax.Array,
+                      max_length: int, beam_size: int, alpha: float, eos_id: int,
+                      cache_length: int, grow_cache: GrowFn, cache_batch_axis: int = 0) -> dict:
+    """One stage of a staged beam search that its caller runs (`beam_search`'s arguments):
+    the cache grown to `cache_length`, then steps until the next would write at position
+    `cache_length` - 1 (to the end when `cache_length` is T) or every sentence is decided.
+    Run the lengths of `stage_lengths` in order; the result is `beam_search`'s."""
+    rules = _BeamRules(max_lengths, max_length, beam_size, alpha, eos_id, cache_batch_axis)
+    return _stage(rules.undecided, functools.partial(rules.expand, decode_fn), state,
+                  length=cache_length, max_length=max_length, grow_cache=grow_cache)
+
+
+def beam_search_open(state: dict, *, max_lengths: jax.Array, alpha: float) -> jax.Array:
+    """[B] whether each sentence is still undecided: below its step limit, and its best alive
+    hypothesis could still beat its best finished one (its log-probability can only fall, and
+    the penalty is largest at the maximum length). A decided sentence's best hypothesis no
+    longer changes."""
+    best_possible = state["alive_logprobs"][:, 0] / length_penalty(max_lengths, alpha)
+    return (best_possible > state["finished_scores"][:, 0]) & (state["step"] < max_lengths)
+
+
+def select_sentences(state: dict, sentences: jax.Array, *, beam_size: int,
+                     cache_batch_axis: int = 0) -> dict:
+    """The state of a beam search over the sentences `sentences` [B'] (indices, repeats
+    allowed) of `state`'s B: their hypotheses, logits and cache rows (B * W rows, or B shared
+    by a sentence's beams, along `cache_batch_axis`). The search goes on from there as if only
+    they had been searched."""
+    batch = state["alive_logprobs"].shape[0]
+    rows = (beam_size * sentences[:, None] + jnp.arange(beam_size)).reshape(-1)
+
+    def take(leaf, axis):
+        if leaf.ndim <= axis or leaf.shape[axis] not in (batch, batch * beam_size):
+            return leaf
+        return jnp.take(leaf, sentences if leaf.shape[axis] == batch else rows, axis=axis)
+
+    selected = {name: take(value, 0) for name, value in state.items()
+                if name not in ("step", "cache")}
+    return {**selected, "step": state["step"],
+            "cache": jax.tree.map(lambda leaf: take(leaf, cache_batch_axis), state["cache"])}
+
+
+@dataclasses.dataclass(frozen=True)
+class _BeamRules:
+    """A beam search's step (`expand`) and its stopping test (`undecided`), section 6.1."""
+
+    max_lengths: jax.Array  # [B]
+    max_length: int
+    beam_size: int
+    alpha: float
+    eos_id: int
+    cache_batch_axis: int
+
+    def expand(self, decode_fn: DecodeFn, state: dict) -> dict:
+        """The W alive hypotheses expanded into their 2W best continuations: those among the
+        best W that end in EOS finish, the best W that do not stay alive and take a step."""
+        beam_size, step = self.beam_size, state["step"]
+        batch = state["alive_logprobs"].shape[0]
+        logprobs = _next_logprobs(state["logits"], step, self.max_lengths,
+                                  self.eos_id)  # [B, W, V]
         vocab = logprobs.shape[-1]
         candidates = state["alive_logprobs"][..., None] + logprobs
         candidates = candidates.reshape(batch, beam_size * vocab)
@@ -218,12 +299,12 @@ def beam_search(decode_fn: DecodeFn, cache: Any, *, bos: jax.Array, max_lengths:
         origin, token = top_ids // vocab, (top_ids % vocab).astype(jnp.int32)
         seqs = jnp.take_along_axis(state["alive_seqs"], origin[..., None], axis=1)
         seqs = seqs.at[:, :, step].set(token)
-        is_eos = token == eos_id
+        is_eos = token == self.eos_id
 
         # Finished: the candidates among the best W that end in EOS (as fairseq), scored with
         # the length penalty. So a beam of 1 is greedy search when alpha is 0.
         in_beam = jnp.arange(2 * beam_size) < beam_size
-        scores = top_logprobs / length_penalty(step + 1, alpha)
+        scores = top_logprobs / length_penalty(step + 1, self.alpha)
         scores = jnp.where(is_eos & in_beam & (top_logprobs > NEG_INF / 2), scores, NEG_INF)
         all_scores = jnp.concatenate([state["finished_scores"], scores], axis=1)
         all_seqs = jnp.concatenate([state["finished_seqs"], seqs], axis=1)
@@ -231,27 +312,22 @@ def beam_search(decode_fn: DecodeFn, cache: Any, *, bos: jax.Array, max_lengths:
         finished_seqs = jnp.take_along_axis(all_seqs, keep[..., None], axis=1)
 
         # Alive: the best W candidates that do not end in EOS.
-        alive_logprobs, keep = jax.lax.top_k(jnp.where(is_eos, NEG_INF, top_logprobs), beam_size)
+        alive_logprobs, keep = jax.lax.top_k(jnp.where(is_eos, NEG_INF, top_logprobs),
+                                             beam_size)
         alive_seqs = jnp.take_along_axis(seqs, keep[..., None], axis=1)
         alive_origin = jnp.take_along_axis(origin, keep, axis=1)
-        cache = _gather_beams(state["cache"], alive_origin, batch, beam_size, cache_batch_axis)
+        cache = _gather_beams(state["cache"], alive_origin, batch, beam_size,
+                              self.cache_batch_axis)
         last = jnp.take_along_axis(token, keep, axis=1).reshape(batch * beam_size, 1)
         logits, cache = decode_fn(last, cache)
         return {"step": step + 1, "alive_seqs": alive_seqs, "alive_logprobs": alive_logprobs,
                 "finished_seqs": finished_seqs, "finished_scores": finished_scores,
                 "logits": logits, "cache": cache}
 
-    def undecided(state):
-        """Some sentence's best alive hypothesis could still beat its best finished one: its
-        log-probability can only fall, and the penalty is largest at the maximum length."""
-        best_possible = state["alive_logprobs"][:, 0] / length_penalty(max_lengths, alpha)
-        open_ = (best_possible > state["finished_scores"][:, 0]) & (
-            state["step"] < max_lengths)
-        return (state["step"] < max_length) & open_.any()
-
-    state = _in_stages(undecided, expand, state, max_length=max_length,
-                       cache_lengths=cache_lengths, grow_cache=grow_cache)
-    return state["finished_seqs"], state["finished_scores"]
+    def undecided(self, state: dict) -> jax.Array:
+        """Whether to take another step: some sentence is open (`beam_search_open`)."""
+        open_ = beam_search_open(state, max_lengths=self.max_lengths, alpha=self.alpha)
+        return (state["step"] < self.max_length) & open_.any()
 
 
 def filter_logits(logits: jax.Array, *, temperature: float, top_k: int = 0,

@@ -131,12 +131,25 @@ class Translator:
         max_lengths = np.minimum(np.array([len(s) for s in padded]) + max_extra_length,
                                  self.model_config.max_len)
         max_length = int(min(length + max_extra_length, self.model_config.max_len))
+        if beam_size > 1 and _staged(self.model.config, max_length):
+            search = _BeamSearchDroppingDecided(self.model, beam_size, float(alpha), max_length)
+            return search(self.params, inputs, max_lengths)[:len(sources)]
         search = _search_fn(self.model, beam_size, float(alpha), max_length,
                             self.model_config.scan_layers)
-        tokens = search(self.params, inputs, max_lengths)
-        if not tokens.is_fully_addressable:  # params sharded over several processes
-            tokens = multihost_utils.process_allgather(tokens, tiled=True)
-        return np.asarray(tokens)[:len(sources)]
+        return _to_host(search(self.params, inputs, max_lengths))[:len(sources)]
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+    """`x` as a numpy array, gathered from every process when the params are sharded over
+    several (training's evaluation)."""
+    if not x.is_fully_addressable:
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(x)
+
+
+def _staged(config: TransformerConfig, max_length: int) -> bool:
+    """Whether a search of `max_length` steps grows its cache in stages of DECODE_STAGE."""
+    return cache_can_grow(config) and max_length >= MIN_STAGED_LENGTH
 
 
 @functools.lru_cache(maxsize=32)
@@ -153,7 +166,7 @@ def _search_fn(model: Transformer, beam_size: int, alpha: float, max_length: int
                                method="decode")
 
         staged = {}
-        if cache_can_grow(model.config) and max_length >= MIN_STAGED_LENGTH:
+        if _staged(model.config, max_length):
             staged = {"cache_lengths": decoding.stage_lengths(max_length, DECODE_STAGE),
                       "grow_cache": functools.partial(grow_cache, model.config)}
         first_length = staged["cache_lengths"][0] if staged else max_length
@@ -169,6 +182,90 @@ def _search_fn(model: Transformer, beam_size: int, alpha: float, max_length: int
         return seqs[:, 0]
 
     return jax.jit(search)
+
+
+@dataclasses.dataclass(frozen=True)
+class _BeamSearchDroppingDecided:
+    """Beam search in stages of DECODE_STAGE cache positions, run from the host, that drops the
+    sentences already decided between stages (as fairseq shrinks its batch): once the open
+    sentences fit in half the rows or fewer, only they (padded with copies to a power of two,
+    so a few programs serve every size) go on. Each step's cost is mostly per row (the output
+    projection, the cache), and a batch's sentences decide at different steps. The best
+    hypotheses are those of `decoding.beam_search` over the whole batch."""
+
+    model: Transformer
+    beam_size: int
+    alpha: float
+    max_length: int
+
+    def __call__(self, params, inputs: np.ndarray, max_lengths: np.ndarray) -> np.ndarray:
+        """Best hypotheses [B, T] of `inputs` [B, S] (B a power of two)."""
+        lengths = decoding.stage_lengths(self.max_length, DECODE_STAGE)
+        start, stage, select = _dropping_fns(self.model, self.beam_size, self.alpha,
+                                             self.max_length, lengths[0])
+        state = start(params, inputs)
+        best = np.zeros((inputs.shape[0], self.max_length), np.int32)
+        rows = np.arange(inputs.shape[0])  # the sentence of `inputs` each row of `state` holds
+        max_lengths = np.asarray(max_lengths)
+        for length in lengths:
+            state, open_ = stage(params, state, max_lengths[rows], length=length)
+            keep = np.flatnonzero(_to_host(open_))
+            if not len(keep):
+                break
+            size = 1 << (len(keep) - 1).bit_length()
+            if size < len(rows):
+                decided = np.setdiff1d(np.arange(len(rows)), keep)
+                best[rows[decided]] = _best(state)[decided]
+                keep = np.concatenate([keep, np.full(size - len(keep), keep[0])])
+                state, rows = select(state, keep), rows[keep]
+        best[rows] = _best(state)  # copies of a sentence hold the same hypothesis
+        return best
+
+
+def _best(state: dict) -> np.ndarray:
+    """The best finished hypothesis [B', T] of each row of a `_dropping_fns` state."""
+    return _to_host(state["search"]["finished_seqs"][:, 0])
+
+
+@functools.lru_cache(maxsize=32)
+def _dropping_fns(model: Transformer, beam_size: int, alpha: float, max_length: int,
+                  first_length: int):
+    """The jitted parts of `_BeamSearchDroppingDecided`: `start(params, inputs)` encodes and
+    takes the first step; `stage(params, state, max_lengths, length=)` runs one stage and says
+    which sentences are open; `select(state, sentences)` keeps those rows."""
+    axis = 1 if model.config.scan_layers else 0
+
+    def decode_fn(params, state):
+        def step(tokens, cache):
+            return model.apply({"params": params}, state["encoded"], state["inputs"], tokens,
+                               cache=cache, method="decode")
+        return step
+
+    def start(params, inputs):
+        encoded = model.apply({"params": params}, inputs, method="encode")
+        cache = init_cache(model.config, inputs.shape[0] * beam_size, first_length)
+        state = {"encoded": encoded, "inputs": inputs}
+        search = decoding.beam_search_start(
+            decode_fn(params, state), cache, bos=jnp.full((inputs.shape[0],), BOS_ID, jnp.int32),
+            beam_size=beam_size, max_length=max_length)
+        return {**state, "search": search}
+
+    def stage(params, state, max_lengths, length):
+        search = decoding.beam_search_stage(
+            decode_fn(params, state), state["search"], max_lengths=max_lengths,
+            max_length=max_length, beam_size=beam_size, alpha=alpha, eos_id=EOS_ID,
+            cache_length=length, grow_cache=functools.partial(grow_cache, model.config),
+            cache_batch_axis=axis)
+        open_ = decoding.beam_search_open(search, max_lengths=max_lengths, alpha=alpha)
+        return {**state, "search": search}, open_
+
+    def select(state, sentences):
+        search = decoding.select_sentences(state["search"], sentences, beam_size=beam_size,
+                                           cache_batch_axis=axis)
+        return {"encoded": state["encoded"][sentences], "inputs": state["inputs"][sentences],
+                "search": search}
+
+    return jax.jit(start), jax.jit(stage, static_argnames="length"), jax.jit(select)
 
 
 def load(workdir: str, *, step: int | None = None, average: int | None = None) -> Translator:
