@@ -22,7 +22,10 @@ Staged searches: the caller may start with a short self-attention cache and give
 it grows through (`stage_lengths`) and a `grow_cache(cache, length)` (`model.grow_cache`). The
 search then runs one `lax.while_loop` per length, so that each step attends over, and beam
 search reorders, only the current stage's cache positions, not all T; the tokens are the same as
-with the whole cache from the start.
+with the whole cache from the start. A caller may also run a beam search's stages itself
+(`beam_search_start`, then `beam_search_stage` per length) and between them go on with only
+some of the sentences (`beam_search_open` says which are undecided, `select_sentences` keeps
+them): `Translator` drops the decided ones, as fairseq shrinks its batch.
 
 The model's side of the cache, a step's keys and values written at their positions, is
 `write_cache` (a local layer's ring buffer of its last w positions: `write_ring`; a linear
