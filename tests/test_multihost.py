@@ -188,11 +188,15 @@ def test_a_peer_that_exits_with_an_error_stops_the_others_naming_it(tmp_path):
 
 @pytest.mark.slow
 def test_two_processes_decode_validation_bleu(offline_fixture_data_dir, tmp_path):
+    """Beam search over params sharded across two processes, long enough (64 positions) for the
+    translator's stages: the first sentence reaches its limit (43 steps) in the third stage, and
+    both processes go on with the other sentence alone (checked once by printing)."""
     workdir = tmp_path / "run"
     overrides = ["--config=configs/default.py",
                  f"--config.data.data_dir={offline_fixture_data_dir}",
                  "--config.num_train_steps=2", "--config.log_every_steps=1",
-                 *(f"--config.{key}={value}" for key, value in SHRUNK_DEFAULT.items())]
+                 *(f"--config.{key}={value}" for key, value in SHRUNK_DEFAULT.items()),
+                 "--config.model.max_len=64", "--config.decode.max_extra_length=40"]
     finish(launch(workdir, processes=2, devices=4, overrides=overrides, common=()))
     with open(workdir / "metrics.jsonl") as f:
         lines = [json.loads(line) for line in f]
