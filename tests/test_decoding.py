@@ -235,28 +235,30 @@ def test_a_staged_search_decodes_what_the_whole_cache_decodes(setup, stage):
 
 
 def test_a_search_continued_on_selected_sentences_is_theirs(setup):
-    """Stage by stage, with the state cut to sentences [1, 0, 1] after the first stage (a
-    reorder and a repeat, as the translator pads its rows), the search ends with exactly the
-    full search's hypotheses and scores of those sentences, and none of them open."""
+    """Run in parts (up to steps 2, 5, 8, then the end; the cache grown at the stage ends),
+    with the state cut to sentences [1, 0, 1] after step 2 (a reorder and a repeat, as the
+    translator pads its rows), the search ends with exactly the full search's hypotheses and
+    scores of those sentences, and none of them open."""
     model, params, inputs, encoded = setup
     beam, alpha, max_lengths, max_length = 3, 0.6, jnp.array([9, 7]), 9
     seqs, scores = run_beam(setup, beam, alpha, [9, 7], max_length, shared_encoder=True,
                             stage=3)
-    lengths = decoding.stage_lengths(max_length, 3)
-    rules = dict(max_length=max_length, beam_size=beam, alpha=alpha, eos_id=EOS,
-                 grow_cache=functools.partial(grow_cache, CFG))
+    assert decoding.stage_lengths(max_length, 3) == (3, 6, 9)
+    assert [decoding.stage_end(n, max_length) for n in (3, 6, 9)] == [2, 5, 9]
+    rules = dict(max_length=max_length, beam_size=beam, alpha=alpha, eos_id=EOS)
     state = decoding.beam_search_start(
-        decode_fn_for(model, params, encoded, inputs), init_cache(CFG, 2 * beam, lengths[0]),
+        decode_fn_for(model, params, encoded, inputs), init_cache(CFG, 2 * beam, 3),
         bos=jnp.full((2,), BOS_ID), beam_size=beam, max_length=max_length)
-    state = decoding.beam_search_stage(decode_fn_for(model, params, encoded, inputs), state,
-                                       max_lengths=max_lengths, cache_length=lengths[0], **rules)
-    assert int(state["step"]) == lengths[0] - 1
+    state = decoding.beam_search_steps(decode_fn_for(model, params, encoded, inputs), state,
+                                       until=2, max_lengths=max_lengths, **rules)
+    assert int(state["step"]) == 2
     sentences = jnp.array([1, 0, 1])
     state = decoding.select_sentences(state, sentences, beam_size=beam)
-    for length in lengths[1:]:
-        state = decoding.beam_search_stage(
-            decode_fn_for(model, params, encoded[sentences], inputs[sentences]), state,
-            max_lengths=max_lengths[sentences], cache_length=length, **rules)
+    selected = decode_fn_for(model, params, encoded[sentences], inputs[sentences])
+    for length, until in ((6, 5), (9, 8), (9, 9)):
+        state = {**state, "cache": grow_cache(CFG, state["cache"], length)}
+        state = decoding.beam_search_steps(selected, state, until=jnp.asarray(until),
+                                           max_lengths=max_lengths[sentences], **rules)
     np.testing.assert_array_equal(state["finished_seqs"], seqs[[1, 0, 1]])
     # rtol: these steps run eagerly, the full search jitted (float sums rounded differently)
     np.testing.assert_allclose(state["finished_scores"], scores[[1, 0, 1]], rtol=1e-5)

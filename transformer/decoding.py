@@ -22,10 +22,11 @@ Staged searches: the caller may start with a short self-attention cache and give
 it grows through (`stage_lengths`) and a `grow_cache(cache, length)` (`model.grow_cache`). The
 search then runs one `lax.while_loop` per length, so that each step attends over, and beam
 search reorders, only the current stage's cache positions, not all T; the tokens are the same as
-with the whole cache from the start. A caller may also run a beam search's stages itself
-(`beam_search_start`, then `beam_search_stage` per length) and between them go on with only
-some of the sentences (`beam_search_open` says which are undecided, `select_sentences` keeps
-them): `Translator` drops the decided ones, as fairseq shrinks its batch.
+with the whole cache from the start. A caller may also run a beam search in parts itself
+(`beam_search_start`, then `beam_search_steps` up to a step, growing the cache when
+`stage_end` says) and between them go on with only some of the sentences (`beam_search_open`
+says which are undecided, `select_sentences` keeps them): `Translator` drops the decided
+ones, as fairseq shrinks its batch.
 
 The model's side of the cache, a step's keys and values written at their positions, is
 `write_cache` (a local layer's ring buffer of its last w positions: `write_ring`; a linear
@@ -119,20 +120,23 @@ def _in_stages(cond: Callable[[dict], jax.Array], body: Callable[[dict], dict], 
         raise ValueError(f"cache_lengths {tuple(cache_lengths)} must end at max_length="
                          f"{max_length} and come with grow_cache")
     for length in cache_lengths:
-        state = _stage(cond, body, state, length=length, max_length=max_length,
-                       grow_cache=grow_cache)
+        state = {**state, "cache": grow_cache(state["cache"], length)}
+        state = _until(cond, body, state, stage_end(length, max_length))
     return state
 
 
-def _stage(cond: Callable[[dict], jax.Array], body: Callable[[dict], dict], state: dict, *,
-           length: int, max_length: int, grow_cache: GrowFn) -> dict:
-    """One stage of a staged loop: `grow_cache` sizes the cache to `length`, then the loop
-    runs while `cond` holds and the step that would write at position n (step n - 1) finds a
-    cache longer than n. At `length` T the loop runs to the end (its last step's write is
-    clamped, and its logits unused)."""
-    state = {**state, "cache": grow_cache(state["cache"], length)}
-    limit = length - 1 if length < max_length else max_length
-    return jax.lax.while_loop(lambda s: cond(s) & (s["step"] < limit), body, state)
+def stage_end(cache_length: int, max_length: int) -> int:
+    """The step a staged search stops at before its cache must grow past `cache_length`: the
+    step that would write at position n (step n - 1) needs a cache longer than n. A cache of
+    T positions takes the search to its end (the last step's write is clamped, and its logits
+    unused)."""
+    return cache_length - 1 if cache_length < max_length else max_length
+
+
+def _until(cond: Callable[[dict], jax.Array], body: Callable[[dict], dict], state: dict,
+           until: jax.Array | int) -> dict:
+    """`lax.while_loop` while `cond` holds and the step is below `until` (traced or not)."""
+    return jax.lax.while_loop(lambda s: cond(s) & (s["step"] < until), body, state)
 
 
 def greedy_search(decode_fn: DecodeFn, cache: Any, *, bos: jax.Array, max_lengths: jax.Array,
@@ -207,7 +211,7 @@ def beam_search(decode_fn: DecodeFn, cache: Any, *, bos: jax.Array, max_lengths:
     per sentence) stay in place.
     `cache_lengths` and `grow_cache`: a staged search (module docstring). A caller that runs
     the stages itself, between them dropping the sentences already decided, composes
-    `beam_search_start`, `beam_search_stage`, `beam_search_open` and `select_sentences`.
+    `beam_search_start`, `beam_search_steps`, `beam_search_open` and `select_sentences`.
     """
     state = beam_search_start(decode_fn, cache, bos=bos, beam_size=beam_size,
                               max_length=max_length)
@@ -236,16 +240,15 @@ def beam_search_start(decode_fn: DecodeFn, cache: Any, *, bos: jax.Array, beam_s
     }
 
 
-def beam_search_stage(decode_fn: DecodeFn, state: dict, *, max_lengths: jax.Array,
-                      max_length: int, beam_size: int, alpha: float, eos_id: int,
-                      cache_length: int, grow_cache: GrowFn, cache_batch_axis: int = 0) -> dict:
-    """One stage of a staged beam search that its caller runs (`beam_search`'s arguments):
-    the cache grown to `cache_length`, then steps until the next would write at position
-    `cache_length` - 1 (to the end when `cache_length` is T) or every sentence is decided.
-    Run the lengths of `stage_lengths` in order; the result is `beam_search`'s."""
+def beam_search_steps(decode_fn: DecodeFn, state: dict, *, until: jax.Array | int,
+                      max_lengths: jax.Array, max_length: int, beam_size: int, alpha: float,
+                      eos_id: int, cache_batch_axis: int = 0) -> dict:
+    """Steps of a beam search that its caller runs in parts (`beam_search`'s arguments): from
+    `state` while some sentence is open, up to step `until` (exclusive; a traced value does
+    not recompile). The cache must be long enough (`stage_end`; the caller grows it). Run
+    to step T, the result is `beam_search`'s."""
     rules = _BeamRules(max_lengths, max_length, beam_size, alpha, eos_id, cache_batch_axis)
-    return _stage(rules.undecided, functools.partial(rules.expand, decode_fn), state,
-                  length=cache_length, max_length=max_length, grow_cache=grow_cache)
+    return _until(rules.undecided, functools.partial(rules.expand, decode_fn), state, until)
 
 
 def beam_search_open(state: dict, *, max_lengths: jax.Array, alpha: float) -> jax.Array:

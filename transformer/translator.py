@@ -30,6 +30,7 @@ from transformer.model import Transformer, TransformerConfig, cache_can_grow, gr
 log = logging.getLogger("transformer")
 BUCKET = 16  # source (and prompt) lengths are padded up to a multiple of this
 DECODE_STAGE = 16  # a staged search's self-attention cache grows by this many positions
+DROP_CHECK = 8  # beam search looks for decided sentences to drop every this many steps
 # Shorter searches keep the whole cache: attending over a few dozen positions costs less than
 # compiling one loop per stage.
 MIN_STAGED_LENGTH = 48
@@ -186,12 +187,13 @@ def _search_fn(model: Transformer, beam_size: int, alpha: float, max_length: int
 
 @dataclasses.dataclass(frozen=True)
 class _BeamSearchDroppingDecided:
-    """Beam search in stages of DECODE_STAGE cache positions, run from the host, that drops the
-    sentences already decided between stages (as fairseq shrinks its batch): once the open
-    sentences fit in half the rows or fewer, only they (padded with copies to a power of two,
-    so a few programs serve every size) go on. Each step's cost is mostly per row (the output
-    projection, the cache), and a batch's sentences decide at different steps. The best
-    hypotheses are those of `decoding.beam_search` over the whole batch."""
+    """Beam search run from the host in parts of DROP_CHECK steps (its cache grown by
+    DECODE_STAGE positions) that drops the sentences already decided (as fairseq shrinks its
+    batch): once the open sentences fit in half the rows or fewer, only they (padded with
+    copies to a power of two, so a few programs serve every size) go on. A step's cost is
+    mostly per row (the output projection, the cache), and a batch's sentences decide at
+    different steps. The best hypotheses are those of `decoding.beam_search` over the whole
+    batch."""
 
     model: Transformer
     beam_size: int
@@ -201,14 +203,17 @@ class _BeamSearchDroppingDecided:
     def __call__(self, params, inputs: np.ndarray, max_lengths: np.ndarray) -> np.ndarray:
         """Best hypotheses [B, T] of `inputs` [B, S] (B a power of two)."""
         lengths = decoding.stage_lengths(self.max_length, DECODE_STAGE)
-        start, stage, select = _dropping_fns(self.model, self.beam_size, self.alpha,
-                                             self.max_length, lengths[0])
+        start, steps, grow, select = _dropping_fns(self.model, self.beam_size, self.alpha,
+                                                   self.max_length, lengths[0])
         state = start(params, inputs)
         best = np.zeros((inputs.shape[0], self.max_length), np.int32)
         rows = np.arange(inputs.shape[0])  # the sentence of `inputs` each row of `state` holds
         max_lengths = np.asarray(max_lengths)
-        for length in lengths:
-            state, open_ = stage(params, state, max_lengths[rows], length=length)
+        held = lengths[0]  # the cache's length
+        for length, until in self._parts(lengths):
+            if length > held:
+                state, held = grow(state, length=length), length
+            state, open_ = steps(params, state, max_lengths[rows], np.int32(until))
             keep = np.flatnonzero(_to_host(open_))
             if not len(keep):
                 break
@@ -221,6 +226,17 @@ class _BeamSearchDroppingDecided:
         best[rows] = _best(state)  # copies of a sentence hold the same hypothesis
         return best
 
+    def _parts(self, lengths: tuple[int, ...]) -> list[tuple[int, int]]:
+        """(cache length, step to run until) of each part: every DROP_CHECK steps, and at the
+        end of each cache length (`decoding.stage_end`)."""
+        parts, done = [], 0
+        for length in lengths:
+            end = decoding.stage_end(length, self.max_length)
+            untils = [*range(done - done % DROP_CHECK + DROP_CHECK, end, DROP_CHECK), end]
+            parts += [(length, until) for until in untils]
+            done = end
+        return parts
+
 
 def _best(state: dict) -> np.ndarray:
     """The best finished hypothesis [B', T] of each row of a `_dropping_fns` state."""
@@ -231,8 +247,9 @@ def _best(state: dict) -> np.ndarray:
 def _dropping_fns(model: Transformer, beam_size: int, alpha: float, max_length: int,
                   first_length: int):
     """The jitted parts of `_BeamSearchDroppingDecided`: `start(params, inputs)` encodes and
-    takes the first step; `stage(params, state, max_lengths, length=)` runs one stage and says
-    which sentences are open; `select(state, sentences)` keeps those rows."""
+    takes the first step; `steps(params, state, max_lengths, until)` runs up to step `until`
+    and says which sentences are open; `grow(state, length=)` lengthens the cache;
+    `select(state, sentences)` keeps those rows."""
     axis = 1 if model.config.scan_layers else 0
 
     def decode_fn(params, state):
@@ -250,14 +267,18 @@ def _dropping_fns(model: Transformer, beam_size: int, alpha: float, max_length: 
             beam_size=beam_size, max_length=max_length)
         return {**state, "search": search}
 
-    def stage(params, state, max_lengths, length):
-        search = decoding.beam_search_stage(
-            decode_fn(params, state), state["search"], max_lengths=max_lengths,
+    def steps(params, state, max_lengths, until):
+        search = decoding.beam_search_steps(
+            decode_fn(params, state), state["search"], until=until, max_lengths=max_lengths,
             max_length=max_length, beam_size=beam_size, alpha=alpha, eos_id=EOS_ID,
-            cache_length=length, grow_cache=functools.partial(grow_cache, model.config),
             cache_batch_axis=axis)
         open_ = decoding.beam_search_open(search, max_lengths=max_lengths, alpha=alpha)
         return {**state, "search": search}, open_
+
+    def grow(state, length):
+        search = state["search"]
+        cache = grow_cache(model.config, search["cache"], length)
+        return {**state, "search": {**search, "cache": cache}}
 
     def select(state, sentences):
         search = decoding.select_sentences(state["search"], sentences, beam_size=beam_size,
@@ -265,7 +286,8 @@ def _dropping_fns(model: Transformer, beam_size: int, alpha: float, max_length: 
         return {"encoded": state["encoded"][sentences], "inputs": state["inputs"][sentences],
                 "search": search}
 
-    return jax.jit(start), jax.jit(stage, static_argnames="length"), jax.jit(select)
+    return (jax.jit(start), jax.jit(steps), jax.jit(grow, static_argnames="length"),
+            jax.jit(select))
 
 
 def load(workdir: str, *, step: int | None = None, average: int | None = None) -> Translator:
