@@ -264,3 +264,28 @@ def test_a_search_continued_on_selected_sentences_is_theirs(setup):
     np.testing.assert_allclose(state["finished_scores"], scores[[1, 0, 1]], rtol=1e-5)
     assert not decoding.beam_search_open(state, max_lengths=max_lengths[sentences],
                                          alpha=alpha).any()
+
+
+def test_select_sentences_takes_rows_along_the_scanned_layers_batch_axis():
+    """With scanned layers the cache's batch axis is 1: per-beam leaves [L, B*W, ...] take the
+    selected sentences' W rows, per-sentence leaves [L, B, ...] their rows, the index stays."""
+    batch, beam = 3, 2
+    state = {"step": jnp.asarray(4),
+             "alive_seqs": jnp.arange(batch)[:, None, None] * jnp.ones((batch, beam, 5)),
+             "alive_logprobs": jnp.arange(batch * beam, dtype=jnp.float32).reshape(batch, beam),
+             "finished_seqs": jnp.zeros((batch, beam, 5), jnp.int32),
+             "finished_scores": jnp.zeros((batch, beam)),
+             "logits": jnp.arange(batch * beam, dtype=jnp.float32).reshape(-1, 1, 1),
+             "cache": {"self_attention": {"key": jnp.arange(2.0 * batch * beam).reshape(
+                           2, batch * beam, 1, 1, 1)},
+                       "cross_attention": {"key": jnp.arange(2.0 * batch).reshape(2, batch, 1)},
+                       "index": jnp.asarray(4)}}
+    out = decoding.select_sentences(state, jnp.array([2, 0, 2]), beam_size=beam,
+                                    cache_batch_axis=1)
+    np.testing.assert_array_equal(out["alive_seqs"][:, 0, 0], [2, 0, 2])
+    np.testing.assert_array_equal(out["logits"][:, 0, 0], [4, 5, 0, 1, 4, 5])
+    np.testing.assert_array_equal(out["cache"]["self_attention"]["key"][:, :, 0, 0, 0],
+                                  [[4, 5, 0, 1, 4, 5], [10, 11, 6, 7, 10, 11]])
+    np.testing.assert_array_equal(out["cache"]["cross_attention"]["key"][:, :, 0],
+                                  [[2, 0, 2], [5, 3, 5]])
+    assert int(out["cache"]["index"]) == 4 and int(out["step"]) == 4

@@ -76,6 +76,7 @@ def test_flush_writes_throughput_data_wait_and_mfu_per_line():
     for (_, _, line), loss in zip(writer.lines, (2.5, 2.0), strict=True):
         assert line["loss"] == loss
         assert line["tokens_per_sec"] == pytest.approx(200.0)
+        assert line["steps_per_sec"] == pytest.approx(2 / 5)
         assert line["data_wait_fraction"] == pytest.approx(0.2)
         assert line["mfu"] == pytest.approx(1e9 * 200.0 / (1e12 * jax.device_count()))
         assert line["nonfinite_skipped"] == 0

@@ -36,16 +36,22 @@ def test_translate_keeps_order_and_empty_lines(workdir):
     assert out == alone
 
 
-def test_a_cache_grown_in_stages_translates_as_the_whole_cache(workdir, monkeypatch):
-    """The translator's staged search (here stages of 3 positions from the first length on)
-    gives the translations of the whole cache, with beam search and greedily. Beam search
-    goes on with fewer rows once the sentences still open fit in half of them: here the
-    sentences decide, or reach their step limits (their lengths + 6), at different stages."""
+@pytest.mark.parametrize("stage, check", [(3, 8), (16, 2)])
+def test_a_cache_grown_in_stages_translates_as_the_whole_cache(workdir, monkeypatch, stage,
+                                                               check):
+    """The translator's staged search (its cache grown by `stage` positions from the first
+    length on) gives the translations of the whole cache, with beam search and greedily. Beam
+    search, looking every `check` steps (and at each stage's end), goes on with fewer rows once
+    the sentences still open fit in half of them: 5 sentences in 8 rows (3 copies of the first
+    as padding), which decide or reach their step limits (their lengths + 6) at different
+    steps."""
     translator = load(str(workdir))
-    lines = ["Sie geht oft ins Kino.", "Opens a dialog.", "Ja.", "Öffnet einen Dialog."]
+    lines = ["Sie geht oft ins Kino.", "Opens a dialog.", "Ja.", "Öffnet einen Dialog.",
+             "Specifies whether the chosen connections are pooled."]
     whole = {beam: translator.translate(lines, beam_size=beam) for beam in (1, 2)}
     monkeypatch.setattr(translator_lib, "MIN_STAGED_LENGTH", 0)
-    monkeypatch.setattr(translator_lib, "DECODE_STAGE", 3)
+    monkeypatch.setattr(translator_lib, "DECODE_STAGE", stage)
+    monkeypatch.setattr(translator_lib, "DROP_CHECK", check)
     kept = []
     select = translator_lib.decoding.select_sentences
     monkeypatch.setattr(translator_lib.decoding, "select_sentences",
@@ -59,8 +65,19 @@ def test_a_cache_grown_in_stages_translates_as_the_whole_cache(workdir, monkeypa
         translator_lib._search_fn.cache_clear()  # the other tests compile the default
         translator_lib._dropping_fns.cache_clear()
     assert staged == whole
-    assert kept and min(kept) < 4, kept  # rows were dropped
+    assert kept and min(kept) < 8, kept  # rows were dropped
     assert max(len(translator.encode([out])[0]) for out in whole[2]) > 3  # past one stage
+
+
+def test_beam_search_looks_for_decided_sentences_every_few_steps_and_at_each_stage_end():
+    """(cache length, step to run until) of the parts of a 64-step search with the cache
+    grown by 16: every DROP_CHECK = 8 steps, and at steps 15, 31 and 47, where the cache must
+    grow before the next step (`decoding.stage_end`)."""
+    search = translator_lib._BeamSearchDroppingDecided(None, 4, 0.6, 64)
+    assert translator_lib.DROP_CHECK == 8
+    assert search._parts((16, 32, 48, 64)) == [
+        (16, 8), (16, 15), (32, 16), (32, 24), (32, 31), (48, 32), (48, 40), (48, 47),
+        (64, 48), (64, 56), (64, 64)]
 
 
 def test_long_input_is_truncated_with_a_warning(workdir, caplog):

@@ -188,14 +188,18 @@ def test_image_attention_maps_are_the_class_tokens_rows(load_config, tmp_path):
 
 
 def test_curves_against_hours_of_training(tmp_path, monkeypatch):
-    """--x=hours puts each evaluation at the summed time of the train steps before it: 10 steps
-    of 900 tokens at 1,000 tokens/s then 10 at 450 tokens/s are 0.0025 h, then 0.0075 h."""
+    """--x=hours puts each evaluation at the summed time of the train steps before it: 10
+    steps at 1,000 tokens/s of 900 target tokens (a log without steps_per_sec), then 10 at 0.5
+    steps/s (a masked LM's 450 tokens/s count more than its targets), are 0.0025 h, then
+    0.0025 + 20 / 3600 h; an evaluation before any train line sits at 0."""
     run = tmp_path / "run"
     run.mkdir()
     lines = [{"step": s, "split": "train", "loss": 5 / s, "target_tokens_per_update": 900.0,
-              "tokens_per_sec": 1000.0 if s <= 10 else 450.0} for s in range(1, 21)]
+              "tokens_per_sec": 1000.0} for s in range(1, 11)]
+    lines += [{"step": s, "split": "train", "loss": 5 / s, "target_tokens_per_update": 135.0,
+               "tokens_per_sec": 450.0, "steps_per_sec": 0.5} for s in range(11, 21)]
     lines += [{"step": s, "split": "validation", "loss": 3.0, "perplexity": 20.1}
-              for s in (10, 20)]
+              for s in (0, 10, 20)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     plt = visualize.pyplot()
     drawn = {}
@@ -203,8 +207,8 @@ def test_curves_against_hours_of_training(tmp_path, monkeypatch):
         {ax.get_title(): ax for ax in fig.axes}))
     visualize.plot_curves([str(run)], str(tmp_path / "curves.png"), x="hours")
     (line,) = drawn["perplexity"].get_lines()
-    np.testing.assert_allclose(line.get_xdata(), [10 * 0.9 / 3600, 10 * 0.9 / 3600 + 10 * 2 / 3600])
+    np.testing.assert_allclose(line.get_xdata(), [0.0, 9 / 3600, 9 / 3600 + 20 / 3600])
     assert drawn["perplexity"].get_xlabel().startswith("hours of training")
     (run / "metrics.jsonl").write_text(json.dumps(lines[-1]) + "\n")
-    with pytest.raises(ValueError, match="no train lines with tokens_per_sec.*--x=step"):
+    with pytest.raises(ValueError, match="no train lines with their throughput.*--x=step"):
         visualize.plot_curves([str(run)], str(tmp_path / "curves.png"), x="hours")

@@ -113,7 +113,8 @@ def stage_lengths(max_length: int, stage: int) -> tuple[int, ...]:
 def _in_stages(cond: Callable[[dict], jax.Array], body: Callable[[dict], dict], state: dict, *,
                max_length: int, cache_lengths: Sequence[int], grow_cache: GrowFn | None) -> dict:
     """`lax.while_loop(cond, body, state)`, run as one loop per cache length when
-    `cache_lengths` are given (`_stage`). The last length is T, whose loop runs to the end."""
+    `cache_lengths` are given, each up to its `stage_end`. The last length is T, whose loop
+    runs to the end."""
     if not cache_lengths:
         return jax.lax.while_loop(cond, body, state)
     if cache_lengths[-1] != max_length or grow_cache is None:
@@ -254,8 +255,9 @@ def beam_search_steps(decode_fn: DecodeFn, state: dict, *, until: jax.Array | in
 def beam_search_open(state: dict, *, max_lengths: jax.Array, alpha: float) -> jax.Array:
     """[B] whether each sentence is still undecided: below its step limit, and its best alive
     hypothesis could still beat its best finished one (its log-probability can only fall, and
-    the penalty is largest at the maximum length). A decided sentence's best hypothesis no
-    longer changes."""
+    the penalty is largest at the maximum length, for alpha >= 0). A decided sentence's best
+    hypothesis no longer changes (up to float rounding: a search that drops rows computes the
+    others' logits in batches of another shape)."""
     best_possible = state["alive_logprobs"][:, 0] / length_penalty(max_lengths, alpha)
     return (best_possible > state["finished_scores"][:, 0]) & (state["step"] < max_lengths)
 

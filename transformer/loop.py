@@ -339,6 +339,7 @@ def _flush(pending, progress, writer, step, total, flops_per_token, peak, cfg, l
                                 f" or set clip_norm, or skip_nonfinite_updates=True")
         line = {"loss": m["loss"], "learning_rate": m["learning_rate"],
                 "grad_norm": m["grad_norm"], "tokens_per_sec": window["tokens_per_sec"],
+                "steps_per_sec": window["steps_per_sec"],
                 "data_wait_fraction": window["data_wait_fraction"],
                 "target_tokens_per_update": m["target_tokens"],
                 "nonfinite_skipped": int(m["nonfinite"])}

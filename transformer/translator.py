@@ -132,7 +132,7 @@ class Translator:
         max_lengths = np.minimum(np.array([len(s) for s in padded]) + max_extra_length,
                                  self.model_config.max_len)
         max_length = int(min(length + max_extra_length, self.model_config.max_len))
-        if beam_size > 1 and _staged(self.model.config, max_length):
+        if beam_size > 1 and rows > 1 and _staged(self.model.config, max_length):
             search = _BeamSearchDroppingDecided(self.model, beam_size, float(alpha), max_length)
             return search(self.params, inputs, max_lengths)[:len(sources)]
         search = _search_fn(self.model, beam_size, float(alpha), max_length,
@@ -193,7 +193,7 @@ class _BeamSearchDroppingDecided:
     copies to a power of two, so a few programs serve every size) go on. A step's cost is
     mostly per row (the output projection, the cache), and a batch's sentences decide at
     different steps. The best hypotheses are those of `decoding.beam_search` over the whole
-    batch."""
+    batch (up to float rounding: matrix products over fewer rows may round differently)."""
 
     model: Transformer
     beam_size: int
@@ -286,8 +286,8 @@ def _dropping_fns(model: Transformer, beam_size: int, alpha: float, max_length: 
         return {"encoded": state["encoded"][sentences], "inputs": state["inputs"][sentences],
                 "search": search}
 
-    return (jax.jit(start), jax.jit(steps), jax.jit(grow, static_argnames="length"),
-            jax.jit(select))
+    return (jax.jit(start), jax.jit(steps, donate_argnums=1),
+            jax.jit(grow, static_argnames="length"), jax.jit(select))
 
 
 def load(workdir: str, *, step: int | None = None, average: int | None = None) -> Translator:

@@ -312,18 +312,28 @@ def read_metrics(workdir: str) -> dict[str, dict[str, list[tuple[int, float]]]]:
 
 
 def training_hours(curves: dict, workdir: str) -> tuple[np.ndarray, np.ndarray]:
-    """(steps, hours) of a run's train lines (`read_metrics`): the hours of training up to the
-    end of each step, the sum of the steps' times (target tokens of the update over the
-    tokens/s logged), so pauses, resumes and evaluations are left out."""
+    """(steps, hours) of a run's train lines (`read_metrics`), from (0, 0): the hours of
+    training up to the end of each step, the sum of the steps' times, so pauses, resumes and
+    evaluations are left out. A step's time is 1 / steps_per_sec; lines written before that
+    metric existed give target_tokens_per_update / tokens_per_sec, exact where the throughput
+    counts the loss's targets (translation, causal language models)."""
     train = curves.get("train", {})
-    if not train.get("tokens_per_sec") or not train.get("target_tokens_per_update"):
-        raise ValueError(f"{workdir}'s metrics.jsonl has no train lines with tokens_per_sec and "
-                         f"target_tokens_per_update: plot it with --x=step")
-    rate = dict(train["tokens_per_sec"])
-    steps = np.array([step for step, _ in train["target_tokens_per_update"]])
-    seconds = [tokens / rate[step] if rate.get(step) else 0.0
-               for step, tokens in train["target_tokens_per_update"]]
-    return steps, np.cumsum(seconds) / 3600
+    steps_per_sec, tokens_per_sec = (dict(train.get(key, ())) for key in ("steps_per_sec",
+                                                                           "tokens_per_sec"))
+    seconds = []
+    for step, tokens in train.get("target_tokens_per_update", ()):
+        if steps_per_sec.get(step):
+            seconds.append((step, 1 / steps_per_sec[step]))
+        elif tokens_per_sec.get(step):
+            seconds.append((step, tokens / tokens_per_sec[step]))
+        else:
+            raise ValueError(f"{workdir}'s metrics.jsonl: the train line of step {step} has "
+                             f"neither steps_per_sec nor tokens_per_sec: plot it with --x=step")
+    if not seconds:
+        raise ValueError(f"{workdir}'s metrics.jsonl has no train lines with their throughput: "
+                         f"plot it with --x=step")
+    steps, step_seconds = zip(*seconds, strict=True)
+    return np.array([0, *steps]), np.cumsum([0.0, *step_seconds]) / 3600
 
 
 def plot_curves(workdirs: list[str], out: str, x: str = "step") -> str:
