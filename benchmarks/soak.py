@@ -275,7 +275,7 @@ def compare(reference: list[dict], faulted: list[dict]) -> dict:
     aside)."""
     want = {(r["step"], r["split"]): r for r in reference}
     last = {(r["step"], r["split"]): r for r in faulted}
-    timing = ("tokens_per_sec", "data_wait_fraction", "mfu")
+    timing = ("tokens_per_sec", "steps_per_sec", "data_wait_fraction", "mfu")
     differing = sorted(key for key, r in last.items() if key in want and any(
         r[k] != want[key].get(k) for k in r if k not in timing))
     losses = [(r["step"], r["loss"]) for r in faulted if r["split"] == "train"]
