@@ -92,18 +92,24 @@ def test_curves_of_two_runs_keep_the_last_line_per_step(tmp_path):
     assert (tmp_path / "curves.png").read_bytes().startswith(PNG) and out.endswith("curves.png")
 
 
+def drawn_axes(run, lines, monkeypatch, tmp_path, **kwargs) -> dict:
+    """Writes `lines` as `run`'s metrics.jsonl, draws its curves, returns the axes by title."""
+    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    plt = visualize.pyplot()
+    drawn = {}
+    monkeypatch.setattr(plt, "close", lambda fig: drawn.update(
+        {ax.get_title(): ax for ax in fig.axes}))
+    visualize.plot_curves([str(run)], str(tmp_path / "curves.png"), **kwargs)
+    return drawn
+
+
 def test_curves_draw_a_classifiers_accuracy(tmp_path, monkeypatch):
     """A text classifier's validation accuracy gets its own panel, on the axes titled so."""
     run = tmp_path / "classifier"
     run.mkdir()
     lines = [{"step": s, "split": "validation", "loss": 1.0 / s, "accuracy": 0.5 + s / 10_000}
              for s in (200, 400, 600)]
-    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    plt = visualize.pyplot()
-    drawn = {}
-    monkeypatch.setattr(plt, "close", lambda fig: drawn.update(
-        {ax.get_title(): ax for ax in fig.axes}))
-    visualize.plot_curves([str(run)], str(tmp_path / "curves.png"))
+    drawn = drawn_axes(run, lines, monkeypatch, tmp_path)
     (line,) = drawn["accuracy (a classifier)"].get_lines()
     assert list(line.get_xdata()) == [200, 400, 600]
     np.testing.assert_allclose(line.get_ydata(), [0.52, 0.54, 0.56])
@@ -200,12 +206,7 @@ def test_curves_against_hours_of_training(tmp_path, monkeypatch):
                "tokens_per_sec": 450.0, "steps_per_sec": 0.5} for s in range(11, 21)]
     lines += [{"step": s, "split": "validation", "loss": 3.0, "perplexity": 20.1}
               for s in (0, 10, 20)]
-    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    plt = visualize.pyplot()
-    drawn = {}
-    monkeypatch.setattr(plt, "close", lambda fig: drawn.update(
-        {ax.get_title(): ax for ax in fig.axes}))
-    visualize.plot_curves([str(run)], str(tmp_path / "curves.png"), x="hours")
+    drawn = drawn_axes(run, lines, monkeypatch, tmp_path, x="hours")
     (line,) = drawn["perplexity"].get_lines()
     np.testing.assert_allclose(line.get_xdata(), [0.0, 9 / 3600, 9 / 3600 + 20 / 3600])
     assert drawn["perplexity"].get_xlabel().startswith("hours of training")
