@@ -153,6 +153,17 @@ def _staged(config: TransformerConfig, max_length: int) -> bool:
     return cache_can_grow(config) and max_length >= MIN_STAGED_LENGTH
 
 
+def _decode_fn(model: Transformer, params, encoded, inputs) -> decoding.DecodeFn:
+    """A search's `decode_fn(tokens, cache)` over `encoded` [B, S, D] and `inputs` [B, S]: one
+    row per sentence, which its beams share (their encoder keys and values)."""
+
+    def decode_fn(tokens, cache):
+        return model.apply({"params": params}, encoded, inputs, tokens, cache=cache,
+                           method="decode")
+
+    return decode_fn
+
+
 @functools.lru_cache(maxsize=32)
 def _search_fn(model: Transformer, beam_size: int, alpha: float, max_length: int,
                scan_layers: bool):
@@ -162,10 +173,7 @@ def _search_fn(model: Transformer, beam_size: int, alpha: float, max_length: int
         batch = inputs.shape[0]
         encoded = model.apply({"params": params}, inputs, method="encode")
 
-        def decode_fn(tokens, cache):  # beams share their sentence's encoder keys and values
-            return model.apply({"params": params}, encoded, inputs, tokens, cache=cache,
-                               method="decode")
-
+        decode_fn = _decode_fn(model, params, encoded, inputs)
         staged = {}
         if _staged(model.config, max_length):
             staged = {"cache_lengths": decoding.stage_lengths(max_length, DECODE_STAGE),
@@ -253,10 +261,7 @@ def _dropping_fns(model: Transformer, beam_size: int, alpha: float, max_length: 
     axis = 1 if model.config.scan_layers else 0
 
     def decode_fn(params, state):
-        def step(tokens, cache):
-            return model.apply({"params": params}, state["encoded"], state["inputs"], tokens,
-                               cache=cache, method="decode")
-        return step
+        return _decode_fn(model, params, state["encoded"], state["inputs"])
 
     def start(params, inputs):
         encoded = model.apply({"params": params}, inputs, method="encode")
