@@ -42,9 +42,9 @@ def test_a_cache_grown_in_stages_translates_as_the_whole_cache(workdir, monkeypa
     """The translator's staged search (its cache grown by `stage` positions from the first
     length on) gives the translations of the whole cache, with beam search and greedily. Beam
     search, looking every `check` steps (and at each stage's end), goes on with fewer rows once
-    the sentences still open fit in half of them: 5 sentences in 8 rows (3 copies of the first
-    as padding), which decide or reach their step limits (their lengths + 6) at different
-    steps."""
+    the sentences still open fit in fewer (`padded_rows`): 5 sentences in 8 rows (3 copies of
+    the first as padding), which decide or reach their step limits (their lengths + 6) at
+    different steps."""
     translator = load(str(workdir))
     lines = ["Sie geht oft ins Kino.", "Opens a dialog.", "Ja.", "Öffnet einen Dialog.",
              "Specifies whether the chosen connections are pooled."]
@@ -78,6 +78,12 @@ def test_beam_search_looks_for_decided_sentences_every_few_steps_and_at_each_sta
     assert search._parts((16, 32, 48, 64)) == [
         (16, 8), (16, 15), (32, 16), (32, 24), (32, 31), (48, 32), (48, 40), (48, 47),
         (64, 48), (64, 56), (64, 64)]
+
+
+def test_a_dropping_search_goes_on_in_powers_of_two_and_three_quarters_of_them():
+    assert [translator_lib.padded_rows(n) for n in range(1, 18)] == [
+        1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12, 16, 16, 16, 16, 24]
+    assert translator_lib.padded_rows(25) == 32 and translator_lib.padded_rows(24) == 24
 
 
 def test_long_input_is_truncated_with_a_warning(workdir, caplog):

@@ -187,7 +187,8 @@ def _search_fn(model: Transformer, beam_size: int, alpha: float, max_length: int
         seqs, _ = decoding.beam_search(decode_fn, cache, bos=bos, max_lengths=max_lengths,
                                        max_length=max_length, beam_size=beam_size,
                                        alpha=alpha, eos_id=EOS_ID,
-                                       cache_batch_axis=1 if scan_layers else 0, **staged)
+                                       cache_batch_axis=1 if scan_layers else 0,
+                                       shared_start=True, **staged)
         return seqs[:, 0]
 
     return jax.jit(search)
@@ -197,11 +198,12 @@ def _search_fn(model: Transformer, beam_size: int, alpha: float, max_length: int
 class _BeamSearchDroppingDecided:
     """Beam search run from the host in parts of DROP_CHECK steps (its cache grown by
     DECODE_STAGE positions) that drops the sentences already decided (as fairseq shrinks its
-    batch): once the open sentences fit in half the rows or fewer, only they (padded with
-    copies to a power of two, so a few programs serve every size) go on. A step's cost is
-    mostly per row (the output projection, the cache), and a batch's sentences decide at
-    different steps. The best hypotheses are those of `decoding.beam_search` over the whole
-    batch (up to float rounding: matrix products over fewer rows may round differently)."""
+    batch): once the open sentences fit in fewer rows, only they (padded with copies to a
+    power of two or 3/4 of one, `padded_rows`, so a few programs serve every size) go on.
+    A step's cost is mostly per row (the output projection, the cache), and a batch's
+    sentences decide at different steps. The best hypotheses are those of
+    `decoding.beam_search` over the whole batch (up to float rounding: matrix products over
+    fewer rows may round differently)."""
 
     model: Transformer
     beam_size: int
@@ -225,7 +227,7 @@ class _BeamSearchDroppingDecided:
             keep = np.flatnonzero(_to_host(open_))
             if not len(keep):
                 break
-            size = 1 << (len(keep) - 1).bit_length()
+            size = padded_rows(len(keep))
             if size < len(rows):
                 decided = np.setdiff1d(np.arange(len(rows)), keep)
                 best[rows[decided]] = _best(state)[decided]
@@ -244,6 +246,13 @@ class _BeamSearchDroppingDecided:
             parts += [(length, until) for until in untils]
             done = end
         return parts
+
+
+def padded_rows(count: int) -> int:
+    """The fewest rows that hold `count` sentences among the sizes a dropping search compiles
+    for: powers of two and 3/4 of them (1, 2, 3, 4, 6, 8, 12, 16, 24, ...)."""
+    power = 1 << (count - 1).bit_length()
+    return power * 3 // 4 if power >= 4 and count <= power * 3 // 4 else power
 
 
 def _best(state: dict) -> np.ndarray:
@@ -269,7 +278,8 @@ def _dropping_fns(model: Transformer, beam_size: int, alpha: float, max_length: 
         state = {"encoded": encoded, "inputs": inputs}
         search = decoding.beam_search_start(
             decode_fn(params, state), cache, bos=jnp.full((inputs.shape[0],), BOS_ID, jnp.int32),
-            beam_size=beam_size, max_length=max_length)
+            beam_size=beam_size, max_length=max_length, cache_batch_axis=axis,
+            shared_start=True)
         return {**state, "search": search}
 
     def steps(params, state, max_lengths, until):
