@@ -4,10 +4,15 @@
     python -m transformer.evaluate --workdir=runs/default_long --split=test
 
 Same data, vocabulary, model and batch as `configs/default.py`; 30,000 updates (about 33 passes
-over the training split, some 4 hours on a 2-core CPU) with the cosine decay stretched over them,
-and the dropout of the paper's base model kept at 0.1 although the corpus is now seen many
-times. Stop it whenever you like: rerunning the same command resumes from the last checkpoint
-(every 10 minutes), and `transformer.evaluate` scores whatever was saved last.
+over the training split) with the cosine decay stretched over them, and the dropout of the
+paper's base model kept at 0.1 although the corpus is now seen many times. Stop it whenever you
+like: rerunning the same command resumes from the last checkpoint (every 10 minutes), and
+`transformer.evaluate` scores whatever was saved last.
+
+Measured 2026-12-02, seed 0, on a 2-core CPU VM (README "Translate, evaluate, look inside"):
+3.3 hours of training steps (~2,600 target tokens/s alone; about 3.6 hours with the
+evaluations), test sacreBLEU 36.35 (the default's 5,000 updates: 24.98), test perplexity 7.43;
+validation perplexity 6.76 at the end, within 1% of it from update 25,000 on.
 """
 
 import pathlib
