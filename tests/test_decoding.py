@@ -119,18 +119,16 @@ def staged(max_length, stage):
     return {"cache_lengths": lengths, "grow_cache": functools.partial(grow_cache, CFG)}, lengths[0]
 
 
-def run_beam(setup, beam_size, alpha, max_lengths, max_length, shared_encoder=False, stage=0,
-             shared_start=False):
+def run_beam(setup, beam_size, alpha, max_lengths, max_length, shared_encoder=False, stage=0):
     """Beam search's (hypotheses [B, W, T], scores [B, W]); `shared_encoder`: the beams read
-    their sentence's one encoder row (as the translator runs it), else a copy per beam;
-    `shared_start`: the first step runs once per sentence (needs `shared_encoder`)."""
+    their sentence's one encoder row (as the translator runs it), else a copy per beam."""
     model, params, inputs, encoded = setup
     stages, first_length = staged(max_length, stage)
     run = jax.jit(lambda enc, inp: decoding.beam_search(
         decode_fn_for(model, params, enc, inp, repeat=1 if shared_encoder else beam_size),
         init_cache(CFG, 2 * beam_size, first_length), bos=jnp.full((2,), BOS_ID),
         max_lengths=jnp.array(max_lengths), max_length=max_length, beam_size=beam_size,
-        alpha=alpha, eos_id=EOS, shared_start=shared_start, **stages))
+        alpha=alpha, eos_id=EOS, **stages))
     seqs, scores = run(encoded, inputs)
     return np.asarray(seqs), np.asarray(scores)
 
@@ -190,45 +188,6 @@ def test_beams_sharing_their_sentences_encoder_rows_change_no_hypothesis(setup):
     shared = run_beam(setup, 3, 0.6, [6, 4], 6, shared_encoder=True)
     np.testing.assert_array_equal(shared[0], copied[0])
     np.testing.assert_allclose(shared[1], copied[1], rtol=1e-6)
-
-
-@pytest.mark.parametrize("stage", [0, 3])
-def test_a_first_step_run_once_per_sentence_changes_no_hypothesis(setup, stage):
-    """`shared_start`: the first step on one row per sentence, its logits and self-attention
-    cache repeated to the beams, searches as the first step run on every beam."""
-    every_beam = run_beam(setup, 3, 0.6, [7, 4], 7, shared_encoder=True, stage=stage)
-    once = run_beam(setup, 3, 0.6, [7, 4], 7, shared_encoder=True, stage=stage,
-                    shared_start=True)
-    np.testing.assert_array_equal(once[0], every_beam[0])
-    np.testing.assert_allclose(once[1], every_beam[1], rtol=1e-6)
-
-
-def test_a_shared_start_repeats_the_per_beam_cache_rows_along_the_scanned_batch_axis():
-    """With scanned layers (batch axis 1) the first call sees the first beam's rows [L, B, ..]
-    of the per-beam leaves; after it they hold W copies of each, the per-sentence leaves it
-    added keep B rows, and the logits come back per beam."""
-    batch, beam = 2, 3
-    seen = {}
-
-    def decode_fn(tokens, cache):
-        seen["rows"] = tokens.shape[0]
-        seen["key"] = cache["self_attention"]["key"]
-        key = cache["self_attention"]["key"] + tokens[None, :, :, None, None]
-        logits = jnp.arange(batch, dtype=jnp.float32).reshape(batch, 1, 1)
-        return logits, {"self_attention": {"key": key},
-                        "cross_attention": {"key": jnp.zeros((2, batch, 1))}}
-
-    key = jnp.arange(2.0 * batch * beam).reshape(2, batch * beam, 1, 1, 1)
-    state = decoding.beam_search_start(
-        decode_fn, {"self_attention": {"key": key}, "cross_attention": {}},
-        bos=jnp.array([7, 9]), beam_size=beam, max_length=4, cache_batch_axis=1,
-        shared_start=True)
-    assert seen["rows"] == batch
-    np.testing.assert_array_equal(seen["key"][:, :, 0, 0, 0], [[0, 3], [6, 9]])
-    np.testing.assert_array_equal(state["cache"]["self_attention"]["key"][:, :, 0, 0, 0],
-                                  [[7, 7, 7, 12, 12, 12], [13, 13, 13, 18, 18, 18]])
-    assert state["cache"]["cross_attention"]["key"].shape == (2, batch, 1)
-    np.testing.assert_array_equal(state["logits"][:, 0, 0], [0, 0, 0, 1, 1, 1])
 
 
 def test_stage_lengths_end_at_the_maximum():

@@ -200,7 +200,7 @@ def _gather_beams(tree: Any, indices: jax.Array, batch: int, beam: int, batch_ax
 def beam_search(decode_fn: DecodeFn, cache: Any, *, bos: jax.Array, max_lengths: jax.Array,
                 max_length: int, beam_size: int, alpha: float, eos_id: int,
                 cache_batch_axis: int = 0, cache_lengths: Sequence[int] = (),
-                grow_cache: GrowFn | None = None, shared_start: bool = False,
+                grow_cache: GrowFn | None = None,
                 ) -> tuple[jax.Array, jax.Array]:
     """Finished hypotheses [B, W, T] and their scores [B, W] (log-probability over the length
     penalty), best first. Rows end at EOS (forced at `max_lengths` [B]), zeros after.
@@ -210,14 +210,12 @@ def beam_search(decode_fn: DecodeFn, cache: Any, *, bos: jax.Array, max_lengths:
     layers are scanned) follow their beams at every step; with W > 1 those with B rows (the
     encoder keys and values that a sentence's beams share: `model.decode` with one encoder row
     per sentence) stay in place.
-    `shared_start`: the first step runs once per sentence (`beam_search_start`).
     `cache_lengths` and `grow_cache`: a staged search (module docstring). A caller that runs
     the stages itself, between them dropping the sentences already decided, composes
     `beam_search_start`, `beam_search_steps`, `beam_search_open` and `select_sentences`.
     """
     state = beam_search_start(decode_fn, cache, bos=bos, beam_size=beam_size,
-                              max_length=max_length, cache_batch_axis=cache_batch_axis,
-                              shared_start=shared_start)
+                              max_length=max_length)
     rules = _BeamRules(max_lengths, max_length, beam_size, alpha, eos_id, cache_batch_axis)
     state = _in_stages(rules.undecided, functools.partial(rules.expand, decode_fn), state,
                        max_length=max_length, cache_lengths=cache_lengths,
@@ -226,21 +224,11 @@ def beam_search(decode_fn: DecodeFn, cache: Any, *, bos: jax.Array, max_lengths:
 
 
 def beam_search_start(decode_fn: DecodeFn, cache: Any, *, bos: jax.Array, beam_size: int,
-                      max_length: int, cache_batch_axis: int = 0,
-                      shared_start: bool = False) -> dict:
+                      max_length: int) -> dict:
     """A beam search's state before its first step: the logits after BOS (`decode_fn`'s first
-    call, on B * W rows), the cache, no hypotheses yet.
-
-    `shared_start`: the first call runs on B rows (the cache rows of each sentence's first
-    beam), since a sentence's W beams all start from BOS; its logits and the cache leaves that
-    had B * W rows are then repeated to W rows each. `decode_fn` must take B rows as well as
-    B * W (`model.decode` with one encoder row per sentence does)."""
+    call, on B * W rows), the cache, no hypotheses yet."""
     batch = bos.shape[0]
-    if not shared_start or beam_size == 1:
-        logits, cache = decode_fn(jnp.repeat(bos, beam_size)[:, None], cache)
-    else:
-        logits, cache = _start_once_per_sentence(decode_fn, cache, bos, beam_size,
-                                                 cache_batch_axis)
+    logits, cache = decode_fn(jnp.repeat(bos, beam_size)[:, None], cache)
     return {
         "step": jnp.zeros((), jnp.int32),
         "alive_seqs": jnp.zeros((batch, beam_size, max_length), jnp.int32),
@@ -251,22 +239,6 @@ def beam_search_start(decode_fn: DecodeFn, cache: Any, *, bos: jax.Array, beam_s
         "logits": logits,
         "cache": cache,
     }
-
-
-def _start_once_per_sentence(decode_fn: DecodeFn, cache: Any, bos: jax.Array, beam_size: int,
-                             batch_axis: int) -> tuple[jax.Array, Any]:
-    """`decode_fn`'s first call on one row per sentence, repeated to its W beams."""
-    rows = bos.shape[0] * beam_size
-    per_beam = {path for path, leaf in jax.tree_util.tree_leaves_with_path(cache)
-                if leaf.ndim > batch_axis and leaf.shape[batch_axis] == rows}
-    firsts = beam_size * jnp.arange(bos.shape[0])
-    logits, cache = decode_fn(bos[:, None], jax.tree_util.tree_map_with_path(
-        lambda path, leaf: jnp.take(leaf, firsts, axis=batch_axis) if path in per_beam
-        else leaf, cache))
-    cache = jax.tree_util.tree_map_with_path(
-        lambda path, leaf: jnp.repeat(leaf, beam_size, axis=batch_axis) if path in per_beam
-        else leaf, cache)
-    return jnp.repeat(logits, beam_size, axis=0), cache
 
 
 def beam_search_steps(decode_fn: DecodeFn, state: dict, *, until: jax.Array | int,

@@ -187,8 +187,7 @@ def _search_fn(model: Transformer, beam_size: int, alpha: float, max_length: int
         seqs, _ = decoding.beam_search(decode_fn, cache, bos=bos, max_lengths=max_lengths,
                                        max_length=max_length, beam_size=beam_size,
                                        alpha=alpha, eos_id=EOS_ID,
-                                       cache_batch_axis=1 if scan_layers else 0,
-                                       shared_start=True, **staged)
+                                       cache_batch_axis=1 if scan_layers else 0, **staged)
         return seqs[:, 0]
 
     return jax.jit(search)
@@ -278,8 +277,7 @@ def _dropping_fns(model: Transformer, beam_size: int, alpha: float, max_length: 
         state = {"encoded": encoded, "inputs": inputs}
         search = decoding.beam_search_start(
             decode_fn(params, state), cache, bos=jnp.full((inputs.shape[0],), BOS_ID, jnp.int32),
-            beam_size=beam_size, max_length=max_length, cache_batch_axis=axis,
-            shared_start=True)
+            beam_size=beam_size, max_length=max_length)
         return {**state, "search": search}
 
     def steps(params, state, max_lengths, until):
