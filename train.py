@@ -36,7 +36,7 @@ FLAGS = flags.FLAGS
 def _quiet_libraries():
     """Our progress lines at INFO on stderr, with the time; the native libraries' start-up
     chatter off (`cli.quiet_native_logs`)."""
-    from transformer import cli
+    from transformer.util import cli
 
     cli.quiet_native_logs(sys.argv)
     handler = pylogging.StreamHandler(sys.stderr)
@@ -49,7 +49,7 @@ def _quiet_libraries():
 
 def _compile_for_topology(cfg, name: str, num_slices: int, config_file: str):
     """Compiles the train step for a TPU topology's abstract devices (`transformer/tpu.py`)."""
-    from transformer import tpu
+    from transformer.sizing import tpu
 
     try:
         topology = tpu.parse_topology(name, num_slices)
@@ -58,8 +58,8 @@ def _compile_for_topology(cfg, name: str, num_slices: int, config_file: str):
     if not tpu.libtpu_installed():
         sys.exit(f"error: {tpu.LIBTPU_MISSING}")
     tpu.prepare_environment()
-    from transformer import cli
     from transformer.config import resolve
+    from transformer.util import cli
 
     with cli.one_line_errors():
         devices = tpu.abstract_devices(topology)
@@ -82,8 +82,9 @@ def _compile_only(cfg, mesh_devices: int | None, config_file: str):
         os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
 
-    from transformer import cli, memory
     from transformer.config import resolve
+    from transformer.sizing import memory
+    from transformer.util import cli
 
     num_devices = jax.device_count() if mesh_devices is None else mesh_devices
     with cli.one_line_errors():
@@ -123,9 +124,9 @@ def main(argv):
     if not FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # JAX's backend probing and orbax's chatter
     if FLAGS.summary:
-        from transformer import cli
         from transformer.config import resolve
-        from transformer.summary import summarize
+        from transformer.sizing.summary import summarize
+        from transformer.util import cli
 
         with cli.one_line_errors():
             print(summarize(resolve(cfg, config_file=config_file)))
@@ -143,8 +144,8 @@ def main(argv):
         sys.exit("error: --workdir is required to train (or pass --summary)")
     _check_workdir(FLAGS.workdir)
     _quiet_libraries()
-    from transformer import distributed
-    from transformer.loop import NonFiniteLoss, train_and_evaluate
+    from transformer.training import distributed
+    from transformer.training.loop import NonFiniteLoss, train_and_evaluate
 
     try:
         distributed.initialize(cfg.distributed, coordinator_address=FLAGS.coordinator_address,

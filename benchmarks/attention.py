@@ -41,7 +41,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from transformer import attention  # noqa: E402
+from transformer.ops import attention  # noqa: E402
 
 IMPLEMENTATIONS = ("xla", "chunked", "chunked/nomask", "chunked/window=256",
                    "chunked/window=1024", "chunked/window=256+global=64", "linear")

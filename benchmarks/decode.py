@@ -35,7 +35,7 @@ def benchmark(workdir: str, split: str, num_sentences: int, beam_sizes: list[int
     import jax
 
     from transformer.data import make_source
-    from transformer.translator import load
+    from transformer.inference.translator import load
 
     translator = load(workdir)
     sources = [s for s, _ in make_source(translator.config, workdir).raw_pairs(

@@ -38,7 +38,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 KINDS = ("sigkill", "sigterm", "kill_in_save", "kill_after_save", "disk_full", "damaged")
-FAULT_ENV = "TRANSFORMER_FAULT_INJECT"  # transformer/checkpoint_hooks.py (not imported: no jax)
+FAULT_ENV = "TRANSFORMER_FAULT_INJECT"  # transformer/faults.py (not imported: no jax)
 
 
 class Soak:
@@ -294,9 +294,9 @@ def params_identical(a: pathlib.Path, b: pathlib.Path) -> bool:
     import jax
     import numpy as np
 
-    from transformer import checkpoint
+    from transformer.checkpoint import averaging
 
-    got, want = checkpoint.load_params(str(a)), checkpoint.load_params(str(b))
+    got, want = averaging.load_params(str(a)), averaging.load_params(str(b))
     return jax.tree.structure(got) == jax.tree.structure(want) and all(
         np.array_equal(x, y) for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want),
                                              strict=True))

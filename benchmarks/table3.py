@@ -29,8 +29,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from transformer import config as config_lib  # noqa: E402
-from transformer import flops  # noqa: E402
-from transformer import workdir as workdir_lib  # noqa: E402
+from transformer.checkpoint import workdir as workdir_lib  # noqa: E402
+from transformer.sizing import flops  # noqa: E402
 from transformer.visualize import read_metrics  # noqa: E402
 
 TABLE3 = runpy.run_path(str(ROOT / "configs" / "table3.py"))

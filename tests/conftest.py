@@ -85,10 +85,11 @@ TRANSLATION_SENTENCES = [
 def _untrained_run(path: pathlib.Path, **overrides) -> pathlib.Path:
     """config.json, vocab/ and one checkpoint of an untrained tiny model (configs/tiny.py with
     a 96-piece vocabulary, max_len 24, and `overrides`) in `path`: what the CLIs read."""
-    from transformer import sharding, train_lib
-    from transformer.checkpoint import Checkpointer
+    from transformer.checkpoint.checkpointer import Checkpointer
     from transformer.config import resolve
     from transformer.data import tokenizer as tokenizer_lib
+    from transformer.training import sharding
+    from transformer.training import step as step_lib
 
     tokenizer = tokenizer_lib.train(TRANSLATION_SENTENCES, 96, seed=0)
     tokenizer.save(str(path / "vocab"))
@@ -96,9 +97,9 @@ def _untrained_run(path: pathlib.Path, **overrides) -> pathlib.Path:
                                       "model.max_len": 24, **overrides})
     (path / "config.json").write_text(json.dumps(cfg.to_dict()))
     mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
-    trainer = train_lib.build_trainer(resolve(cfg, 1), mesh)
+    trainer = step_lib.build_trainer(resolve(cfg, 1), mesh)
     checkpointer = Checkpointer(str(path), keep=2)
-    checkpointer.save(1, train_lib.init_state(trainer, 0), {"next_batch_index": 1})
+    checkpointer.save(1, step_lib.init_state(trainer, 0), {"next_batch_index": 1})
     checkpointer.close()
     return path
 
@@ -135,7 +136,7 @@ def offline_fixture_data_dir(tmp_path_factory):
     installs it, so its absence is a broken install to report."""
     import tensorflow_datasets as tfds
 
-    from transformer.data import offline_de_en
+    from transformer.data.offline import de_en as offline_de_en
 
     data_dir = tmp_path_factory.mktemp("offline_tfds")
     offline_de_en.OfflineDeEn(data_dir=str(data_dir)).download_and_prepare(

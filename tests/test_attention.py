@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer import attention
+from transformer.ops import attention
 
 pytestmark = pytest.mark.usefixtures("strict_dtype_promotion")
 

@@ -14,8 +14,8 @@ import pytest
 from test_attention import np_causal, np_segment, qkv, reference_attention
 from test_attention_patterns import LM, _scan_lengths, np_window
 
-from transformer import attention
-from transformer.model import Transformer
+from transformer.model.transformer import Transformer
+from transformer.ops import attention, chunked
 
 pytestmark = pytest.mark.usefixtures("strict_dtype_promotion")
 
@@ -82,13 +82,13 @@ def test_blocks_holding_global_tokens_are_visited_by_every_query_block():
     """A causal window of 256 and 64 global tokens over 8192 positions in blocks of 512: each
     query block visits key block 0 (the global keys), the previous block and its own: 3 steps
     instead of 16; the 64 global query rows visit all 16 in a pass of their own."""
-    plan = attention.BlockPlan.make(8192, 8192, 512, (256, 0), global_tokens=64)
+    plan = chunked.BlockPlan.make(8192, 8192, 512, (256, 0), global_tokens=64)
     assert (plan.num_q_blocks, plan.visits, plan.banded) == (16, 3, True)
     assert plan.table[:3] == ((0, 0, 0), (0, 1, 1), (0, 1, 2))
     assert plan.valid[:3] == ((True, False, False), (True, True, False), (True, True, True))
     assert plan.table[15] == (0, 14, 15)
     # Global tokens in two blocks add both.
-    assert attention.BlockPlan.make(8192, 8192, 512, (256, 0), global_tokens=600).visits == 4
+    assert chunked.BlockPlan.make(8192, 8192, 512, (256, 0), global_tokens=600).visits == 4
     x = jax.ShapeDtypeStruct((1, 8192, 2, 16), jnp.float32)
 
     def f(q, k, v):

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from test_attention import np_causal, np_segment, qkv, reference_attention
 
-from transformer import attention, decoding, linear_attention
-from transformer.model import BOS_ID, Transformer, TransformerConfig, init_cache
+from transformer.inference import decoding
+from transformer.model.transformer import BOS_ID, Transformer, TransformerConfig, init_cache
+from transformer.ops import attention, chunked, linear_attention
 
 pytestmark = pytest.mark.usefixtures("strict_dtype_promotion")
 
@@ -109,7 +110,7 @@ def test_chunked_window_with_a_bias_visits_every_block_and_matches_the_dense_for
     t = 9
     q, k, v = qkv(10, t=t, s=t)
     bias = jnp.asarray(np.random.default_rng(1).normal(size=(1, 4, t, t)), jnp.float32)
-    assert attention.BlockPlan.make(t, t, 4, (2, 0), band=False).num_q_blocks == 1
+    assert chunked.BlockPlan.make(t, t, 4, (2, 0), band=False).num_q_blocks == 1
     expected = reference_attention(q, k, v, mask=np_window(t, t, 2, 0), bias=bias)
 
     def grad_bias(implementation):
@@ -163,16 +164,16 @@ def _scan_lengths(jaxpr) -> list[int]:
 def test_chunked_window_visits_only_the_key_blocks_of_its_band():
     """A causal window of 256 over 8192 positions in blocks of 512: each of the 16 query blocks
     visits 2 key blocks (its own and the previous), forward and backward, instead of 16."""
-    plan = attention.BlockPlan.make(8192, 8192, 512, (256, 0))
+    plan = chunked.BlockPlan.make(8192, 8192, 512, (256, 0))
     assert (plan.num_q_blocks, plan.num_k_blocks, plan.visits) == (16, 16, 2)
     # Query block 0 has only its own key block: its second step repeats it, marked invalid.
     assert plan.table == ((0, 0),) + tuple((i, i + 1) for i in range(15))
     assert plan.valid == ((True, False),) + ((True, True),) * 15
-    dense = attention.BlockPlan.make(8192, 8192, 512, None)
+    dense = chunked.BlockPlan.make(8192, 8192, 512, None)
     assert (dense.num_q_blocks, dense.visits) == (1, 16)
     # Wider bands visit more blocks; a window wider than the keys visits all, unblocked.
-    assert attention.BlockPlan.make(8192, 8192, 512, (1024, 1024)).visits == 5
-    assert attention.BlockPlan.make(1000, 1000, 512, 4096).num_q_blocks == 1
+    assert chunked.BlockPlan.make(8192, 8192, 512, (1024, 1024)).visits == 5
+    assert chunked.BlockPlan.make(1000, 1000, 512, 4096).num_q_blocks == 1
     # The traced program runs exactly those scans: forward, and the backward's recomputation.
     x = jax.ShapeDtypeStruct((1, 8192, 2, 16), jnp.float32)
 

@@ -13,9 +13,12 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from transformer import checkpoint, sharding, train_lib
-from transformer.checkpoint import Checkpointer, ParamsSeries
+from transformer.checkpoint import averaging
+from transformer.checkpoint.averaging import ParamsSeries
+from transformer.checkpoint.checkpointer import Checkpointer
 from transformer.config import resolve
+from transformer.training import sharding
+from transformer.training import step as step_lib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STEPS = (10, 20, 30)
@@ -31,7 +34,7 @@ def host_params(k: int) -> dict:
                                      "norm_ffn": {"scale": 1.0 + normal(8)}}}}
 
 
-def sharded_state(mesh, params: dict, step: int) -> train_lib.TrainState:
+def sharded_state(mesh, params: dict, step: int) -> step_lib.TrainState:
     """A TrainState (with Adam moments) sharded over `mesh` like the real one."""
     def put(x):
         spec = P("fsdp", "tensor") if x.ndim == 2 else P("tensor") if x.ndim else P()
@@ -39,7 +42,7 @@ def sharded_state(mesh, params: dict, step: int) -> train_lib.TrainState:
 
     params = jax.tree.map(put, params)
     opt_state = jax.tree.map(put, optax.adam(1e-3).init(params))
-    return train_lib.TrainState(step=jnp.asarray(step, jnp.int32), params=params,
+    return step_lib.TrainState(step=jnp.asarray(step, jnp.int32), params=params,
                                 opt_state=opt_state)
 
 
@@ -69,23 +72,23 @@ def workdir(tmp_path):
 
 @pytest.mark.parametrize("last", [1, 2, 3])
 def test_average_is_the_mean_of_the_parameter_trees(workdir, last):
-    path = checkpoint.average_checkpoints(workdir, last=last)
+    path = averaging.average_checkpoints(workdir, last=last)
     assert path == os.path.join(workdir, "averaged", f"last{last}_step30")
     expected = numpy_mean([host_params(k) for k in range(4 - last, 4)])
-    averaged = checkpoint.load_params(workdir, average=last)
+    averaged = averaging.load_params(workdir, average=last)
     assert_trees_equal(averaged, expected, atol=1e-7)
     metadata = ocp.PyTreeCheckpointer().metadata(path).custom_metadata
     assert metadata == {"source": "checkpoints", "steps": list(STEPS[-last:])}
 
 
 def test_named_average_and_load_params(workdir):
-    path = checkpoint.average_checkpoints(workdir, last=2, name="final")
+    path = averaging.average_checkpoints(workdir, last=2, name="final")
     assert path == os.path.join(workdir, "averaged", "final")
     assert os.listdir(os.path.join(workdir, "averaged")) == ["final"]
-    assert_trees_equal(checkpoint.load_params(workdir), host_params(3))  # latest
-    assert_trees_equal(checkpoint.load_params(workdir, step=10), host_params(1))
+    assert_trees_equal(averaging.load_params(workdir), host_params(3))  # latest
+    assert_trees_equal(averaging.load_params(workdir, step=10), host_params(1))
     # average= computes averaged/last2_step30 when it is missing, then reads it back.
-    assert_trees_equal(checkpoint.load_params(workdir, average=2),
+    assert_trees_equal(averaging.load_params(workdir, average=2),
                        numpy_mean([host_params(2), host_params(3)]), atol=1e-7)
     assert sorted(os.listdir(os.path.join(workdir, "averaged"))) == ["final", "last2_step30"]
     # The checkpoints themselves are untouched (averaging is never pruned nor resumed from).
@@ -95,19 +98,19 @@ def test_named_average_and_load_params(workdir):
 def test_errors(workdir, tmp_path_factory):
     with pytest.raises(ValueError, match=r"cannot average the last 4 checkpoints: .*checkpoints "
                                          r"holds 3 \(steps 10, 20, 30\)$"):
-        checkpoint.average_checkpoints(workdir, last=4)
+        averaging.average_checkpoints(workdir, last=4)
     with pytest.raises(ValueError, match="last=0"):
-        checkpoint.average_checkpoints(workdir, last=0)
+        averaging.average_checkpoints(workdir, last=0)
     with pytest.raises(ValueError, match="plain directory name"):
-        checkpoint.average_checkpoints(workdir, last=2, name="../escape")
+        averaging.average_checkpoints(workdir, last=2, name="../escape")
     with pytest.raises(ValueError, match=r"step=15 is not saved .*holds \[10, 20, 30\]"):
-        checkpoint.load_params(workdir, step=15)
+        averaging.load_params(workdir, step=15)
     with pytest.raises(ValueError, match="not both"):
-        checkpoint.load_params(workdir, step=10, average=2)
+        averaging.load_params(workdir, step=10, average=2)
     empty = str(tmp_path_factory.mktemp("empty"))
-    for call in (lambda: checkpoint.load_params(empty),
-                 lambda: checkpoint.load_params(empty, average=2),
-                 lambda: checkpoint.average_checkpoints(empty, last=2)):
+    for call in (lambda: averaging.load_params(empty),
+                 lambda: averaging.load_params(empty, average=2),
+                 lambda: averaging.average_checkpoints(empty, last=2)):
         with pytest.raises(ValueError, match=r"^no checkpoint in .*train first") as info:
             call()
         assert "\n" not in str(info.value)
@@ -131,21 +134,21 @@ def test_params_series_keeps_the_last_k_and_is_preferred(workdir):
     assert series.all_steps() == [150, 160, 165]
     assert sorted(os.listdir(os.path.join(workdir, "params"))) == ["150", "160", "165"]
     # The series is preferred over the full checkpoints (steps 10, 20, 30).
-    path = checkpoint.average_checkpoints(workdir, last=3)
+    path = averaging.average_checkpoints(workdir, last=3)
     assert path.endswith(os.path.join("averaged", "last3_step165"))
-    assert_trees_equal(checkpoint.load_params(workdir, average=3),
+    assert_trees_equal(averaging.load_params(workdir, average=3),
                        numpy_mean([saved[s] for s in (150, 160, 165)]), atol=1e-7)
-    assert_trees_equal(checkpoint.load_params(workdir), saved[165])
-    assert_trees_equal(checkpoint.load_params(workdir, step=20), host_params(2))
+    assert_trees_equal(averaging.load_params(workdir), saved[165])
+    assert_trees_equal(averaging.load_params(workdir, step=20), host_params(2))
     with pytest.raises(ValueError, match=r"params holds 3 \(steps 150, 160, 165\)"):
-        checkpoint.average_checkpoints(workdir, last=5)
+        averaging.average_checkpoints(workdir, last=5)
 
 
 def test_real_train_state(tmp_path, load_config):
     """The tiny model's TrainState from build_trainer/init_state on one device."""
     cfg = load_config("tiny.py")
     mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
-    state = train_lib.init_state(train_lib.build_trainer(resolve(cfg, 1), mesh), cfg.seed)
+    state = step_lib.init_state(step_lib.build_trainer(resolve(cfg, 1), mesh), cfg.seed)
     checkpointer = Checkpointer(str(tmp_path), keep=3)
     trees = []
     for k in (1, 2, 3):
@@ -155,6 +158,6 @@ def test_real_train_state(tmp_path, load_config):
                           {"next_batch_index": k})
     checkpointer.close()
     for last in (2, 3):
-        checkpoint.average_checkpoints(str(tmp_path), last=last)
-        assert_trees_equal(checkpoint.load_params(str(tmp_path), average=last),
+        averaging.average_checkpoints(str(tmp_path), last=last)
+        assert_trees_equal(averaging.load_params(str(tmp_path), average=last),
                            numpy_mean(trees[-last:]), atol=1e-7)

@@ -17,7 +17,7 @@ from conftest import TRANSLATION_SENTENCES, subprocess_env
 from ml_collections import ConfigDict
 
 from transformer.data import tokenizer as tokenizer_lib
-from transformer.loop import train_and_evaluate
+from transformer.training.loop import train_and_evaluate
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

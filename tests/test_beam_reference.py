@@ -11,9 +11,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer import decoding, translator
-from transformer.checkpoint import stack_layers
-from transformer.model import BOS_ID, Transformer, TransformerConfig, grow_cache, init_cache
+from transformer.checkpoint.checkpointer import stack_layers
+from transformer.inference import decoding, translator
+from transformer.model.transformer import (
+    BOS_ID,
+    Transformer,
+    TransformerConfig,
+    grow_cache,
+    init_cache,
+)
 
 EOS, BEAM, ALPHA, MAX_LENGTH = 3, 4, 0.6, 8
 CFG = TransformerConfig(vocab_size=12, num_encoder_layers=1, num_decoder_layers=2, d_model=16,

@@ -14,10 +14,12 @@ import pytest
 from PIL import Image
 
 import transformer
-from transformer import classify, sharding, train_lib
-from transformer.checkpoint import Checkpointer
+from transformer import classify
+from transformer.checkpoint.checkpointer import Checkpointer
 from transformer.config import resolve
-from transformer.vit import VisionTransformer
+from transformer.model.vit import VisionTransformer
+from transformer.training import sharding
+from transformer.training import step as step_lib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -37,8 +39,8 @@ def vision_workdir(tmp_path_factory, load_config):
     provenance = {"images": {"class_names": CLASSES, "mean": [MEAN], "std": [STD]}}
     (path / "config.json").write_text(json.dumps(cfg.to_dict() | {"provenance": provenance}))
     mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
-    trainer = train_lib.build_trainer(resolve(cfg, 1), mesh)
-    state = train_lib.init_state(trainer, 0)
+    trainer = step_lib.build_trainer(resolve(cfg, 1), mesh)
+    state = step_lib.init_state(trainer, 0)
     head = jax.tree.map(lambda x: jax.random.normal(jax.random.key(1), x.shape, x.dtype),
                         state.params["head"])
     state = state.replace(params=state.params | {"head": head})
@@ -165,7 +167,7 @@ def test_confusion_matrix_counts_label_and_top1_pairs(vision_workdir, test_time_
 
     mesh = sharding.make_mesh({"data": 4, "fsdp": 1, "tensor": 1}, jax.devices()[:4])
     cfg["data"]["test_time_flip"] = test_time_flip
-    trainer = train_lib.build_trainer(resolve(ConfigDict(cfg), 4), mesh)
+    trainer = step_lib.build_trainer(resolve(ConfigDict(cfg), 4), mesh)
     params = jax.device_put(classifier.params, trainer.state_shardings.params)
     figures, confusion = classify.evaluate_split(trainer, params, _Batches(images, labels),
                                                  (0, 4), "test")

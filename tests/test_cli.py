@@ -8,8 +8,9 @@ import re
 import pytest
 
 import transformer
-from transformer import cli, loop, metrics, progress
-from transformer.metrics import sentences_scored
+from transformer.training import loop, metrics
+from transformer.training.metrics import sentences_scored
+from transformer.util import cli, progress
 
 
 def test_native_logs_are_quiet_by_default_and_user_settings_win(monkeypatch):

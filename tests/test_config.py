@@ -7,7 +7,7 @@ import pytest
 from ml_collections import ConfigDict
 
 from transformer.config import TOP_LEVEL, resolve
-from transformer.model import TransformerConfig
+from transformer.model.transformer import TransformerConfig
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

@@ -4,7 +4,8 @@ import pathlib
 
 import pytest
 
-from transformer.data import help_topics, offline_corpus
+from transformer.data.offline import corpus as offline_corpus
+from transformer.data.offline import help_paragraphs as help_topics
 
 FIXTURE = pathlib.Path(__file__).parent / "data" / "offline_help_topics"
 
@@ -60,7 +61,7 @@ def test_splits_keep_a_paragraph_and_its_translation_together():
 
 def test_the_tfds_builder_on_the_fixture(tmp_path):
     tfds = pytest.importorskip("tensorflow_datasets")
-    from transformer.data import offline_help_topics
+    from transformer.data.offline import help_topics as offline_help_topics
 
     builder = offline_help_topics.OfflineHelpTopics(data_dir=str(tmp_path))
     builder.download_and_prepare(file_format="array_record", download_config=(

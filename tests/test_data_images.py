@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from transformer.data import images as images_lib
-from transformer.data import offline_fashion_mnist as ofm
+from transformer.data.offline import fashion_mnist as ofm
 
 FIXTURE = pathlib.Path(__file__).parent / "data" / "offline_fashion_mnist"
 

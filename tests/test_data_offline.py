@@ -8,8 +8,8 @@ import subprocess
 
 import pytest
 
-from transformer.data import debian
-from transformer.data import offline_corpus as oc
+from transformer.data.offline import corpus as oc
+from transformer.data.offline import debian
 
 FIXTURE = pathlib.Path(__file__).parent / "data" / "offline_de_en"
 
@@ -62,7 +62,7 @@ def test_split_is_a_stable_hash_of_the_normalised_english_side():
 def test_builder_on_the_fixture(tmp_path):
     import tensorflow_datasets as tfds
 
-    from transformer.data import offline_de_en
+    from transformer.data.offline import de_en as offline_de_en
 
     builder = offline_de_en.OfflineDeEn(data_dir=str(tmp_path))
     builder.download_and_prepare(
@@ -123,7 +123,7 @@ def test_build_from_debian_packages(tmp_path):
         pytest.skip("apt has no package lists (run `apt-get update` as root)")
     import tensorflow_datasets as tfds
 
-    from transformer.data import offline_de_en
+    from transformer.data.offline import de_en as offline_de_en
 
     builder = offline_de_en.OfflineDeEn(data_dir=str(tmp_path))
     try:

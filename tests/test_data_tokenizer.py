@@ -5,8 +5,8 @@ import pathlib
 
 import pytest
 
-from transformer.data import offline_corpus
 from transformer.data import tokenizer as tk
+from transformer.data.offline import corpus as offline_corpus
 
 FIXTURE = pathlib.Path(__file__).parent / "data" / "offline_de_en"
 

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from transformer.data import datasets, make_source, offline_corpus, translation  # noqa: E402
+from transformer.data import datasets, make_source, translation
 from transformer.data import tokenizer as tk  # noqa: E402
-from transformer.model import Transformer, TransformerConfig  # noqa: E402
+from transformer.data.offline import corpus as offline_corpus  # noqa: E402
+from transformer.model.transformer import Transformer, TransformerConfig  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "tests" / "data" / "offline_de_en"

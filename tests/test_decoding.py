@@ -10,8 +10,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer import decoding
-from transformer.model import BOS_ID, Transformer, TransformerConfig, grow_cache, init_cache
+from transformer.inference import decoding
+from transformer.model.transformer import (
+    BOS_ID,
+    Transformer,
+    TransformerConfig,
+    grow_cache,
+    init_cache,
+)
+from transformer.ops import kv_cache
 
 EOS = 3
 CFG = TransformerConfig(vocab_size=6, num_encoder_layers=1, num_decoder_layers=2, d_model=16,
@@ -54,7 +61,7 @@ def test_write_cache_writes_at_the_index_in_the_caches_dtype():
     cache = {"key": jnp.zeros((2, 3, 5, 4), jnp.bfloat16),  # [B, K, S, H]
              "value": jnp.ones((2, 3, 5, 6), jnp.bfloat16)}
     key, value = rng.normal(size=(2, 2, 3, 4)), rng.normal(size=(2, 2, 3, 6))  # [B, T, K, H]
-    out = jax.jit(decoding.write_cache)(cache, jnp.asarray(key, jnp.float32),
+    out = jax.jit(kv_cache.write_cache)(cache, jnp.asarray(key, jnp.float32),
                                         jnp.asarray(value, jnp.float32), jnp.asarray(2))
     expected_key, expected_value = np.zeros((2, 3, 5, 4)), np.ones((2, 3, 5, 6))
     expected_key[:, :, 2:4] = key.transpose(0, 2, 1, 3)
@@ -72,7 +79,7 @@ def test_write_ring_keeps_the_newest_position_of_each_slot():
             "position": jnp.full((1, 3), -1, jnp.int32)}
     positions = jnp.array([[0, 1, 2, 3, -1]], jnp.int32)
     key = jnp.arange(10.0).reshape(1, 5, 2, 1)  # token t, head k: 2t + k
-    out = jax.jit(decoding.write_ring)(ring, key, -key, positions)
+    out = jax.jit(kv_cache.write_ring)(ring, key, -key, positions)
     np.testing.assert_array_equal(out["position"], [[3, 1, 2]])
     np.testing.assert_array_equal(out["key"][0, :, :, 0], [[6, 2, 4], [7, 3, 5]])
     np.testing.assert_array_equal(out["value"][0, :, :, 0], -out["key"][0, :, :, 0])

@@ -6,7 +6,8 @@ import re
 import pytest
 import sacrebleu
 
-from transformer import evaluation, train_lib
+from transformer.training import scores
+from transformer.training import step as step_lib
 
 # Detokenized German: hyphenated compounds, quotes, abbreviations, numbers, casing.
 REFERENCES = [
@@ -61,7 +62,7 @@ def moses_split(line):
 
 def test_both_bleus_match_sacrebleu_on_the_same_files(files):
     hyps, refs = files
-    result = evaluation.bleu(hyps, refs)
+    result = scores.bleu(hyps, refs)
     assert set(result) == {"bleu", "bleu_signature", "bleu_tok_compound", "bleu_num_sentences"}
     assert result["bleu_num_sentences"] == 12
 
@@ -86,11 +87,11 @@ def test_both_bleus_match_sacrebleu_on_the_same_files(files):
 
 def test_preprocessing_spelled_out():
     line = "„Das ist gut“, sagte Dr. Müller über die EU-Kommission (Rhein-Main-Gebiet)."
-    assert evaluation.tokenize_compound_split(line) == (
+    assert scores.tokenize_compound_split(line) == (
         '„ Das ist gut " , sagte Dr. Müller über die EU ##AT##-##AT## Kommission '
         "( Rhein ##AT##-##AT## Main ##AT##-##AT## Gebiet ) .")
     # Perl's s{(\S)-(\S)}{...}g does not overlap matches: single letters keep their second hyphen.
-    assert evaluation.split_compounds("a-b-c x - y") == "a ##AT##-##AT## b-c x - y"
+    assert scores.split_compounds("a-b-c x - y") == "a ##AT##-##AT## b-c x - y"
 
 
 def test_compound_splitting_on_both_sides():
@@ -100,7 +101,7 @@ def test_compound_splitting_on_both_sides():
                  "Flughafen am Montag besucht .")
     split_ref = ("Die EU ##AT##-##AT## Kommission hat den Rhein ##AT##-##AT## Main "
                  "##AT##-##AT## Flughafen am Montag besucht .")
-    result = evaluation.bleu(hyps, refs)
+    result = scores.bleu(hyps, refs)
     expected = sacrebleu.corpus_bleu([split_hyp], [[split_ref]], tokenize="none")
     assert result["bleu_tok_compound"] == pytest.approx(expected.score, abs=1e-9)
     # The split changes the score: unsplit, "EU-Behörde" and "EU-Kommission" share nothing.
@@ -113,21 +114,21 @@ def test_compound_splitting_on_both_sides():
 
 def test_identical_hypotheses_score_100(files):
     _, refs = files
-    result = evaluation.bleu(refs, refs)
+    result = scores.bleu(refs, refs)
     assert result["bleu"] == pytest.approx(100.0)
     assert result["bleu_tok_compound"] == pytest.approx(100.0)
 
 
 def test_no_four_gram_match_is_zero_like_multi_bleu():
-    result = evaluation.bleu(["Das Haus ist sehr groß."], ["Das Haus ist nicht groß."])
+    result = scores.bleu(["Das Haus ist sehr groß."], ["Das Haus ist nicht groß."])
     assert result["bleu_tok_compound"] == 0.0  # multi-bleu.perl: no smoothing
     assert result["bleu"] > 0.0  # sacreBLEU's exp smoothing
 
 
 def test_target_lang_is_passed_to_moses():
     # French Moses rules split the elision "l'" from the word; German ones split the apostrophe.
-    assert evaluation.tokenize_compound_split("l'homme", "fr") == "l' homme"
-    assert evaluation.tokenize_compound_split("l'homme", "de") == "l ' homme"
+    assert scores.tokenize_compound_split("l'homme", "fr") == "l' homme"
+    assert scores.tokenize_compound_split("l'homme", "de") == "l ' homme"
 
 
 @pytest.mark.parametrize("hyps, refs, message", [
@@ -136,13 +137,13 @@ def test_target_lang_is_passed_to_moses():
 ])
 def test_bad_input(hyps, refs, message):
     with pytest.raises(ValueError, match=message):
-        evaluation.bleu(hyps, refs)
+        scores.bleu(hyps, refs)
 
 
 def test_perplexity():
-    assert evaluation.perplexity(0.0) == 1.0
-    assert evaluation.perplexity(math.log(4.92)) == pytest.approx(4.92)
-    assert math.isfinite(evaluation.perplexity(1e6))
+    assert scores.perplexity(0.0) == 1.0
+    assert scores.perplexity(math.log(4.92)) == pytest.approx(4.92)
+    assert math.isfinite(scores.perplexity(1e6))
     for loss in (0.5, 1.59, 1e6):
-        assert evaluation.perplexity(loss) == train_lib.eval_metrics(
+        assert scores.perplexity(loss) == step_lib.eval_metrics(
             {"nll_sum": loss, "tokens": 1.0})["perplexity"]

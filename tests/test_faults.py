@@ -17,8 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer import checkpoint, checkpoint_hooks
-from transformer.checkpoint import Checkpointer, CheckpointSaveError
+from transformer.checkpoint import averaging, faults
+from transformer.checkpoint import checkpointer as checkpoint
+from transformer.checkpoint.checkpointer import Checkpointer, CheckpointSaveError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -158,14 +159,14 @@ def test_a_checkpoint_with_other_shapes_names_the_parameter_and_both_shapes(tmp_
 
 def test_a_full_disk_fails_the_save_in_one_line_and_keeps_the_previous_one(tmp_path,
                                                                            monkeypatch):
-    monkeypatch.setenv(checkpoint_hooks.FAULT_ENV, "enospc@2")
+    monkeypatch.setenv(faults.FAULT_ENV, "enospc@2")
     with pytest.raises(CheckpointSaveError) as error:
         save_steps(tmp_path, [1, 2])
     assert str(error.value) == (
         f"disk full while saving checkpoint 2 in {tmp_path / 'checkpoints'}; free space (or use "
         f"another --workdir) and rerun to resume: checkpoint 1 is intact")
     assert isinstance(error.value, ValueError)  # what train.py reports as `error: ...`
-    monkeypatch.delenv(checkpoint_hooks.FAULT_ENV)
+    monkeypatch.delenv(faults.FAULT_ENV)
     resumed = Checkpointer(str(tmp_path), keep=5)
     assert resumed.all_steps() == [1]  # the unfinished save is never listed
     step, state, _ = resumed.restore_latest(abstract(tree(0)))
@@ -178,7 +179,7 @@ def test_a_full_disk_fails_the_save_in_one_line_and_keeps_the_previous_one(tmp_p
 
 
 def test_the_fault_injection_setting_is_checked(tmp_path, monkeypatch):
-    monkeypatch.setenv(checkpoint_hooks.FAULT_ENV, "explode@3")
+    monkeypatch.setenv(faults.FAULT_ENV, "explode@3")
     with pytest.raises(ValueError, match="expected kill@<step> or enospc@<step> \\(or "):
         Checkpointer(str(tmp_path), keep=1)
 
@@ -257,7 +258,7 @@ def test_a_killed_coordinator_stops_its_peer_and_the_run_resumes_exactly(tmp_pat
     procs[0].wait()
     steps = checkpoint.list_steps(str(tmp_path / "checkpoints"))
     assert steps[-1] >= 3
-    checkpoint.load_params(str(tmp_path), step=steps[-1])  # the latest complete one restores
+    averaging.load_params(str(tmp_path), step=steps[-1])  # the latest complete one restores
     procs = launch(tmp_path, processes=2, devices=4, overrides=overrides)
     for p in procs:
         assert p.wait(timeout=600) == 0, output_of(p)[-3000:]

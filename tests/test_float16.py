@@ -10,10 +10,11 @@ import numpy as np
 import optax
 import pytest
 
-from transformer import metrics, optim, sharding, train_lib
 from transformer.config import resolve
 from transformer.data import make_source
-from transformer.model import Transformer
+from transformer.model.transformer import Transformer
+from transformer.training import metrics, optim, sharding
+from transformer.training import step as step_lib
 
 # The float16 and float32 tiny-config losses agree to this relative tolerance over
 # CURVE_STEPS steps (measured worst 2.4e-4 over 20 steps, 6.5e-4 over 30 with tiny.py's two
@@ -41,12 +42,12 @@ class OneDevice:
         self.mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
         run = resolve(cfg, 1)
         self.seed = cfg.seed
-        self.trainer = train_lib.build_trainer(run, self.mesh)
-        self.step_fn = train_lib.make_train_step(self.trainer, run.config)
+        self.trainer = step_lib.build_trainer(run, self.mesh)
+        self.step_fn = step_lib.make_train_step(self.trainer, run.config)
         self.source = make_source(cfg)
 
     def init(self):
-        return train_lib.init_state(self.trainer, self.seed)
+        return step_lib.init_state(self.trainer, self.seed)
 
     def run(self, num_steps, state=None, first_batch=0):
         """(state, [metrics per step]) of `num_steps` steps from `state` (None: a fresh one)."""
@@ -54,7 +55,7 @@ class OneDevice:
         fetched = []
         for index in range(first_batch, first_batch + num_steps):
             batch = self.source.train_batch(index, (0, self.source.rows_per_batch))
-            state, metrics = self.step_fn(state, train_lib.global_batch(self.mesh, batch))
+            state, metrics = self.step_fn(state, step_lib.global_batch(self.mesh, batch))
             fetched.append(jax.device_get(metrics))
         return state, fetched
 
@@ -155,15 +156,15 @@ def test_float16_curve_matches_float32(tiny, float16_tiny):
     assert {float(m["loss_scale"]) for m in metrics16} == {2.0**15}
     assert int(metrics16[-1]["skipped_overflow_steps"]) == 0
     assert state16.loss_scale.finite_steps == CURVE_STEPS
-    assert type(state32) is train_lib.TrainState
-    assert not set(train_lib.LOSS_SCALE_METRICS) & set(metrics32[0])
+    assert type(state32) is step_lib.TrainState
+    assert not set(step_lib.LOSS_SCALE_METRICS) & set(metrics32[0])
 
 
 def test_float16_checkpoint_restores_the_scale_and_continues_exactly(float16_tiny, tmp_path):
     """From a loss scale of 2**18 one finite step short of doubling (period 2000): saved after
     step 1 and restored (its scale and count with it), steps 2-4 give, bit for bit, the losses,
     scales and params of the run that never stopped; step 2 doubles the scale."""
-    from transformer.checkpoint import Checkpointer
+    from transformer.checkpoint.checkpointer import Checkpointer
 
     runner = float16_tiny
     start = runner.init()
@@ -201,7 +202,7 @@ def test_float16_run_logs_the_scale_and_resumes_exactly(tiny, tmp_path):
     updates, as the state machine gives them; overflows do not stop the run; stopped at
     step 4 and resumed from its checkpoint, it logs bit for bit the lines of the run that
     never stopped."""
-    from transformer import loop
+    from transformer.training import loop
 
     def cfg(steps):
         return tiny(num_train_steps=steps, eval_every_steps=0, log_every_steps=1,
@@ -214,7 +215,7 @@ def test_float16_run_logs_the_scale_and_resumes_exactly(tiny, tmp_path):
             record = json.loads(line)
             if record["split"] == "train":
                 found[record["step"]] = [record[k] for k in ("loss", "grad_norm",
-                                                             *train_lib.LOSS_SCALE_METRICS)]
+                                                             *step_lib.LOSS_SCALE_METRICS)]
         return found
 
     straight = loop.train_and_evaluate(cfg(7), str(tmp_path / "straight"))

@@ -6,10 +6,11 @@ import dataclasses
 import jax.numpy as jnp
 import pytest
 
-from transformer import attention, flops, memory, summary
 from transformer.config import resolve
-from transformer.model import TransformerConfig
-from transformer.model_config import VISION_FIELDS
+from transformer.model.config import VISION_FIELDS
+from transformer.model.transformer import TransformerConfig
+from transformer.ops import attention
+from transformer.sizing import flops, memory, summary
 
 BASE = TransformerConfig(vocab_size=37000)
 BIG = TransformerConfig(vocab_size=37000, d_model=1024, d_ff=4096, num_heads=16)

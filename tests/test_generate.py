@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from ml_collections import ConfigDict
 
-from transformer import generator as generator_lib
-from transformer import model as M
 from transformer.data import tokenizer as tokenizer_lib
-from transformer.translator import BUCKET
+from transformer.inference import generator as generator_lib
+from transformer.inference.translator import BUCKET
+from transformer.model import transformer as M
 
 V = 32
 TINY = dict(vocab_size=V, d_model=16, d_ff=32, num_heads=2, num_kv_heads=1, num_encoder_layers=0,

@@ -12,15 +12,16 @@ import pytest
 from conftest import TRANSLATION_SENTENCES
 from safetensors.numpy import load_file
 
-from transformer import checkpoint, sharding
-from transformer import workdir as workdir_lib
+from transformer.checkpoint import averaging
+from transformer.checkpoint import workdir as workdir_lib
 from transformer.config import resolve
 from transformer.data import tokenizer as tokenizer_lib
-from transformer.generator import Generator, load_generator
 from transformer.huggingface import convert, families
-from transformer.model import Transformer, init_cache
-from transformer.model_config import TransformerConfig
-from transformer.vit import VisionTransformer
+from transformer.inference.generator import Generator, load_generator
+from transformer.model.config import TransformerConfig
+from transformer.model.transformer import Transformer, init_cache
+from transformer.model.vit import VisionTransformer
+from transformer.training import sharding
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -66,7 +67,7 @@ def _import(tmp_path, hf_dir):
     workdir = str(tmp_path / "run")
     convert.import_checkpoint(str(hf_dir), workdir, overrides={"model.dtype": "float32"})
     run = resolve(workdir_lib.load_config(workdir))
-    return workdir, run, checkpoint.load_params(workdir)
+    return workdir, run, averaging.load_params(workdir)
 
 
 def _prefill_logits(model, params, tokens):
@@ -232,7 +233,7 @@ def test_language_model_trained_here_exports_to_llama(tmp_path, load_config):
     workdir = tmp_path / "run"
     workdir.mkdir()
     workdir_lib.write_config(str(workdir), cfg.to_dict(), {})
-    series = checkpoint.ParamsSeries(str(workdir), every_minutes=1.0, keep=1, use_async=False)
+    series = averaging.ParamsSeries(str(workdir), every_minutes=1.0, keep=1, use_async=False)
     series.save(1, params)
     series.close()
     convert.export_workdir(str(workdir), str(tmp_path / "hf"))
@@ -365,12 +366,12 @@ def test_a_large_export_is_written_in_shards_with_their_index(tmp_path):
 def test_padding_is_read_from_segment_ids_where_a_batch_has_them():
     """Id 0 is an ordinary token of some imported vocabularies (GPT-2's "!"): where a batch
     has segment ids they alone say what counts in the loss."""
-    from transformer import train_lib
+    from transformer.training import step as step_lib
 
     targets = np.array([[0, 5, 0, 0]], np.int32)
     packed = {"targets": targets, "targets_segmentation": np.array([[1, 1, 2, 0]], np.int32)}
-    np.testing.assert_array_equal(train_lib.loss_weights(packed), [[1, 1, 1, 0]])
-    np.testing.assert_array_equal(train_lib.loss_weights({"targets": targets}), [[0, 1, 0, 0]])
+    np.testing.assert_array_equal(step_lib.loss_weights(packed), [[1, 1, 1, 0]])
+    np.testing.assert_array_equal(step_lib.loss_weights({"targets": targets}), [[0, 1, 0, 0]])
 
 
 @pytest.mark.slow
@@ -381,7 +382,7 @@ def test_an_imported_gpt2_fine_tunes_on_the_offline_corpus_with_its_own_vocabula
     falls, and the result generates text."""
     import runpy
 
-    from transformer.loop import train_and_evaluate
+    from transformer.training.loop import train_and_evaluate
 
     hf_dir = tmp_path / "gpt2"
     hf_dir.mkdir()

@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 from conftest import subprocess_env
 
-from transformer import attention, decoding, train_lib
-from transformer import model as M
 from transformer.data.language_model import apply_objective, cut_pieces
+from transformer.inference import decoding
+from transformer.model import transformer as M
+from transformer.ops import attention
+from transformer.training import step as step_lib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 V, MASK_ID = 64, 4
@@ -92,7 +94,7 @@ def test_prefix_draws_a_proper_prefix_per_segment_and_the_loss_skips_it():
             seen.add(k)
         assert not prefix[segments == 0].any()
     assert len(seen) > 2  # drawn, not fixed
-    weights = np.asarray(train_lib.loss_weights(jax.tree.map(jnp.asarray, batch)))
+    weights = np.asarray(step_lib.loss_weights(jax.tree.map(jnp.asarray, batch)))
     np.testing.assert_array_equal(weights, (packed["targets"] != 0) & (batch["targets_prefix"]
                                                                         == 0))
 
@@ -122,7 +124,7 @@ def model_logits(cfg, batch):
     batch = jax.tree.map(jnp.asarray, batch)
     return np.asarray(M.Transformer(cfg).apply(
         {"params": params}, batch.get("inputs"), batch["targets"],
-        **{k: batch[k] for k in train_lib.BATCH_KEYS[2:] if k in batch}))
+        **{k: batch[k] for k in step_lib.BATCH_KEYS[2:] if k in batch}))
 
 
 @pytest.mark.parametrize("objective", ["causal", "prefix", "masked"])
@@ -357,7 +359,7 @@ def test_span_corruption_batches_pair_inputs_and_targets_by_segment(lm_config, t
 
 
 def train_lm(cfg, workdir, objective):
-    from transformer.loop import train_and_evaluate
+    from transformer.training.loop import train_and_evaluate
 
     cfg = cfg.copy_and_resolve_references()
     cfg.data.objective = objective
@@ -387,7 +389,7 @@ def test_loss_decreases_on_tiny_data(lm_config, tmp_path, objective):
 @pytest.mark.slow
 def test_generate_cli_is_seeded_and_batch_independent(lm_config, tmp_path):
 
-    from transformer.generator import load_generator
+    from transformer.inference.generator import load_generator
 
     train_lm(lm_config, tmp_path, "causal")
     generator = load_generator(str(tmp_path))
@@ -424,7 +426,7 @@ def test_generate_cli_is_seeded_and_batch_independent(lm_config, tmp_path):
 
 
 def test_generation_refuses_a_translation_run(untrained_translation_workdir):
-    from transformer.generator import load_generator
+    from transformer.inference.generator import load_generator
 
     with pytest.raises(ValueError, match="generation needs a decoder-only model; this run's "
                        "model.architecture is 'encoder_decoder'"):

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer import layers
+from transformer.ops import layers
 
 pytestmark = pytest.mark.usefixtures("strict_dtype_promotion")
 

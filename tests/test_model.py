@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
-from transformer import model as M
-from transformer.checkpoint import stack_layers, unstack_layers
+from transformer.checkpoint.checkpointer import stack_layers, unstack_layers
+from transformer.model import transformer as M
 
 V, D, F, NH = 40, 32, 64, 4
 TINY = dict(vocab_size=V, d_model=D, d_ff=F, num_heads=NH, num_encoder_layers=2,

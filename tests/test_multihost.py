@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import CACHE_DIR, FAST_COMPILE, SHRUNK_DEFAULT
 
-from transformer.checkpoint_hooks import FAULT_ENV
+from transformer.checkpoint.faults import FAULT_ENV
 
 _RUNS = itertools.count()
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -43,7 +43,7 @@ def launch(workdir, *, processes: int, devices: int, overrides=(),
            common=tuple(COMMON), faults=None) -> list[subprocess.Popen]:
     """`processes` train.py processes with `devices` fake CPU devices each: the `common` flags
     (the tiny config) then `overrides`; `faults` maps a process index to the fault it injects
-    (TRANSFORMER_FAULT_INJECT, transformer/checkpoint_hooks.py)."""
+    (TRANSFORMER_FAULT_INJECT, transformer/faults.py)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}")
     # No persistent compilation cache with several processes: an executable compiled for 1

@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from transformer import optim
+from transformer.training import optim
 
 
 def opt_config(**overrides) -> ml_collections.ConfigDict:

@@ -21,7 +21,7 @@ def test_readme_python_examples_run(untrained_translation_workdir):
 
 
 def test_core_imports_no_tensorflow():
-    code = ("import sys, transformer, transformer.sharding, transformer.train_lib, "
+    code = ("import sys, transformer, transformer.sharding, transformer.step_lib, "
             "transformer.loop, transformer.flops\n"
             "heavy = [m for m in sys.modules if m.split('.')[0] in ('tensorflow', "
             "'tensorflow_datasets')]\n"

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from transformer.config import resolve
-from transformer.model import Transformer, shift_right
+from transformer.model.transformer import Transformer, shift_right
 
 torch = pytest.importorskip("torch", reason='the PyTorch peer needs pip install -e ".[torch]"')
 peer = pytest.importorskip("benchmarks.peers.torch_transformer")
@@ -53,10 +53,10 @@ def copy_model(tmp_path_factory, load_config, request):
     """configs/tiny.py (post-LN or pre-LN) trained for 100 updates on the copy task
     (test_train_translation's recipe): outputs that follow the source, half right, so searches
     have real choices."""
-    from transformer import checkpoint
-    from transformer import workdir as workdir_lib
+    from transformer.checkpoint import averaging
+    from transformer.checkpoint import workdir as workdir_lib
     from transformer.data.synthetic import SyntheticTask
-    from transformer.loop import train_and_evaluate
+    from transformer.training.loop import train_and_evaluate
 
     task = SyntheticTask("copy", vocab_size=16, min_length=4, max_length=8, seed=0)
     cfg = load_config("tiny.py", **{
@@ -71,7 +71,7 @@ def copy_model(tmp_path_factory, load_config, request):
     train_and_evaluate(cfg, workdir)
     run = resolve(workdir_lib.load_config(workdir))
     sources = [list(map(int, task.example("test", i)[0])) for i in range(12)]
-    return run, checkpoint.load_params(workdir), sources
+    return run, averaging.load_params(workdir), sources
 
 
 @pytest.mark.parametrize("beam_size", [1, 4])
@@ -79,7 +79,7 @@ def test_the_peer_searches_our_tokens(copy_model, beam_size):
     """Greedy and beam search of the PyTorch peer (torch_search.py) with our parameters copied
     in: the same tokens as `Translator.translate_ids`, sources of unequal lengths padded."""
     from benchmarks.peers import torch_search
-    from transformer.translator import Translator
+    from transformer.inference.translator import Translator
 
     run, params, sources = copy_model
     extra, alpha = 6, 2.0  # a penalty strong enough to change hypotheses here (0.6 does not)

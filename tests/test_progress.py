@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from transformer import loop, metrics
+from transformer.training import loop, metrics
 
 
 class Clock:

@@ -113,8 +113,8 @@ def test_every_step_a_checkpoint_covers_is_on_disk_before_its_save_starts(load_c
     100 here) are written and fsync'd before a checkpoint save starts, for train and eval
     lines alike. (Before, a kill just after checkpoint 3 lost steps 1-3 for good: the resumed
     run starts after them.)"""
-    from transformer import loop, metrics
-    from transformer.checkpoint import Checkpointer
+    from transformer.checkpoint.checkpointer import Checkpointer
+    from transformer.training import loop, metrics
 
     events = []
     real_fsync, real_save = os.fsync, Checkpointer.save

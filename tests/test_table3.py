@@ -14,8 +14,8 @@ import runpy
 import pytest
 
 from transformer import config as config_lib
-from transformer import flops
-from transformer import workdir as workdir_lib
+from transformer.checkpoint import workdir as workdir_lib
+from transformer.sizing import flops
 
 TABLE3 = runpy.run_path("configs/table3.py")
 PAPER_MILLIONS = {"base": 65, "B_dk16": 58, "B_dk32": 60, "C_N2": 36, "C_N4": 50, "C_N8": 80,

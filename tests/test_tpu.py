@@ -18,9 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer import attention, memory, optim, sharding, splash, tpu, train_lib
 from transformer.config import resolve
-from transformer.model import OutputHead, Transformer, TransformerConfig
+from transformer.model.transformer import OutputHead, Transformer, TransformerConfig
+from transformer.ops import attention, splash
+from transformer.sizing import memory, tpu
+from transformer.training import optim, sharding
+from transformer.training import step as step_lib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -296,13 +299,13 @@ def test_auto_attention_is_the_splash_kernel_in_a_tpu_train_step(libtpu, load_co
         devices = tpu.abstract_devices(tpu.parse_topology("v5e:2x2"))
         run = resolve(cfg, len(devices))
         mesh = sharding.make_mesh(run.config.mesh, devices)
-        trainer = train_lib.build_trainer(run, mesh)
+        trainer = step_lib.build_trainer(run, mesh)
         assert trainer.model.config.attention_implementation == "splash"
-        step = train_lib.make_train_step(trainer, run.config)
+        step = step_lib.make_train_step(trainer, run.config)
         text = step.lower(trainer.abstract_state, memory.abstract_batch(run.config, mesh)) \
             .compile().as_text()
     assert text.count("tpu_custom_call") >= 3
-    cpu = train_lib.build_trainer(run, sharding.make_mesh(run.config.mesh, jax.devices()[:4]))
+    cpu = step_lib.build_trainer(run, sharding.make_mesh(run.config.mesh, jax.devices()[:4]))
     assert cpu.model.config.attention_implementation == "auto"
 
 

@@ -12,14 +12,15 @@ import sys
 import pytest
 from conftest import SHRUNK_DEFAULT  # noqa: E402
 
-from transformer import checkpoint, evaluation  # noqa: E402
 from transformer import evaluate as evaluate_cli  # noqa: E402
-from transformer import workdir as workdir_lib  # noqa: E402
-from transformer.checkpoint import list_steps  # noqa: E402
+from transformer.checkpoint import averaging  # noqa: E402
+from transformer.checkpoint import workdir as workdir_lib  # noqa: E402
+from transformer.checkpoint.checkpointer import list_steps  # noqa: E402
 from transformer.config import resolve  # noqa: E402
 from transformer.data.synthetic import FIRST_TOKEN, SyntheticTask  # noqa: E402
-from transformer.loop import train_and_evaluate  # noqa: E402
-from transformer.translator import Translator  # noqa: E402
+from transformer.inference.translator import Translator  # noqa: E402
+from transformer.training import scores  # noqa: E402
+from transformer.training.loop import train_and_evaluate  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -104,7 +105,7 @@ def test_evaluate_cli_with_average_prints_records_and_writes_the_same_figures(ru
         eval_file(workdir, f"validation.average3.{kind}.txt")
         for kind in ("source", "reference", "translation"))
     assert [len(sources), len(references), len(translations)] == [2, 2, 2]
-    rescored = evaluation.bleu(translations, references, target_lang="de")
+    rescored = scores.bleu(translations, references, target_lang="de")
     for key in ("bleu", "bleu_tok_compound", "bleu_signature"):
         assert line[key] == rescored[key], key
     # translate --average=3 loads the same averaged params: the same translations.
@@ -169,12 +170,12 @@ def test_a_trained_tiny_model_translates(tmp_path, load_config):
         "optimizer.learning_rate": 1e-2, "optimizer.warmup_steps": 10})
     train_and_evaluate(cfg, str(tmp_path))
     run = resolve(workdir_lib.load_config(str(tmp_path)))
-    translator = Translator(run.config, run.model, checkpoint.load_params(str(tmp_path)),
+    translator = Translator(run.config, run.model, averaging.load_params(str(tmp_path)),
                             IdTokenizer())
     pairs = [task.example("test", i) for i in range(32)]
     sources = [" ".join(map(str, source)) for source, _ in pairs]
     references = [" ".join(map(str, target[:-1])) for _, target in pairs]  # without EOS
-    result = evaluation.bleu(translator.translate(sources), references)
+    result = scores.bleu(translator.translate(sources), references)
     # Measured: sacreBLEU 59.76 with beam 4 on these 32 test sequences (greedy: 49.07; greedy
     # after 50 updates: 12.5). The floor is about half the measurement.
     assert result["bleu"] > 30, result

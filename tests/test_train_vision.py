@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from transformer import evaluate, loop, train_lib
-from transformer.data import offline_fashion_mnist as ofm
+from transformer import evaluate
+from transformer.data.offline import fashion_mnist as ofm
+from transformer.training import loop
+from transformer.training import step as step_lib
 
 FIXTURE = pathlib.Path(__file__).parent / "data" / "offline_fashion_mnist"
 
@@ -38,7 +40,7 @@ def test_classification_sums_against_numpy(eps):
     logits = rng.normal(size=(6, 12)).astype(np.float32)
     logits[3] = 0.0  # uniform row: class 0 ranks first
     labels = np.array([4, -1, 0, 0, 11, 7], np.int32)
-    sums, correct, top5 = train_lib.classification_sums(
+    sums, correct, top5 = step_lib.classification_sums(
         jnp.asarray(logits), jnp.asarray(labels), label_smoothing=eps)
     loss, want_correct, want_top5 = _numpy_sums(logits.astype(np.float64), labels, eps)
     np.testing.assert_allclose(float(sums.loss_sum), loss, rtol=1e-5)
@@ -48,9 +50,9 @@ def test_classification_sums_against_numpy(eps):
 
 
 def test_eval_metrics_of_classification_sums():
-    figures = train_lib.eval_metrics({"nll_sum": 6.0, "tokens": 4.0, "correct": 3.0})
+    figures = step_lib.eval_metrics({"nll_sum": 6.0, "tokens": 4.0, "correct": 3.0})
     assert figures == {"loss": 1.5, "accuracy": 0.75}
-    figures = train_lib.eval_metrics({"nll_sum": 6.0, "tokens": 4.0, "correct": 3.0,
+    figures = step_lib.eval_metrics({"nll_sum": 6.0, "tokens": 4.0, "correct": 3.0,
                                       "top5_correct": 4.0})
     assert figures["top5_accuracy"] == 1.0
 
@@ -152,8 +154,8 @@ def test_compile_only_plans_an_image_batch(load_config):
     image (encoder layers by `activation_bytes`' formula, remat none, float32)."""
     import jax
 
-    from transformer import memory
     from transformer.config import resolve
+    from transformer.sizing import memory
 
     cfg = load_config("vit_fashion_mnist.py", **{
         "model.num_encoder_layers": 1, "model.d_model": 16, "model.d_ff": 32,

@@ -9,9 +9,12 @@ import jax
 import numpy as np
 import pytest
 
-from transformer import checkpoint, sharding, train_lib, transfer
+from transformer.checkpoint import averaging
+from transformer.checkpoint import checkpointer as checkpoint
 from transformer.config import resolve
 from transformer.data import tokenizer as tokenizer_lib
+from transformer.training import sharding, transfer
+from transformer.training import step as step_lib
 
 
 def _fresh_params(workdir, mesh_shape, **model_overrides):
@@ -24,7 +27,7 @@ def _fresh_params(workdir, mesh_shape, **model_overrides):
 
     n = int(np.prod(list(mesh_shape.values())))
     mesh = sharding.make_mesh(mesh_shape, jax.devices()[:n])
-    trainer = train_lib.build_trainer(resolve(ConfigDict(cfg), n), mesh)
+    trainer = step_lib.build_trainer(resolve(ConfigDict(cfg), n), mesh)
     rng = np.random.default_rng(7)
     return jax.tree.map(lambda a: jax.device_put(rng.standard_normal(a.shape).astype(a.dtype),
                                                  a.sharding), trainer.abstract_state.params)
@@ -35,7 +38,7 @@ def test_parse_the_three_forms_and_refuse_others(untrained_translation_workdir, 
     assert transfer.parse(root) == transfer.InitSource(root)
     assert transfer.parse(f"{root}:1") == transfer.InitSource(root, 1)
     assert transfer.parse(f"{root}/checkpoints/1") == transfer.InitSource(root, 1)
-    averaged = checkpoint.average_checkpoints(root, last=1, name="one")
+    averaged = averaging.average_checkpoints(root, last=1, name="one")
     assert transfer.parse(averaged) == transfer.InitSource(root, params_dir=averaged)
     with pytest.raises(ValueError, match="is not a training workdir"):
         transfer.parse(str(tmp_path))
@@ -48,7 +51,7 @@ def test_parse_the_three_forms_and_refuse_others(untrained_translation_workdir, 
 def test_loaded_params_equal_the_checkpoints_in_the_new_sharding(untrained_translation_workdir,
                                                                   mesh_shape):
     root = str(untrained_translation_workdir)
-    saved = checkpoint.load_params(root)
+    saved = averaging.load_params(root)
     fresh = _fresh_params(untrained_translation_workdir, mesh_shape)
     params, left_fresh = transfer.load(transfer.parse(root), fresh)
     assert left_fresh == []
@@ -65,7 +68,7 @@ def test_a_scanned_model_starts_from_a_per_layer_run(untrained_translation_workd
     fresh = _fresh_params(untrained_translation_workdir, {"data": 1, "fsdp": 1, "tensor": 1},
                           scan_layers=True)
     params, _ = transfer.load(transfer.parse(root), fresh)
-    want = checkpoint.stack_layers(checkpoint.load_params(root))
+    want = checkpoint.stack_layers(averaging.load_params(root))
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), params, want)
 
 
@@ -119,7 +122,7 @@ def _tiny(**overrides):
 
 @pytest.mark.slow
 def test_a_run_starts_from_another_once_then_resumes_from_its_own(tmp_path, caplog):
-    from transformer.loop import train_and_evaluate
+    from transformer.training.loop import train_and_evaluate
 
     pretrained = tmp_path / "pretrained"
     train_and_evaluate(_tiny(), str(pretrained))
@@ -130,8 +133,8 @@ def test_a_run_starts_from_another_once_then_resumes_from_its_own(tmp_path, capl
     with caplog.at_level("INFO", logger="transformer"):
         train_and_evaluate(_tiny(**frozen), str(finetuned))
     assert "parameters loaded; left fresh: decoder/logits/kernel; not used: none" in caplog.text
-    want = checkpoint.load_params(str(pretrained), step=4)
-    got = checkpoint.load_params(str(finetuned), step=2)  # updates of ~1e-30: unchanged
+    want = averaging.load_params(str(pretrained), step=4)
+    got = averaging.load_params(str(finetuned), step=2)  # updates of ~1e-30: unchanged
     for path in ("encoder", "decoder/layers_0", "embedding"):
         a, b = got, want
         for key in path.split("/"):
@@ -148,7 +151,7 @@ def test_a_span_corruption_run_fine_tunes_on_translation(load_config, offline_fi
     """configs/t5_default.py (2 updates), then configs/t5_translate.py from it, both shrunk:
     every parameter is the pretrained run's (none fresh, none unused), its vocabulary (with the
     sentinels) is the translation run's, and the translation loss falls."""
-    from transformer.loop import train_and_evaluate
+    from transformer.training.loop import train_and_evaluate
 
     common = {"model.d_model": 32, "model.d_ff": 64, "model.num_heads": 2,
               "model.num_kv_heads": 1, "model.num_encoder_layers": 1,

@@ -10,9 +10,9 @@ import sys
 import pytest
 from conftest import TRANSLATION_SENTENCES
 
-from transformer import translator as translator_lib
 from transformer.data import tokenizer as tokenizer_lib
-from transformer.translator import Translator, load
+from transformer.inference import translator as translator_lib
+from transformer.inference.translator import Translator, load
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -136,10 +136,10 @@ def test_cli_on_a_workdir_without_a_run(tmp_path):
 
 
 def test_cli_text_in_and_out(tmp_path, capsys):
-    """transformer.text_input.stream, shared by translate and generate: lines in (a chunk at a
+    """transformer.util.text_input.stream, shared by translate and generate: lines in (a chunk at a
     time, "\n", "\r\n" or "\r" ending them), one text a line out, and a failure before the
     first output is one line that leaves an earlier output file alone."""
-    from transformer import text_input
+    from transformer.util import text_input
 
     source = tmp_path / "in.txt"
     source.write_bytes(b"eins\n\nzwei\r\ndrei\rvier")
@@ -183,7 +183,7 @@ def test_an_interrupted_stream_leaves_whole_lines(tmp_path, monkeypatch, capsys,
     """A signal while a chunk is processed ends the run before it is written; one that
     arrives while a chunk is written waits until the chunk is whole. Either way the output
     is a prefix of whole lines, and the exit status is 128 + the signal."""
-    from transformer import text_input
+    from transformer.util import text_input
 
     output = tmp_path / "out.txt"
     one_line, written = text_input.one_line, []

@@ -8,9 +8,10 @@ import sys
 import numpy as np
 import pytest
 
-from transformer import attention, visualize  # noqa: E402
-from transformer.model import Transformer  # noqa: E402
-from transformer.translator import load  # noqa: E402
+from transformer import visualize  # noqa: E402
+from transformer.inference.translator import load  # noqa: E402
+from transformer.model.transformer import Transformer  # noqa: E402
+from transformer.ops import attention
 
 SOURCE = "Sie geht oft ins Kino."
 TARGET = "She goes often to the movies."
@@ -167,7 +168,7 @@ def test_image_attention_maps_are_the_class_tokens_rows(load_config, tmp_path):
 
     from transformer import classify
     from transformer.config import resolve
-    from transformer.vit import VisionTransformer
+    from transformer.model.vit import VisionTransformer
 
     cfg = load_config("vit_fashion_mnist.py", **{
         "model.num_encoder_layers": 2, "model.d_model": 16, "model.d_ff": 32,

@@ -12,8 +12,10 @@ import numpy as np
 import optax
 import pytest
 
-from transformer import flops, sharding, vit
-from transformer.model_config import TransformerConfig
+from transformer.model import vit
+from transformer.model.config import TransformerConfig
+from transformer.sizing import flops
+from transformer.training import sharding
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "tests" / "data" / "offline_fashion_mnist"
@@ -211,8 +213,8 @@ def test_sharded_forward_equals_unsharded():
 
 
 def test_adam_on_the_fixture_makes_the_loss_fall():
-    """A few steps of plain optax Adam on the committed Fashion-MNIST images: no train_lib."""
-    from transformer.data import offline_fashion_mnist as ofm
+    """A few steps of plain optax Adam on the committed Fashion-MNIST images: no step_lib."""
+    from transformer.data.offline import fashion_mnist as ofm
 
     images, labels = ofm.read_split(str(FIXTURE), "train")
     x = jnp.asarray(images[:32], jnp.float32) / 255.0 - 0.3

@@ -23,7 +23,18 @@ Shape legend, for the einsums, comments and docstrings of every module (one mean
                                               positions per chunk of the projected loss)
 """
 
-from transformer.attention import (
+from transformer.model.blocks import DecoderBlock, EncoderBlock, MultiHeadAttention
+from transformer.model.config import TransformerConfig
+from transformer.model.transformer import (
+    Decoder,
+    Encoder,
+    OutputHead,
+    Transformer,
+    grow_cache,
+    init_cache,
+    shift_right,
+)
+from transformer.ops.attention import (
     attention_weights,
     combine_masks,
     dot_product_attention,
@@ -36,35 +47,24 @@ from transformer.attention import (
     make_prefix_lm_mask,
     make_segment_mask,
 )
-from transformer.blocks import DecoderBlock, EncoderBlock, MultiHeadAttention
-from transformer.layers import (
+from transformer.ops.layers import (
     apply_rope,
     feed_forward,
     layer_norm,
     rms_norm,
     sinusoidal_position_encoding,
 )
-from transformer.model import (
-    Decoder,
-    Encoder,
-    OutputHead,
-    Transformer,
-    grow_cache,
-    init_cache,
-    shift_right,
-)
-from transformer.model_config import TransformerConfig
 
 
 def __getattr__(name):
     """`transformer.load`, `load_generator` and `load_classifier` without importing orbax up
     front."""
     if name == "load":
-        from transformer.translator import load
+        from transformer.inference.translator import load
 
         return load
     if name == "load_generator":
-        from transformer.generator import load_generator
+        from transformer.inference.generator import load_generator
 
         return load_generator
     if name == "load_classifier":

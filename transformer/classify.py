@@ -34,8 +34,8 @@ import time
 
 import numpy as np
 
-from transformer import cli
-from transformer import workdir as workdir_lib
+from transformer.checkpoint import workdir as workdir_lib
+from transformer.util import cli
 
 log = logging.getLogger("transformer")
 MODES = {1: "L", 3: "RGB"}  # Pillow's mode for the model's channel count
@@ -46,22 +46,23 @@ MODES = {1: "L", 3: "RGB"}  # Pillow's mode for the model's channel count
 
 def _scoring_step(trainer):
     """`step(params, batch [1, B, ...]) -> (sums, confusion)`: the eval step's sums
-    (`train_lib.classification_figures`) and the [C, C] counts of (label, top-1 class) over the
+    (`step_lib.classification_figures`) and the [C, C] counts of (label, top-1 class) over the
     rows labelled >= 0, both summed over the global batch, from one pass of the model."""
     import jax
     import jax.numpy as jnp
 
-    from transformer import sharding, train_lib
+    from transformer.training import sharding
+    from transformer.training import step as step_lib
 
     def step(params, batch):
         batch = jax.tree.map(lambda x: x[0], batch)
-        logits = train_lib.classifier_logits(trainer, params, batch, None)
+        logits = step_lib.classifier_logits(trainer, params, batch, None)
         classes = logits.shape[-1]
         labels = batch["label"]
         truth = jax.nn.one_hot(jnp.maximum(labels, 0), classes) * (labels >= 0)[:, None]
         predicted = jax.nn.one_hot(jnp.argmax(logits, axis=-1), classes)
         confusion = jnp.einsum("BC,BK->CK", truth, predicted).astype(jnp.int32)
-        return train_lib.classification_figures(logits, labels), confusion
+        return step_lib.classification_figures(logits, labels), confusion
 
     batch_sharding = jax.NamedSharding(trainer.mesh, jax.P(None, sharding.BATCH_AXES))
     return jax.jit(step, in_shardings=(trainer.state_shardings.params, batch_sharding),
@@ -70,22 +71,22 @@ def _scoring_step(trainer):
 
 def evaluate_split(trainer, params, source, rows: tuple[int, int],
                    split: str) -> tuple[dict, np.ndarray]:
-    """(figures, confusion [C, C]) of `split` in one pass: `train_lib.eval_metrics` (loss,
+    """(figures, confusion [C, C]) of `split` in one pass: `step_lib.eval_metrics` (loss,
     accuracy, top5_accuracy) and counts of (true class, predicted class). `rows`: this
-    process's rows of an eval batch (`train_lib.process_rows`)."""
+    process's rows of an eval batch (`step_lib.process_rows`)."""
     import jax
 
-    from transformer import train_lib
+    from transformer.training import step as step_lib
 
     scoring_step = _scoring_step(trainer)
     totals: dict[str, float] = {}
     confusion = 0
     for local in source.eval_batches(split, rows):
         sums, counts = jax.device_get(
-            scoring_step(params, train_lib.global_batch(trainer.mesh, local)))
+            scoring_step(params, step_lib.global_batch(trainer.mesh, local)))
         totals = {k: totals.get(k, 0.0) + float(v) for k, v in sums.items()}
         confusion = confusion + np.asarray(counts)
-    return train_lib.eval_metrics(totals), np.asarray(confusion, np.int64)
+    return step_lib.eval_metrics(totals), np.asarray(confusion, np.int64)
 
 
 def plot_confusion_matrix(confusion: np.ndarray, class_names, path: str, title: str) -> str:
@@ -124,7 +125,7 @@ def test_evaluation(trainer, params, source, rows: tuple[int, int], step: int, w
     `writer`) and `<workdir>/plots/confusion_test.png` (process 0). Returns the figures."""
     import jax
 
-    from transformer import metrics
+    from transformer.training import metrics
 
     started = time.perf_counter()
     split = source.test_split
@@ -146,17 +147,18 @@ def evaluate_workdir(workdir: str, split: str, *, step: int | None = None,
     metrics.jsonl and draws `<workdir>/plots/confusion_<split>.png`."""
     import jax
 
-    from transformer import sharding, train_lib
-    from transformer.checkpoint import load_params, params_step
+    from transformer.checkpoint.averaging import load_params, params_step
     from transformer.config import Resolved, resolve
     from transformer.data import make_source
-    from transformer.metrics import MetricWriter
+    from transformer.training import sharding
+    from transformer.training import step as step_lib
+    from transformer.training.metrics import MetricWriter
 
     run = resolve(workdir_lib.load_config(workdir))
     params = load_params(workdir, step=step, average=average)
     source = make_source(run.config, workdir)
     mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
-    trainer = train_lib.build_trainer(Resolved(run.config, run.model, dict(mesh.shape)), mesh)
+    trainer = step_lib.build_trainer(Resolved(run.config, run.model, dict(mesh.shape)), mesh)
     params = jax.device_put(params, trainer.state_shardings.params)
     figures, confusion = evaluate_split(trainer, params, source,
                                         (0, source.eval_rows_per_batch), split)
@@ -218,7 +220,7 @@ class Classifier:
     def _probabilities(self):
         import jax
 
-        from transformer.vit import VisionTransformer, mirror_averaged_logits
+        from transformer.model.vit import VisionTransformer, mirror_averaged_logits
 
         model = VisionTransformer(self.model_config)
 
@@ -251,7 +253,7 @@ class Classifier:
 
 def load(workdir: str, *, step: int | None = None) -> Classifier:
     """The classifier of a trained vision run's workdir (checkpoint `step`, or the latest)."""
-    from transformer import checkpoint
+    from transformer.checkpoint import averaging
     from transformer.config import resolve
 
     run = resolve(workdir_lib.load_config(workdir))
@@ -264,7 +266,7 @@ def load(workdir: str, *, step: int | None = None) -> Classifier:
         raise ValueError(f"{workdir_lib.path(workdir, workdir_lib.CONFIG)} records no image "
                          f"preprocessing (provenance.images: classes, mean, std); it was "
                          f"written by an older version: train the run again")
-    params = checkpoint.load_params(workdir, step=step)
+    params = averaging.load_params(workdir, step=step)
     return Classifier(run.model, params, tuple(recorded["class_names"]),
                       np.asarray(recorded["mean"], np.float32),
                       np.asarray(recorded["std"], np.float32),

@@ -17,8 +17,8 @@ from typing import NoReturn
 from ml_collections import ConfigDict
 
 from transformer import data as data_lib
-from transformer import optim, sharding
-from transformer.model_config import TransformerConfig
+from transformer.model.config import TransformerConfig
+from transformer.training import optim, sharding
 
 _REQUIRED = object()
 # Top-level keys: the type each is read as and, for the optional ones, the default.
@@ -38,7 +38,7 @@ TOP_LEVEL: dict[str, tuple[type | tuple[type, ...], object]] = {
     "params_keep": (int, 0),
     "z_loss": ((int, float), 0.0),
     # Target tokens per device whose logits the loss computes at once: 0 all, -1 by backend
-    # (train_lib.resolve_loss_chunk_tokens).
+    # (step_lib.resolve_loss_chunk_tokens).
     "loss_chunk_tokens": (int, -1),
     "skip_nonfinite_updates": (bool, False),
     "profile_start_step": (int, 0),

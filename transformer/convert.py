@@ -13,7 +13,7 @@ that) and the tokenizer, which `transformers`' `from_pretrained` loads.
 
 from absl import app, flags
 
-from transformer import cli
+from transformer.util import cli
 
 COMMANDS = ("import", "export")
 flags.DEFINE_string("from", None, "import: the checkpoint directory (save_pretrained's).")

@@ -12,7 +12,7 @@ import os
 
 from absl import app, flags
 
-from transformer import cli
+from transformer.util import cli
 
 cli.define_run_flags(average=True)
 flags.DEFINE_enum("split", "test", ["validation", "test"], "The split to score.")
@@ -29,35 +29,36 @@ def evaluate(workdir: str, split: str, *, step=None, average=None, num_sentences
     """Perplexity over the whole split and BLEU over its first `num_sentences` pairs."""
     import jax
 
-    from transformer import workdir as workdir_lib
+    from transformer.checkpoint import workdir as workdir_lib
 
     if workdir_lib.load_config(workdir).model.get("architecture") == "vision":
         from transformer import classify
 
         return classify.evaluate_workdir(workdir, split, step=step, average=average)
 
-    from transformer import evaluation, loop, sharding, train_lib
-    from transformer.checkpoint import params_step
+    from transformer.checkpoint.averaging import params_step
     from transformer.config import Resolved
     from transformer.data import make_source
-    from transformer.metrics import MetricWriter
-    from transformer.translator import load
+    from transformer.inference.translator import load
+    from transformer.training import loop, scores, sharding
+    from transformer.training import step as step_lib
+    from transformer.training.metrics import MetricWriter
 
     translator = load(workdir, step=step, average=average)
     cfg = translator.config
     source = make_source(cfg, workdir)
     mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
-    trainer = train_lib.build_trainer(Resolved(cfg, translator.model_config, dict(mesh.shape)),
+    trainer = step_lib.build_trainer(Resolved(cfg, translator.model_config, dict(mesh.shape)),
                                       mesh)
     params = jax.device_put(translator.params, trainer.state_shardings.params)
-    figures = loop.evaluate(trainer, train_lib.make_eval_step(trainer), params, source,
+    figures = loop.evaluate(trainer, step_lib.make_eval_step(trainer), params, source,
                             (0, source.eval_rows_per_batch), split)
 
     pairs = source.raw_pairs(split, num_sentences)
     sources, references = [s for s, _ in pairs], [t for _, t in pairs]
     log.info("translating %d %s sentences", len(sources), split)
     hypotheses = translator.translate(sources, beam_size=beam_size)
-    figures |= evaluation.bleu(hypotheses, references, target_lang=cfg.data.target_lang)
+    figures |= scores.bleu(hypotheses, references, target_lang=cfg.data.target_lang)
     figures["bleu_num_truncated"] = translator.num_too_long(sources)
 
     label = f"average{average}" if average else f"step{step}" if step else "latest"
@@ -77,7 +78,7 @@ def evaluate(workdir: str, split: str, *, step=None, average=None, num_sentences
 
 def main(argv):
     cli.start(argv, level=logging.INFO, timestamps=True)
-    from transformer import metrics
+    from transformer.training import metrics
 
     with cli.one_line_errors():
         figures = evaluate(FLAGS.workdir, FLAGS.split, step=FLAGS.step, average=FLAGS.average,

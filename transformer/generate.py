@@ -12,7 +12,7 @@ seed gives the same continuations (batched, streamed or not: prompt i always dra
 
 from absl import app, flags
 
-from transformer import cli
+from transformer.util import cli
 
 cli.define_run_flags(average=False)
 flags.DEFINE_multi_string("prompt", None, "A prompt (repeatable); default: stdin or --input.")
@@ -33,8 +33,8 @@ READ_AHEAD_BATCHES = 8  # prompts read at a time, bucketed into batches, then wr
 
 def main(argv):
     cli.start(argv)
-    from transformer import text_input
-    from transformer.generator import load_generator
+    from transformer.inference.generator import load_generator
+    from transformer.util import text_input
 
     generator = None
 

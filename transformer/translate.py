@@ -11,7 +11,7 @@ allows are truncated with a warning; input that is not UTF-8 is an error naming 
 
 from absl import app, flags
 
-from transformer import cli
+from transformer.util import cli
 
 cli.define_run_flags(average=True)
 flags.DEFINE_string("input", None, "Input file (default: stdin).")
@@ -27,8 +27,8 @@ READ_AHEAD_BATCHES = 8  # lines read at a time, sorted by length into batches, t
 
 def main(argv):
     cli.start(argv)
-    from transformer import text_input
-    from transformer.translator import load
+    from transformer.inference.translator import load
+    from transformer.util import text_input
 
     translator = None
 

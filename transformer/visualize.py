@@ -33,8 +33,8 @@ import sys
 
 import numpy as np
 
-from transformer import cli
-from transformer import workdir as workdir_lib
+from transformer.checkpoint import workdir as workdir_lib
+from transformer.util import cli
 
 KINDS = ("encoder_self_attention", "decoder_self_attention", "cross_attention")
 CURVES = (("loss", "loss (NLL per target token)"), ("perplexity", "perplexity"),
@@ -81,9 +81,9 @@ def attention_maps(translator, source: str, target: str | None = None) -> Attent
     attention weights of every layer and head. `target` defaults to the model's translation."""
     import jax.numpy as jnp
 
-    from transformer.checkpoint import unstack_layers
+    from transformer.checkpoint.checkpointer import unstack_layers
     from transformer.data.tokenizer import BOS_ID, EOS_ID
-    from transformer.model import Transformer
+    from transformer.model.transformer import Transformer
 
     if not source.strip():
         raise ValueError("--source is empty: give a sentence to translate")
@@ -222,8 +222,8 @@ def image_attention(classifier, image_path: str) -> ImageAttention:
     import jax
 
     from transformer import classify
-    from transformer.checkpoint import unstack_layers
-    from transformer.vit import VisionTransformer
+    from transformer.checkpoint.checkpointer import unstack_layers
+    from transformer.model.vit import VisionTransformer
 
     cfg = dataclasses.replace(classifier.model_config, scan_layers=False)
     params = classifier.params
@@ -384,7 +384,7 @@ def plot_curves(workdirs: list[str], out: str, x: str = "step") -> str:
 def plot_positions(d_model: int, length: int, out: str) -> str:
     """The sinusoidal encoding [length, d_model] and its dot products between positions: the
     bands show that the similarity depends on the distance between positions only."""
-    from transformer.layers import sinusoidal_position_encoding
+    from transformer.ops.layers import sinusoidal_position_encoding
 
     if not (2 <= d_model <= MAX_D_MODEL and d_model % 2 == 0):
         raise ValueError(f"--d_model={d_model} must be even, from 2 to {MAX_D_MODEL}")
@@ -452,7 +452,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> list[str]:
     """Writes the figures `args` ask for; returns their paths."""
     if args.command == "attention":
-        from transformer.translator import load
+        from transformer.inference.translator import load
 
         maps = attention_maps(load(args.workdir, step=args.step), args.source, args.target)
         return plot_attention(maps, args.out_dir or workdir_lib.path(

@@ -68,7 +68,7 @@ def compare(workdir: str, split: str, num_sentences: int, beam_sizes: list[int],
 
     from benchmarks.peers import torch_transformer
     from transformer.data import make_source
-    from transformer.translator import load
+    from transformer.inference.translator import load
 
     torch.set_num_threads(os.cpu_count())
     translator = load(workdir)

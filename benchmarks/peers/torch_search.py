@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
-from transformer.decoding import NEG_INF
+from transformer.inference.decoding import NEG_INF
 
 
 def _heads(module, t):  # [B, L, D] -> [B, H, L, D/H]

@@ -42,7 +42,7 @@ import threading
 
 import numpy as np
 
-from transformer import workdir as workdir_lib
+from transformer.checkpoint import workdir as workdir_lib
 from transformer.data import batching, span_corruption
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.data.datasets import (

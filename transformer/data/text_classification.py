@@ -29,7 +29,7 @@ import logging
 
 import numpy as np
 
-from transformer import workdir as workdir_lib
+from transformer.checkpoint import workdir as workdir_lib
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.data.datasets import CHUNK, DataUnavailable, prepare_dataset
 
@@ -43,7 +43,7 @@ def open_builder(name: str, data_dir: str | None, manual_dir: str | None):
     import tensorflow_datasets as tfds
 
     if name == OFFLINE:
-        from transformer.data import offline_help_topics  # noqa: F401  (registers it)
+        from transformer.data.offline import help_topics as offline_help_topics  # noqa: F401  (registers it)
     else:
         try:
             prepared = tfds.builder(name, data_dir=data_dir).is_prepared()

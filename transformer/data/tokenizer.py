@@ -21,7 +21,7 @@ import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 
-from transformer import progress
+from transformer.util import progress
 
 log = logging.getLogger("transformer")
 

@@ -33,8 +33,7 @@ import threading
 import jax
 import numpy as np
 
-from transformer import progress
-from transformer import workdir as workdir_lib
+from transformer.checkpoint import workdir as workdir_lib
 from transformer.data import batching
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.data.datasets import (
@@ -44,6 +43,7 @@ from transformer.data.datasets import (
     prepare_dataset,
     read_pairs,
 )
+from transformer.util import progress
 
 log = logging.getLogger("transformer")
 

@@ -33,13 +33,15 @@ import jax.numpy as jnp
 import numpy as np
 from ml_collections import ConfigDict
 
-from transformer import checkpoint, sharding
-from transformer import workdir as workdir_lib
+from transformer.checkpoint import averaging
+from transformer.checkpoint import checkpointer as checkpoint
+from transformer.checkpoint import workdir as workdir_lib
 from transformer.config import resolve
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.data.tokenizer import MODEL_FILE
 from transformer.huggingface import families
-from transformer.model_config import TransformerConfig
+from transformer.model.config import TransformerConfig
+from transformer.training import sharding
 
 log = logging.getLogger("transformer")
 HF_CONFIG = "config.json"
@@ -106,8 +108,8 @@ def load_run_config(config_file: str | None, architecture: str) -> tuple[ConfigD
 
 
 def _model_of(model_cfg: TransformerConfig):
-    from transformer.model import Transformer
-    from transformer.vit import VisionTransformer
+    from transformer.model.transformer import Transformer
+    from transformer.model.vit import VisionTransformer
 
     if model_cfg.architecture == "vision":
         return VisionTransformer(model_cfg)
@@ -173,7 +175,7 @@ def import_checkpoint(hf_dir: str, workdir: str, *, config_file: str | None = No
     mesh = sharding.make_mesh(run.config.mesh)
     params = read_params(reader, family, run.model, mesh)
     os.makedirs(workdir, exist_ok=True)
-    series = checkpoint.ParamsSeries(workdir, every_minutes=1.0, keep=1, use_async=False)
+    series = averaging.ParamsSeries(workdir, every_minutes=1.0, keep=1, use_async=False)
     series.save(IMPORTED_STEP, params)  # every process writes its shards
     series.close()
     if jax.process_index() == 0:
@@ -260,7 +262,7 @@ def export_workdir(workdir: str, out_dir: str, *, step: int | None = None,
     family = families.for_model(model_cfg, f"--workdir={workdir}")
     if max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes={max_shard_bytes} must be positive")
-    params = checkpoint.load_params(workdir, step=step)
+    params = averaging.load_params(workdir, step=step)
     if model_cfg.scan_layers:
         params = checkpoint.unstack_layers(params)
     ours = dict(zip(_names(params), jax.tree.leaves(params), strict=True))

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from transformer.model_config import TransformerConfig
+from transformer.model.config import TransformerConfig
 
 Arrays = list[np.ndarray]
 

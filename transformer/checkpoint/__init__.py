@@ -1,0 +1,1 @@
+"""Checkpoints: orbax wiring and checksums, averaging, fault injection, the workdir."""

@@ -1,0 +1,1 @@
+"""The offline TFDS builders: the corpora built from Debian packages."""

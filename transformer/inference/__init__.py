@@ -1,0 +1,2 @@
+"""Inference from Python: search (greedy, beam, sampling), translator, generator, classifier,
+attention maps."""

@@ -1,0 +1,224 @@
+"""The Python API for language models beside the CLI: load a trained decoder-only workdir and
+continue prompts.
+
+    from transformer.generator import load_generator
+    generator = load_generator("runs/lm_default")
+    generator.generate(["Click the"], max_new_tokens=20, temperature=0.8, top_p=0.95, seed=0)
+
+A prompt is SentencePiece-encoded with the run's vocabulary, read after BOS in one decoder call
+that fills the KV cache (a prefix LM reads it in both directions, as in training), then tokens
+are drawn one at a time (`decoding.sample`) until EOS or `max_new_tokens`.
+
+Prompts are padded at the end into length buckets (`translator.bucket_length`, as translation
+sources) and batches to a power of two rows, so a stream of prompts compiles one program per
+(bucket, rows), not one per prompt length. Padding changes no result: the pad positions come
+after the prompt (no prompt position sees them), and each row's cache index restarts at its own
+prompt length, so its first new token overwrites the first pad, with that position, and a
+position never attends to a pad. Each prompt has its own key (`fold_in(key(seed), prompt
+index)`), so its continuation does not depend on the other prompts of its batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from ml_collections import ConfigDict
+
+from transformer.checkpoint import averaging
+from transformer.checkpoint import workdir as workdir_lib
+from transformer.config import resolve
+from transformer.inference import decoding
+from transformer.inference.translator import bucket_length
+from transformer.model.transformer import Transformer, TransformerConfig, init_cache
+from transformer.util import progress
+
+log = logging.getLogger("transformer")
+
+
+@dataclasses.dataclass
+class Generator:
+    """A trained decoder-only model, its parameters and its tokenizer."""
+
+    config: ConfigDict  # a `Resolved.config`: generate.* and data.objective
+    model_config: TransformerConfig
+    params: dict
+    tokenizer: object  # transformer.data.tokenizer.Tokenizer
+
+    def __post_init__(self):
+        _require_decoder(self.model_config.architecture)
+        self.model = Transformer(self.model_config)
+        self.prefix_lm = self.config.data.get("objective") == "prefix"
+        self.params = jax.tree.map(
+            lambda x: x if isinstance(x, jax.Array) else jax.device_put(x), self.params)
+
+    def encode(self, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
+        """Piece ids per prompt, keeping (with a warning) the last pieces that leave room for
+        BOS and `max_new_tokens` within the model's max_len."""
+        room = self.model_config.max_len - 1 - max_new_tokens
+        if room < 0 and self.model_config.positional in ("sinusoidal", "learned"):
+            raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt "
+                             f"within model.max_len={self.model_config.max_len}")
+        encoded, cut = [], []
+        for number, ids in enumerate(self.tokenizer.encode(prompts), 1):
+            if self.model_config.positional in ("sinusoidal", "learned") and len(ids) > room:
+                cut.append(number)
+                ids = ids[len(ids) - room:]
+            encoded.append(ids)
+        if cut:
+            shown = ", ".join(map(str, cut[:5])) + (", ..." if len(cut) > 5 else "")
+            log.warning("%d of %d prompts are longer than the %d pieces that leave room for "
+                        "max_new_tokens=%d within model.max_len=%d: kept their last %d pieces "
+                        "(prompt %s)", len(cut), len(prompts), room, max_new_tokens,
+                        self.model_config.max_len, room, shown)
+        return encoded
+
+    def generate(self, prompts: list[str], *, max_new_tokens: int | None = None,
+                 temperature: float | None = None, top_k: int | None = None,
+                 top_p: float | None = None, seed: int = 0, batch_size: int = 32,
+                 first_index: int = 0, show_progress: bool = True) -> list[str]:
+        """Each prompt followed by its continuation, in order. Unset options come from the
+        config's `generate.*`; temperature 0 is greedy. Prompt i draws with the key of index
+        `first_index + i` (a stream passes its position, so its chunks give what one call
+        gives); progress on stderr for more than one batch unless `show_progress` is False."""
+        defaults = self.config.get("generate") or ConfigDict(dict(
+            max_new_tokens=64, temperature=1.0, top_k=0, top_p=1.0))
+        options = dict(
+            max_new_tokens=int(defaults.max_new_tokens if max_new_tokens is None
+                               else max_new_tokens),
+            temperature=float(defaults.temperature if temperature is None else temperature),
+            top_k=int(defaults.top_k if top_k is None else top_k),
+            top_p=float(defaults.top_p if top_p is None else top_p))
+        _check_options(**options)
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be >= 1")
+        encoded = self.encode(prompts, options["max_new_tokens"])
+        by_bucket: dict[int, list[int]] = {}
+        for i, ids in enumerate(encoded):
+            length = self.bucket(len(ids), options["max_new_tokens"])
+            by_bucket.setdefault(length, []).append(i)
+        out = [""] * len(prompts)
+        with progress.bar(len(prompts), "generating", unit="prompt",
+                          show=show_progress and len(prompts) > batch_size) as bar:
+            for length, members in sorted(by_bucket.items()):
+                for start in range(0, len(members), batch_size):
+                    chunk = members[start:start + batch_size]
+                    tokens = self.generate_ids([encoded[i] for i in chunk],
+                                               prompt_indices=[first_index + i for i in chunk],
+                                               seed=seed, length=length,
+                                               rows=min(_power_of_two(len(chunk)), batch_size),
+                                               **options)
+                    for i, row in zip(chunk, tokens, strict=True):
+                        out[i] = self.tokenizer.decode(encoded[i] + row.tolist())
+                    bar.update(len(chunk))
+        return out
+
+    def bucket(self, prompt_length: int, max_new_tokens: int) -> int:
+        """The padded length of the decoder's prompt input (BOS and `prompt_length` pieces):
+        a multiple of `translator.BUCKET`, capped where the prompt and `max_new_tokens` fill
+        model.max_len."""
+        return bucket_length(1 + prompt_length, self.model_config.max_len - max_new_tokens)
+
+    def generate_ids(self, prompts: list[list[int]], *, prompt_indices: list[int], seed: int,
+                     max_new_tokens: int, temperature: float, top_k: int, top_p: float,
+                     length: int | None = None, rows: int | None = None) -> np.ndarray:
+        """New tokens [len(prompts), max_new_tokens] after prompts (piece ids, any lengths);
+        zeros after EOS. Prompt `prompt_indices[i]` draws with `fold_in(key(seed), index)`.
+
+        The prompts are read after BOS, padded to `length` (default: the bucket of the
+        longest), and the batch to `rows` (default: the next power of two) with copies of the
+        first prompt; neither changes any prompt's tokens.
+        """
+        longest = 1 + max(len(ids) for ids in prompts)
+        length = self.bucket(longest - 1, max_new_tokens) if length is None else length
+        rows = _power_of_two(len(prompts)) if rows is None else rows
+        if length < longest or rows < len(prompts):
+            raise ValueError(f"cannot pad {len(prompts)} prompts of up to {longest} decoder "
+                             f"inputs to {rows} rows of {length}")
+        # Rows beyond the prompts repeat the first (input, length and key): they finish with
+        # it, so they never lengthen the loop; their tokens are dropped.
+        order = list(range(len(prompts))) + [0] * (rows - len(prompts))
+        inputs = np.zeros((rows, length), np.int32)
+        for row, i in enumerate(order):
+            inputs[row, :1 + len(prompts[i])] = [self.model_config.bos_id] + prompts[i]
+        lengths = np.array([1 + len(prompts[i]) for i in order], np.int32)
+        indices = np.asarray(prompt_indices, np.uint32)[order]
+        keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(
+            jax.random.key(seed), jnp.asarray(indices))
+        run = _sample_fn(self.model, self.prefix_lm, max_new_tokens, temperature, top_k, top_p)
+        return np.asarray(run(self.params, inputs, lengths, keys))[:len(prompts)]
+
+
+def _require_decoder(architecture: str) -> None:
+    if architecture != "decoder":
+        raise ValueError(f"generation needs a decoder-only model; this run's model.architecture "
+                         f"is {architecture!r} (translation: python -m transformer.translate)")
+
+
+def _check_options(*, max_new_tokens, temperature, top_k, top_p) -> None:
+    for name, value, ok, want in (("max_new_tokens", max_new_tokens, max_new_tokens >= 1, ">= 1"),
+                                  ("temperature", temperature, temperature >= 0.0, ">= 0"),
+                                  ("top_k", top_k, top_k >= 0, ">= 0 (0: all tokens)"),
+                                  ("top_p", top_p, 0.0 < top_p <= 1.0, "in (0, 1]")):
+        if not ok:
+            raise ValueError(f"{name}={value} must be {want}")
+
+
+def _power_of_two(n: int) -> int:
+    """The smallest power of two >= n."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _map_layers(fn, cache: dict) -> dict:
+    """`fn` applied to every array of a decoding cache but its index."""
+    return {name: value if name == "index" else jax.tree.map(fn, value)
+            for name, value in cache.items()}
+
+
+@functools.lru_cache(maxsize=32)
+def _sample_fn(model: Transformer, prefix_lm: bool, max_new_tokens: int, temperature: float,
+               top_k: int, top_p: float):
+    """A jitted `(params, inputs [B, P], lengths [B], keys [B]) -> tokens [B, max_new_tokens]`:
+    row b's decoder input is `inputs[b, :lengths[b]]` (BOS and its prompt), then padding."""
+    batch_axis = 1 if model.config.scan_layers else 0  # of the cache's layer leaves
+
+    def run(params, inputs, lengths, keys):
+        batch, length = inputs.shape
+        # The prompts in one call; a prompt position sees no padding (it comes after them).
+        cache = init_cache(model.config, batch, length + max_new_tokens)
+        prefix = jnp.arange(length)[None, :] < lengths[:, None] if prefix_lm else None
+        logits, cache = model.apply({"params": params}, None, None, inputs, cache=cache,
+                                    targets_prefix=prefix, method="decode")
+        last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)
+        # Each row goes on from its own length: the cache index becomes one per row, and each
+        # step is the model on one row (batch 1, a scalar index), vmapped over the rows.
+        cache = {**cache, "index": lengths}
+        axes = {name: 0 if name == "index" else batch_axis for name in cache}
+
+        def decode_row(token, row_cache):
+            logits, row_cache = model.apply(
+                {"params": params}, None, None, token[None],
+                cache=_map_layers(lambda x: jnp.expand_dims(x, batch_axis), row_cache),
+                method="decode")
+            return logits[0], _map_layers(lambda x: jnp.squeeze(x, batch_axis), row_cache)
+
+        decode_fn = jax.vmap(decode_row, in_axes=(0, axes), out_axes=(0, axes))
+        return decoding.sample(decode_fn, cache, last, keys=keys, max_length=max_new_tokens,
+                               eos_id=model.config.eos_id, temperature=temperature,
+                               top_k=top_k, top_p=top_p, pad_id=model.config.pad_id)
+
+    return jax.jit(run)
+
+
+def load_generator(workdir: str, *, step: int | None = None) -> Generator:
+    """Config, parameters (checkpoint `step` or the latest) and tokenizer of a trained
+    decoder-only workdir."""
+    run = resolve(workdir_lib.load_config(workdir))
+    _require_decoder(run.model.architecture)
+    tokenizer = workdir_lib.load_tokenizer(workdir, run.model.vocab_size)
+    return Generator(run.config, run.model, averaging.load_params(workdir, step=step),
+                     tokenizer)

@@ -1,0 +1,1 @@
+"""The Linen model: TransformerConfig, blocks, the Transformer, the Vision Transformer."""

@@ -1,0 +1,318 @@
+"""The Transformer's building blocks as Flax Linen modules: parameters with logical axis
+names, arithmetic in the pure functions of `attention`, `layers` and `kv_cache`.
+
+The sublayers (`MultiHeadAttention`, `FeedForward`), each wrapped in a residual connection and
+a norm (post-LN as the paper, or pre-LN), make the encoder and decoder layers (`EncoderBlock`,
+`DecoderBlock`) that `model` stacks. Shapes are written in the package's legend
+(`transformer/__init__.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from transformer.model.config import TransformerConfig
+from transformer.ops import attention, kv_cache, layers, linear_attention, splash
+
+
+class Weights(nn.Module):
+    """A kernel (and optionally a bias) with logical axis names, returned as arrays.
+
+    The pure functions do the arithmetic; this module only owns the parameters, so paths read
+    `<name>/kernel` and `<name>/bias` as in Flax's Dense layers.
+    """
+
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]
+    num_in_axes: int = 1
+    use_bias: bool = True
+
+    @nn.compact
+    def __call__(self):
+        in_axes = tuple(range(self.num_in_axes))
+        out_axes = tuple(range(self.num_in_axes, len(self.shape)))
+        init = nn.initializers.xavier_uniform(in_axis=in_axes, out_axis=out_axes)
+        kernel = self.param("kernel", nn.with_logical_partitioning(init, self.axes), self.shape)
+        if not self.use_bias:
+            return kernel, None
+        bias_init = nn.with_logical_partitioning(nn.initializers.zeros,
+                                                 self.axes[self.num_in_axes:])
+        bias = self.param("bias", bias_init, self.shape[self.num_in_axes:])
+        return kernel, bias
+
+
+class Norm(nn.Module):
+    """LayerNorm (scale and bias) or RMSNorm (scale) over D."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.config
+        d = x.shape[-1]
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+                           (d,))
+        if cfg.norm == "rms_norm":
+            return layers.rms_norm(x, scale, eps=cfg.norm_eps)
+        bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
+                          (d,))
+        return layers.layer_norm(x, scale, bias, eps=cfg.norm_eps)
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head (grouped-query, multi-query) attention, self or cross (paper section 3.2.2).
+
+    `__call__(x [B,T,D], kv_inputs [B,S,D] or None for self-attention, ...) -> (y [B,T,D],
+    cache)`. With a cache, self-attention writes the new keys/values at `cache_index` and
+    attends over the whole cache; cross-attention projects `kv_inputs` once and reuses them
+    (with a cache, `kv_inputs` may hold one row per W rows of x: beams sharing a sentence).
+    A cache holds keys and values heads first ([B, K, S, H]), and attention over it is
+    `attention.cache_attention` (not `attention_fn`: a decoding step's layout, see there).
+    Applied with `mutable=["intermediates"]`, it also records its softmax attention weights
+    [B,N,T,S] (`attention.attention_weights`, what the "xla" implementation multiplies V with)
+    as `intermediates/.../attention_weights` (the plots of `transformer.visualize`).
+
+    Self-attention beyond the paper (`config.attention_kind`, `window`): a local layer attends
+    to the `window` previous positions (`causal`) or `window` on each side, and decodes from a
+    ring buffer of the last `window` keys (`kv_cache.write_ring`; the first
+    `attention_global_tokens` positions, attended from everywhere, in a second one); a linear
+    layer runs `linear_attention` and decodes from its recurrent state. Both read `segments` [B, T]
+    (packed sequence ids, 0 = padding; decoding: 0 = a token not to remember; None: one
+    sequence of real tokens) and a prefix LM's `in_prefix` [B, T].
+    """
+
+    config: TransformerConfig
+    attention_fn: Callable[..., jax.Array] = attention.dot_product_attention
+    use_rope: bool = False
+    window: int | None = None
+    causal: bool = False
+
+    @nn.compact
+    def __call__(self, x, kv_inputs=None, *, mask=None, q_positions=None, kv_positions=None,
+                 cache=None, cache_index=None, segments=None, in_prefix=None,
+                 deterministic=True):
+        cfg = self.config
+        dtype = cfg.compute_dtype
+        d, n, kh, h, hv = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_k, cfg.d_v
+        is_cross = kv_inputs is not None
+
+        def project(name, spec, inputs, shape, axes, num_in_axes=1):
+            kernel, bias = Weights(shape, axes, num_in_axes=num_in_axes, use_bias=cfg.use_bias,
+                                   name=name)()
+            y = jnp.einsum(spec, inputs.astype(dtype), kernel.astype(dtype))
+            return y if bias is None else y + bias.astype(dtype)
+
+        q = project("query", "BTD,DNH->BTNH", x, (d, n, h), ("embed", "heads", "head_dim"))
+        if is_cross and cache is not None and cache.get("key") is not None:
+            k, v = cache["key"], cache["value"]  # encoder keys/values projected once
+        else:  # [B, S, K, H]; a cross-attention cache keeps them heads first
+            source = kv_inputs if is_cross else x
+            k = project("key", "BSD,DKH->BSKH", source, (d, kh, h),
+                        ("embed", "kv_heads", "head_dim"))
+            v = project("value", "BSD,DKE->BSKE", source, (d, kh, hv),
+                        ("embed", "kv_heads", "head_dim"))
+        if self.use_rope:
+            q = layers.apply_rope(q, q_positions, base=cfg.rope_theta)
+            k = layers.apply_rope(k, kv_positions, base=cfg.rope_theta)
+        q = nn.with_logical_constraint(q, ("batch", "length", "heads", "head_dim"))
+        if not is_cross and cfg.attention_kind == "linear":
+            y, cache = self._linear(q, k, v, cache, segments, in_prefix)
+        else:
+            y, cache = self._softmax(q, k, v, mask, cache, cache_index, segments, in_prefix,
+                                     is_cross, deterministic)
+        out = project("out", "BTNE,NED->BTD", y, (n, hv, d), ("heads", "head_dim", "embed"),
+                      num_in_axes=2)
+        return out, cache
+
+    def _linear(self, q, k, v, cache, segments, in_prefix):
+        """Linear self-attention; with a cache, from and into its recurrent state."""
+        feature_map = self.config.linear_feature_map
+        if cache is None:
+            return linear_attention.linear_attention(
+                q, k, v, causal=self.causal, feature_map=feature_map, segment_ids=segments,
+                in_prefix=in_prefix), None
+        return linear_attention.decode_step(
+            q, k, v, cache, feature_map=feature_map,
+            valid=None if segments is None else segments != 0, in_prefix=in_prefix)
+
+    def _softmax(self, q, k, v, mask, cache, cache_index, segments, in_prefix, is_cross,
+                 deterministic):
+        """Softmax attention over all keys, a window of them, or a decoding cache."""
+        cfg = self.config
+        window = None
+        if self.window is not None and not is_cross:  # a causal window looks back only
+            window = (self.window, 0 if self.causal and in_prefix is None else self.window)
+        kwargs = {}
+        if is_cross and cache is not None:
+            if cache.get("key") is None:  # projected just now
+                k, v = kv_cache.heads_first(k), kv_cache.heads_first(v)
+            cache = {"key": k, "value": v}
+        elif cache is not None and window is not None:
+            new_positions = jnp.broadcast_to(cache_index + jnp.arange(q.shape[1]), q.shape[:2])
+            if segments is not None:  # tokens not to remember (padding) get no position
+                new_positions = jnp.where(segments != 0, new_positions, -1)
+            parts, positions = [cache], [cache["position"]]  # the ring buffer, then
+            if "global" in cache:  # the global tokens that have left it, then the new tokens
+                held = cache["global"]
+                seen = (held["position"][:, :, None] == cache["position"][:, None]).any(-1)
+                parts.append(held)
+                positions.append(jnp.where(seen, -1, held["position"]))
+            mask = attention.make_window_cache_mask(
+                cache_index, q.shape[1], jnp.concatenate(positions + [new_positions], axis=1),
+                window, in_prefix, global_tokens=cfg.attention_global_tokens)
+            k_all, v_all = (jnp.concatenate(
+                [part[name] for part in parts]
+                + [kv_cache.heads_first(new).astype(cache[name].dtype)], axis=2)
+                for name, new in (("key", k), ("value", v)))
+            ring = kv_cache.write_ring(cache, k, v, new_positions)
+            if "global" in cache:  # keeps the first attention_global_tokens positions
+                ring["global"] = kv_cache.write_ring(cache["global"], k, v, jnp.where(
+                    new_positions < cfg.attention_global_tokens, new_positions, -1))
+            cache, k, v = ring, k_all, v_all
+        elif cache is not None:
+            cache = kv_cache.write_cache(cache, k, v, cache_index)
+            k, v = cache["key"], cache["value"]
+        elif window is not None:
+            kwargs["local_window_size"] = window
+            if cfg.attention_global_tokens:
+                kwargs["global_tokens"] = cfg.attention_global_tokens
+        dropout_rng = None
+        if not deterministic and cfg.attention_dropout_rate > 0.0:
+            dropout_rng = self.make_rng("dropout")
+        if cache is not None:  # k, v [B, K, S, H]
+            y = attention.cache_attention(q, k, v, mask=mask)
+        elif self._runs_splash(q, k, is_cross, cache, in_prefix, deterministic):
+            y = splash.self_attention(q, k, v, causal=self.causal, local_window_size=window,
+                                      segment_ids=segments)
+        else:
+            y = self.attention_fn(
+                q, k, v, mask=mask, dropout_rate=0.0 if deterministic
+                else cfg.attention_dropout_rate, dropout_rng=dropout_rng, **kwargs)
+        if self.is_mutable_collection("intermediates"):  # asked for: apply(mutable=[...])
+            keys = k if cache is None else jnp.swapaxes(k, 1, 2)
+            rows = q.shape[0] // keys.shape[0]  # W beams sharing their sentence's keys
+            if rows > 1:
+                keys = jnp.repeat(keys, rows, axis=0)
+                mask = mask if mask is None or mask.shape[0] == 1 else jnp.repeat(
+                    mask, rows, axis=0)
+            self.sow("intermediates", "attention_weights",
+                     attention.attention_weights(q, keys, mask=mask, **kwargs))
+        return y, cache
+
+    def _runs_splash(self, q, k, is_cross, cache, in_prefix, deterministic) -> bool:
+        """Whether `model.attention_implementation="splash"` runs the kernel here: training's
+        self-attention (no cache), whose mask is the one `causal`, the window and `segments`
+        imply (as Encoder and Decoder build it), without a prefix, global tokens or attention
+        dropout, in shapes the kernel takes (`splash.fits`). Elsewhere "auto" runs."""
+        cfg = self.config
+        return (cfg.attention_implementation == "splash" and not is_cross and cache is None
+                and in_prefix is None and not cfg.attention_global_tokens
+                and (deterministic or cfg.attention_dropout_rate == 0.0)
+                and splash.fits(q, k))
+
+
+class FeedForward(nn.Module):
+    """The position-wise feed-forward network (paper eq. 2) over `layers.feed_forward`."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x, *, deterministic=True):
+        cfg = self.config
+        dtype = cfg.compute_dtype
+        d, f = cfg.d_model, cfg.d_ff
+        ff_in, bias_in = Weights((d, f), ("embed", "mlp"), use_bias=cfg.use_bias, name="ff_in")()
+        ff_gate = None
+        if cfg.activation == "swiglu":
+            ff_gate, _ = Weights((d, f), ("embed", "mlp"), use_bias=False, name="ff_gate")()
+        ff_out, bias_out = Weights((f, d), ("mlp", "embed"), use_bias=cfg.use_bias,
+                                   name="ff_out")()
+        ff_in, ff_gate, ff_out, bias_in, bias_out = jax.tree.map(
+            lambda a: a.astype(dtype), (ff_in, ff_gate, ff_out, bias_in, bias_out))
+        relu_dropout = 0.0 if deterministic else cfg.relu_dropout_rate
+        return layers.feed_forward(
+            x.astype(dtype), ff_in, ff_out, ff_gate=ff_gate, bias_in=bias_in, bias_out=bias_out,
+            activation=cfg.activation, gelu_approximate=cfg.gelu_approximate,
+            dropout_rate=relu_dropout,
+            dropout_rng=self.make_rng("dropout") if relu_dropout > 0.0 else None)
+
+
+def _pre_norm(x, norm: Norm):
+    """A sublayer's input: norm(x) for pre-LN, x for post-LN."""
+    return norm(x) if norm.config.norm_position == "pre" else x
+
+
+def _residual(x, y, norm: Norm, deterministic: bool):
+    """x + Dropout(y), normalised after (post-LN) or left as is (pre-LN normalised y's input)."""
+    y = nn.Dropout(norm.config.dropout_rate)(y, deterministic=deterministic)
+    x = x + y.astype(x.dtype)
+    return norm(x) if norm.config.norm_position == "post" else x
+
+
+class EncoderBlock(nn.Module):
+    """Self-attention and feed-forward sublayers. `__call__(x [B,S,D], mask, positions,
+    segments, deterministic) -> (x, None)`, the shape of an `nn.scan` body (as
+    `DecoderBlock`'s). `window`: this layer's local window (None: global)."""
+
+    config: TransformerConfig
+    attention_fn: Callable[..., jax.Array] = attention.dot_product_attention
+    window: int | None = None
+
+    @nn.compact
+    def __call__(self, x, mask, positions, segments=None, deterministic=True):
+        cfg = self.config
+        attend = MultiHeadAttention(cfg, self.attention_fn, use_rope=cfg.positional == "rope",
+                                    window=self.window, name="self_attention")
+        norm_attention, norm_ffn = Norm(cfg, name="norm_attention"), Norm(cfg, name="norm_ffn")
+        y, _ = attend(_pre_norm(x, norm_attention), mask=mask, q_positions=positions,
+                      kv_positions=positions, segments=segments, deterministic=deterministic)
+        x = _residual(x, y, norm_attention, deterministic)
+        y = FeedForward(cfg, name="ffn")(_pre_norm(x, norm_ffn), deterministic=deterministic)
+        x = _residual(x, y, norm_ffn, deterministic)
+        return nn.with_logical_constraint(x, ("batch", "length", None)), None
+
+
+class DecoderBlock(nn.Module):
+    """Masked self-attention, cross-attention (encoder-decoder only) and feed-forward sublayers.
+
+    `__call__(x [B,T,D], encoded [B,S,D] or None, self_mask, cross_mask, positions, segments,
+    in_prefix, cache, cache_index, deterministic) -> (x, cache)`. `window`: this layer's local
+    window (None: global).
+    """
+
+    config: TransformerConfig
+    attention_fn: Callable[..., jax.Array] = attention.dot_product_attention
+    window: int | None = None
+
+    @nn.compact
+    def __call__(self, x, encoded, self_mask, cross_mask, positions, segments=None,
+                 in_prefix=None, cache=None, cache_index=None, deterministic=True):
+        cfg = self.config
+        cache = cache or {}
+        new_cache = {}
+        norm_attention = Norm(cfg, name="norm_attention")
+        y, new_cache["self_attention"] = MultiHeadAttention(
+            cfg, self.attention_fn, use_rope=cfg.positional == "rope", window=self.window,
+            causal=True, name="self_attention")(
+            _pre_norm(x, norm_attention), mask=self_mask, q_positions=positions,
+            kv_positions=positions, cache=cache.get("self_attention"),
+            cache_index=cache_index, segments=segments, in_prefix=in_prefix,
+            deterministic=deterministic)
+        x = _residual(x, y, norm_attention, deterministic)
+        if encoded is not None:
+            norm_cross = Norm(cfg, name="norm_cross")
+            y, new_cache["cross_attention"] = MultiHeadAttention(
+                cfg, self.attention_fn, name="cross_attention")(
+                _pre_norm(x, norm_cross), encoded, mask=cross_mask,
+                cache=cache.get("cross_attention", {} if cache else None),
+                deterministic=deterministic)
+            x = _residual(x, y, norm_cross, deterministic)
+        norm_ffn = Norm(cfg, name="norm_ffn")
+        y = FeedForward(cfg, name="ffn")(_pre_norm(x, norm_ffn), deterministic=deterministic)
+        x = _residual(x, y, norm_ffn, deterministic)
+        x = nn.with_logical_constraint(x, ("batch", "length", None))
+        return x, (new_cache if cache else None)

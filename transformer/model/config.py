@@ -1,0 +1,237 @@
+"""`TransformerConfig`: the model's hyperparameters (config key `model.*`) and their checks.
+
+Plain data, no Flax: the modules of `model` read it, and so do the tools that only count
+(`flops`, `memory`, `summary`) or shard (`sharding`) a model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from transformer.ops import attention, layers, linear_attention
+
+# vision: `transformer.vit`; classifier: the encoder and a class head (`Transformer.classify`)
+ARCHITECTURES = ("encoder_decoder", "encoder", "decoder", "vision", "classifier")
+POSITIONALS = ("sinusoidal", "learned", "rope", "none")
+NORMS = ("layer_norm", "rms_norm")
+NORM_POSITIONS = ("post", "pre")
+POOLINGS = ("cls", "gap")  # a classifier's summary: first (class) token, or mean of the tokens
+DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_KINDS = ("softmax", "linear")
+LAYER_ATTENTION = ("global", "local")  # the entries of model.attention_pattern
+# attention.dot_product_attention's, and "splash": the Pallas TPU kernel where it fits (splash.py)
+ATTENTION_IMPLEMENTATIONS = (*attention.IMPLEMENTATIONS, "splash")
+VISION_FIELDS = ("image_size", "patch_size", "num_channels", "num_classes", "pooling")
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """Hyperparameters; the defaults are the paper's base model (Table 3, first row)."""
+
+    architecture: str = "encoder_decoder"
+    vocab_size: int = 37000
+    num_encoder_layers: int = 6
+    num_decoder_layers: int = 6
+    d_model: int = 512
+    d_ff: int = 2048
+    num_heads: int = 8
+    num_kv_heads: int | None = None  # None: num_heads (multi-head); 1: multi-query
+    d_k: int | None = None  # None: d_model // num_heads
+    d_v: int | None = None  # None: d_k
+    dropout_rate: float = 0.1  # P_drop: residual and embedding dropout
+    attention_dropout_rate: float = 0.0
+    relu_dropout_rate: float = 0.0
+    positional: str = "sinusoidal"
+    norm: str = "layer_norm"
+    norm_position: str = "post"  # post: LayerNorm(x + Dropout(Sublayer(x))), as the paper
+    activation: str = "relu"
+    use_bias: bool = True
+    share_embeddings: bool = True  # source embedding = target embedding
+    tie_output_embedding: bool = True  # pre-softmax projection = target embedding
+    max_len: int = 512
+    dtype: str = "float32"  # compute dtype; parameters are always float32
+    scan_layers: bool = False
+    remat_policy: str = "none"
+    attention_implementation: str = "auto"
+    norm_eps: float = 1e-6
+    # Exactness with published checkpoints (transformer/huggingface): the paper's values first.
+    rope_theta: float = 10000.0  # RoPE's base
+    scale_embeddings: bool = True  # token embeddings times sqrt(d_model) (paper section 3.4)
+    gelu_approximate: bool = True  # activation="gelu": tanh approximation (False: exact erf)
+    # The token ids the model reads (data/tokenizer.py's unless a checkpoint brings its own
+    # vocabulary): the decoder's start and a sequence's end, and pad_id 0 (never a target,
+    # never generated) or None where id 0 is an ordinary token (GPT-2's "!"): arrays are still
+    # padded with 0, and padding is then read from segment ids and lengths alone.
+    bos_id: int = BOS_ID
+    eos_id: int = EOS_ID
+    pad_id: int | None = PAD_ID
+    # Self-attention beyond the paper: "linear" (Katharopoulos et al., 2020; feature map
+    # `linear_feature_map`), or softmax over all positions ("global") or a sliding window
+    # ("local": the `attention_window` previous positions, and as many after in an encoder),
+    # layer by layer as `attention_pattern` (comma-separated, repeated over the layers).
+    attention_kind: str = "softmax"
+    linear_feature_map: str = "elu"
+    attention_window: int | None = None
+    attention_pattern: str = "global"  # e.g. "local" (every layer), "local,global" (Gemma 2)
+    # Local layers: the first positions of a row attend to and from every position
+    # (Longformer's global tokens; the chunked kernel still skips the blocks they do not need).
+    attention_global_tokens: int = 0
+    # VISION_FIELDS, read by architecture="vision" (the ViT, `transformer.vit`): square
+    # images cut into square patches; num_classes and pooling also by "classifier" (text)
+    image_size: int = 224
+    patch_size: int = 16
+    num_channels: int = 3
+    num_classes: int = 1000
+    # cls: the first token's final state (the ViT's class token; a text's first piece);
+    # gap: the mean of the final states (the patches; a text's non-padding tokens)
+    pooling: str = "cls"
+
+    def __post_init__(self):
+        set_ = functools.partial(object.__setattr__, self)
+        if self.num_kv_heads is None:
+            set_("num_kv_heads", self.num_heads)
+        if self.d_k is None:
+            if self.num_heads < 1 or self.d_model % self.num_heads:
+                raise ValueError(f"model.num_heads={self.num_heads} does not divide "
+                                 f"d_model={self.d_model}; change it or set model.d_k")
+            set_("d_k", self.d_model // self.num_heads)
+        if self.d_v is None:
+            set_("d_v", self.d_k)
+        for field, choices in (("architecture", ARCHITECTURES), ("positional", POSITIONALS),
+                               ("norm", NORMS), ("norm_position", NORM_POSITIONS),
+                               ("activation", layers.ACTIVATIONS),
+                               ("remat_policy", tuple(REMAT_POLICIES)), ("dtype", DTYPES),
+                               ("pooling", POOLINGS),
+                               ("attention_implementation", ATTENTION_IMPLEMENTATIONS)):
+            if getattr(self, field) not in choices:
+                raise ValueError(f"model.{field}={getattr(self, field)!r} is not one of "
+                                 f"{', '.join(choices)}")
+        for field in ("vocab_size", "d_model", "d_ff", "num_heads", "num_kv_heads", "d_k",
+                      "d_v", "max_len", "image_size", "patch_size", "num_channels",
+                      "num_classes"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"model.{field}={getattr(self, field)} must be positive")
+        for field in ("dropout_rate", "attention_dropout_rate", "relu_dropout_rate"):
+            if not 0.0 <= getattr(self, field) < 1.0:
+                raise ValueError(f"model.{field}={getattr(self, field)} must be in [0, 1)")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model.num_kv_heads={self.num_kv_heads} does not divide "
+                             f"num_heads={self.num_heads}")
+        if self.pad_id not in (PAD_ID, None):
+            raise ValueError(f"model.pad_id={self.pad_id} must be {PAD_ID} (padding) or None (no "
+                             f"padding token: id {PAD_ID} is an ordinary token)")
+        if self.pad_id is None and (self.attention_kind != "softmax"
+                                    or "local" in self.attention_pattern):
+            raise ValueError("model.pad_id=None needs global softmax attention: local and "
+                             "linear layers read padding from id 0 while decoding")
+        for field in ("bos_id", "eos_id") if self.num_decoder_layers else ():
+            if not 0 <= getattr(self, field) < self.vocab_size:
+                raise ValueError(f"model.{field}={getattr(self, field)} is not an id of the "
+                                 f"vocabulary (0 to vocab_size-1={self.vocab_size - 1})")
+        if self.rope_theta <= 0:
+            raise ValueError(f"model.rope_theta={self.rope_theta} must be positive")
+        if self.positional == "rope" and self.d_k % 2:
+            raise ValueError(f"model.positional='rope' needs an even d_k, got {self.d_k}")
+        if self.positional == "sinusoidal" and self.d_model % 2:
+            raise ValueError(f"model.positional='sinusoidal' needs an even d_model, "
+                             f"got {self.d_model}")
+        if self.architecture == "encoder_decoder" and min(self.num_encoder_layers,
+                                                         self.num_decoder_layers) < 1:
+            raise ValueError("model.num_encoder_layers and num_decoder_layers must be >= 1")
+        self._check_attention_pattern()
+        if self.architecture == "vision":
+            self._check_vision()
+
+    def _check_attention_pattern(self):
+        for field, choices in (("attention_kind", ATTENTION_KINDS),
+                               ("linear_feature_map", tuple(linear_attention.FEATURE_MAPS))):
+            if getattr(self, field) not in choices:
+                raise ValueError(f"model.{field}={getattr(self, field)!r} is not one of "
+                                 f"{', '.join(choices)}")
+        pattern = self.attention_pattern.split(",")
+        if any(entry not in LAYER_ATTENTION for entry in pattern):
+            raise ValueError(f"model.attention_pattern={self.attention_pattern!r}: each "
+                             f"comma-separated entry must be global or local (e.g. "
+                             f"'local,global')")
+        if self.attention_window is not None and self.attention_window < 1:
+            raise ValueError(f"model.attention_window={self.attention_window} must be >= 1 "
+                             f"(or None: no local layers)")
+        if "local" in pattern and self.attention_window is None:
+            raise ValueError(f"model.attention_pattern={self.attention_pattern!r} has local "
+                             f"layers: set model.attention_window (e.g. 256)")
+        if self.attention_window is not None and "local" not in pattern:
+            raise ValueError(f"model.attention_window={self.attention_window} has no effect with "
+                             f"attention_pattern='global': set attention_pattern='local' (every "
+                             f"layer) or e.g. 'local,global'")
+        if self.attention_global_tokens < 0 or (self.attention_global_tokens
+                                                and "local" not in pattern):
+            raise ValueError(f"model.attention_global_tokens={self.attention_global_tokens} "
+                             f"must be >= 0 and widens local windows: set 0, or "
+                             f"model.attention_window with a local attention_pattern")
+        if self.attention_kind == "linear" and self.attention_window is not None:
+            raise ValueError("model.attention_kind='linear' attends to every position: unset "
+                             "model.attention_window and attention_pattern")
+        layers_ = max(self.num_encoder_layers, self.num_decoder_layers)
+        if self.scan_layers and len({self.layer_window(i) for i in range(layers_)}) > 1:
+            raise ValueError(f"model.attention_pattern={self.attention_pattern!r} differs "
+                             f"between layers, which model.scan_layers=True cannot stack (their "
+                             f"decoding caches differ): set scan_layers=False or a uniform "
+                             f"pattern")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The window w of layer `layer`'s self-attention (same index in the encoder and the
+        decoder), or None for a layer that attends to every position."""
+        pattern = self.attention_pattern.split(",")
+        return self.attention_window if pattern[layer % len(pattern)] == "local" else None
+
+    def _check_vision(self):
+        if self.image_size % self.patch_size:
+            raise ValueError(f"model.patch_size={self.patch_size} does not divide "
+                             f"image_size={self.image_size}")
+        if self.positional not in ("learned", "none"):
+            raise ValueError(f"model.positional={self.positional!r}: the vision model takes "
+                             f"'learned' (the ViT's) or 'none'")
+        if self.num_encoder_layers < 1:
+            raise ValueError("model.num_encoder_layers must be >= 1")
+
+    @property
+    def num_patches(self) -> int:
+        """Patches of one image (the vision model): (image_size / patch_size)^2."""
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def classifies(self) -> bool:
+        """One row of class logits per example (the ViT, the text classifier), not per token."""
+        return self.architecture in ("vision", "classifier")
+
+    @property
+    def dense_attention_implementation(self) -> str:
+        """What `attention.dot_product_attention` runs: the configured implementation, "auto"
+        for "splash" (where the kernel does not fit, `blocks.MultiHeadAttention`)."""
+        return "auto" if self.attention_implementation == "splash" else (
+            self.attention_implementation)
+
+    @property
+    def compute_dtype(self):
+        return jnp.dtype(self.dtype)
+
+    @classmethod
+    def from_dict(cls, values) -> TransformerConfig:
+        """From a mapping such as `config.model`; unknown keys are an error naming them."""
+        values = dict(values)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown model config keys {unknown}; known: {sorted(known)}")
+        return cls(**values)

@@ -1,0 +1,1 @@
+"""Pure array functions: attention and its kernels, masks, layers, KV-cache writes."""

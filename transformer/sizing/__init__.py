@@ -1,0 +1,1 @@
+"""Sizing a run: FLOPs, the memory plan, the summary, TPU topologies."""

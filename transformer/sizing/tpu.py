@@ -1,0 +1,181 @@
+"""Compiling for a TPU topology on a machine without a TPU (`train.py --compile_only --topology`).
+
+With the `libtpu` wheel installed (`pip install -e ".[tpu]"`), `get_topology_desc` gives abstract
+TPU devices that the TPU compiler targets ahead of time: the real train step is lowered and
+compiled for them, and the compiler's memory and cost analyses are reported. Cloud TPU
+accelerator-type names (`v5p-128`, `v5e-8`, `v4-32`, ...: the number counts TensorCores, two
+per v4/v5p chip) map to libtpu's `<generation>:<chips per dimension>` names; an explicit
+`v5e:2x2` passes through. v4 and v5p chips are one JAX device each (megacore), as on a TPU VM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import os
+import re
+import sys
+import tempfile
+
+import jax
+
+from transformer.config import Resolved
+from transformer.sizing import memory
+from transformer.training import sharding
+
+GiB, GB = 2**30, 10**9
+LIBTPU_MISSING = '--topology needs libtpu: pip install -e ".[tpu]"'
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """A TPU generation: libtpu's name for it, its layout, and one device's figures."""
+
+    generation: str  # the prefix get_topology_desc takes before ':'
+    device: memory.Accelerator  # per chip = per JAX device (megacore: both cores as one)
+    cores_per_chip: int  # TensorCores; the number in a Cloud name counts these on v4/v5p
+    megacore: bool
+    dims: int  # 2: AxB slices, 3: AxBxC
+
+
+# Cloud TPU docs (cloud.google.com/tpu/docs/{v4,v5e,v5p,v6e}): HBM, peak bf16, HBM bandwidth.
+CHIPS = {
+    "v4": Chip("v4", memory.Accelerator("TPU v4", 32 * GiB, 275e12, 1200e9), 2, True, 3),
+    "v5p": Chip("v5", memory.Accelerator("TPU v5", 95 * GiB, 459e12, 2765e9), 2, True, 3),
+    "v5e": Chip("v5e", memory.Accelerator("TPU v5 lite", 16 * GB, 197e12, 819e9), 1, False, 2),
+    "v6e": Chip("v6e", memory.Accelerator("TPU v6 lite", 32 * GB, 918e12, 1640e9), 1, False, 2),
+}
+ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "v6": "v6e"}
+# Cloud TPU's slice shape for each chip count (the same table as MaxText's).
+SHAPES_3D = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4),
+             128: (4, 4, 8), 256: (4, 8, 8), 512: (8, 8, 8), 1024: (8, 8, 16),
+             2048: (8, 16, 16), 4096: (16, 16, 16), 6144: (16, 16, 24)}
+SHAPES_2D = {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8),
+             128: (8, 16), 256: (16, 16)}
+ACCEPTED = ("accelerator types v4-8 ... v4-8192, v5p-8 ... v5p-12288, v5e-1 ... v5e-256 "
+            "(or v5litepod-N), v6e-1 ... v6e-256, or a chip grid such as v5e:2x2, v4:2x2x4, "
+            "v5p:4x4x8")
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """A TPU slice shape (chips per dimension), repeated over `num_slices` slices."""
+
+    name: str  # as given
+    chip: Chip
+    shape: tuple[int, ...]
+    num_slices: int
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.shape) * self.num_slices
+
+    @property
+    def libtpu_name(self) -> str:
+        return f"{self.chip.generation}:{'x'.join(map(str, self.shape))}"
+
+    def kwargs(self) -> dict:
+        """`get_topology_desc`'s arguments. Torus links (`wrap`): 3D slices of whole 4x4x4
+        cubes, 2D dimensions of 16 chips; they only change the cost of collectives."""
+        if self.chip.dims == 3:
+            wrap = (all(s % 4 == 0 for s in self.shape),) * 3
+        else:
+            wrap = tuple(s == 16 for s in self.shape) + (False,)
+        return dict(platform="tpu", topology_name=self.libtpu_name,
+                    chip_config_name="megacore" if self.chip.megacore else "default",
+                    chips_per_host_bounds=(2, 2, 1) if math.prod(self.shape) >= 4 else (1, 1, 1),
+                    num_slices=self.num_slices, wrap=wrap)
+
+
+def parse_topology(name: str, num_slices: int = 1) -> Topology:
+    """'v5p-128' | 'v5litepod-4' | 'v5e:2x2' | 'v4:2x2x4' -> Topology; ValueError (one line
+    listing the accepted forms) otherwise."""
+    if num_slices < 1:
+        raise ValueError(f"--num_slices={num_slices} must be >= 1")
+    bad = f"--topology={name!r} is not a TPU topology; use {ACCEPTED}"
+    match = re.fullmatch(r"([a-z0-9]+?)(-|:)([0-9]+(?:x[0-9]+)*)", name.strip().lower())
+    if not match:
+        raise ValueError(bad)
+    generation, separator, size = match.groups()
+    chip = CHIPS.get(ALIASES.get(generation, generation))
+    if chip is None:
+        raise ValueError(bad)
+    if separator == ":":
+        shape = tuple(int(s) for s in size.split("x"))
+        shape += (1,) * (chip.dims - len(shape))
+        if len(shape) != chip.dims or min(shape) < 1:
+            raise ValueError(bad)
+    else:
+        if "x" in size or int(size) % chip.cores_per_chip:
+            raise ValueError(bad)
+        shape = (SHAPES_3D if chip.dims == 3 else SHAPES_2D).get(
+            int(size) // chip.cores_per_chip)
+        if shape is None:
+            raise ValueError(bad)
+    return Topology(name, chip, shape, num_slices)
+
+
+def prepare_environment() -> None:
+    """Before JAX starts a backend: CPU for the host's arrays, and what keeps libtpu quiet
+    (TPU_ACCELERATOR_TYPE, TPU_WORKER_HOSTNAMES: any values do, they do not change the target)
+    and lets it load beside another process that holds /tmp/libtpu_lockfile."""
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
+def libtpu_installed() -> bool:
+    return importlib.util.find_spec("libtpu") is not None
+
+
+def abstract_devices(topology: Topology) -> list:
+    """The topology's compile-only TPU devices (multi-slice ones carry `slice_index`)."""
+    from jax.experimental import topologies
+
+    devices = list(topologies.get_topology_desc(**topology.kwargs()).devices)
+    if len(devices) != topology.num_devices:
+        raise ValueError(f"--topology={topology.name}: libtpu gave {len(devices)} devices, "
+                         f"expected {topology.num_devices}")
+    return devices
+
+
+def compile_report(run: Resolved, topology: Topology, devices) -> str:
+    """The `--compile_only` report of the train step compiled for `devices` (`run` resolved for
+    them), with the chip's memory, the compiler's time estimate and the MFU it implies."""
+    mesh = sharding.make_mesh(run.config.mesh, devices)
+    header = (f"topology: {topology.name} = {topology.libtpu_name} x {topology.num_slices} "
+              f"slice(s), {len(devices)} x {devices[0].device_kind}")
+    if topology.num_slices > 1:
+        ici, dcn = sharding.hybrid_shape(run.config.mesh, len(devices), topology.num_slices)
+        header += (f"; {', '.join(sharding.MESH_AXES)} within a slice {tuple(ici)}, across "
+                   f"slices {tuple(dcn)}")
+    report = memory.format_report(run.model, _plan(run, mesh, topology), topology.chip.device)
+    return f"{header}\n{report}"
+
+
+def _plan(run: Resolved, mesh, topology: Topology) -> memory.MemoryPlan:
+    """`memory.plan` for TPU devices. libtpu's compiler logs to file descriptor 2, and a program
+    that does not fit in HBM is an error with a memory dump of 100s of lines: that becomes one
+    line (ValueError); any other log is passed on."""
+    sys.stderr.flush()
+    saved, oom = os.dup(2), None
+    with tempfile.TemporaryFile("w+") as log:
+        os.dup2(log.fileno(), 2)
+        try:
+            return memory.plan(run, mesh)
+        except jax.errors.JaxRuntimeError as error:
+            oom = re.search(r"CompileTimeHbmOom: (.*?)\. HLO module", str(error))
+            if oom is None:
+                raise
+            raise ValueError(f"does not fit on {topology.name}: the TPU compiler says "
+                             f"{oom.group(1)}; shard more (mesh.fsdp, mesh.tensor), remat "
+                             f"(model.remat_policy) or fewer rows per device") from None
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            log.seek(0)
+            if oom is None:
+                sys.stderr.write(log.read())

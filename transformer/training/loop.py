@@ -1,0 +1,353 @@
+"""The training loop: validate, build the mesh, init or resume, train, evaluate, checkpoint.
+
+`train_and_evaluate(cfg, workdir)` is what `train.py` runs. Rerunning it on the same workdir
+resumes from the latest checkpoint; on the same mesh the losses continue bit for bit. SIGTERM
+saves a checkpoint and returns cleanly. The metrics of every step a checkpoint covers are on disk
+before its save starts (`metrics.MetricWriter.sync`), so a kill loses no line for good.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import time
+from importlib import metadata
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from transformer import classify
+from transformer.checkpoint import faults
+from transformer.checkpoint import workdir as workdir_lib
+from transformer.checkpoint.averaging import ParamsSeries
+from transformer.checkpoint.checkpointer import Checkpointer, list_steps
+from transformer.config import resolve
+from transformer.data import make_source
+from transformer.inference.translator import Translator
+from transformer.sizing import flops
+from transformer.training import (
+    distributed,
+    metrics,
+    scores,
+    sharding,
+    transfer,
+)
+from transformer.training import (
+    step as step_lib,
+)
+from transformer.util import progress
+
+log = logging.getLogger("transformer")
+PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "transformer")
+
+
+def _prepared_source(cfg, workdir: str, *, batch_shards: int):
+    """The data source; with several processes, process 0 prepares the dataset and vocabulary
+    first and the others then reuse them. Its batch rows must split over data x fsdp."""
+    if jax.process_index() == 0:
+        source = make_source(cfg, workdir)
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("data prepared")
+    if jax.process_index() != 0:
+        source = make_source(cfg, workdir)
+    for key, rows in (("data.batch_size", source.rows_per_batch),
+                      ("data.eval_batch_size", source.eval_rows_per_batch)):
+        if rows % batch_shards:
+            raise ValueError(f"{key}: batches of {rows} rows do not split over mesh.data x "
+                             f"mesh.fsdp = {batch_shards} devices; make it a multiple")
+    return source
+
+
+def _provenance(cfg, mesh, source) -> dict:
+    def version(name):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             cwd=os.path.dirname(__file__), timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        sha = None
+    device = jax.devices()[0]
+    return {
+        "packages": {name: version(name) for name in PACKAGES},
+        "git_sha": sha,
+        "mesh_shape": dict(mesh.shape),
+        "devices": {"count": jax.device_count(), "platform": device.platform,
+                    "kind": device.device_kind, "processes": jax.process_count()},
+        "dataset": source.fingerprint(),
+        "vocabulary": source.vocabulary_fingerprint(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    } | ({"images": source.preprocessing()} if hasattr(source, "preprocessing") else {})
+
+
+def _write_config(cfg, workdir: str, mesh, source) -> None:
+    """config.json: the resolved config and provenance. On resume the model must not change."""
+    resolved = cfg.to_dict()
+    previous = workdir_lib.read_config_file(workdir)
+    if previous is not None:
+        changed = sorted(k for k in set(previous.get("model", {})) | set(resolved["model"])
+                         if previous["model"].get(k) != resolved["model"].get(k))
+        if changed:
+            raise ValueError(f"{workdir_lib.path(workdir, workdir_lib.CONFIG)} was written with "
+                             f"other model settings ({', '.join(changed)}); resume with the same "
+                             f"model or use a new --workdir")
+        return
+    if jax.process_index() == 0:
+        workdir_lib.write_config(workdir, resolved, _provenance(cfg, mesh, source))
+
+
+class _Preemption:
+    """SIGTERM sets a flag; the loop saves a checkpoint at the next step and returns."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        log.warning("SIGTERM: saving a checkpoint after this step, then exiting")
+        self.requested = True
+
+    def agreed(self, step: int, every: int) -> bool:
+        """True on every process if any process was signalled. With several processes they
+        compare notes (a collective) only every `every` steps."""
+        if jax.process_count() == 1:
+            return self.requested
+        if step % every:
+            return False
+        return bool(multihost_utils.process_allgather(np.array(self.requested)).any())
+
+    def restore(self):
+        signal.signal(signal.SIGTERM, self._previous)
+
+
+def evaluate(trainer, eval_step, params, source, rows, split="validation") -> dict:
+    """Unsmoothed eval loss and perplexity (a classifier: loss and accuracy,
+    `step_lib.eval_metrics`) over the source's eval batches of `split` (progress on stderr
+    from process 0)."""
+    totals = {"nll_sum": 0.0, "tokens": 0.0}
+    with progress.bar(None, f"evaluating on {split}", unit="batch",
+                      show=jax.process_index() == 0) as bar:
+        for local in source.eval_batches(split, rows):
+            sums = jax.device_get(eval_step(params, step_lib.global_batch(trainer.mesh, local)))
+            totals = {k: totals.get(k, 0.0) + float(v) for k, v in sums.items()}
+            bar.update()
+    return step_lib.eval_metrics(totals)
+
+
+def validation_bleu(translator: Translator, source, num_sentences: int, target_lang: str,
+                    split: str = "validation") -> dict:
+    """Both BLEUs of the translations (the config's beam search) of the first `num_sentences`
+    pairs of `split`, and `bleu_num_truncated`: how many sources were cut to the model's
+    max_len (the others were translated whole)."""
+    pairs = source.raw_pairs(split, num_sentences)
+    sources = [s for s, _ in pairs]
+    figures = scores.bleu(translator.translate(sources), [t for _, t in pairs],
+                              target_lang=target_lang)
+    return figures | {"bleu_num_truncated": translator.num_too_long(sources)}
+
+
+def _check_bleu_source(cfg, source) -> None:
+    if cfg.bleu_every_steps and not hasattr(source, "raw_pairs"):
+        raise ValueError(f"bleu_every_steps={cfg.bleu_every_steps} needs a translation dataset "
+                         f"(data.dataset={cfg.data.dataset!r} gives no sentence pairs); set it "
+                         f"to 0")
+
+
+def train_and_evaluate(cfg, workdir: str, *,
+                       config_file: str | None = None) -> step_lib.TrainState:
+    """Trains `cfg` in `workdir` (resuming if it holds a checkpoint); returns the final state.
+    `config_file`, where `cfg` came from, is named in errors about its keys. With several
+    processes, an error in one stops all within seconds, naming it (`distributed.FailureNotices`):
+    each process prints its line and ends with status 1 instead of raising."""
+    with distributed.FailureNotices(one_line_errors=(ValueError, NonFiniteLoss)) as notices:
+        return _train(cfg, workdir, config_file, notices)
+
+
+def _train(cfg, workdir: str, config_file: str | None,
+           notices: distributed.FailureNotices) -> step_lib.TrainState:
+    run = resolve(cfg, jax.device_count(), config_file=config_file)
+    if not cfg.grad_accum_steps:
+        log.info("grad_accum_steps=0: %d microbatches of %d rows per update on %d devices",
+                 run.config.grad_accum_steps,
+                 run.config.data.batch_size // run.config.grad_accum_steps, jax.device_count())
+    cfg = run.config
+    starting = not list_steps(workdir_lib.path(workdir, workdir_lib.CHECKPOINTS))
+    init = transfer.parse(cfg.init_from) if cfg.init_from and starting else None
+    os.makedirs(workdir, exist_ok=True)
+    if init is not None and cfg.data.dataset != "synthetic":  # before the data pipeline
+        transfer.copy_vocabulary(init, workdir, int(cfg.data.vocab_size))  # trains its own
+    source = _prepared_source(cfg, workdir, batch_shards=sharding.batch_shards(run.mesh_shape))
+    _check_bleu_source(cfg, source)
+    mesh = sharding.make_mesh(cfg.mesh)
+    trainer = step_lib.build_trainer(run, mesh)
+    _write_config(cfg, workdir, mesh, source)
+    checkpointer = Checkpointer(workdir, keep=int(cfg.keep_checkpoints))
+    series = (ParamsSeries(workdir, every_minutes=float(cfg.params_every_minutes),
+                           keep=int(cfg.params_keep))
+              if cfg.params_every_minutes else None)
+    restored = checkpointer.restore_latest(trainer.abstract_state)
+    if restored is None:
+        latest, state, next_batch = None, step_lib.init_state(trainer, int(cfg.seed)), 0
+        if cfg.init_from:  # only before the run's own first checkpoint
+            init = init or transfer.parse(cfg.init_from)
+            params, _ = transfer.load(init, state.params, has_class_token=(
+                run.model.architecture == "vision" and run.model.pooling == "cls"))
+            state = state.replace(params=params)
+    else:
+        latest, state, data_state = restored
+        log.info("resuming from %s/%d", checkpointer.directory, latest)
+        next_batch = int(data_state["next_batch_index"])
+    step = int(jax.device_get(state.step))
+    rows = step_lib.process_rows(mesh, source.rows_per_batch)
+    eval_rows = step_lib.process_rows(mesh, source.eval_rows_per_batch)
+    train_step = _compile(step_lib.make_train_step(trainer, cfg), "train step",
+                          state, step_lib.global_batch(mesh, source.train_batch(0, rows)))
+    eval_step = step_lib.make_eval_step(trainer)
+    eval_split = source.validation_split  # a language model's data.eval_split (lm1b: "test")
+    translator = (Translator(cfg, run.model, state.params, source.tokenizer)
+                  if cfg.bleu_every_steps else None)
+    writer = metrics.MetricWriter(workdir)
+    preemption = _Preemption()
+    total = int(cfg.num_train_steps)
+    flops_per_token = flops.train_flops_per_token(
+        run.model, source_length=source.source_length,
+        target_length=source.target_length)
+    peak = metrics.peak_flops_per_device()
+    progress = metrics.Progress(step, total, unit=_progress_unit(run.model))
+    pending: list[tuple[int, dict]] = []
+    last_save_time, last_saved = time.monotonic(), latest
+    profile_start, profile_steps = int(cfg.profile_start_step), int(cfg.profile_num_steps)
+    try:
+        while step < total:
+            if profile_steps and step == profile_start:
+                jax.profiler.start_trace(workdir_lib.path(workdir, workdir_lib.PROFILE))
+            started = time.perf_counter()
+            batch = step_lib.global_batch(mesh, source.train_batch(next_batch, rows))
+            progress.add_step(time.perf_counter() - started)
+            state, step_metrics = train_step(state, batch)
+            step, next_batch = step + 1, next_batch + 1
+            pending.append((step, step_metrics))
+            faults.step_fault(step)
+            if profile_steps and step == profile_start + profile_steps:
+                jax.profiler.stop_trace()
+            preempted = preemption.agreed(step, cfg.log_every_steps)
+            if step % cfg.log_every_steps == 0 or step == total or preempted:
+                _flush(pending, progress, writer, step, total, flops_per_token, peak, cfg,
+                       last_saved)
+                pending = []
+            due_loss = _due(cfg.eval_every_steps, step, total)
+            due_bleu = translator is not None and _due(cfg.bleu_every_steps, step, total)
+            if due_loss or due_bleu:
+                started = time.perf_counter()
+                figures = (evaluate(trainer, eval_step, state.params, source, eval_rows,
+                                    eval_split) if due_loss else {})
+                if due_bleu:
+                    translator.params = state.params
+                    figures |= validation_bleu(translator, source, int(cfg.bleu_num_sentences),
+                                               cfg.data.target_lang, eval_split)
+                writer.write(step, eval_split, figures)
+                metrics.log_evaluation(step, eval_split, figures,
+                                       time.perf_counter() - started)
+                progress.exclude(time.perf_counter() - started)
+            if _should_save(cfg, step, total, last_save_time) or preempted:
+                if pending:  # the lines of every step the checkpoint covers come first
+                    _flush(pending, progress, writer, step, total, flops_per_token, peak, cfg,
+                           last_saved)
+                    pending = []
+                writer.sync()
+                checkpointer.save(step, state, {"next_batch_index": next_batch})
+                last_save_time, last_saved = time.monotonic(), step
+            if series is not None:
+                if step == total or preempted:
+                    series.save(step, state.params)
+                else:
+                    series.maybe_save(step, state.params)
+            if preempted:
+                log.warning("preempted: checkpoint %d saved, exiting", step)
+                break
+        if step >= total and run.model.classifies:  # trained: score the test split
+            classify.test_evaluation(trainer, state.params, source, eval_rows, step, writer,
+                                     workdir)
+    except BaseException as error:  # the others learn of it before this process cleans up
+        notices.post(error)
+        raise
+    finally:  # the checkpointer last: a failed save raises there, after the rest is closed
+        writer.close()
+        preemption.restore()
+        if series is not None:
+            series.close()
+        checkpointer.close()
+    return state
+
+
+def _compile(jitted, what: str, *example_args):
+    """Compiles ahead of time (timed, logged) and, with several processes, waits until every
+    process has: a process still compiling must not leave the others waiting in a collective
+    past its timeout."""
+    started = time.perf_counter()
+    compiled = jitted.lower(*example_args).compile()
+    log.info("%s compiled in %.1f s", what, time.perf_counter() - started)
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(f"{what} compiled")
+    return compiled
+
+
+def _progress_unit(model) -> str:
+    """What a train step's `sequence_tokens` count: images, examples or tokens."""
+    return {"vision": "img", "classifier": "ex"}.get(model.architecture, "tok")
+
+
+def _due(every: int, step: int, total: int) -> bool:
+    """Every `every` steps (0: never) and at the last step."""
+    return bool(every) and (step % every == 0 or step == total)
+
+
+def _should_save(cfg, step: int, total: int, last_save_time: float) -> bool:
+    """Every `checkpoint_every_steps`, every `checkpoint_every_minutes` (process 0's clock),
+    and at the end."""
+    due = step == total or bool(cfg.checkpoint_every_steps
+                                and step % cfg.checkpoint_every_steps == 0)
+    if cfg.checkpoint_every_minutes:
+        elapsed = time.monotonic() - last_save_time >= 60 * cfg.checkpoint_every_minutes
+        if jax.process_count() > 1:
+            elapsed = bool(multihost_utils.broadcast_one_to_all(np.array(elapsed)))
+        due = due or elapsed
+    return due
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss or gradient was not finite (the update was not applied)."""
+
+
+def _flush(pending, progress, writer, step, total, flops_per_token, peak, cfg, last_saved):
+    """Fetches the pending step metrics, writes one train line per step, logs progress."""
+    fetched = jax.device_get([m for _, m in pending])
+    tokens = sum(float(m["sequence_tokens"]) for m in fetched)
+    progress.add_tokens(tokens)
+    window = progress.report(step)
+    if peak is not None:
+        window["mfu"] = flops_per_token * window["tokens_per_sec"] / (peak * jax.device_count())
+    for (s, _), m in zip(pending, fetched, strict=True):
+        if bool(m["nonfinite"]) and not cfg.skip_nonfinite_updates:
+            last = f"checkpoint {last_saved}" if last_saved else "no checkpoint yet"
+            raise NonFiniteLoss(f"step {s}: loss {float(m['loss'])} or gradient norm "
+                                f"{float(m['grad_norm'])} is not finite; the update was not "
+                                f"applied. Last good checkpoint: {last}. Lower the learning rate"
+                                f" or set clip_norm, or skip_nonfinite_updates=True")
+        line = {"loss": m["loss"], "learning_rate": m["learning_rate"],
+                "grad_norm": m["grad_norm"], "tokens_per_sec": window["tokens_per_sec"],
+                "steps_per_sec": window["steps_per_sec"],
+                "data_wait_fraction": window["data_wait_fraction"],
+                "target_tokens_per_update": m["target_tokens"],
+                "nonfinite_skipped": int(m["nonfinite"])}
+        if "mfu" in window:
+            line["mfu"] = window["mfu"]
+        line |= {k: m[k] for k in step_lib.LOSS_SCALE_METRICS if k in m}  # float16 runs
+        writer.write(s, "train", line)
+    metrics.log_progress(step, total, fetched[-1] | window, progress.unit)

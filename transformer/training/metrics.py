@@ -1,0 +1,230 @@
+"""Where figures go: `metrics.jsonl`, TensorBoard events, and a progress line on the console.
+
+Only process 0 writes. A line of metrics.jsonl is one JSON object with "step" (optimizer updates
+completed, 1-based) and "split" ("train", "validation", "test"); after a resume a step may
+appear twice, and readers keep the last line per (step, split).
+
+No line is lost to a kill: the loop calls `MetricWriter.sync` (flush and fsync of metrics.jsonl
+and the TensorBoard events) before it starts a checkpoint save, so every step a checkpoint
+covers has its lines on disk before the checkpoint exists; a resumed run recomputes, and logs
+again, only steps after it. A line torn by a kill mid-write (always of a step after the latest
+checkpoint) is cut off when the next run opens the file.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import math
+import os
+import time
+
+import jax
+
+from transformer.checkpoint import workdir as workdir_lib
+
+log = logging.getLogger("transformer")
+
+# Dense bf16 peak FLOP/s per device, by a substring of `device.device_kind`.
+PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5e": 197e12,
+    "TPU v5p": 459e12,
+    "TPU v5": 459e12,
+}
+
+
+def peak_flops_per_device(device: jax.Device | None = None) -> float | None:
+    """The device's dense bf16 peak, or None where unknown (e.g. CPU)."""
+    kind = (device or jax.devices()[0]).device_kind
+    for name, peak in PEAK_FLOPS.items():
+        if name in kind:
+            return peak
+    return None
+
+
+class MetricWriter:
+    """Appends to metrics.jsonl and TensorBoard (process 0 only); each line is handed to the
+    operating system as it is written, `sync` makes them durable."""
+
+    def __init__(self, workdir: str):
+        self.active = jax.process_index() == 0
+        self._path = workdir_lib.path(workdir, workdir_lib.METRICS)
+        self._tb_dir = workdir_lib.path(workdir, workdir_lib.TENSORBOARD)
+        self._tb = self._file = None
+        if self.active:
+            from tensorboardX import SummaryWriter
+
+            cut_torn_line(self._path)
+            self._file = open(self._path, "a")
+            self._tb = SummaryWriter(self._tb_dir)
+
+    def write(self, step: int, split: str, values: dict) -> None:
+        if not self.active:
+            return
+        record = {"step": int(step), "split": split}
+        record.update({k: _plain(v) for k, v in values.items()})
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        for key, value in record.items():
+            if key not in ("step", "split") and isinstance(value, int | float):
+                self._tb.add_scalar(f"{split}/{key}", value, step)
+        self._tb.flush()
+
+    def sync(self) -> None:
+        """Every line written so far on disk (fsync of metrics.jsonl, the event files and their
+        directories): call before a checkpoint save starts."""
+        if not self.active:
+            return
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._tb.flush()
+        for name in glob.glob(os.path.join(self._tb_dir, "events.out.tfevents.*")):
+            _fsync_path(name)
+        _fsync_path(self._tb_dir)
+        _fsync_path(os.path.dirname(os.path.abspath(self._path)))
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._file.close()
+
+
+def _fsync_path(path: str) -> None:
+    """fsync of a file or directory by name (a read-only descriptor suffices on Linux)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def cut_torn_line(path: str) -> None:
+    """Cuts a last line without its newline (a write cut short by a kill) off file `path`."""
+    if not os.path.exists(path):
+        return
+    with open(path, "rb+") as f:
+        size = f.seek(0, os.SEEK_END)
+        if size == 0:
+            return
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return
+        block = min(size, 1 << 16)
+        while True:
+            f.seek(size - block)
+            data = f.read(block)
+            end = data.rfind(b"\n")
+            if end >= 0 or block == size:
+                break
+            block = min(size, 2 * block)
+        keep = size - block + end + 1
+        log.warning("%s: cut off a torn last line (%d bytes, written when a run was killed)",
+                    path, size - keep)
+        f.truncate(keep)
+
+
+def _plain(value):
+    """JSON-ready Python scalars (numpy and jax scalars become int/float)."""
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+class Progress:
+    """Throughput, ETA and data-wait accounting between two reports (`clock`: seconds, by
+    default `time.perf_counter`; tests pass their own). `unit` names what the run counts in the
+    console line ("tok", or "img" and "ex" for a classifier's images and examples); the metric
+    keeps its name, `tokens_per_sec`."""
+
+    def __init__(self, start_step: int, total_steps: int, clock=time.perf_counter, *,
+                 unit: str = "tok"):
+        self.start_step, self.total_steps, self.unit = start_step, total_steps, unit
+        self._clock = clock
+        self._window_start = clock()
+        self._data_wait = 0.0
+        self._tokens = 0.0
+        self._steps = 0
+
+    def add_step(self, data_wait_seconds: float) -> None:
+        self._data_wait += data_wait_seconds
+        self._steps += 1
+
+    def add_tokens(self, tokens: float) -> None:
+        self._tokens += tokens
+
+    def exclude(self, seconds: float) -> None:
+        """Leaves `seconds` (an evaluation) out of the current window's throughput."""
+        self._window_start += seconds
+
+    def report(self, step: int) -> dict:
+        """Figures since the last report; resets the window."""
+        elapsed = max(self._clock() - self._window_start, 1e-9)
+        figures = {
+            "tokens_per_sec": self._tokens / elapsed,
+            "data_wait_fraction": self._data_wait / elapsed,
+            "steps_per_sec": self._steps / elapsed,
+        }
+        figures["eta_seconds"] = (self.total_steps - step) / max(figures["steps_per_sec"], 1e-9)
+        self._window_start = self._clock()
+        self._data_wait = self._tokens = 0.0
+        self._steps = 0
+        return figures
+
+
+def format_progress(step: int, total: int, values: dict, unit: str = "tok") -> str:
+    """One console line: step, loss, tokens (or images, examples: `unit`) per second, ETA, data
+    wait, MFU, and a float16 run's loss scale and overflow-skipped updates."""
+    eta = values.get("eta_seconds", 0.0)
+    hours, rest = divmod(int(eta), 3600)
+    parts = [f"step {step}/{total}", f"loss {values['loss']:.4f}",
+             f"lr {values['learning_rate']:.3g}", f"{values['tokens_per_sec']:,.0f} {unit}/s",
+             f"ETA {hours}:{rest // 60:02d}:{rest % 60:02d}",
+             f"data wait {100 * values['data_wait_fraction']:.1f}%"]
+    if "mfu" in values:
+        parts.append(f"MFU {100 * values['mfu']:.1f}%")
+    if "loss_scale" in values:
+        parts.append(f"loss scale {float(values['loss_scale']):g} "
+                     f"({int(values['skipped_overflow_steps'])} overflows skipped)")
+    return " | ".join(parts)
+
+
+def log_progress(step: int, total: int, values: dict, unit: str = "tok") -> None:
+    if jax.process_index() == 0:
+        log.info(format_progress(step, total, values, unit))
+
+
+def log_evaluation(step: int, split: str, figures: dict, seconds: float) -> None:
+    """One console line for an evaluation: loss, perplexity (a classifier: top-1 and top-5
+    accuracy) and BLEU where computed."""
+    if jax.process_index() != 0:
+        return
+    parts = [f"step {step} {split}"]
+    if "loss" in figures:
+        parts.append(f"loss {figures['loss']:.4f}")
+    if "perplexity" in figures:
+        parts.append(f"perplexity {figures['perplexity']:.2f}")
+    for key, name in (("accuracy", "accuracy"), ("top5_accuracy", "top-5 accuracy")):
+        if key in figures:
+            parts.append(f"{name} {100 * figures[key]:.2f}%")
+    if "bleu" in figures:
+        parts += [f"BLEU {figures['bleu']:.2f}",
+                  f"tokenized compound-split BLEU {figures['bleu_tok_compound']:.2f}",
+                  sentences_scored(figures)]
+    parts.append(f"{seconds:.0f} s")
+    log.info(" | ".join(parts))
+
+
+def sentences_scored(figures: dict) -> str:
+    """`N sentences, all translated whole` or `N sentences, M of them truncated to the model's
+    max_len (...)`, from `bleu_num_sentences` and `bleu_num_truncated`."""
+    total, cut = figures["bleu_num_sentences"], figures["bleu_num_truncated"]
+    return f"{total} sentences, " + (f"{cut} of them truncated to the model's max_len (scored "
+                                     f"as translated)" if cut else "all translated whole")

@@ -1,0 +1,141 @@
+"""The device mesh, the one logical-axis rules table, and the shardings of params and batches.
+
+Mesh axes ("data", "fsdp", "tensor"): the batch is split over data x fsdp; FSDP shards
+parameters and optimizer state over "fsdp" (their `embed` axis); tensor parallelism splits
+heads and d_ff over "tensor" (Megatron-style). A parameter dimension that its mesh axes do not
+divide is replicated instead (e.g. a single kv head under tensor parallelism: multi-query).
+
+Several TPU slices (multi-slice pods) talk over the data-center network (DCN), slower than the
+links within a slice (ICI): `mesh.data`, `mesh.fsdp`, `mesh.tensor` size each axis within one
+slice and `mesh.dcn_data`, `mesh.dcn_fsdp`, `mesh.dcn_tensor` across slices (each mesh axis is
+their product); `dcn_data` defaults to -1, all the slices, so data parallelism crosses them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import flax.linen as nn
+import jax
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from transformer.model.config import TransformerConfig
+
+MESH_AXES = ("data", "fsdp", "tensor")
+DCN_AXES = tuple(f"dcn_{axis}" for axis in MESH_AXES)  # config keys: the axes across slices
+DCN_DEFAULTS = {"dcn_data": -1, "dcn_fsdp": 1, "dcn_tensor": 1}
+BATCH_AXES = ("data", "fsdp")
+
+# Logical axis name -> mesh axes. First match wins (Linen); every name appears once.
+LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("batch", BATCH_AXES),
+    ("length", None),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("layers", None),
+)
+
+
+def _fill(keys: Sequence[str], sizes: list[int], total: int, what: str) -> list[int]:
+    """`sizes` with its one -1 (if any) taking the rest of `total`; one line on a mismatch."""
+    described = ", ".join(f"mesh.{k}={s}" for k, s in zip(keys, sizes, strict=True))
+    if sizes.count(-1) > 1:
+        raise ValueError(f"at most one mesh axis may be -1, got {described}")
+    if any(s == 0 or s < -1 for s in sizes):
+        raise ValueError(f"mesh sizes must be positive or -1, got {described}")
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if total % known:
+            raise ValueError(f"{described} cannot fill {total} {what}: {known} does not "
+                             f"divide {total}")
+        sizes[sizes.index(-1)] = total // known
+    if math.prod(sizes) != total:
+        raise ValueError(f"{described} needs {math.prod(sizes)} {what}, but {total} are "
+                         f"available; make the product {total} or set one axis to -1")
+    return sizes
+
+
+def hybrid_shape(mesh_cfg, num_devices: int, num_slices: int = 1) -> tuple[list[int], list[int]]:
+    """(sizes within a slice, sizes across slices) of the MESH_AXES, from the config's `mesh`
+    section for `num_devices` devices in `num_slices` slices."""
+    if num_devices % num_slices:
+        raise ValueError(f"{num_devices} devices do not split into {num_slices} slices")
+    dcn = _fill(DCN_AXES, [int(mesh_cfg.get(k, DCN_DEFAULTS[k])) for k in DCN_AXES],
+                num_slices, "slices")
+    ici = _fill(MESH_AXES, [int(mesh_cfg[axis]) for axis in MESH_AXES],
+                num_devices // num_slices, "devices per slice" if num_slices > 1 else "devices")
+    return ici, dcn
+
+
+def mesh_shape(mesh_cfg, num_devices: int, num_slices: int = 1) -> dict[str, int]:
+    """{"data": .., "fsdp": .., "tensor": ..} from the config's `mesh` section; one -1 takes
+    the rest. With several slices each axis is its size within a slice times across them."""
+    ici, dcn = hybrid_shape(mesh_cfg, num_devices, num_slices)
+    return {axis: i * d for axis, i, d in zip(MESH_AXES, ici, dcn, strict=True)}
+
+
+def num_slices(devices: Sequence[jax.Device]) -> int:
+    """How many TPU slices `devices` span (devices of a multi-slice pod carry `slice_index`)."""
+    return len({getattr(device, "slice_index", 0) for device in devices})
+
+
+def validate_mesh_for_model(shape: Mapping[str, int], model: TransformerConfig) -> None:
+    """Tensor parallelism must divide the heads and d_ff (one line naming the sizes)."""
+    tensor = shape["tensor"]
+    for field in ("num_heads", "d_ff"):
+        value = getattr(model, field)
+        if value % tensor:
+            raise ValueError(f"mesh.tensor={tensor} does not divide {field}={value}")
+
+
+def make_mesh(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The ("data", "fsdp", "tensor") mesh over `devices` (default: all), Auto axis types;
+    over several slices a hybrid mesh whose DCN part spans the slices."""
+    devices = list(jax.devices() if devices is None else devices)
+    slices = num_slices(devices)
+    ici, dcn = hybrid_shape(mesh_cfg, len(devices), slices)
+    axis_types = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+    if slices == 1:
+        return jax.make_mesh(tuple(ici), MESH_AXES, axis_types, devices=devices)
+    grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
+    return Mesh(grid, MESH_AXES, axis_types=axis_types)
+
+
+def logical_to_sharding(logical_specs, abstract_tree, mesh: Mesh):
+    """NamedShardings for a tree of logical PartitionSpecs, replicating any dimension whose
+    mesh axes do not divide it."""
+
+    def one(spec, leaf):
+        mesh_spec = nn.logical_to_mesh_axes(spec, LOGICAL_AXIS_RULES)
+        fitted = []
+        for dim, axes in zip(leaf.shape, tuple(mesh_spec) + (None,) * leaf.ndim, strict=False):
+            names = (axes,) if isinstance(axes, str) else (axes or ())
+            size = math.prod(mesh.shape[name] for name in names)
+            fitted.append(axes if axes is not None and dim % size == 0 else None)
+        return NamedSharding(mesh, P(*fitted))
+
+    return jax.tree.map(one, logical_specs, abstract_tree,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def tree_shardings(boxed_abstract_tree, mesh: Mesh):
+    """Shardings of a tree whose leaves may be boxed with logical names (nn.Partitioned);
+    unboxed leaves (e.g. step counters) are replicated."""
+    specs = nn.get_partition_spec(boxed_abstract_tree)
+    return logical_to_sharding(specs, nn.unbox(boxed_abstract_tree), mesh)
+
+
+def batch_shards(mesh_shape: Mapping[str, int]) -> int:
+    """How many ways the batch is split: the product of the BATCH_AXES sizes (`mesh.shape`)."""
+    return math.prod(mesh_shape[axis] for axis in BATCH_AXES)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())

@@ -1,0 +1,405 @@
+"""Training: the train state, sharded init, the train and eval steps, and the loop.
+
+Shapes are written in the package's legend (`transformer/__init__.py`): A microbatches per
+step, B global rows per microbatch, S source and T target length.
+
+Batches are global arrays [A, B, ...] sharded P(None, ("data", "fsdp")); each process builds
+only its rows (a pure function of seed and global batch index) and
+`jax.make_array_from_process_local_data` assembles the global batch. The step is one `jax.jit`
+with in/out shardings and the state donated; nothing in it reads host randomness.
+
+Sequence batches ("targets", and "inputs" where there is a source) train the token loss; a
+batch with "label" [A, B] (an image classifier's "image" [A, B, H, W, C], a text classifier's
+"inputs" [A, B, S]) trains the classification loss over the logits [B, num_classes], rows
+labelled -1 (eval padding) left out.
+For a classifier every "token" counted (loss weights, throughput) is one labelled row.
+
+With `model.dtype=float16` the state is a `ScaledTrainState`: the dynamic loss scale
+(`optim.LossScaleState`) travels and is checkpointed with it. Other dtypes keep `TrainState`,
+whose checkpoints hold no loss scale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from transformer.config import Resolved
+from transformer.model.transformer import Transformer, TransformerConfig
+from transformer.model.vit import VisionTransformer, mirror_averaged_logits
+from transformer.training import optim, sharding
+from transformer.training.scores import perplexity
+
+BATCH_KEYS = ("inputs", "targets", "inputs_positions", "targets_positions",
+              "inputs_segmentation", "targets_segmentation", "targets_prefix")
+# The train-line metrics of a float16 run (DESIGN.md): the scale in force, the running count.
+LOSS_SCALE_METRICS = ("loss_scale", "skipped_overflow_steps")
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # train steps taken (updates applied or skipped), each with its own batch
+    params: Any
+    opt_state: Any
+
+
+@flax.struct.dataclass
+class ScaledTrainState(TrainState):
+    """A float16 run's state: the train state and its dynamic loss scale."""
+
+    loss_scale: optim.LossScaleState
+
+
+@flax.struct.dataclass
+class Trainer:
+    """What the jitted functions close over, built once from the config and mesh."""
+
+    model: Transformer | VisionTransformer = flax.struct.field(pytree_node=False)
+    tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
+    schedule: Callable = flax.struct.field(pytree_node=False)
+    mesh: jax.sharding.Mesh = flax.struct.field(pytree_node=False)
+    state_shardings: Any = flax.struct.field(pytree_node=False)
+    abstract_state: Any = flax.struct.field(pytree_node=False)
+    loss_chunk_tokens: int = flax.struct.field(pytree_node=False, default=0)
+    # Float16 only (else None): the dynamic loss scale's settings.
+    loss_scale: optim.LossScaleConfig | None = flax.struct.field(pytree_node=False,
+                                                                 default=None)
+    # Images: evaluation averages each image's class probabilities with its mirror's.
+    test_time_flip: bool = flax.struct.field(pytree_node=False, default=False)
+
+
+def build_trainer(run: Resolved, mesh) -> Trainer:
+    """Model, optimizer and the state's shardings (nothing allocated yet)."""
+    cfg = run.config
+    model_config = attention_for_mesh(run.model, mesh)
+    model = (VisionTransformer(model_config) if model_config.architecture == "vision"
+             else Transformer(model_config))
+    tx, schedule = optim.make_optimizer(cfg.optimizer, d_model=run.model.d_model,
+                                        total_steps=cfg.num_train_steps)
+    loss_scale = (optim.loss_scale_config(cfg.optimizer) if run.model.dtype == "float16"
+                  else None)
+    boxed = jax.eval_shape(functools.partial(_init_boxed, model, tx, loss_scale),
+                           jax.random.key(0))
+    shardings = sharding.tree_shardings(boxed, mesh)
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            nn.unbox(boxed), shardings)
+    return Trainer(model, tx, schedule, mesh, shardings, abstract,
+                   loss_chunk_tokens=resolve_loss_chunk_tokens(cfg.loss_chunk_tokens),
+                   loss_scale=loss_scale,
+                   test_time_flip=bool(cfg.data.get("test_time_flip")))
+
+
+def attention_for_mesh(model: TransformerConfig, mesh) -> TransformerConfig:
+    """`model.attention_implementation="auto"` on a mesh of TPUs (compile-only ones included)
+    becomes "splash": the Pallas kernel in the self-attention layers it fits."""
+    if model.attention_implementation == "auto" and mesh.devices.flat[0].platform == "tpu":
+        return dataclasses.replace(model, attention_implementation="splash")
+    return model
+
+
+# Target tokens per device whose logits the loss computes at once, by backend, for
+# `loss_chunk_tokens=-1`: on a CPU a chunk's [tokens, V] logits should stay in cache (512 x 8,192
+# float32 is 16 MiB; README, "Benchmarks"); on an accelerator chunks only bound memory and must
+# stay large enough to keep the matmuls efficient.
+AUTO_LOSS_CHUNK_TOKENS = {"cpu": 512}
+AUTO_LOSS_CHUNK_TOKENS_ACCELERATOR = 8192
+
+
+def resolve_loss_chunk_tokens(value: int) -> int:
+    """The config's `loss_chunk_tokens` (-1: by backend) as tokens per device (0: unchunked)."""
+    value = int(value)
+    if value >= 0:
+        return value
+    return AUTO_LOSS_CHUNK_TOKENS.get(jax.default_backend(), AUTO_LOSS_CHUNK_TOKENS_ACCELERATOR)
+
+
+def _init_boxed(model: Transformer | VisionTransformer, tx,
+                loss_scale: optim.LossScaleConfig | None, rng) -> TrainState:
+    """The initial state with logical-axis boxes (optimizer state inherits the params' boxes);
+    a `ScaledTrainState` when `loss_scale` is set."""
+    if isinstance(model, VisionTransformer):
+        cfg = model.config
+        images = jnp.zeros((1, cfg.image_size, cfg.image_size, cfg.num_channels), jnp.float32)
+        params = model.init({"params": rng}, images)["params"]
+    else:
+        tokens = jnp.ones((1, 1), jnp.int32)
+        params = model.init({"params": rng}, tokens, tokens)["params"]
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+    if loss_scale is None:
+        return state
+    return ScaledTrainState(step=state.step, params=params, opt_state=state.opt_state,
+                            loss_scale=optim.init_loss_scale(loss_scale))
+
+
+def init_state(trainer: Trainer, seed: int) -> TrainState:
+    """Sharded init: each device computes only its own shards of params and optimizer state."""
+    init = jax.jit(lambda rng: nn.unbox(_init_boxed(trainer.model, trainer.tx,
+                                                    trainer.loss_scale, rng)),
+                   out_shardings=trainer.state_shardings)
+    return init(jax.random.key(seed))
+
+
+# --------------------------------------------------------------------------- steps
+
+
+def _model_kwargs(batch: dict) -> dict:
+    return {k: batch[k] for k in BATCH_KEYS[2:] if k in batch}
+
+
+def loss_weights(batch: dict) -> jax.Array:
+    """1.0 where a target token counts in the loss: not padding (segment 0 where the batch has
+    segment ids, so that id 0 may be an ordinary token; else token 0) and, for a prefix LM, not
+    in the prefix. (A masked LM's targets are 0 except at the masked positions.) For a
+    classification batch, 1.0 on each row whose label is not -1 (padding)."""
+    if "label" in batch:
+        return (batch["label"] >= 0).astype(jnp.float32)
+    counted = batch.get("targets_segmentation", batch["targets"]) != 0
+    if "targets_prefix" in batch:
+        counted = counted & (batch["targets_prefix"] == 0)
+    return counted.astype(jnp.float32)
+
+
+def sequence_tokens(config: TransformerConfig, batch: dict) -> jax.Array:
+    """Non-pad tokens of the sequence FLOPs are counted per (`flops.train_flops_per_token`):
+    the inputs of an encoder-only model, else the targets, prefix included. For translation
+    and causal LMs these are the loss's target tokens; a masked LM reads ~7x its 15%.
+    A classifier counts its labelled rows (FLOPs are per image)."""
+    if "label" in batch:
+        return loss_weights(batch).sum()
+    side = "inputs" if config.architecture == "encoder" else "targets"
+    segments = batch.get(f"{side}_segmentation", batch[side])
+    return (segments != 0).sum().astype(jnp.float32)
+
+
+def classifier_logits(trainer: Trainer, params, batch: dict, dropout_rng) -> jax.Array:
+    """The classifier's logits [B, num_classes] float32 for a batch with "label": the vision
+    model reads "image" [B, H, W, C], the text classifier (`Transformer.classify`) "inputs"
+    [B, S]. Dropout when `dropout_rng` is given; without it, `trainer.test_time_flip` gives the
+    log of the mean probabilities of each image and its mirror (`mirror_averaged_logits`)."""
+    deterministic = dropout_rng is None
+    rngs = None if deterministic else {"dropout": dropout_rng}
+    with nn.logical_axis_rules(sharding.LOGICAL_AXIS_RULES), \
+            jax.sharding.use_abstract_mesh(trainer.mesh.abstract_mesh):
+        if "image" in batch:
+            def image_logits(images):
+                return trainer.model.apply({"params": params}, images,
+                                           deterministic=deterministic, rngs=rngs)
+
+            if deterministic and trainer.test_time_flip:
+                return mirror_averaged_logits(image_logits, batch["image"])
+            return image_logits(batch["image"])
+        if "inputs" in batch:
+            return trainer.model.apply({"params": params}, batch["inputs"],
+                                       **_model_kwargs(batch), deterministic=deterministic,
+                                       rngs=rngs, method="classify")
+    raise ValueError(f"a classification batch needs 'image' or 'inputs' (keys: {sorted(batch)})")
+
+
+def classification_sums(logits: jax.Array, labels: jax.Array, *, label_smoothing=0.0,
+                        z_loss=0.0) -> tuple[optim.LossSums, jax.Array, jax.Array]:
+    """logits [B, C], labels [B] int (-1: padding, left out) -> (the loss sums of
+    `optim.cross_entropy_loss`, the count of rows whose top-1 class is the label, the count
+    whose label is among the top 5)."""
+    weights = (labels >= 0).astype(jnp.float32)
+    targets = jnp.maximum(labels, 0)
+    sums = optim.cross_entropy_loss(logits, targets, weights, label_smoothing=label_smoothing,
+                                    z_loss=z_loss)
+    logits = logits.astype(jnp.float32)
+    target_logit = jnp.take_along_axis(logits, targets[:, None], axis=-1)
+    # the label's rank as `jax.lax.top_k` orders: higher logits first, ties by lower class
+    # index (so the uniform logits of the zero-initialised head rank class 0 first)
+    classes = jnp.arange(logits.shape[-1])
+    rank = jnp.sum((logits > target_logit)
+                   | ((logits == target_logit) & (classes < targets[:, None])), axis=-1)
+    correct = jnp.sum((rank == 0) * weights)
+    top5 = jnp.sum((rank < 5) * weights)
+    return sums, correct, top5
+
+
+def classification_figures(logits: jax.Array, labels: jax.Array) -> dict[str, jax.Array]:
+    """An eval step's sums for a classifier, logits [B, C] and labels [B] (-1: padding):
+    "nll_sum", "tokens" (rows), "correct" and, with more than 10 classes, "top5_correct"."""
+    sums, correct, top5 = classification_sums(logits, labels)
+    figures = {"nll_sum": sums.loss_sum, "tokens": sums.weight_sum, "correct": correct}
+    return figures | ({"top5_correct": top5} if logits.shape[-1] > 10 else {})
+
+
+def _loss_sums(trainer: Trainer, params, batch, *, label_smoothing, z_loss, dropout_rng,
+               grad_scale=1.0):
+    if "label" in batch:
+        logits = classifier_logits(trainer, params, batch, dropout_rng)
+        return classification_sums(logits, batch["label"], label_smoothing=label_smoothing,
+                                   z_loss=z_loss)[0]
+    deterministic = dropout_rng is None
+    # The model's activation constraints (`nn.with_logical_constraint`) need the rules and the
+    # mesh in scope; without them they do nothing and XLA may gather FSDP activations whole.
+    chunked = trainer.loss_chunk_tokens > 0
+    with nn.logical_axis_rules(sharding.LOGICAL_AXIS_RULES), \
+            jax.sharding.use_abstract_mesh(trainer.mesh.abstract_mesh):
+        output = trainer.model.apply(
+            {"params": params}, batch.get("inputs"), batch["targets"], **_model_kwargs(batch),
+            deterministic=deterministic, method="output_head" if chunked else "__call__",
+            rngs=None if deterministic else {"dropout": dropout_rng})
+        if chunked:  # the kernel gathered over fsdp once, not in every chunk
+            kernel = nn.with_logical_constraint(
+                output.kernel, ("vocab", None) if output.vocab_axis == 0 else (None, "vocab"))
+    weights = loss_weights(batch)
+    if not chunked:
+        return optim.cross_entropy_loss(output, batch["targets"], weights,
+                                        label_smoothing=label_smoothing, z_loss=z_loss)
+    rows = output.hidden.shape[0]
+    rows_per_device = max(1, rows // sharding.batch_shards(trainer.mesh.shape))
+    return optim.projected_cross_entropy_loss(
+        output.hidden, kernel, batch["targets"], weights, vocab_axis=output.vocab_axis,
+        label_smoothing=label_smoothing, z_loss=z_loss,
+        chunk_length=max(1, trainer.loss_chunk_tokens // rows_per_device), grad_scale=grad_scale)
+
+
+def make_train_step(trainer: Trainer, cfg) -> Callable:
+    """`train_step(state, batch) -> (state, metrics)`, jitted with the state donated; `cfg` is
+    a `Resolved.config`.
+
+    The loss is the sum over all devices and accumulation steps divided by the global count of
+    target tokens in the loss (`loss_weights`), so accumulating A microbatches equals one batch
+    A times larger. An update whose loss, gradient or update is not finite is never applied
+    (metric `nonfinite`); the step still counts (its batch and dropout key are used up).
+
+    Float16 (`trainer.loss_scale` set): the loss is multiplied by the state's loss scale before
+    differentiation and the float32 gradients divided by it. Non-finite gradients are then an
+    overflow: the update is skipped, the scale halves (`optim.update_loss_scale`), and the step
+    is not `nonfinite` unless the loss itself is not finite or the scale was already at its
+    minimum (scaling cannot help then). Metrics `loss_scale` (the scale this step used) and
+    `skipped_overflow_steps` (the running count, this step included).
+    """
+    label_smoothing, z_loss = float(cfg.label_smoothing), float(cfg.z_loss)
+    seed = int(cfg.seed)
+    scaled = trainer.loss_scale is not None
+
+    def train_step(state: TrainState, batch: dict):
+        total_weight = jnp.maximum(loss_weights(batch).sum(), 1.0)
+        step_rng = jax.random.fold_in(jax.random.key(seed), state.step + 1)
+        scale = state.loss_scale.scale if scaled else 1.0
+
+        def microbatch(grads_and_sums, xs):
+            micro, index = xs
+
+            def loss_fn(params):
+                sums = _loss_sums(trainer, params, micro, label_smoothing=label_smoothing,
+                                  z_loss=z_loss, dropout_rng=jax.random.fold_in(step_rng, index),
+                                  grad_scale=scale / total_weight if scaled else 1.0)
+                loss = sums.loss_sum / total_weight
+                return (loss * scale if scaled else loss), sums
+
+            (_, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+            acc_grads, acc_loss, acc_z = grads_and_sums
+            return (jax.tree.map(jnp.add, acc_grads, grads), acc_loss + sums.loss_sum,
+                    acc_z + sums.z_loss_sum), None
+
+        num_micro = batch["label" if "label" in batch else "targets"].shape[0]
+        zeros = (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros((), jnp.float32),
+                 jnp.zeros((), jnp.float32))
+        (grads, loss_sum, z_sum), _ = jax.lax.scan(microbatch, zeros,
+                                                   (batch, jnp.arange(num_micro)))
+        if scaled:  # exact: the scale is a power of two
+            grads = jax.tree.map(lambda g: g / scale, grads)
+        grad_norm = optax.tree.norm(grads)
+        updates, opt_state = trainer.tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        loss = loss_sum / total_weight
+        finite = (jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+                  & jnp.isfinite(optax.tree.norm(updates)))
+        params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                         (params, opt_state), (state.params, state.opt_state))
+        metrics = {"loss": loss, "z_loss": z_sum / total_weight, "grad_norm": grad_norm,
+                   # The rate this update used: the schedule at the optimizer's count of
+                   # updates applied, which a skipped (non-finite) update leaves behind
+                   # state.step (train steps taken, each with its batch and dropout key).
+                   "learning_rate": trainer.schedule(
+                       optax.tree.get(state.opt_state, "ScaleByScheduleState").count),
+                   "target_tokens": total_weight,
+                   "sequence_tokens": sequence_tokens(trainer.model.config, batch),
+                   "source_tokens": (batch["inputs"] != 0).sum() if "inputs" in batch else 0,
+                   "nonfinite": ~finite}
+        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+        if scaled:
+            overflow = ~jnp.isfinite(grad_norm)
+            loss_scale = optim.update_loss_scale(state.loss_scale, ~overflow,
+                                                 trainer.loss_scale.period)
+            rescaled = overflow & jnp.isfinite(loss) & (scale > optim.MIN_LOSS_SCALE)
+            metrics |= {"nonfinite": ~finite & ~rescaled, "loss_scale": scale,
+                        "skipped_overflow_steps": loss_scale.overflow_steps}
+            new_state = new_state.replace(loss_scale=loss_scale)
+        return new_state, metrics
+
+    batch_sharding = NamedSharding(trainer.mesh, P(None, sharding.BATCH_AXES))
+    return jax.jit(train_step, in_shardings=(trainer.state_shardings, batch_sharding),
+                   out_shardings=(trainer.state_shardings, sharding.replicated(trainer.mesh)),
+                   donate_argnums=(0,))
+
+
+def make_eval_step(trainer: Trainer) -> Callable:
+    """`eval_step(params, batch [1, B, ...]) -> {"nll_sum", "tokens"}`: unsmoothed NLL sums;
+    a classification batch adds "correct" and, with more than 10 classes, "top5_correct" (its
+    "tokens" are rows)."""
+
+    def eval_step(params, batch):
+        batch = jax.tree.map(lambda x: x[0], batch)
+        if "label" in batch:
+            return classification_figures(classifier_logits(trainer, params, batch, None),
+                                          batch["label"])
+        sums = _loss_sums(trainer, params, batch, label_smoothing=0.0, z_loss=0.0,
+                          dropout_rng=None)
+        return {"nll_sum": sums.loss_sum, "tokens": sums.weight_sum}
+
+    batch_sharding = NamedSharding(trainer.mesh, P(None, sharding.BATCH_AXES))
+    return jax.jit(eval_step, in_shardings=(trainer.state_shardings.params, batch_sharding),
+                   out_shardings=sharding.replicated(trainer.mesh))
+
+
+# --------------------------------------------------------------------------- batches
+
+
+def process_rows(mesh, global_batch: int) -> tuple[int, int]:
+    """The contiguous rows [start, stop) of a global batch that this process feeds."""
+    index_map = NamedSharding(mesh, P(sharding.BATCH_AXES)).addressable_devices_indices_map(
+        (global_batch,))
+    starts = sorted({idx[0].start or 0 for idx in index_map.values()})
+    stops = sorted({idx[0].stop or global_batch for idx in index_map.values()})
+    start, stop = starts[0], stops[-1]
+    per_device = global_batch // sharding.batch_shards(mesh.shape)
+    if (stop - start) != per_device * len(starts):
+        raise ValueError(f"process {jax.process_index()} feeds non-contiguous batch rows")
+    return start, stop
+
+
+def global_batch(mesh, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    """Per-process rows [A, rows, length] -> global arrays [A, B, length] sharded over data x
+    fsdp."""
+    batch_sharding = NamedSharding(mesh, P(None, sharding.BATCH_AXES))
+    return {k: jax.make_array_from_process_local_data(batch_sharding, v)
+            for k, v in local.items()}
+
+
+def eval_metrics(sums: dict) -> dict:
+    """Eval `loss` (NLL per target token) and `perplexity` from summed figures. A classifier's
+    sums (with "correct") give `loss` (NLL per row), `accuracy` (top-1 fraction) and, where
+    summed (more than 10 classes), `top5_accuracy`; perplexity means nothing there."""
+    count = max(float(sums["tokens"]), 1.0)
+    loss = float(sums["nll_sum"]) / count
+    if "correct" not in sums:
+        return {"loss": loss, "perplexity": perplexity(loss)}
+    figures = {"loss": loss, "accuracy": float(sums["correct"]) / count}
+    if "top5_correct" in sums:
+        figures["top5_accuracy"] = float(sums["top5_correct"]) / count
+    return figures

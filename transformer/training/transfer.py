@@ -1,0 +1,180 @@
+"""Start a run from another run's parameters: the config key `init_from`.
+
+`init_from` names a training workdir (its latest step), `workdir:step`, or a params directory
+inside one (`<workdir>/averaged/<name>`, `<workdir>/checkpoints/<step>`,
+`<workdir>/params/<step>`). Only parameters are read: the new run's optimizer state and data
+position start fresh. Parameters are matched by path;
+those the new model has and the old does not (a classification head, say) keep their fresh
+initialisation and are listed in one log line; a shape that differs is an error naming the
+parameter and both shapes, except a ViT's `position_embedding`, which is interpolated to the
+new patch grid. Per-layer and scanned layouts convert either way.
+
+The vocabulary must be the pretrained run's: its `vocab/` is copied into the new workdir before
+the data pipeline would train one, and a new workdir that already holds another vocabulary is
+an error. Once the new run has saved a checkpoint, resuming restores that and never reads
+`init_from` again (the loop calls `load` only when there is no checkpoint).
+
+Parameters are read into host memory and each array is placed straight into the new run's
+sharding (`jax.make_array_from_callback`), so no device ever holds more than its shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import re
+import shutil
+
+import jax
+import numpy as np
+
+from transformer.checkpoint import averaging
+from transformer.checkpoint import checkpointer as checkpoint
+from transformer.checkpoint import workdir as workdir_lib
+from transformer.data import tokenizer as tokenizer_lib
+
+log = logging.getLogger("transformer")
+POSITION_EMBEDDING = "position_embedding"  # a ViT's learned table: resized, not refused
+
+
+@dataclasses.dataclass(frozen=True)
+class InitSource:
+    """Where `init_from` points: the run (for its vocabulary) and which of its params."""
+
+    workdir: str
+    step: int | None = None  # None: the latest
+    params_dir: str | None = None  # an orbax params directory inside `workdir`
+
+    def describe(self) -> str:
+        if self.params_dir:
+            return self.params_dir
+        return self.workdir + ("" if self.step is None else f":{self.step}")
+
+
+def _run_root(path: str) -> str | None:
+    """The training workdir at or above `path` (the first directory holding config.json)."""
+    path = os.path.abspath(path)
+    while True:
+        if os.path.isfile(workdir_lib.path(path, workdir_lib.CONFIG)):
+            return path
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        path = parent
+
+
+def parse(spec: str) -> InitSource:
+    """`init_from` -> InitSource; a path that is none of the three forms is a one-line error."""
+    path, step = spec, None
+    match = re.fullmatch(r"(.+):(\d+)", spec)
+    if match and not os.path.exists(spec):
+        path, step = match.group(1), int(match.group(2))
+    root = _run_root(path) if os.path.isdir(path) else None
+    if root is None:
+        raise ValueError(f"init_from={spec!r} is not a training workdir (one with "
+                         f"{workdir_lib.CONFIG}), workdir:step, or a params directory inside one")
+    relative = os.path.relpath(os.path.abspath(path), root).split(os.sep)
+    if relative == ["."]:
+        return InitSource(root, step)
+    if step is None and len(relative) == 2 and relative[0] == workdir_lib.AVERAGED:
+        return InitSource(root, params_dir=os.path.abspath(path))
+    if step is None and len(relative) == 2 and relative[1].isdigit() and relative[0] in (
+            workdir_lib.CHECKPOINTS, workdir_lib.PARAMS_SERIES):
+        return InitSource(root, int(relative[1]))
+    raise ValueError(f"init_from={spec!r}: give the workdir {root}, {root}:<step>, or a "
+                     f"directory of its {workdir_lib.AVERAGED}/, {workdir_lib.CHECKPOINTS}/ or "
+                     f"{workdir_lib.PARAMS_SERIES}/")
+
+
+def copy_vocabulary(source: InitSource, workdir: str, vocab_size: int) -> None:
+    """Puts the pretrained run's vocabulary (its SentencePiece model, or an imported
+    tokenizer.json) into `<workdir>/vocab/` (once)."""
+    src_dir = workdir_lib.path(source.workdir, workdir_lib.VOCAB)
+    src = tokenizer_lib.vocabulary_file(src_dir)
+    if not os.path.isfile(src):
+        raise ValueError(f"init_from={source.describe()}: {src} is missing; the pretrained "
+                         f"run's vocabulary is needed to fine-tune it")
+    pretrained = tokenizer_lib.load(src_dir)
+    if pretrained.vocab_size != vocab_size:
+        raise ValueError(f"init_from={source.describe()} has a {pretrained.vocab_size}-piece "
+                         f"vocabulary but data.vocab_size={vocab_size}: set "
+                         f"--config.data.vocab_size={pretrained.vocab_size}")
+    target_dir = workdir_lib.path(workdir, workdir_lib.VOCAB)
+    target = tokenizer_lib.vocabulary_file(target_dir)
+    if os.path.isfile(target):
+        if tokenizer_lib.load(target_dir).sha256 != pretrained.sha256:
+            raise ValueError(f"{target} is not init_from's vocabulary ({src}): fine-tune in a "
+                             f"new --workdir")
+        return
+    os.makedirs(target_dir, exist_ok=True)
+    main_file = os.path.basename(src)
+    for name in sorted(os.listdir(src_dir), key=lambda n: n == main_file):  # the model last
+        destination = os.path.join(target_dir, name)
+        shutil.copyfile(os.path.join(src_dir, name), f"{destination}.tmp")
+        os.replace(f"{destination}.tmp", destination)  # other processes may copy it too
+
+
+def _read(source: InitSource) -> dict:
+    if source.params_dir:
+        return averaging.load_averaged(source.params_dir)
+    return averaging.load_params(source.workdir, step=source.step)
+
+
+def _flat(tree) -> dict[str, object]:
+    """{path name: leaf}, in the tree's leaf order."""
+    return {checkpoint.path_name(path): leaf
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _same_layout(saved: dict, fresh) -> dict:
+    """`saved` in the layer layout of `fresh` (scanned `layers` or per-layer `layers_{i}`)."""
+    def scanned(tree):
+        return any(re.search(r"(^|/)layers/", path) for path in _flat(tree))
+    if scanned(fresh) and not scanned(saved):
+        return checkpoint.stack_layers(saved)
+    if scanned(saved) and not scanned(fresh):
+        return checkpoint.unstack_layers(saved)
+    return saved
+
+
+def _resized_table(table: np.ndarray, shape: tuple, has_class_token: bool) -> np.ndarray:
+    from transformer.model.vit import resize_position_embeddings
+
+    extra = int(has_class_token)
+    old, new = table.shape[0] - extra, shape[0] - extra
+    old_side, new_side = math.isqrt(old), math.isqrt(new)
+    if old_side ** 2 != old or new_side ** 2 != new:
+        raise ValueError(f"init_from: {POSITION_EMBEDDING} {table.shape} -> {shape} is not a "
+                         f"square patch grid to interpolate")
+    return np.asarray(resize_position_embeddings(table, old_side, new_side, has_class_token))
+
+
+def load(source: InitSource, fresh, *, has_class_token: bool = False):
+    """`fresh` (the new run's initialised, sharded params) with every parameter the pretrained
+    run has replaced by its value, placed in the same sharding. Returns (params, the paths left
+    fresh)."""
+    saved = _flat(_same_layout(_read(source), fresh))
+    wanted = _flat(fresh)
+    placed, kept_fresh = [], []
+    for name, leaf in wanted.items():
+        if name not in saved:
+            kept_fresh.append(name)
+            placed.append(leaf)
+            continue
+        value = np.asarray(saved[name])
+        if value.shape != leaf.shape:
+            if name.split("/")[-1] != POSITION_EMBEDDING:
+                raise ValueError(f"init_from={source.describe()}: {name} has shape "
+                                 f"{value.shape} there but {tuple(leaf.shape)} in this model; "
+                                 f"fine-tune a model of the same shape")
+            value = _resized_table(value, leaf.shape, has_class_token)
+        value = value.astype(leaf.dtype)
+        placed.append(jax.make_array_from_callback(leaf.shape, leaf.sharding,
+                                                   lambda index, v=value: v[index]))
+    unused = sorted(set(saved) - set(wanted))
+    log.info("init_from %s: %d parameters loaded; left fresh: %s; not used: %s",
+             source.describe(), len(wanted) - len(kept_fresh), ", ".join(kept_fresh) or "none",
+             ", ".join(unused) or "none")
+    return jax.tree.unflatten(jax.tree.structure(fresh), placed), kept_fresh
