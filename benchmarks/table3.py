@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from transformer import config as config_lib  # noqa: E402
 from transformer.checkpoint import workdir as workdir_lib  # noqa: E402
 from transformer.sizing import flops  # noqa: E402
-from transformer.visualize import read_metrics  # noqa: E402
+from transformer.training.curves import read_metrics  # noqa: E402
 
 TABLE3 = runpy.run_path(str(ROOT / "configs" / "table3.py"))
 # The paper's Table 3 (newstest2013, EN-DE): dev perplexity, dev BLEU, parameters (millions).

@@ -14,11 +14,11 @@ import pytest
 from PIL import Image
 
 import transformer
-from transformer import classify
 from transformer.checkpoint.checkpointer import Checkpointer
 from transformer.config import resolve
+from transformer.inference import classifier as classify
 from transformer.model.vit import VisionTransformer
-from transformer.training import sharding
+from transformer.training import evaluation, sharding
 from transformer.training import step as step_lib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -169,7 +169,7 @@ def test_confusion_matrix_counts_label_and_top1_pairs(vision_workdir, test_time_
     cfg["data"]["test_time_flip"] = test_time_flip
     trainer = step_lib.build_trainer(resolve(ConfigDict(cfg), 4), mesh)
     params = jax.device_put(classifier.params, trainer.state_shardings.params)
-    figures, confusion = classify.evaluate_split(trainer, params, _Batches(images, labels),
+    figures, confusion = evaluation.evaluate_split(trainer, params, _Batches(images, labels),
                                                  (0, 4), "test")
     probabilities = classifier.probabilities(pixels)
     if test_time_flip:
@@ -185,5 +185,5 @@ def test_confusion_matrix_counts_label_and_top1_pairs(vision_workdir, test_time_
             want[label, guess] += 1
     np.testing.assert_array_equal(confusion, want)
     assert figures["accuracy"] == pytest.approx(np.trace(want) / 7)
-    out = classify.plot_confusion_matrix(confusion, CLASSES, str(vision_workdir / "c.png"), "t")
+    out = evaluation.plot_confusion_matrix(confusion, CLASSES, str(vision_workdir / "c.png"), "t")
     assert (vision_workdir / "c.png").stat().st_size > 1000 and out.endswith("c.png")

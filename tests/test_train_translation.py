@@ -12,14 +12,16 @@ import sys
 import pytest
 from conftest import SHRUNK_DEFAULT  # noqa: E402
 
-from transformer import evaluate as evaluate_cli  # noqa: E402
 from transformer.checkpoint import averaging  # noqa: E402
 from transformer.checkpoint import workdir as workdir_lib  # noqa: E402
 from transformer.checkpoint.checkpointer import list_steps  # noqa: E402
 from transformer.config import resolve  # noqa: E402
 from transformer.data.synthetic import FIRST_TOKEN, SyntheticTask  # noqa: E402
 from transformer.inference.translator import Translator  # noqa: E402
-from transformer.training import scores  # noqa: E402
+from transformer.training import (
+    evaluation,  # noqa: E402
+    scores,  # noqa: E402
+)
 from transformer.training.loop import train_and_evaluate  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -59,7 +61,7 @@ def test_params_series_keeps_the_last_saves_and_the_final_step(run):
 
 def test_evaluate_cli_reproduces_the_bleu_of_the_last_training_evaluation(run):
     during_training = validation_lines(run)[-1]
-    figures = evaluate_cli.evaluate(str(run), "validation", num_sentences=2)
+    figures = evaluation.evaluate_run(str(run), "validation", num_sentences=2)
     for key in ("loss", "bleu", "bleu_tok_compound", "bleu_num_sentences"):
         assert figures[key] == pytest.approx(during_training[key], rel=1e-6), key
     translations = (run / "eval" / "validation.latest.translation.txt").read_text()
@@ -120,7 +122,7 @@ def test_evaluate_cli_with_average_prints_records_and_writes_the_same_figures(ru
 def test_evaluate_at_a_step_of_the_params_series_reproduces_that_steps_evaluation(run, tmp_path):
     workdir = tmp_path / "run"
     shutil.copytree(run, workdir, ignore=shutil.ignore_patterns("eval"))  # other tests' files
-    figures = evaluate_cli.evaluate(str(workdir), "validation", step=2, num_sentences=2)
+    figures = evaluation.evaluate_run(str(workdir), "validation", step=2, num_sentences=2)
     line = metrics_lines(workdir)[-1]
     assert (line["step"], line["split"], line["checkpoint"]) == (2, "validation", "step2")
     assert {k: v for k, v in line.items() if k not in ("step", "split")} == figures
@@ -138,7 +140,7 @@ def test_evaluate_records_the_step_of_the_params_it_scored(run, tmp_path):
     often, then a preemption): evaluate scores the latest params and must record their step."""
     workdir = tmp_path / "run"
     shutil.copytree(run, workdir, ignore=shutil.ignore_patterns("checkpoints"))
-    figures = evaluate_cli.evaluate(str(workdir), "validation", num_sentences=2)
+    figures = evaluation.evaluate_run(str(workdir), "validation", num_sentences=2)
     assert figures["loss"] == pytest.approx(validation_lines(run)[-1]["loss"], rel=1e-6)
     line = metrics_lines(workdir)[-1]
     assert (line["step"], line["checkpoint"]) == (4, "latest")  # params/4 scored

@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from transformer import evaluate
 from transformer.data.offline import fashion_mnist as ofm
-from transformer.training import loop
+from transformer.training import evaluation, loop
 from transformer.training import step as step_lib
 
 FIXTURE = pathlib.Path(__file__).parent / "data" / "offline_fashion_mnist"
@@ -106,7 +105,7 @@ def test_tiny_vit_trains_through_the_loop(load_config, data_dir, tmp_path):
     assert recorded["class_names"][0] == "T-shirt/top" and len(recorded["mean"]) == 1
     # `python -m transformer.evaluate` on one device scores the final checkpoint alike
     (tmp_path / "plots" / "confusion_test.png").unlink()
-    again = evaluate.evaluate(str(tmp_path), "test")
+    again = evaluation.evaluate_run(str(tmp_path), "test")
     assert again["accuracy"] == pytest.approx(test["accuracy"], abs=1e-9)
     assert again["loss"] == pytest.approx(test["loss"], rel=1e-4)
     assert (tmp_path / "plots" / "confusion_test.png").exists()

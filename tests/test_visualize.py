@@ -8,10 +8,12 @@ import sys
 import numpy as np
 import pytest
 
-from transformer import visualize  # noqa: E402
+from transformer.inference import attention_maps  # noqa: E402
 from transformer.inference.translator import load  # noqa: E402
 from transformer.model.transformer import Transformer  # noqa: E402
 from transformer.ops import attention
+from transformer.training import curves  # noqa: E402
+from transformer.util import plotting  # noqa: E402
 
 SOURCE = "Sie geht oft ins Kino."
 TARGET = "She goes often to the movies."
@@ -25,7 +27,7 @@ def translator(untrained_translation_workdir):
 
 @pytest.fixture(scope="module")
 def maps(translator):
-    return visualize.attention_maps(translator, SOURCE, TARGET)
+    return attention_maps.attention_maps(translator, SOURCE, TARGET)
 
 
 def test_plotted_weights_reproduce_the_attention_outputs_of_the_forward_pass(translator, maps):
@@ -66,10 +68,10 @@ def test_weights_are_distributions_and_the_decoder_never_looks_ahead(maps):
 
 
 def test_attention_figures_are_written_for_every_layer_and_head(maps, tmp_path):
-    written = visualize.plot_attention(maps, str(tmp_path))
+    written = attention_maps.plot_attention(maps, str(tmp_path))
     layers, heads = maps.weights["cross_attention"].shape[:2]
     assert len(written) == 3 * (layers * heads + 1)
-    for kind in visualize.KINDS:
+    for kind in attention_maps.KINDS:
         assert (tmp_path / f"{kind}.png").read_bytes().startswith(PNG)
         assert (tmp_path / kind / f"layer{layers}_head{heads}.png").stat().st_size > 1000
 
@@ -84,23 +86,23 @@ def test_curves_of_two_runs_keep_the_last_line_per_step(tmp_path):
                   {"step": 10, "split": "validation", "loss": scale, "perplexity": 2.7,
                    "bleu": 12.5, "bleu_signature": "nrefs:1"}]
         (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    curves = visualize.read_metrics(str(tmp_path / "b"))
-    assert curves["validation"]["loss"] == [(10, 2.0)]
-    assert curves["validation"]["bleu"] == [(10, 12.5)]
-    assert "bleu_signature" not in curves["validation"]
-    out = visualize.plot_curves([str(tmp_path / "a"), str(tmp_path / "b")],
-                                str(tmp_path / "curves.png"))
+    found = curves.read_metrics(str(tmp_path / "b"))
+    assert found["validation"]["loss"] == [(10, 2.0)]
+    assert found["validation"]["bleu"] == [(10, 12.5)]
+    assert "bleu_signature" not in found["validation"]
+    out = curves.plot_curves([str(tmp_path / "a"), str(tmp_path / "b")],
+                              str(tmp_path / "curves.png"))
     assert (tmp_path / "curves.png").read_bytes().startswith(PNG) and out.endswith("curves.png")
 
 
 def drawn_axes(run, lines, monkeypatch, tmp_path, **kwargs) -> dict:
     """Writes `lines` as `run`'s metrics.jsonl, draws its curves, returns the axes by title."""
     (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    plt = visualize.pyplot()
+    plt = plotting.pyplot()
     drawn = {}
     monkeypatch.setattr(plt, "close", lambda fig: drawn.update(
         {ax.get_title(): ax for ax in fig.axes}))
-    visualize.plot_curves([str(run)], str(tmp_path / "curves.png"), **kwargs)
+    curves.plot_curves([str(run)], str(tmp_path / "curves.png"), **kwargs)
     return drawn
 
 
@@ -117,10 +119,10 @@ def test_curves_draw_a_classifiers_accuracy(tmp_path, monkeypatch):
 
 
 def test_positions_figure(tmp_path):
-    out = visualize.plot_positions(64, 50, str(tmp_path / "p.png"))
+    out = plotting.plot_positions(64, 50, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").read_bytes().startswith(PNG) and out.endswith("p.png")
     with pytest.raises(ValueError, match="--d_model=63 must be even"):
-        visualize.plot_positions(63, 50, str(tmp_path / "q.png"))
+        plotting.plot_positions(63, 50, str(tmp_path / "q.png"))
 
 
 def run_cli(*args):
@@ -150,12 +152,12 @@ def test_attention_rollout_of_a_hand_worked_case():
     (U M = U for the doubly stochastic M)."""
     eye, shift, uniform = np.eye(3), np.roll(np.eye(3), 1, axis=1), np.full((3, 3), 1 / 3)
     weights = np.array([[eye, shift], [uniform, uniform]])
-    rollout = visualize.attention_rollout(weights)
+    rollout = attention_maps.attention_rollout(weights)
     np.testing.assert_allclose(rollout[0], [1 / 6 + 3 / 8, 1 / 6 + 1 / 8, 1 / 6])
     np.testing.assert_allclose(rollout, uniform / 2 + 3 / 8 * eye + 1 / 8 * shift)
     # one layer of uneven heads: the head mean, the identity, rows re-normalised
     head = np.array([[0.2, 0.8, 0.0], [0.5, 0.5, 0.0], [0.1, 0.1, 0.8]])
-    np.testing.assert_allclose(visualize.attention_rollout(head[None, None])[0],
+    np.testing.assert_allclose(attention_maps.attention_rollout(head[None, None])[0],
                                [0.6, 0.4, 0.0])
 
 
@@ -166,8 +168,8 @@ def test_image_attention_maps_are_the_class_tokens_rows(load_config, tmp_path):
     import jax
     from PIL import Image
 
-    from transformer import classify
     from transformer.config import resolve
+    from transformer.inference import classifier as classify
     from transformer.model.vit import VisionTransformer
 
     cfg = load_config("vit_fashion_mnist.py", **{
@@ -182,14 +184,14 @@ def test_image_attention_maps_are_the_class_tokens_rows(load_config, tmp_path):
                                      np.array([0.4]))
     pixels = np.random.default_rng(0).integers(0, 256, (28, 28), dtype=np.uint8)
     Image.fromarray(pixels).save(tmp_path / "x.png")
-    found = visualize.image_attention(classifier, str(tmp_path / "x.png"))
+    found = attention_maps.image_attention(classifier, str(tmp_path / "x.png"))
     assert found.weights.shape == (2, 2, 17, 17) and found.grid == 4
     np.testing.assert_allclose(found.weights.sum(-1), 1.0, rtol=1e-5)
     np.testing.assert_array_equal(found.image[..., 0], pixels)
     np.testing.assert_array_equal(found.per_head()[1, 0], found.weights[1, 0, 0, 1:].reshape(4, 4))
     np.testing.assert_allclose(
-        found.rollout(), visualize.attention_rollout(found.weights)[0, 1:].reshape(4, 4))
-    paths = visualize.plot_image_attention(found, str(tmp_path / "out"))
+        found.rollout(), attention_maps.attention_rollout(found.weights)[0, 1:].reshape(4, 4))
+    paths = attention_maps.plot_image_attention(found, str(tmp_path / "out"))
     assert [p.rsplit("/", 1)[1] for p in paths] == ["heads.png", "rollout.png"]
     assert all(open(p, "rb").read(8) == PNG for p in paths)
 
@@ -213,4 +215,4 @@ def test_curves_against_hours_of_training(tmp_path, monkeypatch):
     assert drawn["perplexity"].get_xlabel().startswith("hours of training")
     (run / "metrics.jsonl").write_text(json.dumps(lines[-1]) + "\n")
     with pytest.raises(ValueError, match="no train lines with their throughput.*--x=step"):
-        visualize.plot_curves([str(run)], str(tmp_path / "curves.png"), x="hours")
+        curves.plot_curves([str(run)], str(tmp_path / "curves.png"), x="hours")

@@ -8,7 +8,7 @@ their `TransformerConfig` (`model_config`) import no TensorFlow:
 `transformer.load(workdir)` loads a trained translation run (`translator.Translator`),
 `transformer.load_generator(workdir)` a trained decoder-only language model
 (`generator.Generator`), `transformer.load_classifier(workdir)` a trained image classifier
-(`classify.Classifier`).
+(`inference.classifier.Classifier`).
 
 Shape legend, for the einsums, comments and docstrings of every module (one meaning a letter):
 
@@ -68,7 +68,7 @@ def __getattr__(name):
 
         return load_generator
     if name == "load_classifier":
-        from transformer.classify import load
+        from transformer.inference.classifier import load
 
         return load
     raise AttributeError(f"module 'transformer' has no attribute {name!r}")

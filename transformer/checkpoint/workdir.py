@@ -116,3 +116,64 @@ def load_tokenizer(workdir: str, vocab_size: int):
             f"{f', sha256 {recorded[:12]}…' if recorded else ''} in config.json): restore the "
             f"run's vocab/ directory")
     return tokenizer
+
+
+# The contract a finished or running workdir keeps (docs/architecture.md, "The workdir").
+TRAIN_METRICS = frozenset({"loss", "learning_rate", "grad_norm", "tokens_per_sec",
+                           "data_wait_fraction"})
+BLEU_METRICS = frozenset({"bleu", "bleu_signature", "bleu_tok_compound", "bleu_num_sentences"})
+CONFIG_KEYS = frozenset({"model", "mesh", "seed", "num_train_steps", "checkpoint_every_steps"})
+MESH_AXES = frozenset({"data", "fsdp", "tensor"})
+SPLITS = ("train", "validation", "test")
+
+
+def check(workdir: str) -> list[str]:
+    """The ways `workdir` departs from the workdir contract, one line each (empty: none):
+    config.json with the top-level keys and mesh axes, metrics.jsonl lines with an int `step`
+    (1-based on train lines) and a known `split`, train lines with every train metric, eval lines
+    with perplexity beside loss and every BLEU figure beside `bleu`, and checkpoints/ holding only
+    steps (and orbax's unfinished saves)."""
+    problems = []
+    try:
+        config = read_config_file(workdir)
+    except ValueError as error:
+        config, problems = None, [str(error)]
+    if config is None and not problems:
+        problems.append(f"{CONFIG} is missing")
+    elif config is not None:
+        if missing := sorted(CONFIG_KEYS - set(config)):
+            problems.append(f"{CONFIG} lacks the keys {missing}")
+        if missing := sorted(MESH_AXES - set(config.get("mesh", {}))):
+            problems.append(f"{CONFIG}'s mesh lacks the axes {missing}")
+    metrics = path(workdir, METRICS)
+    if not os.path.isfile(metrics):
+        return problems + [f"{METRICS} is missing"]
+    with open(metrics) as f:
+        for number, line in enumerate(f, 1):
+            where = f"{METRICS}:{number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                problems.append(f"{where} is not a JSON object")
+                continue
+            step, split = record.get("step"), record.get("split")
+            if split not in SPLITS:
+                problems.append(f"{where}: split {split!r} is not one of {list(SPLITS)}")
+            if type(step) is not int or step < (1 if split == "train" else 0):
+                problems.append(f"{where}: step {step!r} is not an int >= "
+                                f"{1 if split == 'train' else 0}")
+            if split == "train" and (missing := sorted(TRAIN_METRICS - set(record))):
+                problems.append(f"{where}: the train line lacks {missing}")
+            if split in SPLITS[1:] and "loss" in record and "perplexity" not in record \
+                    and "accuracy" not in record:
+                problems.append(f"{where}: an eval loss without perplexity")
+            if "bleu" in record and (missing := sorted(BLEU_METRICS - set(record))):
+                problems.append(f"{where}: bleu without {missing}")
+    checkpoints = path(workdir, CHECKPOINTS)
+    if os.path.isdir(checkpoints):
+        strays = sorted(name for name in os.listdir(checkpoints)
+                        if not name.isdigit() and not name.startswith(".")
+                        and "orbax-checkpoint-tmp" not in name)
+        if strays:
+            problems.append(f"{CHECKPOINTS}/ holds entries that are not steps: {strays[:5]}")
+    return problems

@@ -19,7 +19,7 @@ remainder is dropped): a pure function of (seed, index); each process takes only
 each microbatch. The splits are tokenized once, in memory (the help topics: 34k short texts).
 
 The loop evaluates "validation" (a dataset without one: "test", logged); `test_split` is "test"
-(as the image source's, for `classify.test_evaluation`). Shapes: A microbatches,
+(as the image source's, for `evaluation.evaluate_test_split`). Shapes: A microbatches,
 S = data.max_length.
 """
 

@@ -19,7 +19,6 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from transformer import classify
 from transformer.checkpoint import faults
 from transformer.checkpoint import workdir as workdir_lib
 from transformer.checkpoint.averaging import ParamsSeries
@@ -28,17 +27,8 @@ from transformer.config import resolve
 from transformer.data import make_source
 from transformer.inference.translator import Translator
 from transformer.sizing import flops
-from transformer.training import (
-    distributed,
-    metrics,
-    scores,
-    sharding,
-    transfer,
-)
-from transformer.training import (
-    step as step_lib,
-)
-from transformer.util import progress
+from transformer.training import distributed, evaluation, metrics, scores, sharding, transfer
+from transformer.training import step as step_lib
 
 log = logging.getLogger("transformer")
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "transformer")
@@ -124,20 +114,6 @@ class _Preemption:
 
     def restore(self):
         signal.signal(signal.SIGTERM, self._previous)
-
-
-def evaluate(trainer, eval_step, params, source, rows, split="validation") -> dict:
-    """Unsmoothed eval loss and perplexity (a classifier: loss and accuracy,
-    `step_lib.eval_metrics`) over the source's eval batches of `split` (progress on stderr
-    from process 0)."""
-    totals = {"nll_sum": 0.0, "tokens": 0.0}
-    with progress.bar(None, f"evaluating on {split}", unit="batch",
-                      show=jax.process_index() == 0) as bar:
-        for local in source.eval_batches(split, rows):
-            sums = jax.device_get(eval_step(params, step_lib.global_batch(trainer.mesh, local)))
-            totals = {k: totals.get(k, 0.0) + float(v) for k, v in sums.items()}
-            bar.update()
-    return step_lib.eval_metrics(totals)
 
 
 def validation_bleu(translator: Translator, source, num_sentences: int, target_lang: str,
@@ -245,7 +221,7 @@ def _train(cfg, workdir: str, config_file: str | None,
             due_bleu = translator is not None and _due(cfg.bleu_every_steps, step, total)
             if due_loss or due_bleu:
                 started = time.perf_counter()
-                figures = (evaluate(trainer, eval_step, state.params, source, eval_rows,
+                figures = (evaluation.evaluate(trainer, eval_step, state.params, source, eval_rows,
                                     eval_split) if due_loss else {})
                 if due_bleu:
                     translator.params = state.params
@@ -272,7 +248,7 @@ def _train(cfg, workdir: str, config_file: str | None,
                 log.warning("preempted: checkpoint %d saved, exiting", step)
                 break
         if step >= total and run.model.classifies:  # trained: score the test split
-            classify.test_evaluation(trainer, state.params, source, eval_rows, step, writer,
+            evaluation.evaluate_test_split(trainer, state.params, source, eval_rows, step, writer,
                                      workdir)
     except BaseException as error:  # the others learn of it before this process cleans up
         notices.post(error)

@@ -1,0 +1,215 @@
+"""Attention maps of a trained model: a translation's encoder self-, decoder self- and
+cross-attention per layer and head, and a Vision Transformer's class-token attention over the
+patches, per head and rolled out over the layers (Abnar & Zuidema, 2020). The weights are the ones
+the forward pass used: `MultiHeadAttention` records `attention.attention_weights` when applied
+with `mutable=["intermediates"]`.
+
+Shape legend: L layers, N heads, T target length, S source length (an image's tokens), G the
+patch grid's side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+
+from transformer.util.plotting import heatmap, overlay, pyplot
+
+KINDS = ("encoder_self_attention", "decoder_self_attention", "cross_attention")
+
+
+@dataclasses.dataclass
+class AttentionMaps:
+    """Attention weights of one sentence pair, per kind [L, N, queries, keys], and the pieces
+    labelling the axes: source (+ EOS), decoder inputs (BOS + target) and outputs (target + EOS).
+    """
+
+    weights: dict[str, np.ndarray]
+    source_pieces: list[str]
+    decoder_input_pieces: list[str]
+    target_pieces: list[str]
+
+    def axes(self, kind: str) -> tuple[list[str], list[str]]:
+        """(query labels, key labels) of `kind`."""
+        return {"encoder_self_attention": (self.source_pieces, self.source_pieces),
+                "decoder_self_attention": (self.target_pieces, self.decoder_input_pieces),
+                "cross_attention": (self.target_pieces, self.source_pieces)}[kind]
+
+
+def attention_maps(translator, source: str, target: str | None = None) -> AttentionMaps:
+    """Runs `translator`'s model on (source, target) with teacher forcing and returns the
+    attention weights of every layer and head. `target` defaults to the model's translation."""
+    import jax.numpy as jnp
+
+    from transformer.checkpoint.checkpointer import unstack_layers
+    from transformer.data.tokenizer import BOS_ID, EOS_ID
+    from transformer.model.transformer import Transformer
+
+    if not source.strip():
+        raise ValueError("--source is empty: give a sentence to translate")
+    if target is None:
+        target = translator.translate([source])[0]
+    if not target.strip():
+        raise ValueError("the target is empty (the model translated the source to nothing): "
+                         "pass --target")
+    cfg = dataclasses.replace(translator.model_config, scan_layers=False)
+    params = translator.params
+    if translator.model_config.scan_layers:
+        params = unstack_layers(params)
+    source_ids = translator.encode([source])[0]
+    target_ids = translator.tokenizer.encode([target])[0][: cfg.max_len - 1] + [EOS_ID]
+    _, state = Transformer(cfg).apply(
+        {"params": params}, jnp.asarray([source_ids]), jnp.asarray([target_ids]),
+        mutable=["intermediates"])
+    found = state["intermediates"]
+
+    def stacked(stack: str, num_layers: int, sublayer: str) -> np.ndarray:
+        return np.stack([np.asarray(found[stack][f"layers_{i}"][sublayer]
+                                    ["attention_weights"][0][0]) for i in range(num_layers)])
+
+    weights = {"encoder_self_attention": stacked("encoder", cfg.num_encoder_layers,
+                                                 "self_attention"),
+               "decoder_self_attention": stacked("decoder", cfg.num_decoder_layers,
+                                                 "self_attention"),
+               "cross_attention": stacked("decoder", cfg.num_decoder_layers, "cross_attention")}
+    pieces = translator.tokenizer.id_to_piece
+    target_pieces = [pieces(i) for i in target_ids]
+    return AttentionMaps(weights, [pieces(i) for i in source_ids],
+                         [pieces(BOS_ID)] + target_pieces[:-1], target_pieces)
+
+
+def plot_attention(maps: AttentionMaps, out_dir: str) -> list[str]:
+    """One PNG per kind, layer and head, and one overview grid per kind; returns the paths."""
+    plt = pyplot()
+    written = []
+    for kind in KINDS:
+        weights = maps.weights[kind]
+        queries, keys = maps.axes(kind)
+        num_layers, num_heads = weights.shape[:2]
+        title = kind.replace("_", " ")
+        os.makedirs(os.path.join(out_dir, kind), exist_ok=True)
+        size = (max(4.0, 0.25 * len(keys) + 2), max(3.5, 0.25 * len(queries) + 1.5))
+        for layer in range(num_layers):
+            for head in range(num_heads):
+                fig, ax = plt.subplots(figsize=size, layout="constrained")
+                image = heatmap(ax, weights[layer, head], queries, keys,
+                                 f"{title}, layer {layer + 1}, head {head + 1}")
+                fig.colorbar(image, ax=ax, label="attention weight")
+                path = os.path.join(out_dir, kind, f"layer{layer + 1}_head{head + 1}.png")
+                fig.savefig(path, dpi=100)
+                plt.close(fig)
+                written.append(path)
+        fig, axes = plt.subplots(num_layers, num_heads, squeeze=False, layout="constrained",
+                                 figsize=(2.2 * num_heads + 1, 2.2 * num_layers + 0.6))
+        for layer in range(num_layers):
+            for head in range(num_heads):
+                image = heatmap(axes[layer, head], weights[layer, head], queries, keys,
+                                 f"layer {layer + 1}, head {head + 1}", labels=False)
+        fig.suptitle(f"{title}: rows are queries, columns keys ({len(queries)} x {len(keys)} "
+                     f"pieces)")
+        fig.colorbar(image, ax=axes, label="attention weight", shrink=0.8)
+        path = os.path.join(out_dir, f"{kind}.png")
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def attention_rollout(weights: np.ndarray) -> np.ndarray:
+    """Attention rollout (Abnar & Zuidema 2020, "Quantifying Attention Flow in Transformers")
+    of one image's weights [L, N, S, S]: each layer's heads averaged, the residual connection
+    added as the identity, Â_l = (mean_N A_l + I) / 2 with rows re-normalised to sum to 1, and
+    the layers multiplied from the first: R = Â_L ... Â_1, [S, S]. Row t of R: how much of
+    token t's final state flows from each input token (each row sums to 1)."""
+    s = weights.shape[-1]
+    rollout = np.eye(s)
+    for layer in np.asarray(weights, np.float64):
+        mixed = 0.5 * layer.mean(0) + 0.5 * np.eye(s)
+        rollout = (mixed / mixed.sum(-1, keepdims=True)) @ rollout
+    return rollout
+
+
+@dataclasses.dataclass
+class ImageAttention:
+    """One image through a Vision Transformer: the pixels it saw [H, W, ch] uint8, every
+    layer's attention [L, N, S, S], its patch grid's side G and whether token 0 is a class
+    token, and its top class."""
+
+    image: np.ndarray
+    weights: np.ndarray
+    grid: int
+    has_class_token: bool
+    predicted: str
+    probability: float
+
+    def _pooled_row(self, matrix: np.ndarray) -> np.ndarray:
+        """[..., S, S] -> [..., G, G]: the class token's row over the patches; without one
+        (pooling "gap"), the mean of the patches' rows, what the pooled state draws on."""
+        row = matrix[..., 0, 1:] if self.has_class_token else matrix.mean(-2)
+        return row.reshape(*row.shape[:-1], self.grid, self.grid)
+
+    def per_head(self) -> np.ndarray:
+        """[L, N, G, G]: each layer's and head's attention of the class token over the
+        patches."""
+        return self._pooled_row(self.weights)
+
+    def rollout(self) -> np.ndarray:
+        """[G, G]: the class token's row of `attention_rollout` over the patches."""
+        return self._pooled_row(attention_rollout(self.weights))
+
+
+def image_attention(classifier, image_path: str) -> ImageAttention:
+    """Runs `classifier` (`classifier.load`) on the image file and keeps every layer's attention
+    weights (recorded with `mutable=["intermediates"]`)."""
+    import jax
+
+    from transformer.checkpoint.checkpointer import unstack_layers
+    from transformer.inference import classifier as classify
+    from transformer.model.vit import VisionTransformer
+
+    cfg = dataclasses.replace(classifier.model_config, scan_layers=False)
+    params = classifier.params
+    if classifier.model_config.scan_layers:
+        params = unstack_layers(params)
+    pixels = classify.read_image(image_path, cfg.image_size, cfg.num_channels)
+    logits, state = VisionTransformer(cfg).apply(
+        {"params": params}, classifier.normalise(pixels[None]), mutable=["intermediates"])
+    found = state["intermediates"]["encoder"]
+    weights = np.stack([np.asarray(found[f"layers_{i}"]["self_attention"]
+                                   ["attention_weights"][0][0])
+                        for i in range(cfg.num_encoder_layers)])
+    probabilities = np.asarray(jax.nn.softmax(logits[0]))
+    best = int(probabilities.argmax())
+    return ImageAttention(pixels, weights, cfg.image_size // cfg.patch_size,
+                          cfg.pooling == "cls", classifier.class_names[best],
+                          float(probabilities[best]))
+
+
+def plot_image_attention(found: ImageAttention, out_dir: str) -> list[str]:
+    """`heads.png` (a grid: rows layers, columns heads) and `rollout.png` (the image, and the
+    rollout over it); returns their paths."""
+    plt = pyplot()
+    os.makedirs(out_dir, exist_ok=True)
+    token = "class token" if found.has_class_token else "mean patch"
+    heads = found.per_head()
+    num_layers, num_heads = heads.shape[:2]
+    fig, axes = plt.subplots(num_layers, num_heads, squeeze=False, layout="constrained",
+                             figsize=(1.8 * num_heads + 0.4, 1.8 * num_layers + 0.6))
+    for layer in range(num_layers):
+        for head in range(num_heads):
+            overlay(axes[layer, head], found.image, heads[layer, head],
+                     f"layer {layer + 1}, head {head + 1}")
+    fig.suptitle(f"{token}'s attention over the patches (each map scaled to its maximum); "
+                 f"predicted {found.predicted} {100 * found.probability:.1f}%", fontsize=9)
+    paths = [os.path.join(out_dir, "heads.png"), os.path.join(out_dir, "rollout.png")]
+    fig.savefig(paths[0], dpi=100)
+    plt.close(fig)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(6.4, 3.6), layout="constrained")
+    overlay(left, found.image, np.zeros((found.grid, found.grid)), "input")
+    overlay(right, found.image, found.rollout(), f"attention rollout over {num_layers} layers")
+    fig.suptitle(f"predicted {found.predicted} {100 * found.probability:.1f}%", fontsize=9)
+    fig.savefig(paths[1], dpi=100)
+    plt.close(fig)
+    return paths
