@@ -48,7 +48,8 @@ def _quiet_libraries():
 
 
 def _compile_for_topology(cfg, name: str, num_slices: int, config_file: str):
-    """Compiles the train step for a TPU topology's abstract devices (`transformer/tpu.py`)."""
+    """Compiles the train step for a TPU topology's abstract devices
+    (`transformer/sizing/tpu.py`)."""
     from transformer.sizing import tpu
 
     try:

@@ -13,7 +13,7 @@ budget is the one timing reported). Programs over the
 budget are reported from memory_analysis only. Prints one JSON line per row as it finishes, then
 a table.
 
-Implementations: "xla" and "chunked" from `transformer.attention` with the causal mask
+Implementations: "xla" and "chunked" from `transformer.ops.attention` with the causal mask
 `make_causal_mask(S)` built inside the program; "chunked/nomask" is "chunked" without any mask,
 a diagnostic row that shows how much of chunked's memory is the boolean [T, S] causal mask
 (which the chunked path splits into key blocks and keeps as a backward residual: O(T·S) bytes).

@@ -9,7 +9,7 @@ paragraphs by module (8 classes), on a 2-core CPU.
 Data: the TFDS dataset `offline_help_topics` (built on first use from the LibreOffice help
 packages, as `offline_de_en`): 27,302 training, 3,426 validation and 3,602 test paragraphs,
 English and German, labelled Writer, Calc, Impress, Draw, Base, Math, Chart or Basic
-(`transformer/data/help_topics.py`). One paragraph a row: its pieces and EOS, cut to 64
+(`transformer/data/offline/help_paragraphs.py`). One paragraph a row: its pieces and EOS, cut to 64
 tokens (`transformer/data/text_classification.py`). With `init_from` the vocabulary is the
 pretrained run's (8,000 pieces); from scratch one of the same size is trained on these texts.
 

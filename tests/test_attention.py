@@ -1,4 +1,4 @@
-"""Tests of transformer.attention: the formula in numpy, jax.nn, GQA/MQA, the chunked
+"""Tests of transformer.ops.attention: the formula in numpy, jax.nn, GQA/MQA, the chunked
 implementation (values and gradients), masks, dtypes, dropout and JAX transformations."""
 
 import functools

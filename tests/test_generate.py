@@ -1,4 +1,5 @@
-"""Generation (transformer.generator) on tiny randomly initialised language models: prompts
+"""Generation (transformer.inference.generator) on tiny randomly initialised language models:
+prompts
 padded into length buckets and batches give the tokens they give alone, and a stream of
 prompts of many lengths compiles one program per bucket and batch shape."""
 

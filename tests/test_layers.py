@@ -1,4 +1,4 @@
-"""Tests of transformer.layers: positional encodings, norms, the feed-forward network and
+"""Tests of transformer.ops.layers: positional encodings, norms, the feed-forward network and
 dropout, against numpy."""
 
 import math

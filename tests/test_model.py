@@ -1,4 +1,5 @@
-"""Tests of transformer.model: parameter paths and logical axes, parameter counts, masking
+"""Tests of transformer.model.transformer: parameter paths and logical axes, parameter counts,
+masking
 behaviour (causality, padding, packing, permutation equivariance), incremental decoding with
 the explicit cache, dropout, dtypes and config validation.
 
@@ -139,7 +140,7 @@ def std_batch(seed=0):
 
 
 def expected_param_shapes(cfg):
-    """The parameter paths and shapes DESIGN.md pins, written out."""
+    """The parameter paths and shapes docs/architecture.md pins, written out."""
     d, f, n, kh, h, hv, v = (cfg.d_model, cfg.d_ff, cfg.num_heads, cfg.num_kv_heads, cfg.d_k,
                              cfg.d_v, cfg.vocab_size)
     out = {"embedding/embedding": (v, d)}

@@ -1,4 +1,5 @@
-"""Tests of transformer.optim: schedules, optimizers and the cross-entropy, against numpy."""
+"""Tests of transformer.training.optim: schedules, optimizers and the cross-entropy, against
+numpy."""
 
 import jax
 import jax.numpy as jnp

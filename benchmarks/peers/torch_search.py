@@ -1,6 +1,6 @@
 """The PyTorch eager peer of our decoding: greedy and beam search over `torch_transformer`'s
 model, written as a PyTorch user would (keys and values cached per layer and grown with
-`torch.cat`, `torch.topk`), with the rules of `transformer/decoding.py`: padding is never
+`torch.cat`, `torch.topk`), with the rules of `transformer/inference/decoding.py`: padding is never
 chosen, a row's last allowed position may only be EOS, beam search keeps the best W finished
 hypotheses among the best W candidates of each step (scored with GNMT's length penalty) and the
 best W alive ones, and stops when no alive hypothesis can beat a sentence's best finished one.

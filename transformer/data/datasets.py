@@ -3,7 +3,7 @@ access), converting one prepared in TFRecord once, and reading text pairs by ind
 
 `prepare_dataset` never downloads WMT (statmt.org is slow and often unreachable): without a
 prepared dataset or the raw archives in `data.manual_dir` it stops with one line naming the
-files. `offline_de_en` builds itself from Debian packages (`offline_de_en.py`).
+files. `offline_de_en` builds itself from Debian packages (`offline/de_en.py`).
 """
 
 from __future__ import annotations

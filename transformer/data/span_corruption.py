@@ -10,8 +10,9 @@ sentinel k; the targets list sentinel k then span k's tokens, for every span; bo
     tokens  [A B C D E F G H I J], noise [. . x x . . . x . .] (spans "C D" and "H"; n = 10)
     inputs  [A B <s0> E F G <s1> I J EOS]      targets [<s0> C D <s1> H EOS]
 
-Sentinels are user-defined SentencePiece symbols right after [MASK] (DESIGN.md, special tokens):
-`tokenizer.train(..., num_sentinels=k)` reserves them and `Tokenizer.sentinel_ids` lists them.
+Sentinels are user-defined SentencePiece symbols right after [MASK] (docs/architecture.md,
+special tokens): `tokenizer.train(..., num_sentinels=k)` reserves them and
+`Tokenizer.sentinel_ids` lists them.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """Vocabularies: SentencePiece, one vocabulary shared by source and target, trained (seeded)
 on first use; or an imported checkpoint's own (`HuggingFaceTokenizer`).
 
-Ids follow DESIGN.md: pad 0, unk 1, bos 2 (the decoder's start), eos 3, then the user-defined
-`[MASK]` (4): the ids are defined here, once, and imported everywhere (the model and decoding
-included: this module imports SentencePiece only when a model is loaded or trained, so it needs
-no data extra). An imported checkpoint's vocabulary keeps its own ids: each tokenizer says its
-`bos_id`, `eos_id` and `pad_id` (0, or None where id 0 is an ordinary token), and the run's
-`model.*` fields of the same names agree with them. A run keeps its vocabulary in
+Ids follow docs/architecture.md: pad 0, unk 1, bos 2 (the decoder's start), eos 3, then the
+user-defined `[MASK]` (4): the ids are defined here, once, and imported everywhere (the model
+and decoding included: this module imports SentencePiece only when a model is loaded or trained,
+so it needs no data extra). An imported checkpoint's vocabulary keeps its own ids: each
+tokenizer says its `bos_id`, `eos_id` and `pad_id` (0, or None where id 0 is an ordinary token),
+and the run's `model.*` fields of the same names agree with them. A run keeps its vocabulary in
 `<workdir>/vocab/` (`load` reads either kind) and reuses it on resume; a model whose size
 differs from `data.vocab_size`, or whose sha256 differs from the one the run recorded in
 `config.json`, is an error rather than a silent retrain.

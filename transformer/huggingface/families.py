@@ -1,5 +1,5 @@
 """The Hugging Face families we read and write: each one's config.json <-> `TransformerConfig`
-fields, and its tensors <-> our parameter paths (DESIGN.md, "Parameter paths").
+fields, and its tensors <-> our parameter paths (docs/architecture.md, "Parameter paths").
 
 A `Family` maps a `transformers` config dict to our `model.*` fields (refusing, in one line, an
 option our model does not compute exactly) and back, and lists its `Tensors`: which checkpoint

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from transformer.ops import attention, layers, linear_attention
 
-# vision: `transformer.vit`; classifier: the encoder and a class head (`Transformer.classify`)
+# vision: `transformer.model.vit`; classifier: the encoder and a class head (`Transformer.classify`)
 ARCHITECTURES = ("encoder_decoder", "encoder", "decoder", "vision", "classifier")
 POSITIONALS = ("sinusoidal", "learned", "rope", "none")
 NORMS = ("layer_norm", "rms_norm")
@@ -87,7 +87,7 @@ class TransformerConfig:
     # Local layers: the first positions of a row attend to and from every position
     # (Longformer's global tokens; the chunked kernel still skips the blocks they do not need).
     attention_global_tokens: int = 0
-    # VISION_FIELDS, read by architecture="vision" (the ViT, `transformer.vit`): square
+    # VISION_FIELDS, read by architecture="vision" (the ViT, `transformer.model.vit`): square
     # images cut into square patches; num_classes and pooling also by "classifier" (text)
     image_size: int = 224
     patch_size: int = 16

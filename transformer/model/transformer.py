@@ -3,9 +3,10 @@ embeddings, the stacks of `blocks` (scanned and rematerialised as configured), t
 projection and the decoding cache. Shapes are written in the package's legend
 (`transformer/__init__.py`); the hyperparameters are a `TransformerConfig` (`model_config`).
 
-Every parameter carries logical axis names (`sharding.py` maps them onto the mesh). Parameter
-paths are a contract (DESIGN.md): `embedding/embedding`, `encoder/layers_{i}/self_attention/
-query/kernel`, ... With `scan_layers` the layers are one `layers` subtree with a leading L axis.
+Every parameter carries logical axis names (`training/sharding.py` maps them onto the mesh).
+Parameter paths are a contract (docs/architecture.md): `embedding/embedding`,
+`encoder/layers_{i}/self_attention/query/kernel`, ... With `scan_layers` the layers are one
+`layers` subtree with a leading L axis.
 
 `Transformer(inputs, targets)` returns the logits; `Transformer.output_head` the final hidden
 states and the output projection unapplied (`OutputHead`). Architecture "classifier" is the

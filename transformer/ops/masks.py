@@ -4,8 +4,8 @@
 The paper's masks (causal, padding) and those of packed rows, prefix LMs and incremental
 decoding; the sparse patterns of efficient attention: a sliding window (`make_local_mask`,
 what `local_window_size` applies), Longformer's global tokens (`make_global_mask`, and the
-`global_tokens` first positions of a row beside a window). `transformer.attention` re-exports
-every name here (the API of DESIGN.md).
+`global_tokens` first positions of a row beside a window). `transformer.ops.attention` re-exports
+every name here (the research API, docs/research-api.md).
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ is allocated, so the count is whatever the model really builds (biases, norms, u
 learned positions, SwiGLU gates included).
 
 FLOPs count matrix multiplications only, 2 FLOPs per multiply-add; embedding lookups, biases,
-norms, activations, softmax and dropout are free. Shape legend as in DESIGN.md: S source length,
-T target length, N query heads, K kv heads, H = d_k, Hv = d_v, D d_model, F d_ff, V vocab,
-A = 2 for relu/gelu and 3 for swiglu (FFN matmuls). Forward FLOPs of one sequence pair:
+norms, activations, softmax and dropout are free. Shape legend as in transformer/__init__.py: S
+source length, T target length, N query heads, K kv heads, H = d_k, Hv = d_v, D d_model, F d_ff,
+V vocab, A = 2 for relu/gelu and 3 for swiglu (FFN matmuls). Forward FLOPs of one sequence pair:
 
     attention projections over L tokens (queries from L_q, keys/values from L_kv):
         proj(L_q, L_kv) = 2·L_q·D·N·H + 2·L_kv·D·K·(H + Hv) + 2·L_q·N·Hv·D
@@ -43,7 +43,7 @@ Training FLOPs = 3 × forward (the backward pass costs twice the forward).
 encoder-only model divides by S (its loss is per input token) and applies the logits over S.
 Decoder-only models have neither encoder nor cross-attention.
 
-The vision model (`architecture="vision"`, `transformer.vit`) is an encoder over its S patch
+The vision model (`architecture="vision"`, `transformer.model.vit`) is an encoder over its S patch
 tokens (plus the class token with pooling "cls"), whatever lengths are passed; its forward adds
 the patch embedding, 2·G²·Q·D (G² patches of Q = P²·C values), and one logits row,
 2·D·num_classes; `train_flops_per_token` is per image (its loss is per image). The text

@@ -14,7 +14,7 @@ by side, per device:
 - **compiled**: XLA's `Compiled.memory_analysis()` (arguments, outputs, donated aliases,
   temporaries, generated code). On a CPU backend (fake devices) it is the CPU compiler's buffer
   assignment: an estimate of what an accelerator would need, not a measurement of one. Compiled
-  for a TPU topology (`transformer/tpu.py`) it is the TPU compiler's, and the report adds its
+  for a TPU topology (`transformer/sizing/tpu.py`) it is the TPU compiler's, and the report adds its
   peak memory against the chip's HBM, its FLOP count and time estimate, and the MFU they imply.
 
 Shape legend: A accumulation microbatches, B rows per microbatch on one device, S source length,

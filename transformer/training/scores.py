@@ -1,4 +1,4 @@
-"""Translation metrics: BLEU two ways (DESIGN.md metric names) and perplexity.
+"""Translation metrics: BLEU two ways (metric names: docs/architecture.md) and perplexity.
 
 - `bleu`: sacreBLEU's corpus BLEU on detokenized, cased text (default `13a` tokenizer and
   `exp` smoothing), reported with its signature: the primary figure.

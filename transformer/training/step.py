@@ -43,7 +43,8 @@ from transformer.training.scores import perplexity
 
 BATCH_KEYS = ("inputs", "targets", "inputs_positions", "targets_positions",
               "inputs_segmentation", "targets_segmentation", "targets_prefix")
-# The train-line metrics of a float16 run (DESIGN.md): the scale in force, the running count.
+# The train-line metrics of a float16 run (docs/architecture.md): the scale in force, the
+# running count.
 LOSS_SCALE_METRICS = ("loss_scale", "skipped_overflow_steps")
 
 

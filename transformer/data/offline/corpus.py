@@ -2,7 +2,7 @@
 
 `apt-get download libreoffice-help-de libreoffice-help-en-us trans-de-en` fetches the .deb files
 (about 11 MB; it needs Debian package lists, i.e. `apt-get update` once, but installs nothing),
-`dpkg-deb -x` unpacks them into a cache directory (`debian.py`), and this module turns the
+`dpkg-deb -x` unpacks them into a cache directory (`debian.py` beside it), and this module turns the
 unpacked trees into sentence pairs:
 
 - LibreOffice help (MPL-2.0): `usr/share/libreoffice/help/{de,en-US}/**.html` hold the same pages
