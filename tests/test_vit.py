@@ -1,4 +1,4 @@
-"""The Vision Transformer (`transformer/vit.py`): patch embedding and pooling against numpy,
+"""The Vision Transformer (`transformer/model/vit.py`): patch embedding and pooling against numpy,
 position-embedding resizing, the ViT paper's Table 1 parameter counts, sharded = unsharded, and
 a loss that falls under plain optax Adam on the committed Fashion-MNIST fixture."""
 

@@ -1,5 +1,5 @@
-"""Use a trained image classifier (the Vision Transformer): classify image files, and score a
-split of its dataset with a confusion matrix.
+"""Classify image files with a trained image classifier (the Vision Transformer); the library
+is `transformer.inference.classifier` (scoring a split: `python -m transformer.evaluate`).
 
     python -m transformer.classify --workdir=runs/vit_fashion_mnist shirt.png boot.jpg [--top=3]
 

@@ -43,7 +43,7 @@ TOP_LEVEL: dict[str, tuple[type | tuple[type, ...], object]] = {
     "skip_nonfinite_updates": (bool, False),
     "profile_start_step": (int, 0),
     "profile_num_steps": (int, 0),
-    "init_from": (str, ""),  # a run to start from (transformer/transfer.py); "": from scratch
+    "init_from": (str, ""),  # a run to start from (transformer/training/transfer.py); "": scratch
 }
 # The sections beside them and the keys each may hold: the model's fields, the mesh axes, any
 # data source's keys, and what optim.make_optimizer, the Translator (decode), the Generator

@@ -1,4 +1,4 @@
-"""Training: the train state, sharded init, the train and eval steps, and the loop.
+"""The train step: the train state, sharded init, the jitted train and eval steps, batches.
 
 Shapes are written in the package's legend (`transformer/__init__.py`): A microbatches per
 step, B global rows per microbatch, S source and T target length.

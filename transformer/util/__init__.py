@@ -1,1 +1,1 @@
-"""Command-line plumbing: flags and one-line errors, text input, progress."""
+"""Command-line plumbing: flags and one-line errors, text input, progress, plotting."""

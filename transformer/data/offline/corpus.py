@@ -15,7 +15,7 @@ unpacked trees into sentence pairs:
 
 Pairs are deduplicated, untranslated (identical) pairs dropped, and split by a stable hash of the
 normalised English side (`split_of`), so a sentence never crosses splits. The TFDS builder over
-this is `transformer.data.offline_de_en`. Pure Python: no TensorFlow here.
+this is `transformer.data.offline.de_en`. Pure Python: no TensorFlow here.
 """
 
 from __future__ import annotations

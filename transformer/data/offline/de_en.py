@@ -1,4 +1,4 @@
-"""TFDS dataset `offline_de_en`: the offline German-English corpus (`offline_corpus`) as a TFDS
+"""TFDS dataset `offline_de_en`: the offline German-English corpus (`corpus`) as a TFDS
 builder, English -> German like the paper.
 
 Importing this module registers the builder, so `tfds.builder("offline_de_en")`,

@@ -9,7 +9,7 @@ Basic (`sbasic`); `text/shared/` belongs to none and is left out. A paragraph of
 modules is ambiguous and dropped; repeats within a module are kept once. Splits follow a stable
 hash of the normalised English text (`offline_corpus.hash_unit`), so no paragraph is in two
 splits and a paragraph and its translation are always in the same one. Pure Python: the TFDS
-builder over this is `transformer.data.offline_help_topics`.
+builder over this is `transformer.data.offline.help_topics`.
 """
 
 from __future__ import annotations
