@@ -214,11 +214,14 @@ def dot_product_attention(
     """Multi-head, grouped-query or multi-query attention.
 
     Args:
-      q: [B, T, N, H] queries; k: [B, S, K, H] keys; v: [B, S, K, Hv] values; N % K == 0.
+      q: [B, T, N, H] queries (N a multiple of K).
+      k: [B, S, K, H] keys.
+      v: [B, S, K, Hv] values.
       mask: boolean, broadcastable to [B, N, T, S]; True = attend.
       bias: added to the logits, broadcastable to [B, N, T, S].
       scale: logit scale, 1/sqrt(H) by default.
-      dropout_rate, dropout_rng: dropout on the attention weights ("xla" only).
+      dropout_rate: dropout on the attention weights ("xla" only).
+      dropout_rng: the dropout key.
       implementation: "xla", "chunked", "cudnn" or "auto" (module docstring).
       key_chunk_size: keys per block for "chunked" (and queries per block with a window).
       local_window_size: w or (left, right): query t attends keys t - left .. t + right only
