@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 
 find_python = $(or $(PYTHON),$(shell ./.ci/find_python))
 
-.PHONY: help setup test test-fast lint train clean
+.PHONY: help setup test test-fast lint docs docs-serve train clean
 
 setup: $(STAMP)
 
@@ -15,9 +15,11 @@ help:
 	@echo "make setup      create $(VENV) (a Python >= 3.12; PYTHON=... to choose) and install everything"
 	@echo "make test       lint and run every test (make test-fast: skip the slow ones)"
 	@echo "make lint       ruff check ."
+	@echo "make docs       build the documentation site into site/ (mkdocs build --strict)"
+	@echo "                (make docs-serve: the same at http://127.0.0.1:8000, rebuilt on edit)"
 	@echo "make train      train the offline German-English default, then score its test split"
 	@echo "                (WORKDIR=runs/default; rerunning resumes)"
-	@echo "make clean      remove $(VENV), .cache and runs/"
+	@echo "make clean      remove $(VENV), .cache, runs/ and site/"
 
 # Without a Python >= 3.12, uv (when installed) fetches one; otherwise the error says how to get one.
 $(STAMP): pyproject.toml
@@ -28,11 +30,19 @@ $(STAMP): pyproject.toml
 	  test -n "$$py" || { ./.ci/find_python --help-install >&2; exit 1; }; \
 	  echo "creating $(VENV) with $$py"; "$$py" -m venv $(VENV); }
 	$(BIN)/pip install --upgrade pip
-	$(BIN)/pip install -e ".[data,viz,test,torch,tpu]"
+	$(BIN)/pip install -e ".[data,viz,test,docs,torch,tpu]"
 	touch $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+
+# The site: usage pages, results pages and the API reference from the docstrings (mkdocs.yml).
+# --strict fails on a broken link, a missing page or image, and a docstring it cannot read.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+docs-serve: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
 # Tests run in TEST_WORKERS processes (pytest-xdist); each fakes 8 CPU devices.
 TEST_WORKERS ?= 2
@@ -52,4 +62,4 @@ train: $(STAMP)
 	@echo "try it:  echo 'See you tomorrow.' | $(BIN)/python -m transformer.translate --workdir=$(WORKDIR)"
 
 clean:
-	rm -rf $(VENV) .cache runs
+	rm -rf $(VENV) .cache runs site

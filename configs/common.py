@@ -7,7 +7,7 @@ ml_collections' `config_flags` loads a config as a file and `configs/` is not a 
         "paper_config"]
 
 Values follow "Attention Is All You Need" (arXiv 1706.03762 v7) and
-`../shared/notes/paper-recipe.md`: post-norm, sinusoidal positions, one embedding shared by
+`docs/paper-recipe.md`: post-norm, sinusoidal positions, one embedding shared by
 source, target and the pre-softmax projection, Adam(0.9, 0.98, 1e-9) with the paper's
 d_model^-0.5 · min(step^-0.5, step · 4000^-1.5) schedule, label smoothing 0.1, ~25k target tokens
 per update, beam 4 with length penalty 0.6.

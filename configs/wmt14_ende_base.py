@@ -12,7 +12,7 @@ A params-only series every 10 minutes keeps the last 5 for `--average=5`.
 Expected on newstest2014 (full, 3,003 sentences), last 5 averaged, beam 4, alpha 0.6:
 27.3 tokenized compound-split BLEU (`bleu_tok_compound`, the paper's figure; careful
 replications land at 26.7-27.1) and about 26-26.5 detokenized sacreBLEU (`bleu`: 0.7-1.5 lower,
-see ../shared/notes/paper-recipe.md). Dev (newstest2013) perplexity 4.92 per word-piece.
+see docs/paper-recipe.md). Dev (newstest2013) perplexity 4.92 per word-piece.
 63.1M parameters with a shared vocabulary of 37,000.
 """
 

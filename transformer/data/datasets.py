@@ -78,7 +78,7 @@ def prepare_dataset(name: str, data_dir: str | None = None, manual_dir: str | No
             raise DataUnavailable(
                 f"{name} is not prepared in {builder.data_dir}: put {', '.join(missing)} in "
                 f"a directory and pass --config.data.manual_dir=<it>, or copy a prepared "
-                f"dataset into --config.data.data_dir (README, Data)")
+                f"dataset into --config.data.data_dir (docs/data.md)")
         kwargs["download_config"] = tfds.download.DownloadConfig(manual_dir=manual_dir)
     elif manual_dir:
         kwargs["download_config"] = tfds.download.DownloadConfig(manual_dir=manual_dir)

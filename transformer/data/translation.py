@@ -4,7 +4,7 @@
 What happens on first use (each step is skipped when its result exists):
 1. The TFDS dataset is prepared in `array_record` format (`prepare_dataset`): `offline_de_en`
    builds itself from Debian packages; WMT is built from the raw files in `data.manual_dir`
-   (official file names, see README) or read from a prepared `data.data_dir`; a dataset
+   (official file names, see docs/data.md) or read from a prepared `data.data_dir`; a dataset
    prepared in TFRecord is converted to array_record once, in place.
 2. SentencePiece is trained on a seeded sample of the training split (`tokenizer`), saved in
    `<workdir>/vocab/`.

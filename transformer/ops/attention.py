@@ -127,7 +127,7 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     The numbers of `dot_product_attention` with k and v in [B, S, K, H]. Heads first, a decoding
     step's two contractions are batched matrix-vector products over each head's contiguous keys
     and values; over [B, S, K, H] they would first copy the whole cache into this layout, or
-    reduce across strided memory, at every step (README, Benchmarks: decoding).
+    reduce across strided memory, at every step (docs/benchmarks.md: decoding).
     """
     rows, t = q.shape[:2]
     q = q.reshape(k.shape[0], -1, *q.shape[2:])  # [B, W*T, N, H]

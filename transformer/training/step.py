@@ -111,8 +111,8 @@ def attention_for_mesh(model: TransformerConfig, mesh) -> TransformerConfig:
 
 # Target tokens per device whose logits the loss computes at once, by backend, for
 # `loss_chunk_tokens=-1`: on a CPU a chunk's [tokens, V] logits should stay in cache (512 x 8,192
-# float32 is 16 MiB; README, "Benchmarks"); on an accelerator chunks only bound memory and must
-# stay large enough to keep the matmuls efficient.
+# float32 is 16 MiB; docs/results/2026-11-29-cpu-workloads-chunked-loss.md); on an accelerator
+# chunks only bound memory and must stay large enough to keep the matmuls efficient.
 AUTO_LOSS_CHUNK_TOKENS = {"cpu": 512}
 AUTO_LOSS_CHUNK_TOKENS_ACCELERATOR = 8192
 

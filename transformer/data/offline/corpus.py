@@ -33,7 +33,7 @@ HELP_DIR = "usr/share/libreoffice/help"
 DING_FILE = "usr/share/trans/de-en"
 TEST_FRACTION, MIN_TEST_PAIRS, MAX_TEST_FRACTION = 0.04, 2000, 0.10
 VALIDATION_FRACTION = 0.02
-WMT_HINT = "or train on WMT instead (configs/wmt14_ende_base.py; README, Data)"
+WMT_HINT = "or train on WMT instead (configs/wmt14_ende_base.py; docs/data.md)"
 
 
 # --------------------------------------------------------------------------- LibreOffice help
