@@ -8,7 +8,7 @@ Words"): 12/24/32 layers, width 768/1024/1280, MLP 3072/4096/5120, 12/16/16 head
 (192 and 384 wide, 3 and 6 heads, 12 layers) are the DeiT sizes (Touvron et al. 2021) used by
 "How to train your ViT" (Steiner et al. 2022). At 224 px with 1,000 classes `--summary` counts
 B/16 86.6M, L/16 304.3M, H/14 632.0M parameters (Table 1: 86M, 307M, 632M;
-tests/test_vit.py).
+tests/model/test_vit.py).
 
 Recipe (the paper's section 4.1 and Table 3, ImageNet from scratch): Adam b1 0.9, b2 0.999,
 weight decay 0.3 (Table 3's ImageNet row; section 4.1 names 0.1, the JFT value), batch 4,096,

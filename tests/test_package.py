@@ -125,3 +125,9 @@ def test_no_file_over_500_lines():
     long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, long
+
+
+def test_tests_mirror_the_package_folders():
+    folders = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    assert folders == {p.name for p in (ROOT / "tests").iterdir() if p.is_dir()
+                       and any(p.glob("test_*.py"))}

@@ -8,7 +8,7 @@ best W alive ones, and stops when no alive hypothesis can beat a sentence's best
 Sources are padded with 0 at the end (keys at padding are masked in the encoder and in
 cross-attention), as `Translator.translate_ids` pads them. Residuals and norms are the model's
 (`Layer.residual`: post-LN or pre-LN). With our parameters copied in
-(`torch_transformer.load_params`) both give the same tokens (tests/test_peers.py).
+(`torch_transformer.load_params`) both give the same tokens (tests/inference/test_peers.py).
 
 Shapes: B sentences, W beams, S source length, T output length, D d_model, H heads, V vocab.
 """

@@ -28,7 +28,7 @@ from transformer.model.transformer import Transformer
 from transformer.training import loop, sharding
 from transformer.training import step as step_lib
 
-FIXTURE = pathlib.Path(__file__).parent / "data" / "offline_help_topics"
+FIXTURE = pathlib.Path(__file__).parents[1] / "data" / "offline_help_topics"
 TINY = dict(vocab_size=40, num_encoder_layers=2, num_decoder_layers=0, d_model=16, d_ff=32,
             num_heads=2, num_kv_heads=1, positional="rope", norm="rms_norm",
             norm_position="pre", activation="swiglu", use_bias=False, dropout_rate=0.0,

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 COMMON = ["--config=configs/tiny.py", "--config.log_every_steps=1",
           "--config.checkpoint_every_steps=100", "--config.eval_every_steps=0",
           "--config.data.batch_size=16"]

@@ -21,7 +21,7 @@ from transformer.checkpoint import averaging, faults
 from transformer.checkpoint import checkpointer as checkpoint
 from transformer.checkpoint.checkpointer import Checkpointer, CheckpointSaveError
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def tree(step: int, width: int = 8) -> dict:

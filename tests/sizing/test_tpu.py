@@ -25,7 +25,7 @@ from transformer.sizing import memory, tpu
 from transformer.training import optim, sharding
 from transformer.training import step as step_lib
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

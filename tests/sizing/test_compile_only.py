@@ -15,7 +15,7 @@ from transformer.sizing import flops, memory
 from transformer.training import sharding
 from transformer.training import step as step_lib
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_state_bytes_on_one_device_are_the_parameter_count_times_four(load_config):

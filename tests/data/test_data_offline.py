@@ -11,7 +11,7 @@ import pytest
 from transformer.data.offline import corpus as oc
 from transformer.data.offline import debian
 
-FIXTURE = pathlib.Path(__file__).parent / "data" / "offline_de_en"
+FIXTURE = pathlib.Path(__file__).parent / "offline_de_en"
 
 
 def test_help_pages_pair_by_id_and_skip_hidden_text():

@@ -7,7 +7,7 @@ import pytest
 from transformer.data.offline import corpus as offline_corpus
 from transformer.data.offline import help_paragraphs as help_topics
 
-FIXTURE = pathlib.Path(__file__).parent / "data" / "offline_help_topics"
+FIXTURE = pathlib.Path(__file__).parent / "offline_help_topics"
 
 
 def _page(title: str, paragraphs: dict[str, str]) -> str:

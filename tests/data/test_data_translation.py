@@ -14,7 +14,7 @@ from transformer.data import tokenizer as tk  # noqa: E402
 from transformer.data.offline import corpus as offline_corpus  # noqa: E402
 from transformer.model.transformer import Transformer, TransformerConfig  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "data" / "offline_de_en"
 ROWS, ACCUM, LENGTH, BUDGET, VOCAB = 4, 2, 64, 300, 300  # 8 rows of 64 per update
 
@@ -157,7 +157,7 @@ def test_make_source_dispatches_offline_config(offline_fixture_data_dir, tmp_pat
     cfg.model.max_len, cfg.data.batch_size, cfg.data.tokens_per_batch = 32, 4, 128
     source = make_source(cfg, workdir=str(tmp_path / "run"))
     train_pairs = len(offline_corpus.corpus_pairs(
-        str(pathlib.Path(__file__).parent / "data" / "offline_de_en"))["train"])
+        str(pathlib.Path(__file__).parent / "offline_de_en"))["train"])
     assert source.fingerprint().startswith(f"offline_de_en/1.0.0 en->de train={train_pairs} ")
     assert "packages=" in source.fingerprint()
     assert source.train_batch(0, (0, 4))["inputs"].shape == (1, 4, 32)

@@ -21,7 +21,7 @@ from transformer.model.vit import VisionTransformer
 from transformer.training import evaluation, sharding
 from transformer.training import step as step_lib
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 CLASSES = [f"class{i}" for i in range(10)]
 MEAN, STD = 0.25, 0.4

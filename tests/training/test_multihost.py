@@ -18,7 +18,7 @@ from conftest import CACHE_DIR, FAST_COMPILE, SHRUNK_DEFAULT
 from transformer.checkpoint.faults import FAULT_ENV
 
 _RUNS = itertools.count()
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 COMMON = ["--config=configs/tiny.py", "--config.log_every_steps=1",
           "--config.data.batch_size=16", "--config.eval_every_steps=10",
           "--config.data.eval_examples=100",  # 7 eval batches of 16, the last one uneven

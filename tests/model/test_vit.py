@@ -17,7 +17,7 @@ from transformer.model.config import TransformerConfig
 from transformer.sizing import flops
 from transformer.training import sharding
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "data" / "offline_fashion_mnist"
 
 

@@ -125,7 +125,7 @@ def test_a_streamed_generation_equals_the_batch_api(untrained_lm_workdir, tmp_pa
     result = subprocess.run([sys.executable, "-m", "transformer.generate",
                              f"--workdir={untrained_lm_workdir}", "--batch_size=4", *options,
                              f"--input={source}"], capture_output=True, timeout=600,
-                            cwd=pathlib.Path(__file__).resolve().parent.parent)
+                            cwd=pathlib.Path(__file__).resolve().parents[2])
     assert result.returncode == 0, result.stderr.decode()[-3000:]
     streamed = result.stdout.decode().split("\n")
     assert streamed[-1] == "" and len(streamed) == 201

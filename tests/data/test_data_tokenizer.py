@@ -8,7 +8,7 @@ import pytest
 from transformer.data import tokenizer as tk
 from transformer.data.offline import corpus as offline_corpus
 
-FIXTURE = pathlib.Path(__file__).parent / "data" / "offline_de_en"
+FIXTURE = pathlib.Path(__file__).parent / "offline_de_en"
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from transformer.data import make_source
 from transformer.training import sharding
 from transformer.training import step as step_lib
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from transformer.model import transformer as M
 from transformer.ops import attention
 from transformer.training import step as step_lib
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 V, MASK_ID = 64, 4
 LM = dict(vocab_size=V, d_model=32, d_ff=64, num_heads=4, num_kv_heads=2, num_encoder_layers=0,
           num_decoder_layers=2, max_len=64, dropout_rate=0.0, positional="rope", norm="rms_norm",

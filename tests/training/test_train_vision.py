@@ -13,7 +13,7 @@ from transformer.data.offline import fashion_mnist as ofm
 from transformer.training import evaluation, loop
 from transformer.training import step as step_lib
 
-FIXTURE = pathlib.Path(__file__).parent / "data" / "offline_fashion_mnist"
+FIXTURE = pathlib.Path(__file__).parents[1] / "data" / "offline_fashion_mnist"
 
 
 def _numpy_sums(logits, labels, eps):

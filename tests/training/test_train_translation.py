@@ -24,7 +24,7 @@ from transformer.training import (
 )
 from transformer.training.loop import train_and_evaluate  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

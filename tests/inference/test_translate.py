@@ -14,7 +14,7 @@ from transformer.data import tokenizer as tokenizer_lib
 from transformer.inference import translator as translator_lib
 from transformer.inference.translator import Translator, load
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

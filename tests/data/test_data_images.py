@@ -11,7 +11,7 @@ import pytest
 from transformer.data import images as images_lib
 from transformer.data.offline import fashion_mnist as ofm
 
-FIXTURE = pathlib.Path(__file__).parent / "data" / "offline_fashion_mnist"
+FIXTURE = pathlib.Path(__file__).parent / "offline_fashion_mnist"
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from transformer.config import resolve
 from transformer.training import sharding
 from transformer.training import step as step_lib
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 STEPS = (10, 20, 30)
 
 
