@@ -67,7 +67,8 @@ class Soak:
             env[FAULT_ENV] = fault
         command = [sys.executable, "train.py", f"--workdir={self.workdir}", *self.flags]
         if self.processes > 1:
-            # No persistent compilation cache with several processes (tests/training/test_multihost.py).
+            # No persistent compilation cache with several processes
+            # (tests/training/test_multihost.py).
             env.pop("JAX_COMPILATION_CACHE_DIR", None)
             command += [f"--coordinator_address=127.0.0.1:{free_port()}",
                         f"--num_processes={self.processes}"]
