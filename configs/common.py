@@ -41,7 +41,7 @@ def paper_config(*, size: str, target_lang: str, dropout_rate: float) -> config_
     cfg.keep_checkpoints = 3
     cfg.params_every_minutes = 10.0  # the paper averages checkpoints written every 10 minutes:
     cfg.params_keep = shape["average_last"]  # a params-only series keeps the last 5 (base) or
-    # 20 (big) for `python -m transformer.evaluate --average=N` (README, Reproducing the paper)
+    # 20 (big) for `python -m transformer.evaluate --average=N` (docs/paper-recipe.md)
     cfg.eval_every_steps = 1000
     cfg.bleu_every_steps = 5000
     cfg.bleu_num_sentences = 500
@@ -57,7 +57,7 @@ def paper_config(*, size: str, target_lang: str, dropout_rate: float) -> config_
         # × mesh.data × mesh.fsdp (8 × 13); 104 × 256 slots hold the 25k budget at ~93% fill
         eval_batch_size=config_dict.placeholder(int),  # rows per eval batch; None: per micro
         data_dir=config_dict.placeholder(str),  # TFDS data_dir; None: TFDS's default
-        manual_dir=config_dict.placeholder(str),  # raw WMT archives (README, Data)
+        manual_dir=config_dict.placeholder(str),  # raw WMT archives (docs/data.md)
         vocab_sample_pairs=500_000))  # SentencePiece trains on this many training pairs
     cfg.data.max_rows_per_device = 32  # one microbatch, one device; lower it if memory binds
     cfg.grad_accum_steps = 0  # 0: sized from the device count, the fewest microbatches that

@@ -20,8 +20,9 @@ zero-initialised head [256, 8]: `init_from` loads every parameter but `head/kern
 `head/bias` (listed in the log). AdamW 1e-3 (the head and encoder alike), 50 warmup steps,
 cosine to 10% at update 600, batch 32: 19,200 examples, 0.7 epoch.
 
-Hardware and time: sized for the 2-core CPU VM, about 10 minutes for 600 updates (README,
-"Text classification"). Baselines on the same splits: `benchmarks/help_topics_baselines.py`.
+Hardware, time and expected result: a 2-core CPU VM, about 10 minutes for 600 updates;
+docs/results/2026-12-01-help-topics.md (with the baselines of
+`benchmarks/help_topics_baselines.py` on the same splits).
 """
 
 import pathlib

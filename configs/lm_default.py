@@ -13,10 +13,9 @@ sharing 2 key/value heads, no biases, untied output) at d_model 256, 4 layers, f
 rows of 128 tokens, 16 rows per update; AdamW 3e-3 with 100 warmup steps, cosine to 10% at
 update 1,500.
 
-Hardware and time (measured, seed 0): a 2-core CPU VM, 1,500 updates in 45 min wall while
-shared with other jobs (~2,000 tokens/s when free: 20-25 min), 1.7 GB peak host memory.
-Expected: validation perplexity 96 at update 500, 58 at 1,000, 46 at 1,500 (README, "Language
-models").
+Hardware and time (seed 0): a 2-core CPU VM, 20-25 minutes for the 1,500 updates when the
+machine is free, 1.7 GB peak host memory. Expected: validation perplexity 46 at update 1,500
+(docs/results/2026-11-29-lm-default.md).
 """
 
 import pathlib
@@ -41,8 +40,9 @@ def cpu_config(objective: str, *, num_train_steps: int, learning_rate: float,
     cfg.checkpoint_every_steps = 500
     cfg.checkpoint_every_minutes = 10
     cfg.z_loss = 0.0
-    # Efficient self-attention (README, "Benchmarks"): e.g. --config.model.attention_window=32
-    # --config.model.attention_pattern=local,global, or --config.model.attention_kind=linear.
+    # Efficient self-attention (docs/results/2026-12-01-lm-attention-patterns.md): e.g.
+    # --config.model.attention_window=32 --config.model.attention_pattern=local,global, or
+    # --config.model.attention_kind=linear.
     cfg.model.attention_kind = "softmax"
     cfg.model.linear_feature_map = "elu"
     cfg.model.attention_window = config_dict.placeholder(int)

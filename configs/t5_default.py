@@ -11,7 +11,7 @@ layers at d_model 256: each document of the offline corpus is cut into pieces of
 after [MASK]. Eval perplexity is per target token of the corrupted validation documents.
 
 A run of this config is the starting point for fine-tuning the encoder-decoder on translation
-(`init_from`, README "Pretrain, then fine-tune").
+(`init_from`, docs/language-models.md).
 """
 
 import pathlib

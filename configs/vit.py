@@ -15,7 +15,7 @@ weight decay 0.3 (Table 3's ImageNet row; section 4.1 names 0.1, the JFT value),
 linear warmup over 10,000 steps then cosine decay from 3e-3 to 0, 300 epochs, dropout 0.1,
 gradients clipped at global norm 1, 224 px, random horizontal flips. The paper also uses
 Inception crops, which the image pipeline does not do (it resizes the shorter side and crops the
-centre; README, Images). `configs/vit_b16_imagenet.py` is this file's B/16.
+centre; docs/vision.md). `configs/vit_b16_imagenet.py` is this file's B/16.
 """
 
 from ml_collections import config_dict

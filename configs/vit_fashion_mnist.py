@@ -12,15 +12,11 @@ image and its mirror image (`data.test_time_flip`).
 Model: patches of 7x7 (16 patches and a class token), 6 pre-LN layers of width 64, MLP 128,
 4 heads, GELU, learned positions, float32: about 0.2M parameters. AdamW 3e-3 (b2 0.999,
 weight decay 0.05), 300 warmup steps then cosine to 0 at update 4,800 (batch 256: 22 epochs);
-the validation split every 1,000 updates, the test split once at the end (README, Vision
-Transformer).
+the validation split every 1,000 updates, the test split once at the end (docs/vision.md).
 
-Hardware and time: sized for the 2-core CPU VM. Measured on 2026-12-02 from a fresh clone:
-90.20% test accuracy with the mirror averaged (89.97% without, same weights); validation 91.08%
-(90.94%). The 4,800 updates took 8.5 minutes at about 2,430 images/s; the VM's speed drifts
-(1,110 images/s on 2026-12-01, when the same updates were 18.5 minutes; 850 at its slowest).
-Crops padded by 2 pixels over 6,000 updates gave 89.80% (without the mirror, validation
-90.40%); no crops over 4,800, 89.32% (validation 90.58%, overfitting).
+Hardware, time and expected result: a 2-core CPU VM, 8.5-18.5 minutes for the 4,800 updates
+(the VM's speed drifts); test accuracy 90.20% with the mirror averaged
+(docs/results/2026-12-02-vit-fashion-mnist.md, with the recipes compared).
 """
 
 import pathlib

@@ -4,7 +4,7 @@ The paper's parameter column follows from our layout (biases and both layer norm
 embedding shared by source, target and the pre-softmax projection) with a shared vocabulary of
 41,000 rather than the ~37,000 its text states: every row but "big" then rounds to the paper's
 figure, and no single vocabulary size fits all rows (37,000 leaves each ~4,000 x d_model short,
-and fits "big" to 1.3M). The README's Table 3 section shows both columns.
+and fits "big" to 1.3M). docs/results/2026-12-02-table3.md shows both columns.
 """
 
 import json
