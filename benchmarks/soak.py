@@ -38,7 +38,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 KINDS = ("sigkill", "sigterm", "kill_in_save", "kill_after_save", "disk_full", "damaged")
-FAULT_ENV = "TRANSFORMER_FAULT_INJECT"  # transformer/faults.py (not imported: no jax)
+FAULT_ENV = "TRANSFORMER_FAULT_INJECT"  # transformer/checkpoint/faults.py (not imported: no jax)
 
 
 class Soak:

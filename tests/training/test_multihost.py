@@ -43,7 +43,7 @@ def launch(workdir, *, processes: int, devices: int, overrides=(),
            common=tuple(COMMON), faults=None) -> list[subprocess.Popen]:
     """`processes` train.py processes with `devices` fake CPU devices each: the `common` flags
     (the tiny config) then `overrides`; `faults` maps a process index to the fault it injects
-    (TRANSFORMER_FAULT_INJECT, transformer/faults.py)."""
+    (TRANSFORMER_FAULT_INJECT, transformer/checkpoint/faults.py)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}")
     # No persistent compilation cache with several processes: an executable compiled for 1

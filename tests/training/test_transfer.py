@@ -1,5 +1,5 @@
-"""`init_from` (transformer/transfer.py): parameters from another run, matched by path, placed
-in the new run's sharding; the vocabulary carried over."""
+"""`init_from` (transformer/training/transfer.py): parameters from another run, matched by path,
+placed in the new run's sharding; the vocabulary carried over."""
 
 import json
 import os
