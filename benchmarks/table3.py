@@ -73,7 +73,8 @@ def setting(cfg) -> dict:
     return {"N": model.num_encoder_layers, "d_model": model.d_model, "d_ff": model.d_ff,
             "h": model.num_heads, "d_k": model.d_k, "d_v": model.d_v,
             "P_drop": model.dropout_rate, "ls": cfg.label_smoothing,
-            "positional": model.positional, "updates": cfg.num_train_steps,
+            "positional": model.positional, "norm_position": model.norm_position,
+            "updates": cfg.num_train_steps,
             "learning_rate": cfg.optimizer.learning_rate,
             "params": flops.param_counts(model)["total"]}
 
@@ -84,6 +85,12 @@ def record(row: str, workdir: pathlib.Path, figures: dict, minutes: float | None
     return {"row": row, **setting(workdir_lib.load_config(str(workdir))),
             "perplexity": figures["perplexity"], "bleu": figures.get("bleu"),
             "minutes": minutes}
+
+
+# Entries written before a key was recorded: every row committed without `norm_position`
+# trained the paper's post-LN block (configs/table3.py pins it since fc62288; before, it took
+# configs/default.py's block, post-LN until b0ce8ff, three minutes earlier, with no row between).
+UNRECORDED = {"norm_position": "post"}
 
 
 def read_results(path: pathlib.Path, rows: list[str], scale: str) -> dict:
@@ -99,7 +106,7 @@ def read_results(path: pathlib.Path, rows: list[str], scale: str) -> dict:
     for row in rows:
         if row in results:
             now = setting(row_config(row, scale))
-            then = {key: results[row].get(key) for key in now}
+            then = {key: results[row].get(key, UNRECORDED.get(key)) for key in now}
             if then != now:
                 changed = ", ".join(f"{k} {then[k]} -> {now[k]}" for k in now if then[k] != now[k])
                 raise SystemExit(f"error: {path}: row {row} was trained with another setting "

@@ -142,6 +142,14 @@ def test_the_results_file_carries_rows_over_and_refuses_stale_ones(tmp_path):
     with pytest.raises(SystemExit, match="row C_N2 was trained with another setting than "
                        r"configs/table3.py now gives \(updates \d+ -> \d+\)"):
         runner["run_rows"](other, ["C_N2"], "reduced", [], results_path)
+    stale[0]["updates"] -= 1
+    stale[0]["norm_position"] = "pre"  # a row trained with the norm before each sublayer
+    results_path.write_text(json.dumps(stale))
+    with pytest.raises(SystemExit, match=r"row C_N2 .* \(norm_position pre -> post\)"):
+        runner["run_rows"](other, ["C_N2"], "reduced", [], results_path)
+    del stale[0]["norm_position"]  # entries written before it was recorded: post-LN
+    results_path.write_text(json.dumps(stale))
+    assert runner["run_rows"](other, ["C_N2"], "reduced", [], results_path)["C_N2"]
     results_path.write_text("{")
     with pytest.raises(SystemExit, match="is not a Table 3 results file"):
         runner["run_rows"](other, ["C_N2"], "reduced", [], results_path)
