@@ -16,12 +16,9 @@ to the base they change, so the same row means the same experiment at either sca
   8 heads (d_k 16) and 3 + 3 layers: widths / 4 and depth / 2, so N 2/4/8 become 1/2/4. Every
   row gets `REDUCED_STEPS` updates and seed 0, and a peak learning rate of
   `REDUCED_LEARNING_RATE` x (128 / d_model)^0.5, the d_model^-0.5 of the paper's schedule.
-  The paper's big row trains 3x longer; here every row gets the same updates, as the issue
-  asks, so "big" shows the bigger model at equal updates. Why this base (measured, validation
-  perplexity): at 6 + 6 layers the post-LN base stays near the unigram plateau for 800 updates
-  (591 at update 400, 465 at 800, peak 2e-3; 522 at 400 with 1e-3), where 3 + 3 layers reach
-  275 and 138; and `configs/default.py`, post-LN then, needed ~2,500 updates for 38 (sacreBLEU
-  ~10), so fewer updates would compare models that have not yet learned to translate.
+  The paper's big row trains 3x longer; here every row gets the same updates, so "big" shows
+  the bigger model at equal updates. Why this base, and every row measured at this scale:
+  docs/results/2026-12-02-table3.md (its record: docs/table3/results.json).
 
 Rows (the paper's values at its scale): A: heads 1/4/16/32 with d_k = d_v = d_model / h;
 B: d_k 16 and 32 with d_v unchanged; C: N 2/4/8, d_model 256/1024 (d_k = d_v scaled),
