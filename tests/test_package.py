@@ -7,6 +7,8 @@ import pathlib
 import subprocess
 import sys
 
+import transformer
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -119,3 +121,13 @@ def test_tests_mirror_the_package_folders():
     folders = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
     assert folders == {p.name for p in (ROOT / "tests").iterdir() if p.is_dir()
                        and any(p.glob("test_*.py"))}
+
+
+def test_the_pure_function_modules_import_by_name():
+    """`from transformer import attention` (the research API's spelling) gives the modules."""
+    from transformer import attention, decoding, layers, masks
+
+    assert attention.dot_product_attention is transformer.dot_product_attention
+    assert masks.make_causal_mask is transformer.make_causal_mask
+    assert layers.layer_norm is transformer.layer_norm
+    assert callable(decoding.beam_search)

@@ -1,14 +1,15 @@
 """The Transformer of "Attention Is All You Need" in JAX/Flax.
 
-The pure functions (`attention`, `layers`, `decoding`), the Linen modules (`blocks`, `model`) and
-their `TransformerConfig` (`model_config`) import no TensorFlow:
+The pure functions (`ops/`: attention, masks, layers; `inference/decoding.py`), the Linen modules
+(`model/`) and their `TransformerConfig` import no TensorFlow:
 
     from transformer import dot_product_attention, TransformerConfig, Transformer
+    from transformer import attention, masks, layers, decoding   # the pure-function modules
 
-`transformer.load(workdir)` loads a trained translation run (`translator.Translator`),
+`transformer.load(workdir)` loads a trained translation run (`inference.translator.Translator`),
 `transformer.load_generator(workdir)` a trained decoder-only language model
-(`generator.Generator`), `transformer.load_classifier(workdir)` a trained image classifier
-(`inference.classifier.Classifier`).
+(`inference.generator.Generator`), `transformer.load_classifier(workdir)` a trained image
+classifier (`inference.classifier.Classifier`). The layout: docs/architecture.md.
 
 Shape legend, for the einsums, comments and docstrings of every module (one meaning a letter):
 
@@ -23,6 +24,7 @@ Shape legend, for the einsums, comments and docstrings of every module (one mean
                                               positions per chunk of the projected loss)
 """
 
+from transformer.inference import decoding  # noqa: F401 (a pure-function module, as named)
 from transformer.model.blocks import DecoderBlock, EncoderBlock, MultiHeadAttention
 from transformer.model.config import TransformerConfig
 from transformer.model.transformer import (
@@ -34,6 +36,7 @@ from transformer.model.transformer import (
     init_cache,
     shift_right,
 )
+from transformer.ops import attention, layers, masks  # noqa: F401 (the pure-function modules)
 from transformer.ops.attention import (
     attention_weights,
     combine_masks,
