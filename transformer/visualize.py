@@ -13,7 +13,7 @@ grid per kind, to `<workdir>/plots/attention/`. The weights are the ones the for
 `mutable=["intermediates"]`. `curves` plots loss, perplexity, learning rate, BLEU and tokens/s
 against step (or, `--x=hours`, hours of training) from each run's `metrics.jsonl`;
 `positions` the sinusoidal encoding and the dot products between positions.
-`image_attention` runs a Vision Transformer (`transformer.classify`) on one image and draws the
+`image_attention` runs a Vision Transformer (`inference.classifier`) on one image and draws the
 class token's attention over the patches on top of it, per layer and head (`heads.png`) and rolled
 out over the layers (`rollout.png`, `attention_rollout`), to
 `<workdir>/plots/image_attention/<image name>/`. Figures are PNGs (matplotlib, Agg backend: no

@@ -19,7 +19,7 @@ the `top_k` most likely tokens and to the smallest set whose probability reaches
 so a row's tokens do not depend on the other rows of its batch.
 
 Staged searches: the caller may start with a short self-attention cache and give the lengths
-it grows through (`stage_lengths`) and a `grow_cache(cache, length)` (`model.grow_cache`). The
+it grows through (`stage_lengths`) and a `grow_cache(cache, length)` (`transformer.grow_cache`). The
 search then runs one `lax.while_loop` per length, so that each step attends over, and beam
 search reorders, only the current stage's cache positions, not all T; the tokens are the same as
 with the whole cache from the start. A caller may also run a beam search in parts itself
@@ -171,7 +171,7 @@ def beam_search(decode_fn: DecodeFn, cache: Any, *, bos: jax.Array, max_lengths:
     `decode_fn` works on B * W rows (sentence b's beams are rows b*W .. b*W+W-1); `bos` [B]
     holds the start tokens. The cache leaves with B * W rows along `cache_batch_axis` (1 when
     layers are scanned) follow their beams at every step; with W > 1 those with B rows (the
-    encoder keys and values that a sentence's beams share: `model.decode` with one encoder row
+    encoder keys and values that a sentence's beams share: `Transformer.decode` with one encoder row
     per sentence) stay in place.
     `cache_lengths` and `grow_cache`: a staged search (module docstring). A caller that runs
     the stages itself, between them dropping the sentences already decided, composes

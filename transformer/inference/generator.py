@@ -1,8 +1,8 @@
 """The Python API for language models beside the CLI: load a trained decoder-only workdir and
 continue prompts.
 
-    from transformer.generator import load_generator
-    generator = load_generator("runs/lm_default")
+    import transformer
+    generator = transformer.load_generator("runs/lm_default")
     generator.generate(["Click the"], max_new_tokens=20, temperature=0.8, top_p=0.95, seed=0)
 
 A prompt is SentencePiece-encoded with the run's vocabulary, read after BOS in one decoder call

@@ -24,7 +24,8 @@ POOLINGS = ("cls", "gap")  # a classifier's summary: first (class) token, or mea
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_KINDS = ("softmax", "linear")
 LAYER_ATTENTION = ("global", "local")  # the entries of model.attention_pattern
-# attention.dot_product_attention's, and "splash": the Pallas TPU kernel where it fits (splash.py)
+# attention.dot_product_attention's, and "splash": the Pallas TPU kernel where it fits
+# (ops/splash.py)
 ATTENTION_IMPLEMENTATIONS = (*attention.IMPLEMENTATIONS, "splash")
 VISION_FIELDS = ("image_size", "patch_size", "num_channels", "num_classes", "pooling")
 REMAT_POLICIES = {

@@ -1,7 +1,7 @@
 """The Transformer (encoder-decoder, encoder-only, decoder-only) as Flax Linen modules: the
 embeddings, the stacks of `blocks` (scanned and rematerialised as configured), the output
 projection and the decoding cache. Shapes are written in the package's legend
-(`transformer/__init__.py`); the hyperparameters are a `TransformerConfig` (`model_config`).
+(`transformer/__init__.py`); the hyperparameters are a `TransformerConfig` (`model/config.py`).
 
 Every parameter carries logical axis names (`training/sharding.py` maps them onto the mesh).
 Parameter paths are a contract (docs/architecture.md): `embedding/embedding`,

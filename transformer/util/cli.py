@@ -1,4 +1,4 @@
-"""What the command-line tools share (evaluate, translate, generate; train.py in part): the
+"""What the command-line tools share (the `transformer.<verb>` commands; train.py in part): the
 flags that name a trained run, quiet logging, and errors as one line.
 
 Importing this module silences the C++ start-up chatter of TensorFlow, XLA, libtpu and gRPC
@@ -7,7 +7,7 @@ keeps JAX on the CPU where libtpu (the `tpu` extra, for `--compile_only`) is ins
 machine has no TPU and no GPU plugin (else JAX loads libtpu, which prints its failed probes):
 import it before anything starts a backend or imports TensorFlow.
 
-    from transformer import cli
+    from transformer.util import cli
     cli.define_run_flags(average=True)
 
     def main(argv):
