@@ -5,6 +5,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import jax
 import pytest
@@ -73,17 +74,32 @@ def test_abstract_batch_follows_each_batch_layout(load_config):
     assert memory.batch_shapes(lm) == {"inputs": (4, 26, 256), "label": (4, 26)}
 
 
+def _peak_rss(pid: int) -> int:
+    """The process's own resident high-water mark (VmHWM, bytes; 0 once it has exited). Not
+    wait4's ru_maxrss: Linux carries the spawning process's peak into its child across exec,
+    so a child of a pytest worker that grew to gigabytes would report the worker's peak."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            line = next(line for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return 0
+    return int(line.split()[1]) * 1024
+
+
 def _compile_only(tmp_path, args: list[str]) -> tuple[int, str, str, int]:
     """Runs `train.py --compile_only` (outside pytest's 8-device JAX): (status, stdout,
-    stderr, the child's own peak RSS in bytes)."""
+    stderr, the child's own peak RSS in bytes, read every 20 ms while it runs)."""
     out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    peak = 0
     with open(out, "w") as stdout, open(err, "w") as stderr:
         child = subprocess.Popen([sys.executable, "train.py", "--compile_only", *args],
                                  stdout=stdout, stderr=stderr, cwd=ROOT, env=env)
-        _, status, usage = os.wait4(child.pid, 0)
-    return os.waitstatus_to_exitcode(status), out.read_text(), err.read_text(), \
-        usage.ru_maxrss * 1024
+        while child.poll() is None:
+            peak = max(peak, _peak_rss(child.pid))
+            time.sleep(0.02)
+    assert peak > 0, "the child's memory was never read"
+    return child.returncode, out.read_text(), err.read_text(), peak
 
 
 def _figures(report: str) -> dict[str, int]:
