@@ -3,19 +3,8 @@ is `transformer.inference.classifier` (scoring a split: `python -m transformer.e
 
     python -m transformer.classify --workdir=runs/vit_fashion_mnist shirt.png boot.jpg [--top=3]
 
-    import transformer
-    classifier = transformer.load_classifier("runs/vit_fashion_mnist")
-    classifier.classify(["shirt.png"])  # [[("Shirt", 0.91), ("T-shirt/top", 0.05), ...]]
-
-Files are read with Pillow (PNG, JPEG, whatever it opens), converted to the model's channels
-(grey or RGB), their shorter side resized to `model.image_size` and the centre cropped as the
-pipeline prepares ImageNet (`images.resize_and_crop`; an image of the model's size is left as
-it is), then normalised by the per-channel mean and standard deviation of the training split
-that the run recorded in config.json (provenance "images", `ImageSource.preprocessing`). With the
-run's `data.test_time_flip`, an image's probabilities are the mean of its own and its mirror
-image's, as in the run's evaluation.
-
-Shapes: B images, C classes, H = W = model.image_size, ch channels.
+Prints one line per image: its path, then `class probability%` for its top classes. How a file
+is read, resized and normalised as in training: `transformer.inference.classifier`.
 """
 
 from __future__ import annotations
