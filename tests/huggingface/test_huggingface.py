@@ -38,11 +38,11 @@ def _save(model, path):
     return model
 
 
-def _llama(path, **kwargs):
+def _llama(path, vocab_size=128, special=SPECIAL, **kwargs):
     config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        rms_norm_eps=1e-5, rope_theta=500000.0, initializer_range=0.2, **SPECIAL, **kwargs)
+        rms_norm_eps=1e-5, rope_theta=500000.0, initializer_range=0.2, **special, **kwargs)
     torch.manual_seed(0)
     return _save(transformers.LlamaForCausalLM(config), path)
 
@@ -314,14 +314,9 @@ def test_the_checkpoint_tokenizer_and_its_special_ids_become_the_run_vocabulary(
     forced = Transformer(run.model).apply({"params": params}, None, targets)
     expected = _hf_logits(hf_model, np.array([[bos] + ids], np.int32), padded=False)
     np.testing.assert_allclose(np.asarray(forced), expected, atol=ATOL, rtol=0)
-    # Greedy generation from text, as `generate --temperature=0` runs it.
-    prompt = tokenizer.encode(["Opens a dialog"])[0]
-    with torch.no_grad():
-        theirs = hf_model.generate(torch.tensor([[bos] + prompt]), max_new_tokens=8,
-                                   do_sample=False, pad_token_id=eos)[0, 1:].tolist()
-    ours = load_generator(workdir).generate(["Opens a dialog"], max_new_tokens=8,
-                                            temperature=0.0)
-    assert ours == [tokenizer.decode(theirs)]
+    # Greedy generation from text, as `generate --temperature=0` runs it: Llama's
+    # SentencePiece tokenizer puts BOS first, GPT-2's tokenizer.json nothing.
+    _check_greedy_text(hf_model, workdir, tokenizer, [bos] if family == "llama" else [])
     # Export writes the vocabulary and the special ids back unchanged.
     out = tmp_path / "exported"
     convert.export_workdir(workdir, str(out))
@@ -330,6 +325,49 @@ def test_the_checkpoint_tokenizer_and_its_special_ids_become_the_run_vocabulary(
     exported = convert.read_json(str(out / "config.json"), "")
     assert {k: exported[k] for k in special} == special
     assert exported["pad_token_id"] is None
+
+
+def _check_greedy_text(hf_model, workdir, tokenizer, start, text="Opens a dialog"):
+    """`generate --temperature=0` on `text` gives what `transformers`' greedy `generate` gives
+    on the same text read after `start` (what its tokenizer puts before a text)."""
+    prompt = start + tokenizer.encode([text])[0]
+    with torch.no_grad():
+        theirs = hf_model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                                   pad_token_id=tokenizer.eos_id)[0].tolist()
+    ours = load_generator(workdir).generate([text], max_new_tokens=8, temperature=0.0)
+    assert ours == [tokenizer.decode(theirs)]
+    return theirs
+
+
+@pytest.mark.parametrize("template", [False, True], ids=["no_bos", "bos_template"])
+def test_prompts_get_bos_only_where_the_tokenizer_post_processor_adds_it(tmp_path, template):
+    """A Llama with a tokenizer.json that adds no BOS (a byte-level BPE without template) or
+    adds it (a template "<bos> $A", as Llama 3's): `transformers`' tokenizer reads the prompt
+    as its post-processor says, and our greedy text equals its `generate`'s."""
+    from tokenizers import processors
+
+    hf_dir = tmp_path / "llama"
+    hf_dir.mkdir()
+    vocab_size, special = _gpt2_tokenizer_json(hf_dir)
+    bos = special["bos_token_id"] - 1  # a byte piece as BOS, so that BOS != EOS
+    special["bos_token_id"] = bos
+    if template:
+        from tokenizers import Tokenizer
+
+        json_tokenizer = Tokenizer.from_file(str(hf_dir / tokenizer_lib.JSON_FILE))
+        piece = json_tokenizer.id_to_token(bos)
+        json_tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{piece} $A", special_tokens=[(piece, bos)])
+        json_tokenizer.save(str(hf_dir / tokenizer_lib.JSON_FILE))
+    hf_model = _llama(hf_dir, vocab_size=vocab_size, special=special)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(hf_dir / tokenizer_lib.JSON_FILE))
+    start = fast.encode("Opens a dialog")[:-len(fast.encode("Opens a dialog",
+                                                             add_special_tokens=False))]
+    assert start == ([bos] if template else [])
+    workdir, _, _ = _import(tmp_path, hf_dir)
+    tokenizer = workdir_lib.load_tokenizer(workdir, vocab_size)
+    _check_greedy_text(hf_model, workdir, tokenizer, start)
 
 
 def test_a_large_export_is_written_in_shards_with_their_index(tmp_path):

@@ -5,9 +5,11 @@ continue prompts.
     generator = transformer.load_generator("runs/lm_default")
     generator.generate(["Click the"], max_new_tokens=20, temperature=0.8, top_p=0.95, seed=0)
 
-A prompt is SentencePiece-encoded with the run's vocabulary, read after BOS in one decoder call
-that fills the KV cache (a prefix LM reads it in both directions, as in training), then tokens
-are drawn one at a time (`decoding.sample`) until EOS or `max_new_tokens`.
+A prompt is encoded with the run's vocabulary, read after the tokens the vocabulary puts before
+a text (`prompt_start`: BOS, or nothing where an imported `tokenizer.json`'s post-processor adds
+none, as `transformers` reads it) in one decoder call that fills the KV cache (a prefix LM reads
+it in both directions, as in training), then tokens are drawn one at a time
+(`decoding.sample`) until EOS or `max_new_tokens`.
 
 Prompts are padded at the end into length buckets (`translator.bucket_length`, as translation
 sources) and batches to a power of two rows, so a stream of prompts compiles one program per
@@ -38,6 +40,7 @@ from transformer.model.transformer import Transformer, TransformerConfig, init_c
 from transformer.util import progress
 
 log = logging.getLogger("transformer")
+PROBE = "a"  # a text whose encodings, with and without special tokens, show the prompt start
 
 
 @dataclasses.dataclass
@@ -51,6 +54,7 @@ class Generator:
 
     def __post_init__(self):
         _require_decoder(self.model_config.architecture)
+        self.start = prompt_start(self.tokenizer, self.model_config.bos_id)
         self.model = Transformer(self.model_config)
         self.prefix_lm = self.config.data.get("objective") == "prefix"
         self.params = jax.tree.map(
@@ -58,8 +62,8 @@ class Generator:
 
     def encode(self, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
         """Piece ids per prompt, keeping (with a warning) the last pieces that leave room for
-        BOS and `max_new_tokens` within the model's max_len."""
-        room = self.model_config.max_len - 1 - max_new_tokens
+        the prompt's start (`prompt_start`) and `max_new_tokens` within the model's max_len."""
+        room = self.model_config.max_len - len(self.start) - max_new_tokens
         if room < 0 and self.model_config.positional in ("sinusoidal", "learned"):
             raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt "
                              f"within model.max_len={self.model_config.max_len}")
@@ -118,10 +122,11 @@ class Generator:
         return out
 
     def bucket(self, prompt_length: int, max_new_tokens: int) -> int:
-        """The padded length of the decoder's prompt input (BOS and `prompt_length` pieces):
-        a multiple of `translator.BUCKET`, capped where the prompt and `max_new_tokens` fill
-        model.max_len."""
-        return bucket_length(1 + prompt_length, self.model_config.max_len - max_new_tokens)
+        """The padded length of the decoder's prompt input (`prompt_start` and `prompt_length`
+        pieces): a multiple of `translator.BUCKET`, capped where the prompt and `max_new_tokens`
+        fill model.max_len."""
+        return bucket_length(len(self.start) + prompt_length,
+                             self.model_config.max_len - max_new_tokens)
 
     def generate_ids(self, prompts: list[list[int]], *, prompt_indices: list[int], seed: int,
                      max_new_tokens: int, temperature: float, top_k: int, top_p: float,
@@ -129,12 +134,17 @@ class Generator:
         """New tokens [len(prompts), max_new_tokens] after prompts (piece ids, any lengths);
         zeros after EOS. Prompt `prompt_indices[i]` draws with `fold_in(key(seed), index)`.
 
-        The prompts are read after BOS, padded to `length` (default: the bucket of the
-        longest), and the batch to `rows` (default: the next power of two) with copies of the
-        first prompt; neither changes any prompt's tokens.
+        The prompts are read after `prompt_start`, padded to `length` (default: the bucket of
+        the longest), and the batch to `rows` (default: the next power of two) with copies of
+        the first prompt; neither changes any prompt's tokens.
         """
-        longest = 1 + max(len(ids) for ids in prompts)
-        length = self.bucket(longest - 1, max_new_tokens) if length is None else length
+        start = list(self.start)
+        if not start and not all(prompts):
+            raise ValueError("an empty prompt with a vocabulary that puts no BOS before a text "
+                             "(its tokenizer.json's post-processor): give every prompt a token")
+        longest = len(start) + max(len(ids) for ids in prompts)
+        length = (self.bucket(longest - len(start), max_new_tokens) if length is None
+                  else length)
         rows = _power_of_two(len(prompts)) if rows is None else rows
         if length < longest or rows < len(prompts):
             raise ValueError(f"cannot pad {len(prompts)} prompts of up to {longest} decoder "
@@ -144,13 +154,32 @@ class Generator:
         order = list(range(len(prompts))) + [0] * (rows - len(prompts))
         inputs = np.zeros((rows, length), np.int32)
         for row, i in enumerate(order):
-            inputs[row, :1 + len(prompts[i])] = [self.model_config.bos_id] + prompts[i]
-        lengths = np.array([1 + len(prompts[i]) for i in order], np.int32)
+            inputs[row, :len(start) + len(prompts[i])] = start + prompts[i]
+        lengths = np.array([len(start) + len(prompts[i]) for i in order], np.int32)
         indices = np.asarray(prompt_indices, np.uint32)[order]
         keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(
             jax.random.key(seed), jnp.asarray(indices))
         run = _sample_fn(self.model, self.prefix_lm, max_new_tokens, temperature, top_k, top_p)
         return np.asarray(run(self.params, inputs, lengths, keys))[:len(prompts)]
+
+
+def prompt_start(tokenizer, bos_id: int) -> tuple[int, ...]:
+    """The ids a prompt is read after: those the post-processor of an imported `tokenizer.json`
+    (its template) puts before a text, as `transformers`' tokenizers add them (Llama 3's BOS;
+    nothing for GPT-2's or Qwen2's); `(bos_id,)` for a SentencePiece vocabulary (ours, whose runs
+    train behind BOS, and Llama 2's, whose `transformers` tokenizer adds BOS) and for token ids
+    without a vocabulary."""
+    json_bytes = getattr(tokenizer, "json_bytes", None)
+    if json_bytes is None:
+        return (bos_id,)
+    from tokenizers import Tokenizer
+
+    model = Tokenizer.from_str(json_bytes.decode("utf-8"))
+    plain = model.encode(PROBE, add_special_tokens=False).ids
+    special = model.encode(PROBE, add_special_tokens=True).ids
+    starts = [i for i in range(len(special) - len(plain) + 1)
+              if special[i:i + len(plain)] == plain]
+    return tuple(special[:starts[0]]) if starts else (bos_id,)
 
 
 def _require_decoder(architecture: str) -> None:
@@ -183,7 +212,7 @@ def _map_layers(fn, cache: dict) -> dict:
 def _sample_fn(model: Transformer, prefix_lm: bool, max_new_tokens: int, temperature: float,
                top_k: int, top_p: float):
     """A jitted `(params, inputs [B, P], lengths [B], keys [B]) -> tokens [B, max_new_tokens]`:
-    row b's decoder input is `inputs[b, :lengths[b]]` (BOS and its prompt), then padding."""
+    row b's decoder input is `inputs[b, :lengths[b]]` (its start and prompt), then padding."""
     batch_axis = 1 if model.config.scan_layers else 0  # of the cache's layer leaves
 
     def run(params, inputs, lengths, keys):
