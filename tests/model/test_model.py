@@ -600,7 +600,7 @@ BAD_CONFIGS = [
     (dict(positional="sinusoidal", d_model=33, num_heads=1), "positional"),
     (dict(num_encoder_layers=0), "num_encoder_layers"),
     (dict(pad_id=5), "pad_id"),  # 0, or None where id 0 is an ordinary token
-    (dict(pad_id=None, attention_window=4, attention_pattern="local"), "pad_id"),
+    (dict(pad_id=None, attention_kind="linear"), "pad_id"),  # local layers: segment ids
     (dict(bos_id=V), "bos_id"),
     (dict(eos_id=-1), "eos_id"),
 ]

@@ -8,7 +8,8 @@ split out of fused projections). Arrays here are numpy, one tensor group at a ti
 
 Checkpoint layouts (`torch.nn.Linear` stores weight [out, in]; GPT-2's `Conv1D` [in, out]):
     Llama  q_proj [N*H, D], k_proj/v_proj [K*H, D], o_proj [D, N*H], gate/up_proj [F, D],
-           down_proj [D, F], RMSNorm weights, lm_head [V, D] (absent when tied)
+           down_proj [D, F], RMSNorm weights, lm_head [V, D] (absent when tied); Mistral the
+           same; Qwen2 adds q_proj/k_proj/v_proj biases [N*H], [K*H]
     GPT-2  c_attn [D, 3*D] (q, k, v side by side), c_proj [D, D], c_fc [D, F], mlp c_proj
            [F, D], LayerNorms, wte [V, D] (tied output), wpe [max_len, D]
     ViT    patch projection: a convolution [D, C, P, P]; cls_token [1, 1, D],
@@ -98,9 +99,96 @@ def token_ids_config(cfg: TransformerConfig) -> dict:
     return dict(bos_token_id=cfg.bos_id, eos_token_id=cfg.eos_id, pad_token_id=cfg.pad_id)
 
 
+ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3", "yarn": "yarn"}
+WINDOWED = {"sliding_attention": "local", "full_attention": "global"}  # layer_types entries
+
+
+def _rope_fields(hf: dict, kind: str) -> dict:
+    """`model.rope_*` of a config.json's RoPE (`rope_parameters`, or the older `rope_scaling`
+    and `rope_theta`): its base and scaling, the scaled context defaulting to
+    max_position_embeddings as `transformers` defaults it."""
+    rope = dict(hf.get("rope_parameters") or {})
+    if hf.get("rope_scaling"):
+        rope.update(hf["rope_scaling"])
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise _unsupported(kind, "rope_type", rope_type,
+                           f"supported: {', '.join(ROPE_TYPES)}; 'dynamic' rescales with each "
+                           f"call's length, which static-shape decoding does not reproduce")
+    for option in ("partial_rotary_factor", "mscale", "mscale_all_dim"):
+        _require(rope, kind, option, (None, 1.0) if option == "partial_rotary_factor"
+                 else (None,), "not implemented")
+    _require(rope, kind, "truncate", (True,), "only YaRN's truncated correction range")
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    fields = dict(rope_theta=float(theta), rope_scaling=ROPE_TYPES[rope_type])
+    if rope_type == "default":
+        return fields
+    original = rope.get("original_max_position_embeddings",
+                        hf.get("original_max_position_embeddings",
+                               hf["max_position_embeddings"]))
+    factor = rope.get("factor") or hf["max_position_embeddings"] / original
+    fields.update(rope_scaling_factor=float(factor))
+    if rope_type in ("llama3", "yarn"):
+        fields.update(rope_original_max_len=int(original))
+    if rope_type == "llama3":
+        fields.update(rope_low_freq_factor=float(rope["low_freq_factor"]),
+                      rope_high_freq_factor=float(rope["high_freq_factor"]))
+    if rope_type == "yarn":
+        fields.update(rope_beta_fast=float(rope.get("beta_fast") or 32.0),
+                      rope_beta_slow=float(rope.get("beta_slow") or 1.0))
+        if rope.get("attention_factor") is not None:
+            fields.update(rope_attention_factor=float(rope["attention_factor"]))
+    return fields
+
+
+def _rope_parameters(cfg: TransformerConfig) -> dict:
+    """config.json's `rope_parameters` of our model (`_rope_fields` read back)."""
+    rope = {"rope_type": {v: k for k, v in ROPE_TYPES.items()}[cfg.rope_scaling],
+            "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling != "none":
+        rope["factor"] = cfg.rope_scaling_factor
+    if cfg.rope_scaling in ("llama3", "yarn"):
+        rope["original_max_position_embeddings"] = cfg.rope_original_max_len
+    if cfg.rope_scaling == "llama3":
+        rope.update(low_freq_factor=cfg.rope_low_freq_factor,
+                    high_freq_factor=cfg.rope_high_freq_factor)
+    if cfg.rope_scaling == "yarn":
+        rope.update(beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow)
+        if cfg.rope_attention_factor is not None:
+            rope["attention_factor"] = cfg.rope_attention_factor
+    return rope
+
+
+def _window_fields(hf: dict, kind: str) -> dict:
+    """`attention_window` and `attention_pattern` of a sliding window: Mistral's (every layer)
+    or Qwen2's (`use_sliding_window`, the layers its `layer_types` say, else those from
+    `max_window_layers` on). `transformers`' window of w keys (the query's own included) is
+    our attention_window w - 1 (the keys before it)."""
+    window = hf.get("sliding_window")
+    if kind == "qwen2" and not hf.get("use_sliding_window"):
+        window = None
+    if window is None:
+        return {}
+    if window < 2:
+        raise _unsupported(kind, "sliding_window", window, "a window of at least 2 keys")
+    layers = hf["num_hidden_layers"]
+    if kind == "qwen2":
+        types = hf.get("layer_types") or [
+            "sliding_attention" if i >= hf.get("max_window_layers", 28) else "full_attention"
+            for i in range(layers)]
+        pattern = ",".join(WINDOWED[t] for t in types)
+    else:
+        pattern = "local"
+    if "local" not in pattern:
+        return {}
+    return dict(attention_window=int(window) - 1, attention_pattern=pattern)
+
+
 class Llama:
-    """`LlamaForCausalLM` (and Mistral without a sliding window, Qwen2 without biases): pre-
-    RMSNorm, half-split RoPE, SwiGLU, grouped-query attention, no biases."""
+    """`LlamaForCausalLM`, `MistralForCausalLM` and `Qwen2ForCausalLM`: pre-RMSNorm,
+    half-split RoPE (scaled as Llama 3.1's, linearly or by YaRN), SwiGLU, grouped-query
+    attention; Mistral's sliding window and Qwen2's (the project's local attention, layer by
+    layer) and Qwen2's query, key and value biases."""
 
     model_types = ("llama", "mistral", "qwen2")
 
@@ -108,17 +196,12 @@ class Llama:
     def config(hf: dict) -> dict:
         kind = hf["model_type"]
         _require(hf, kind, "hidden_act", ("silu",), "only SwiGLU's silu gate")
-        for option in ("attention_bias", "mlp_bias", "sliding_window", "use_sliding_window"):
-            _require(hf, kind, option, (None, False), "our Llama blocks have no biases and "
-                     "attend to every position")
-        if kind == "qwen2":  # Qwen2's q/k/v projections always carry biases
-            raise _unsupported(kind, "q/k/v bias", True, "our Llama blocks have no biases")
+        for option in ("attention_bias", "mlp_bias"):
+            _require(hf, kind, option, (None, False), "our Llama blocks have no biases but "
+                     "Qwen2's on the query, key and value")
+        if kind == "llama":
+            _require(hf, kind, "sliding_window", (None,), "a sliding window is Mistral's")
         _require(hf, kind, "pretraining_tp", (1,), "save the checkpoint unsplit")
-        rope = dict(hf.get("rope_parameters") or {})
-        if hf.get("rope_scaling"):
-            rope.update(hf["rope_scaling"])
-        _require(rope, kind, "rope_type", ("default",), "RoPE scaling is not implemented")
-        theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
         heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         return dict(
@@ -128,28 +211,51 @@ class Llama:
             num_kv_heads=hf.get("num_key_value_heads") or heads, d_k=head_dim, d_v=head_dim,
             dropout_rate=0.0, attention_dropout_rate=float(hf.get("attention_dropout", 0.0)),
             relu_dropout_rate=0.0, positional="rope", norm="rms_norm", norm_position="pre",
-            activation="swiglu", use_bias=False,
+            activation="swiglu", use_bias=False, qkv_bias=kind == "qwen2",
             tie_output_embedding=bool(hf.get("tie_word_embeddings", False)),
             max_len=hf["max_position_embeddings"], norm_eps=float(hf["rms_norm_eps"]),
-            rope_theta=float(theta), scale_embeddings=False, **token_ids(hf))
+            scale_embeddings=False, **_rope_fields(hf, kind), **_window_fields(hf, kind),
+            **token_ids(hf))
 
     @staticmethod
     def hf_config(cfg: TransformerConfig) -> dict:
-        return dict(
-            model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=cfg.vocab_size,
-            hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
+        """Qwen2 where the projections carry biases, else Mistral where every layer has a
+        window, else Llama."""
+        out = dict(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
             num_hidden_layers=cfg.num_decoder_layers, num_attention_heads=cfg.num_heads,
             num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.d_k, hidden_act="silu",
             max_position_embeddings=cfg.max_len, rms_norm_eps=cfg.norm_eps,
-            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-            attention_bias=False, mlp_bias=False, attention_dropout=cfg.attention_dropout_rate,
+            rope_parameters=_rope_parameters(cfg), attention_dropout=cfg.attention_dropout_rate,
             tie_word_embeddings=cfg.tie_output_embedding, **token_ids_config(cfg))
+        windows = [cfg.layer_window(i) for i in range(cfg.num_decoder_layers)]
+        if cfg.qkv_bias:
+            out.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"],
+                       use_sliding_window=cfg.attention_window is not None,
+                       sliding_window=None if cfg.attention_window is None
+                       else cfg.attention_window + 1,
+                       layer_types=["full_attention" if w is None else "sliding_attention"
+                                    for w in windows])
+        elif cfg.attention_window is not None:
+            out.update(model_type="mistral", architectures=["MistralForCausalLM"],
+                       sliding_window=cfg.attention_window + 1)
+        else:
+            out.update(model_type="llama", architectures=["LlamaForCausalLM"],
+                       attention_bias=False, mlp_bias=False)
+        return out
 
     @staticmethod
     def matches(cfg: TransformerConfig) -> list[str]:
-        return _mismatches(cfg, architecture="decoder", positional="rope", norm="rms_norm",
-                           norm_position="pre", activation="swiglu", use_bias=False,
-                           scale_embeddings=False)
+        out = _mismatches(cfg, windows=True, qkv_bias=cfg.qkv_bias,
+                          rope_scaling=cfg.rope_scaling, architecture="decoder",
+                          positional="rope", norm="rms_norm", norm_position="pre",
+                          activation="swiglu", use_bias=False, scale_embeddings=False)
+        windows = {cfg.layer_window(i) for i in range(cfg.num_decoder_layers)}
+        if not cfg.qkv_bias and None in windows and len(windows) > 1:
+            out.append(f"model.attention_pattern={cfg.attention_pattern!r} (Mistral's window "
+                       f"is in every layer; local and global layers are Qwen2's, with "
+                       f"model.qkv_bias=True)")
+        return out
 
     @staticmethod
     def tensors(cfg: TransformerConfig) -> list[Tensors]:
@@ -168,6 +274,10 @@ class Llama:
                 _transposed(f"{mlp}.down_proj.weight", f"{ours}/ffn/ff_out/kernel"),
                 *_norm(f"{hf}.input_layernorm", f"{ours}/norm_attention", False),
                 *_norm(f"{hf}.post_attention_layernorm", f"{ours}/norm_ffn", False)]
+            if cfg.qkv_bias:
+                out += [_bias_heads(f"{attn}.{name[0]}_proj.bias",
+                                    f"{ours}/self_attention/{name}/bias", heads, h)
+                        for name, heads in (("query", n), ("key", k), ("value", k))]
         out += _norm("model.norm", "decoder/norm", False)
         if not cfg.tie_output_embedding:
             out.append(_transposed("lm_head.weight", "decoder/logits/kernel"))
@@ -331,13 +441,23 @@ FAMILIES = (Llama, GPT2, ViT)
 BY_MODEL_TYPE = {kind: family for family in FAMILIES for kind in family.model_types}
 
 
-def _mismatches(cfg: TransformerConfig, **wanted) -> list[str]:
-    """`model.<field>=<ours> (wants <theirs>)` for each field that differs; also every
-    self-attention option beyond softmax over all positions."""
+# Model options a family computes only where it says so (`_mismatches`' `wanted`): their
+# values in the paper's model.
+FEATURE_DEFAULTS = dict(qkv_bias=False, rope_scaling="none")
+
+
+def _mismatches(cfg: TransformerConfig, windows: bool = False, **wanted) -> list[str]:
+    """`model.<field>=<ours> (wants <theirs>)` for each field that differs (those of
+    `FEATURE_DEFAULTS` the family does not name included); also every self-attention option
+    beyond softmax over all positions, or over a causal window where `windows`."""
+    wanted = FEATURE_DEFAULTS | wanted
     out = [f"model.{field}={getattr(cfg, field)!r} (wants {value!r})"
            for field, value in wanted.items() if getattr(cfg, field) != value]
-    if cfg.attention_kind != "softmax" or cfg.attention_window is not None:
-        out.append("model.attention_kind/attention_window (wants softmax over all positions)")
+    if cfg.attention_kind != "softmax" or cfg.attention_global_tokens or (
+            cfg.attention_window is not None and not windows):
+        out.append("model.attention_kind/attention_window/attention_global_tokens (wants "
+                   "softmax over " + ("all positions or a window)" if windows
+                                      else "all positions)"))
     return out
 
 

@@ -219,9 +219,10 @@ def _sample_fn(model: Transformer, prefix_lm: bool, max_new_tokens: int, tempera
         batch, length = inputs.shape
         # The prompts in one call; a prompt position sees no padding (it comes after them).
         cache = init_cache(model.config, batch, length + max_new_tokens)
-        prefix = jnp.arange(length)[None, :] < lengths[:, None] if prefix_lm else None
+        prompt = jnp.arange(length)[None, :] < lengths[:, None]  # the rest is padding
         logits, cache = model.apply({"params": params}, None, None, inputs, cache=cache,
-                                    targets_prefix=prefix, method="decode")
+                                    targets_prefix=prompt if prefix_lm else None,
+                                    targets_segmentation=prompt, method="decode")
         last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)
         # Each row goes on from its own length: the cache index becomes one per row, and each
         # step is the model on one row (batch 1, a scalar index), vmapped over the rows.
@@ -229,10 +230,10 @@ def _sample_fn(model: Transformer, prefix_lm: bool, max_new_tokens: int, tempera
         axes = {name: 0 if name == "index" else batch_axis for name in cache}
 
         def decode_row(token, row_cache):
-            logits, row_cache = model.apply(
+            logits, row_cache = model.apply(  # a new token is kept, id 0 included
                 {"params": params}, None, None, token[None],
                 cache=_map_layers(lambda x: jnp.expand_dims(x, batch_axis), row_cache),
-                method="decode")
+                targets_segmentation=jnp.ones((1, 1), bool), method="decode")
             return logits[0], _map_layers(lambda x: jnp.squeeze(x, batch_axis), row_cache)
 
         decode_fn = jax.vmap(decode_row, in_axes=(0, axes), out_axes=(0, axes))

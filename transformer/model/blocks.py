@@ -101,7 +101,8 @@ class MultiHeadAttention(nn.Module):
         is_cross = kv_inputs is not None
 
         def project(name, spec, inputs, shape, axes, num_in_axes=1):
-            kernel, bias = Weights(shape, axes, num_in_axes=num_in_axes, use_bias=cfg.use_bias,
+            use_bias = cfg.use_bias or (cfg.qkv_bias and name != "out")
+            kernel, bias = Weights(shape, axes, num_in_axes=num_in_axes, use_bias=use_bias,
                                    name=name)()
             y = jnp.einsum(spec, inputs.astype(dtype), kernel.astype(dtype))
             return y if bias is None else y + bias.astype(dtype)
@@ -116,8 +117,8 @@ class MultiHeadAttention(nn.Module):
             v = project("value", "BSD,DKE->BSKE", source, (d, kh, hv),
                         ("embed", "kv_heads", "head_dim"))
         if self.use_rope:
-            q = layers.apply_rope(q, q_positions, base=cfg.rope_theta)
-            k = layers.apply_rope(k, kv_positions, base=cfg.rope_theta)
+            q = layers.apply_rope(q, q_positions, **cfg.rope_arguments())
+            k = layers.apply_rope(k, kv_positions, **cfg.rope_arguments())
         q = nn.with_logical_constraint(q, ("batch", "length", "heads", "head_dim"))
         if not is_cross and cfg.attention_kind == "linear":
             y, cache = self._linear(q, k, v, cache, segments, in_prefix)

@@ -58,6 +58,7 @@ class TransformerConfig:
     norm_position: str = "post"  # post: LayerNorm(x + Dropout(Sublayer(x))), as the paper
     activation: str = "relu"
     use_bias: bool = True
+    qkv_bias: bool = False  # biases on the query, key and value projections alone (Qwen2)
     share_embeddings: bool = True  # source embedding = target embedding
     tie_output_embedding: bool = True  # pre-softmax projection = target embedding
     max_len: int = 512
@@ -68,6 +69,18 @@ class TransformerConfig:
     norm_eps: float = 1e-6
     # Exactness with published checkpoints (transformer/huggingface): the paper's values first.
     rope_theta: float = 10000.0  # RoPE's base
+    # RoPE for a context longer than the one trained on (`layers.rope_inverse_frequencies`):
+    # rope_scaling none | linear | llama3 | yarn, its factor, the trained context
+    # (llama3, yarn), llama3's wavelength bounds, yarn's rotation bounds and cos/sin scale
+    # (None: `layers.yarn_attention_factor`)
+    rope_scaling: str = "none"
+    rope_scaling_factor: float = 1.0
+    rope_original_max_len: int | None = None
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_attention_factor: float | None = None
     scale_embeddings: bool = True  # token embeddings times sqrt(d_model) (paper section 3.4)
     gelu_approximate: bool = True  # activation="gelu": tanh approximation (False: exact erf)
     # The token ids the model reads (data/tokenizer.py's unless a checkpoint brings its own
@@ -132,16 +145,16 @@ class TransformerConfig:
         if self.pad_id not in (PAD_ID, None):
             raise ValueError(f"model.pad_id={self.pad_id} must be {PAD_ID} (padding) or None (no "
                              f"padding token: id {PAD_ID} is an ordinary token)")
-        if self.pad_id is None and (self.attention_kind != "softmax"
-                                    or "local" in self.attention_pattern):
-            raise ValueError("model.pad_id=None needs global softmax attention: local and "
-                             "linear layers read padding from id 0 while decoding")
+        if self.pad_id is None and self.attention_kind != "softmax":
+            raise ValueError("model.pad_id=None needs softmax attention: linear layers read "
+                             "padding from id 0 while decoding")
         for field in ("bos_id", "eos_id") if self.num_decoder_layers else ():
             if not 0 <= getattr(self, field) < self.vocab_size:
                 raise ValueError(f"model.{field}={getattr(self, field)} is not an id of the "
                                  f"vocabulary (0 to vocab_size-1={self.vocab_size - 1})")
         if self.rope_theta <= 0:
             raise ValueError(f"model.rope_theta={self.rope_theta} must be positive")
+        self._check_rope_scaling()
         if self.positional == "rope" and self.d_k % 2:
             raise ValueError(f"model.positional='rope' needs an even d_k, got {self.d_k}")
         if self.positional == "sinusoidal" and self.d_model % 2:
@@ -153,6 +166,38 @@ class TransformerConfig:
         self._check_attention_pattern()
         if self.architecture == "vision":
             self._check_vision()
+
+    def _check_rope_scaling(self):
+        if self.rope_scaling not in layers.ROPE_SCALINGS:
+            raise ValueError(f"model.rope_scaling={self.rope_scaling!r} is not one of "
+                             f"{', '.join(layers.ROPE_SCALINGS)}")
+        if self.rope_scaling_factor <= 0:
+            raise ValueError(f"model.rope_scaling_factor={self.rope_scaling_factor} must be "
+                             f"positive")
+        if self.rope_scaling in ("llama3", "yarn") and not self.rope_original_max_len:
+            raise ValueError(f"model.rope_scaling={self.rope_scaling!r} needs "
+                             f"model.rope_original_max_len (the context trained on, e.g. 8192)")
+        if self.rope_scaling == "llama3" and not (
+                0 < self.rope_low_freq_factor < self.rope_high_freq_factor):
+            raise ValueError(f"model.rope_low_freq_factor={self.rope_low_freq_factor} and "
+                             f"rope_high_freq_factor={self.rope_high_freq_factor} must be "
+                             f"0 < low < high (Llama 3.1: 1 and 4)")
+
+    def rope_arguments(self) -> dict:
+        """`layers.apply_rope`'s `inv_freq` and `scale` for this model's RoPE."""
+        if self.rope_scaling == "none":
+            return dict(base=self.rope_theta)
+        inv_freq = layers.rope_inverse_frequencies(
+            self.d_k, base=self.rope_theta, scaling=self.rope_scaling,
+            factor=self.rope_scaling_factor, original_max_len=self.rope_original_max_len,
+            low_freq_factor=self.rope_low_freq_factor,
+            high_freq_factor=self.rope_high_freq_factor, beta_fast=self.rope_beta_fast,
+            beta_slow=self.rope_beta_slow)
+        scale = 1.0
+        if self.rope_scaling == "yarn":
+            scale = (layers.yarn_attention_factor(self.rope_scaling_factor)
+                     if self.rope_attention_factor is None else self.rope_attention_factor)
+        return dict(inv_freq=inv_freq, scale=scale)
 
     def _check_attention_pattern(self):
         for field, choices in (("attention_kind", ATTENTION_KINDS),

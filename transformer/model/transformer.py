@@ -361,8 +361,8 @@ class Transformer(nn.Module):
         prefix (nonzero); the decoder inputs of the prefix (BOS and the prefix tokens) attend to
         each other in both directions, the rest causally. With a cache it marks the decoder
         input tokens of this call that form the prefix (a prompt prefilled in one call).
-        Incremental decoding does not keep padding tokens (id 0, e.g. after a prompt) in a
-        local layer's ring buffer or a linear layer's state.
+        Incremental decoding keeps no padding (`targets_segmentation` 0, default id 0: the
+        pads after a prompt) in a local layer's ring buffer or a linear layer's state.
         """
         cfg = self.config
         self_mask = None  # needed by global softmax layers only
@@ -384,7 +384,8 @@ class Transformer(nn.Module):
             positions = _positions(targets, None, offset=cache["index"])
             segments = jnp.ones_like(targets)
             in_prefix = targets_prefix
-            self_segments = (targets != 0).astype(jnp.int32)
+            self_segments = (targets if targets_segmentation is None
+                             else targets_segmentation).astype(bool).astype(jnp.int32)
             full = _full_cache_length(cfg, cache)
             if full is not None:
                 self_mask = attention.make_cache_mask(cache["index"], targets.shape[1], full,

@@ -5,10 +5,14 @@ functions of arrays (no Flax). Shapes are written in the package's legend
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 ACTIVATIONS = ("relu", "gelu", "swiglu")
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")  # rope_inverse_frequencies' `scaling`
 
 
 def dropout(x: jax.Array, rate: float, rng: jax.Array | None) -> jax.Array:
@@ -36,18 +40,77 @@ def sinusoidal_position_encoding(length: int, d_model: int) -> jax.Array:
     return pe.at[:, 1::2].set(jnp.cos(angle[:, : d_model // 2]))
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, *, base: float = 10000.0) -> jax.Array:
+def rope_inverse_frequencies(head_dim: int, *, base: float = 10000.0, scaling: str = "none",
+                             factor: float = 1.0, original_max_len: int | None = None,
+                             low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
+                             beta_fast: float = 32.0, beta_slow: float = 1.0) -> np.ndarray:
+    """RoPE's inverse frequencies [H/2] float32, base^(-2i/H), rescaled for a context longer
+    than the one trained on (`scaling`, as `transformers`' rope_type names them):
+
+        none    as they are
+        linear  all divided by `factor` (position interpolation, Chen et al. 2023)
+        llama3  wavelengths 2 pi / f above original_max_len / low_freq_factor divided by
+                `factor`, below original_max_len / high_freq_factor kept, smoothly blended
+                between (Llama 3.1)
+        yarn    blended per dimension from interpolated (f / factor) to kept, over the
+                dimensions that turn between beta_slow and beta_fast times within
+                original_max_len (Peng et al. 2023); pair with `yarn_attention_factor`
+    Computed in float32 numpy in the order `transformers` computes them."""
+    if scaling not in ROPE_SCALINGS:
+        raise ValueError(f"RoPE scaling {scaling!r}; choose one of {ROPE_SCALINGS}")
+    exponents = np.arange(0, head_dim, 2).astype(np.float32) / np.float32(head_dim)
+    powers = np.float32(base) ** exponents
+    inv_freq = (np.float32(1.0) / powers).astype(np.float32)
+    if scaling == "linear":
+        return (inv_freq / np.float32(factor)).astype(np.float32)
+    if scaling == "llama3":
+        low_wavelen = original_max_len / low_freq_factor
+        high_wavelen = original_max_len / high_freq_factor
+        wavelen = np.float32(2 * math.pi) / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / np.float32(factor), inv_freq)
+        smooth = ((np.float32(original_max_len) / wavelen - np.float32(low_freq_factor))
+                  / np.float32(high_freq_factor - low_freq_factor))
+        smoothed = (1 - smooth) * scaled / np.float32(factor) + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return np.where(medium, smoothed, scaled).astype(np.float32)
+    if scaling == "yarn":
+        def turning_dim(rotations):  # the dimension turning `rotations` times in the context
+            return (head_dim * math.log(original_max_len / (rotations * 2 * math.pi))
+                    / (2 * math.log(base)))
+        low = max(math.floor(turning_dim(beta_fast)), 0)
+        high = min(math.ceil(turning_dim(beta_slow)), head_dim - 1)
+        high = high + 0.001 if low == high else high
+        ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+        kept = np.float32(1) - ramp.astype(np.float32)
+        interpolated = np.float32(1.0) / (np.float32(factor) * powers)
+        return (interpolated * (1 - kept) + inv_freq * kept).astype(np.float32)
+    return inv_freq
+
+
+def yarn_attention_factor(factor: float) -> float:
+    """YaRN's scale of cos and sin (so of the attention logits, squared): 0.1 ln(factor) + 1
+    for factor > 1, else 1."""
+    return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, *, base: float = 10000.0,
+               inv_freq: np.ndarray | jax.Array | None = None, scale: float = 1.0) -> jax.Array:
     """Rotary position embedding (Su et al.) of x [B, T, N, H] at positions [B, T].
 
     Rotates the pairs (i, i + H/2) (half-split, the Llama/NeoX convention) by the angle
     positions * base^(-2i/H), so that q_m . k_n depends on positions only through m - n.
+    `inv_freq` [H/2] replaces base^(-2i/H) (a scaled RoPE: `rope_inverse_frequencies`);
+    `scale` multiplies cos and sin (YaRN's attention factor).
     """
     h = x.shape[-1]
     if h % 2:
         raise ValueError(f"RoPE needs an even head dim, got H={h}")
-    inv_freq = base ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h)  # [H/2]
+    if inv_freq is None:
+        inv_freq = base ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h)  # [H/2]
     angle = positions.astype(jnp.float32)[..., None, None] * inv_freq  # [B, T, 1, H/2]
     sin, cos = jnp.sin(angle), jnp.cos(angle)
+    if scale != 1.0:
+        sin, cos = sin * scale, cos * scale
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return rotated.astype(x.dtype)
