@@ -6,7 +6,8 @@
 
 `import` writes a run whose parameters `generate`, `evaluate` and `init_from` read; `--config`
 gives its data, optimizer and mesh (default: configs/lm_default.py for language models,
-configs/vit_b16_imagenet.py for a ViT), the checkpoint gives `model.*`. `export` writes
+configs/default.py for a Marian translation model, configs/vit_b16_imagenet.py for a ViT),
+the checkpoint gives `model.*`. `export` writes
 `config.json`, the safetensors (shards of at most `--max_shard_gb` with their index beyond
 that) and the tokenizer, which `transformers`' `from_pretrained` loads.
 """

@@ -39,7 +39,7 @@ from transformer.checkpoint import workdir as workdir_lib
 from transformer.config import resolve
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.data.tokenizer import MODEL_FILE
-from transformer.huggingface import families
+from transformer.huggingface import families, marian
 from transformer.model.config import TransformerConfig
 from transformer.training import sharding
 
@@ -49,7 +49,8 @@ SINGLE_FILE = "model.safetensors"
 TOKENIZER_MODEL = "tokenizer.model"  # a SentencePiece model, as Llama's checkpoints hold it
 INDEX_FILE = "model.safetensors.index.json"
 CONFIGS_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
-DEFAULT_CONFIG = {"decoder": "lm_default.py", "vision": "vit_b16_imagenet.py"}
+DEFAULT_CONFIG = {"decoder": "lm_default.py", "vision": "vit_b16_imagenet.py",
+                  "encoder_decoder": "default.py"}
 MAX_SHARD_BYTES = 5 * 10**9  # export: bytes per safetensors file (save_pretrained's "5GB")
 IMPORTED_STEP = 0  # the params-only series step an import writes (no update made yet)
 EMBEDDING = "embedding/embedding"
@@ -222,12 +223,16 @@ def _vocabulary(hf_dir: str, model_cfg: TransformerConfig):
              "the Python API takes token ids")
     json_path = os.path.join(hf_dir, tokenizer_lib.JSON_FILE)
     path = json_path if os.path.isfile(json_path) else os.path.join(hf_dir, TOKENIZER_MODEL)
+    if model_cfg.architecture == "encoder_decoder":  # MarianTokenizer's files
+        path = os.path.join(hf_dir, marian.VOCAB_JSON)
     if not os.path.isfile(path):
         log.warning("%s has no %s or %s: %s", hf_dir, tokenizer_lib.JSON_FILE, TOKENIZER_MODEL,
                     lacks)
         return None
     try:
-        if path == json_path:
+        if model_cfg.architecture == "encoder_decoder":
+            tokenizer = marian.read_vocabulary(hf_dir)
+        elif path == json_path:
             with open(path, "rb") as f:
                 tokenizer = tokenizer_lib.HuggingFaceTokenizer(
                     f.read(), bos_id=model_cfg.bos_id, eos_id=model_cfg.eos_id,
@@ -286,7 +291,9 @@ def export_workdir(workdir: str, out_dir: str, *, step: int | None = None,
     with open(os.path.join(out_dir, HF_CONFIG), "w") as f:
         json.dump(hf_config, f, indent=2)
     vocab = tokenizer_lib.vocabulary_file(workdir_lib.path(workdir, workdir_lib.VOCAB))
-    if os.path.isfile(vocab):
+    if os.path.isfile(vocab) and family is families.Marian:
+        marian.write_vocabulary(vocab, out_dir, model_cfg)
+    elif os.path.isfile(vocab):
         name = TOKENIZER_MODEL if vocab.endswith(MODEL_FILE) else tokenizer_lib.JSON_FILE
         shutil.copyfile(vocab, os.path.join(out_dir, name))
     return writer.path

@@ -19,85 +19,24 @@ Shapes in the package's legend; C is num_channels, P the patch size.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
-
 import numpy as np
 
+from transformer.huggingface.mapping import (
+    Tensors,
+    bias_heads,
+    heads_in,
+    heads_out,
+    mismatches,
+    norm,
+    require,
+    same,
+    token_ids,
+    token_ids_config,
+    transposed,
+    unsupported,
+)
+from transformer.huggingface.marian import Marian
 from transformer.model.config import TransformerConfig
-
-Arrays = list[np.ndarray]
-
-
-@dataclasses.dataclass(frozen=True)
-class Tensors:
-    """Checkpoint tensors `hf` <-> our parameters `ours` (paths), as one group."""
-
-    hf: tuple[str, ...]
-    ours: tuple[str, ...]
-    to_ours: Callable[[Arrays], Arrays]
-    to_hf: Callable[[Arrays], Arrays]
-
-
-def _same(hf: str, ours: str) -> Tensors:
-    return Tensors((hf,), (ours,), list, list)
-
-
-def _transposed(hf: str, ours: str) -> Tensors:
-    """A Linear weight [out, in] <-> our kernel [in, out]."""
-    return Tensors((hf,), (ours,), lambda a: [a[0].T], lambda a: [a[0].T])
-
-
-def _heads_in(hf: str, ours: str, heads: int, head_dim: int) -> Tensors:
-    """A Linear weight [heads*head_dim, D] <-> our projection kernel [D, heads, head_dim]."""
-    return Tensors((hf,), (ours,), lambda a: [a[0].T.reshape(-1, heads, head_dim)],
-                   lambda a: [a[0].reshape(a[0].shape[0], -1).T])
-
-
-def _heads_out(hf: str, ours: str, heads: int, head_dim: int) -> Tensors:
-    """A Linear weight [D, heads*head_dim] <-> our output kernel [heads, head_dim, D]."""
-    return Tensors((hf,), (ours,), lambda a: [a[0].T.reshape(heads, head_dim, -1)],
-                   lambda a: [a[0].reshape(heads * head_dim, -1).T])
-
-
-def _bias_heads(hf: str, ours: str, heads: int, head_dim: int) -> Tensors:
-    return Tensors((hf,), (ours,), lambda a: [a[0].reshape(heads, head_dim)],
-                   lambda a: [a[0].reshape(-1)])
-
-
-def _norm(hf: str, ours: str, bias: bool) -> list[Tensors]:
-    return [_same(f"{hf}.weight", f"{ours}/scale")] + (
-        [_same(f"{hf}.bias", f"{ours}/bias")] if bias else [])
-
-
-def _unsupported(model_type: str, option: str, value, fix: str) -> ValueError:
-    return ValueError(f"config.json: {model_type} option {option}={value!r} is not supported "
-                      f"({fix})")
-
-
-def _require(hf: dict, model_type: str, option: str, allowed, fix: str) -> None:
-    value = hf.get(option, allowed[0])
-    if value not in allowed:
-        raise _unsupported(model_type, option, value, fix)
-
-
-def token_ids(hf: dict) -> dict:
-    """A language model's `bos_id`, `eos_id` and `pad_id` from its config.json: the first eos
-    where it lists several (Llama 3.1's chat ends); pad 0 only where the checkpoint pads with
-    id 0, else None (id 0 is an ordinary token)."""
-    bos, eos = hf.get("bos_token_id"), hf.get("eos_token_id")
-    eos = eos[0] if isinstance(eos, list) and eos else eos
-    if bos is None or eos is None:
-        raise _unsupported(hf["model_type"], "bos_token_id/eos_token_id", (bos, eos),
-                           "the decoder needs a start and an end token")
-    return dict(bos_id=int(bos), eos_id=int(eos), pad_id=0 if hf.get("pad_token_id") == 0
-                else None)
-
-
-def token_ids_config(cfg: TransformerConfig) -> dict:
-    """config.json's special token ids of our model `cfg` (`token_ids` read back)."""
-    return dict(bos_token_id=cfg.bos_id, eos_token_id=cfg.eos_id, pad_token_id=cfg.pad_id)
-
 
 ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3", "yarn": "yarn"}
 WINDOWED = {"sliding_attention": "local", "full_attention": "global"}  # layer_types entries
@@ -112,13 +51,13 @@ def _rope_fields(hf: dict, kind: str) -> dict:
         rope.update(hf["rope_scaling"])
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ROPE_TYPES:
-        raise _unsupported(kind, "rope_type", rope_type,
+        raise unsupported(kind, "rope_type", rope_type,
                            f"supported: {', '.join(ROPE_TYPES)}; 'dynamic' rescales with each "
                            f"call's length, which static-shape decoding does not reproduce")
     for option in ("partial_rotary_factor", "mscale", "mscale_all_dim"):
-        _require(rope, kind, option, (None, 1.0) if option == "partial_rotary_factor"
+        require(rope, kind, option, (None, 1.0) if option == "partial_rotary_factor"
                  else (None,), "not implemented")
-    _require(rope, kind, "truncate", (True,), "only YaRN's truncated correction range")
+    require(rope, kind, "truncate", (True,), "only YaRN's truncated correction range")
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     fields = dict(rope_theta=float(theta), rope_scaling=ROPE_TYPES[rope_type])
     if rope_type == "default":
@@ -170,7 +109,7 @@ def _window_fields(hf: dict, kind: str) -> dict:
     if window is None:
         return {}
     if window < 2:
-        raise _unsupported(kind, "sliding_window", window, "a window of at least 2 keys")
+        raise unsupported(kind, "sliding_window", window, "a window of at least 2 keys")
     layers = hf["num_hidden_layers"]
     if kind == "qwen2":
         types = hf.get("layer_types") or [
@@ -195,13 +134,13 @@ class Llama:
     @staticmethod
     def config(hf: dict) -> dict:
         kind = hf["model_type"]
-        _require(hf, kind, "hidden_act", ("silu",), "only SwiGLU's silu gate")
+        require(hf, kind, "hidden_act", ("silu",), "only SwiGLU's silu gate")
         for option in ("attention_bias", "mlp_bias"):
-            _require(hf, kind, option, (None, False), "our Llama blocks have no biases but "
+            require(hf, kind, option, (None, False), "our Llama blocks have no biases but "
                      "Qwen2's on the query, key and value")
         if kind == "llama":
-            _require(hf, kind, "sliding_window", (None,), "a sliding window is Mistral's")
-        _require(hf, kind, "pretraining_tp", (1,), "save the checkpoint unsplit")
+            require(hf, kind, "sliding_window", (None,), "a sliding window is Mistral's")
+        require(hf, kind, "pretraining_tp", (1,), "save the checkpoint unsplit")
         heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         return dict(
@@ -246,7 +185,7 @@ class Llama:
 
     @staticmethod
     def matches(cfg: TransformerConfig) -> list[str]:
-        out = _mismatches(cfg, windows=True, qkv_bias=cfg.qkv_bias,
+        out = mismatches(cfg, windows=True, qkv_bias=cfg.qkv_bias,
                           rope_scaling=cfg.rope_scaling, architecture="decoder",
                           positional="rope", norm="rms_norm", norm_position="pre",
                           activation="swiglu", use_bias=False, scale_embeddings=False)
@@ -260,27 +199,27 @@ class Llama:
     @staticmethod
     def tensors(cfg: TransformerConfig) -> list[Tensors]:
         n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.d_k
-        out = [_same("model.embed_tokens.weight", "embedding/embedding")]
+        out = [same("model.embed_tokens.weight", "embedding/embedding")]
         for i in range(cfg.num_decoder_layers):
             hf, ours = f"model.layers.{i}", f"decoder/layers_{i}"
             attn, mlp = f"{hf}.self_attn", f"{hf}.mlp"
             out += [
-                _heads_in(f"{attn}.q_proj.weight", f"{ours}/self_attention/query/kernel", n, h),
-                _heads_in(f"{attn}.k_proj.weight", f"{ours}/self_attention/key/kernel", k, h),
-                _heads_in(f"{attn}.v_proj.weight", f"{ours}/self_attention/value/kernel", k, h),
-                _heads_out(f"{attn}.o_proj.weight", f"{ours}/self_attention/out/kernel", n, h),
-                _transposed(f"{mlp}.gate_proj.weight", f"{ours}/ffn/ff_gate/kernel"),
-                _transposed(f"{mlp}.up_proj.weight", f"{ours}/ffn/ff_in/kernel"),
-                _transposed(f"{mlp}.down_proj.weight", f"{ours}/ffn/ff_out/kernel"),
-                *_norm(f"{hf}.input_layernorm", f"{ours}/norm_attention", False),
-                *_norm(f"{hf}.post_attention_layernorm", f"{ours}/norm_ffn", False)]
+                heads_in(f"{attn}.q_proj.weight", f"{ours}/self_attention/query/kernel", n, h),
+                heads_in(f"{attn}.k_proj.weight", f"{ours}/self_attention/key/kernel", k, h),
+                heads_in(f"{attn}.v_proj.weight", f"{ours}/self_attention/value/kernel", k, h),
+                heads_out(f"{attn}.o_proj.weight", f"{ours}/self_attention/out/kernel", n, h),
+                transposed(f"{mlp}.gate_proj.weight", f"{ours}/ffn/ff_gate/kernel"),
+                transposed(f"{mlp}.up_proj.weight", f"{ours}/ffn/ff_in/kernel"),
+                transposed(f"{mlp}.down_proj.weight", f"{ours}/ffn/ff_out/kernel"),
+                *norm(f"{hf}.input_layernorm", f"{ours}/norm_attention", False),
+                *norm(f"{hf}.post_attention_layernorm", f"{ours}/norm_ffn", False)]
             if cfg.qkv_bias:
-                out += [_bias_heads(f"{attn}.{name[0]}_proj.bias",
+                out += [bias_heads(f"{attn}.{name[0]}_proj.bias",
                                     f"{ours}/self_attention/{name}/bias", heads, h)
                         for name, heads in (("query", n), ("key", k), ("value", k))]
-        out += _norm("model.norm", "decoder/norm", False)
+        out += norm("model.norm", "decoder/norm", False)
         if not cfg.tie_output_embedding:
-            out.append(_transposed("lm_head.weight", "decoder/logits/kernel"))
+            out.append(transposed("lm_head.weight", "decoder/logits/kernel"))
         return out
 
 
@@ -297,11 +236,11 @@ class GPT2:
 
     @staticmethod
     def config(hf: dict) -> dict:
-        _require(hf, "gpt2", "activation_function", GELU_TANH, "only GELU's tanh approximation")
-        _require(hf, "gpt2", "scale_attn_weights", (True,), "attention scales by 1/sqrt(H)")
+        require(hf, "gpt2", "activation_function", GELU_TANH, "only GELU's tanh approximation")
+        require(hf, "gpt2", "scale_attn_weights", (True,), "attention scales by 1/sqrt(H)")
         for option in GPT2_UNSUPPORTED:
-            _require(hf, "gpt2", option, (False,), "not implemented")
-        _require(hf, "gpt2", "tie_word_embeddings", (True,), "GPT-2's output is the embedding")
+            require(hf, "gpt2", option, (False,), "not implemented")
+        require(hf, "gpt2", "tie_word_embeddings", (True,), "GPT-2's output is the embedding")
         d = hf["n_embd"]
         return dict(
             architecture="decoder", vocab_size=hf["vocab_size"], num_encoder_layers=0,
@@ -326,7 +265,7 @@ class GPT2:
 
     @staticmethod
     def matches(cfg: TransformerConfig) -> list[str]:
-        return _mismatches(cfg, architecture="decoder", positional="learned",
+        return mismatches(cfg, architecture="decoder", positional="learned",
                            norm="layer_norm", norm_position="pre", activation="gelu",
                            gelu_approximate=True, use_bias=True, tie_output_embedding=True,
                            scale_embeddings=False, num_kv_heads=cfg.num_heads,
@@ -335,8 +274,8 @@ class GPT2:
     @staticmethod
     def tensors(cfg: TransformerConfig) -> list[Tensors]:
         n, h, d = cfg.num_heads, cfg.d_k, cfg.d_model
-        out = [_same("transformer.wte.weight", "embedding/embedding"),
-               _same("transformer.wpe.weight", "decoder/embedder/position_embedding/embedding")]
+        out = [same("transformer.wte.weight", "embedding/embedding"),
+               same("transformer.wpe.weight", "decoder/embedder/position_embedding/embedding")]
         for i in range(cfg.num_decoder_layers):
             hf, ours = f"transformer.h.{i}", f"decoder/layers_{i}"
             attn = f"{ours}/self_attention"
@@ -350,14 +289,14 @@ class GPT2:
                         lambda a: [np.concatenate([b.reshape(-1) for b in a])]),
                 Tensors((f"{hf}.attn.c_proj.weight",), (f"{attn}/out/kernel",),
                         lambda a: [a[0].reshape(n, h, d)], lambda a: [a[0].reshape(n * h, d)]),
-                _same(f"{hf}.attn.c_proj.bias", f"{attn}/out/bias"),
-                _same(f"{hf}.mlp.c_fc.weight", f"{ours}/ffn/ff_in/kernel"),
-                _same(f"{hf}.mlp.c_fc.bias", f"{ours}/ffn/ff_in/bias"),
-                _same(f"{hf}.mlp.c_proj.weight", f"{ours}/ffn/ff_out/kernel"),
-                _same(f"{hf}.mlp.c_proj.bias", f"{ours}/ffn/ff_out/bias"),
-                *_norm(f"{hf}.ln_1", f"{ours}/norm_attention", True),
-                *_norm(f"{hf}.ln_2", f"{ours}/norm_ffn", True)]
-        return out + _norm("transformer.ln_f", "decoder/norm", True)
+                same(f"{hf}.attn.c_proj.bias", f"{attn}/out/bias"),
+                same(f"{hf}.mlp.c_fc.weight", f"{ours}/ffn/ff_in/kernel"),
+                same(f"{hf}.mlp.c_fc.bias", f"{ours}/ffn/ff_in/bias"),
+                same(f"{hf}.mlp.c_proj.weight", f"{ours}/ffn/ff_out/kernel"),
+                same(f"{hf}.mlp.c_proj.bias", f"{ours}/ffn/ff_out/bias"),
+                *norm(f"{hf}.ln_1", f"{ours}/norm_attention", True),
+                *norm(f"{hf}.ln_2", f"{ours}/norm_ffn", True)]
+        return out + norm("transformer.ln_f", "decoder/norm", True)
 
 
 class ViT:
@@ -367,8 +306,8 @@ class ViT:
 
     @staticmethod
     def config(hf: dict) -> dict:
-        _require(hf, "vit", "hidden_act", ("gelu",) + GELU_TANH, "GELU only")
-        _require(hf, "vit", "qkv_bias", (True,), "our ViT's projections all carry biases")
+        require(hf, "vit", "hidden_act", ("gelu",) + GELU_TANH, "GELU only")
+        require(hf, "vit", "qkv_bias", (True,), "our ViT's projections all carry biases")
         labels = hf.get("id2label") or {}
         return dict(
             architecture="vision", num_encoder_layers=hf["num_hidden_layers"],
@@ -397,7 +336,7 @@ class ViT:
 
     @staticmethod
     def matches(cfg: TransformerConfig) -> list[str]:
-        return _mismatches(cfg, architecture="vision", positional="learned", norm="layer_norm",
+        return mismatches(cfg, architecture="vision", positional="learned", norm="layer_norm",
                            norm_position="pre", activation="gelu", use_bias=True,
                            pooling="cls", num_kv_heads=cfg.num_heads,
                            d_k=cfg.d_model // cfg.num_heads, d_v=cfg.d_model // cfg.num_heads)
@@ -412,7 +351,7 @@ class ViT:
             Tensors((f"{emb}.patch_embeddings.projection.weight",), ("patch_embedding/kernel",),
                     lambda a: [a[0].transpose(2, 3, 1, 0).reshape(p * p * c, -1)],
                     lambda a: [a[0].reshape(p, p, c, -1).transpose(3, 2, 0, 1)]),
-            _same(f"{emb}.patch_embeddings.projection.bias", "patch_embedding/bias"),
+            same(f"{emb}.patch_embeddings.projection.bias", "patch_embedding/bias"),
             Tensors((f"{emb}.cls_token",), ("class_token",), lambda a: [a[0].reshape(-1)],
                     lambda a: [a[0].reshape(1, 1, -1)]),
             Tensors((f"{emb}.position_embeddings",), ("position_embedding",),
@@ -422,43 +361,23 @@ class ViT:
             attn = f"{ours}/self_attention"
             for name in ("query", "key", "value"):
                 weight = f"{hf}.attention.attention.{name}"
-                out += [_heads_in(f"{weight}.weight", f"{attn}/{name}/kernel", n, h),
-                        _bias_heads(f"{weight}.bias", f"{attn}/{name}/bias", n, h)]
+                out += [heads_in(f"{weight}.weight", f"{attn}/{name}/kernel", n, h),
+                        bias_heads(f"{weight}.bias", f"{attn}/{name}/bias", n, h)]
             out += [
-                _heads_out(f"{hf}.attention.output.dense.weight", f"{attn}/out/kernel", n, h),
-                _same(f"{hf}.attention.output.dense.bias", f"{attn}/out/bias"),
-                _transposed(f"{hf}.intermediate.dense.weight", f"{ours}/ffn/ff_in/kernel"),
-                _same(f"{hf}.intermediate.dense.bias", f"{ours}/ffn/ff_in/bias"),
-                _transposed(f"{hf}.output.dense.weight", f"{ours}/ffn/ff_out/kernel"),
-                _same(f"{hf}.output.dense.bias", f"{ours}/ffn/ff_out/bias"),
-                *_norm(f"{hf}.layernorm_before", f"{ours}/norm_attention", True),
-                *_norm(f"{hf}.layernorm_after", f"{ours}/norm_ffn", True)]
-        return out + _norm("vit.layernorm", "encoder/norm", True) + [
-            _transposed("classifier.weight", "head/kernel"), _same("classifier.bias", "head/bias")]
+                heads_out(f"{hf}.attention.output.dense.weight", f"{attn}/out/kernel", n, h),
+                same(f"{hf}.attention.output.dense.bias", f"{attn}/out/bias"),
+                transposed(f"{hf}.intermediate.dense.weight", f"{ours}/ffn/ff_in/kernel"),
+                same(f"{hf}.intermediate.dense.bias", f"{ours}/ffn/ff_in/bias"),
+                transposed(f"{hf}.output.dense.weight", f"{ours}/ffn/ff_out/kernel"),
+                same(f"{hf}.output.dense.bias", f"{ours}/ffn/ff_out/bias"),
+                *norm(f"{hf}.layernorm_before", f"{ours}/norm_attention", True),
+                *norm(f"{hf}.layernorm_after", f"{ours}/norm_ffn", True)]
+        return out + norm("vit.layernorm", "encoder/norm", True) + [
+            transposed("classifier.weight", "head/kernel"), same("classifier.bias", "head/bias")]
 
 
-FAMILIES = (Llama, GPT2, ViT)
+FAMILIES = (Llama, GPT2, ViT, Marian)
 BY_MODEL_TYPE = {kind: family for family in FAMILIES for kind in family.model_types}
-
-
-# Model options a family computes only where it says so (`_mismatches`' `wanted`): their
-# values in the paper's model.
-FEATURE_DEFAULTS = dict(qkv_bias=False, rope_scaling="none")
-
-
-def _mismatches(cfg: TransformerConfig, windows: bool = False, **wanted) -> list[str]:
-    """`model.<field>=<ours> (wants <theirs>)` for each field that differs (those of
-    `FEATURE_DEFAULTS` the family does not name included); also every self-attention option
-    beyond softmax over all positions, or over a causal window where `windows`."""
-    wanted = FEATURE_DEFAULTS | wanted
-    out = [f"model.{field}={getattr(cfg, field)!r} (wants {value!r})"
-           for field, value in wanted.items() if getattr(cfg, field) != value]
-    if cfg.attention_kind != "softmax" or cfg.attention_global_tokens or (
-            cfg.attention_window is not None and not windows):
-        out.append("model.attention_kind/attention_window/attention_global_tokens (wants "
-                   "softmax over " + ("all positions or a window)" if windows
-                                      else "all positions)"))
-    return out
 
 
 def for_checkpoint(hf_config: dict, source: str) -> type:

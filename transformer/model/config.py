@@ -61,6 +61,7 @@ class TransformerConfig:
     qkv_bias: bool = False  # biases on the query, key and value projections alone (Qwen2)
     share_embeddings: bool = True  # source embedding = target embedding
     tie_output_embedding: bool = True  # pre-softmax projection = target embedding
+    logits_bias: bool = False  # a bias [V] added to the logits (Marian's final_logits_bias)
     max_len: int = 512
     dtype: str = "float32"  # compute dtype; parameters are always float32
     scan_layers: bool = False

@@ -187,12 +187,14 @@ class OutputHead(NamedTuple):
     hidden: jax.Array  # [B, T, D], compute dtype
     kernel: jax.Array  # [V, D] (tied to the embedding, vocab_axis 0) or [D, V] (vocab_axis 1)
     vocab_axis: int
+    bias: jax.Array | None = None  # [V] float32 (`model.logits_bias`)
 
     def logits(self) -> jax.Array:
         """[B, T, V] float32: the products in the compute dtype accumulate in float32."""
         spec = "BTD,VD->BTV" if self.vocab_axis == 0 else "BTD,DV->BTV"
         logits = jnp.einsum(spec, self.hidden.astype(self.kernel.dtype), self.kernel,
                             preferred_element_type=jnp.float32)
+        logits = logits if self.bias is None else logits + self.bias
         return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
 
 
@@ -228,11 +230,13 @@ class Decoder(nn.Module):
                 new_cache[name] = layer_cache
         if cfg.norm_position == "pre":
             x = Norm(cfg, name="norm")(x)
+        bias = self.param("logits_bias", nn.with_logical_partitioning(
+            nn.initializers.zeros, ("vocab",)), (cfg.vocab_size,)) if cfg.logits_bias else None
         if cfg.tie_output_embedding:
-            return _tied_output_head(cfg, self.embedding, x), new_cache
+            return _tied_output_head(cfg, self.embedding, x)._replace(bias=bias), new_cache
         kernel, _ = Weights((cfg.d_model, cfg.vocab_size), ("embed", "vocab"), use_bias=False,
                             name="logits")()
-        head = OutputHead(x.astype(cfg.compute_dtype), kernel.astype(cfg.compute_dtype), 1)
+        head = OutputHead(x.astype(cfg.compute_dtype), kernel.astype(cfg.compute_dtype), 1, bias)
         return head, new_cache
 
 

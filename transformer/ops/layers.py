@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-ACTIVATIONS = ("relu", "gelu", "swiglu")
+ACTIVATIONS = ("relu", "gelu", "silu", "swiglu")
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")  # rope_inverse_frequencies' `scaling`
 
 
@@ -153,6 +153,7 @@ def feed_forward(
         relu:   FFN(x) = max(0, x W1 + b1) W2 + b2
         gelu:   GELU(x W1 + b1) W2 + b2   (tanh approximation, or exact erf when
                                            `gelu_approximate` is False)
+        silu:   Swish(x W1 + b1) W2 + b2  (Marian's "swish", ungated)
         swiglu: (Swish(x W_gate) * x W1) W2   (Shazeer 2020; needs ff_gate [D, F])
 
     `dropout_rate` drops the hidden activations ("ReLU dropout"; 0 in the paper).
@@ -168,6 +169,8 @@ def feed_forward(
         hidden = jax.nn.relu(hidden)
     elif activation == "gelu":
         hidden = jax.nn.gelu(hidden, approximate=gelu_approximate)
+    elif activation == "silu":
+        hidden = jax.nn.silu(hidden)
     else:
         hidden = jax.nn.silu(jnp.einsum("...D,DF->...F", x, ff_gate)) * hidden
     hidden = dropout(hidden, dropout_rate, dropout_rng)

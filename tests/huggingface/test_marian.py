@@ -1,0 +1,171 @@
+"""Marian (transformer/huggingface/marian.py): a tiny random `MarianMTModel` (SiLU
+feed-forward, scaled embeddings, a random final_logits_bias; nothing downloaded) imported with
+`MarianTokenizer`'s files gives its logits, greedy and beam translations; the paper's model
+trained here exports to a Marian that `transformers` loads and translates with; what Marian
+cannot express is refused in one line."""
+
+import json
+import re
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+from conftest import TRANSLATION_SENTENCES
+from test_huggingface import ATOL, _check_round_trip, _import, _save
+
+from transformer.checkpoint import averaging
+from transformer.checkpoint import workdir as workdir_lib
+from transformer.config import resolve
+from transformer.data import tokenizer as tokenizer_lib
+from transformer.huggingface import convert, marian
+from transformer.inference import translator as translator_lib
+from transformer.model.config import TransformerConfig
+from transformer.model.transformer import Transformer
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+V = 128
+IDS = dict(pad_token_id=0, eos_token_id=3, decoder_start_token_id=2, forced_eos_token_id=3)
+SIZES = dict(vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2,
+             encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+             decoder_ffn_dim=64, max_position_embeddings=64, init_std=0.2, **IDS)
+SOURCES = ["Opens a dialog where you can choose", "Click the button"]
+
+
+def _vocabulary(hf_dir):
+    """Our SentencePiece model written as MarianTokenizer's files."""
+    tokenizer = tokenizer_lib.train(TRANSLATION_SENTENCES, V, seed=0)
+    spm = hf_dir / "spm.model"
+    spm.write_bytes(tokenizer.model_proto)
+    marian.write_vocabulary(str(spm), str(hf_dir), TransformerConfig(norm_eps=1e-5))
+    spm.unlink()
+    return tokenizer
+
+
+def _hf_logits(model, inputs, targets):
+    """Teacher-forced logits of `targets` (decoder input: start, then targets shifted)."""
+    decoder_inputs = np.concatenate([np.full((len(targets), 1), 2), targets[:, :-1]], axis=1)
+    with torch.no_grad():
+        return model(input_ids=torch.tensor(inputs), attention_mask=torch.tensor(inputs != 0),
+                     decoder_input_ids=torch.tensor(decoder_inputs)).logits.numpy()
+
+
+def _hf_translations(model, hf_dir, sentences, beams, extra):
+    """`MarianTokenizer` and `generate` on one sentence at a time, as long as ours may run
+    (source pieces with EOS + extra), padding never drawn, no length penalty."""
+    tokenizer = transformers.MarianTokenizer.from_pretrained(str(hf_dir))
+    out = []
+    for sentence in sentences:
+        batch = tokenizer([sentence], return_tensors="pt")
+        with torch.no_grad():
+            tokens = model.generate(**batch, num_beams=beams, do_sample=False,
+                                    max_new_tokens=batch["input_ids"].shape[1] + extra,
+                                    length_penalty=0.0, suppress_tokens=[0], **IDS)
+        out.append(tokenizer.decode(tokens[0], skip_special_tokens=True))
+    return out
+
+
+def test_marian_logits_translations_and_round_trip(tmp_path):
+    hf_dir = tmp_path / "marian"
+    hf_dir.mkdir()
+    _vocabulary(hf_dir)
+    torch.manual_seed(0)
+    hf_model = transformers.MarianMTModel(transformers.MarianConfig(
+        **SIZES, activation_function="swish", scale_embedding=True))
+    hf_model.final_logits_bias.normal_(0.0, 1.0)
+    _save(hf_model, hf_dir)
+    workdir, run, params = _import(tmp_path, hf_dir)
+    assert (run.model.activation, run.model.logits_bias, run.model.norm_position) == (
+        "silu", True, "post")
+    # The source as MarianTokenizer reads it (pieces, then EOS) is ours.
+    hf_tokenizer = transformers.MarianTokenizer.from_pretrained(str(hf_dir))
+    ours = translator_lib.load(workdir)
+    assert hf_tokenizer(SOURCES)["input_ids"] == ours.encode(SOURCES)
+    rng = np.random.default_rng(0)
+    inputs = rng.integers(4, V, (2, 9)).astype(np.int64)
+    inputs[:, -1], inputs[1, 5:] = 3, 0  # EOS; row 1 right-padded
+    targets = rng.integers(4, V, (2, 7)).astype(np.int64)
+    expected = _hf_logits(hf_model, inputs, targets)
+    logits = Transformer(run.model).apply({"params": params}, inputs.astype(np.int32),
+                                          targets.astype(np.int32))
+    np.testing.assert_allclose(np.asarray(logits), expected, atol=ATOL, rtol=0)
+    translations = {}
+    for beams in (1, 4):
+        theirs = _hf_translations(hf_model, hf_dir, SOURCES, beams, extra=5)
+        translations[beams] = ours.translate(SOURCES, beam_size=beams, alpha=0.0,
+                                             max_extra_length=5, batch_size=1)
+        assert translations[beams] == theirs, beams
+    assert translations[1] != translations[4]  # the beams find what greedy does not
+    reloaded = _check_round_trip(tmp_path, workdir, hf_dir, transformers.MarianMTModel)
+    np.testing.assert_array_equal(_hf_logits(reloaded, inputs, targets), expected)
+    for name in (marian.SOURCE_SPM, marian.VOCAB_JSON):
+        assert (tmp_path / "exported" / name).read_bytes() == (hf_dir / name).read_bytes()
+
+
+def test_the_papers_model_trained_here_exports_to_marian(tmp_path, load_config):
+    """A post-LN run of our paper's recipe (interleaved sinusoids, ReLU, LayerNorm eps 1e-6)
+    loads as a MarianMTModel whose logits are ours (its features reordered into Marian's
+    split sinusoid layout; its eps becomes 1e-5) and whose greedy translation is ours."""
+    cfg = load_config("default.py", **{
+        "data.vocab_size": V, "model.num_encoder_layers": 2, "model.num_decoder_layers": 2,
+        "model.d_model": 32, "model.d_ff": 64, "model.num_heads": 4, "model.max_len": 64,
+        "model.norm_position": "post"})
+    run = resolve(cfg)
+    assert run.model.norm_eps == 1e-6 and run.model.positional == "sinusoidal"
+    model = Transformer(run.model)
+    tokens = jax.numpy.ones((1, 1), jax.numpy.int32)
+    params = nn.unbox(model.init(jax.random.key(0), tokens, tokens)["params"])
+    params = jax.tree.map(lambda x: x * 4.0 if x.ndim > 1 else x, params)  # sharper logits
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    workdir_lib.write_config(str(workdir), cfg.to_dict(), {})
+    tokenizer_lib.train(TRANSLATION_SENTENCES, V, seed=0).save(str(workdir / "vocab"))
+    series = averaging.ParamsSeries(str(workdir), every_minutes=1.0, keep=1, use_async=False)
+    series.save(1, params)
+    series.close()
+    convert.export_workdir(str(workdir), str(tmp_path / "hf"))
+    hf_model = transformers.MarianMTModel.from_pretrained(str(tmp_path / "hf")).eval()
+    rng = np.random.default_rng(1)
+    inputs = rng.integers(4, V, (2, 9)).astype(np.int64)
+    inputs[:, -1], inputs[1, 5:] = 3, 0
+    targets = rng.integers(4, V, (2, 7)).astype(np.int64)
+    ours = model.apply({"params": params}, inputs.astype(np.int32), targets.astype(np.int32))
+    np.testing.assert_allclose(_hf_logits(hf_model, inputs, targets), np.asarray(ours),
+                               atol=1e-4, rtol=0)
+    translator = translator_lib.load(str(workdir))
+    theirs = _hf_translations(hf_model, tmp_path / "hf", SOURCES, 1, extra=5)
+    assert translator.translate(SOURCES, beam_size=1, alpha=0.0, max_extra_length=5,
+                                batch_size=1) == theirs
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("norm_position", "pre", "norm_position='pre' (wants 'post')"),
+    ("positional", "rope", "positional='rope' (wants 'sinusoidal')"),
+    ("tie_output_embedding", False, "tie_output_embedding=False"),
+])
+def test_what_marian_cannot_express_is_refused_on_export(field, value, message):
+    from transformer.huggingface import families
+
+    cfg = TransformerConfig(**{field: value})
+    with pytest.raises(ValueError, match=re.escape(message)) as error:
+        families.for_model(cfg, "--workdir=w")
+    assert "\n" not in str(error.value) and "closest is Marian" in str(error.value)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(pad_token_id=58, eos_token_id=0, decoder_start_token_id=58),
+     r"pad_token_id/decoder_start_token_id/eos_token_id=\(58, 58, 0\)"),
+    (dict(decoder_ffn_dim=32), "decoder_ffn_dim=32"),
+    (dict(share_encoder_decoder_embeddings=False), "share_encoder_decoder_embeddings=False"),
+])
+def test_unsupported_marian_variants_are_one_line_errors(tmp_path, change, message):
+    hf_dir = tmp_path / "marian"
+    torch.manual_seed(0)
+    _save(transformers.MarianMTModel(transformers.MarianConfig(**SIZES)), hf_dir)
+    config = json.loads((hf_dir / convert.HF_CONFIG).read_text())
+    (hf_dir / convert.HF_CONFIG).write_text(json.dumps(config | change))
+    with pytest.raises(ValueError, match=message):
+        convert.import_checkpoint(str(hf_dir), str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()

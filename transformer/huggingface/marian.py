@@ -1,0 +1,236 @@
+"""Marian (`MarianMTModel`), the paper's encoder-decoder as `transformers` holds the OPUS-MT
+translation models: post-LN, sinusoidal positions, biases everywhere, one embedding shared by
+source, target and output (times sqrt(D) where `scale_embedding`), a ReLU, GELU or SiLU
+("swish") feed-forward and `final_logits_bias` (our `model.logits_bias`).
+
+Checkpoint layout (`torch.nn.Linear` weight [out, in]):
+    model.shared.weight [V, D]; final_logits_bias [1, V]
+    model.{encoder,decoder}.layers.{i}.self_attn.{q,k,v,out}_proj.{weight,bias}
+    model.decoder.layers.{i}.encoder_attn.{q,k,v,out}_proj.{weight,bias}
+    ...{self_attn,encoder_attn,final}_layer_norm.{weight,bias}, fc1 [F, D], fc2 [D, F]
+
+Marian's sinusoidal table puts the sines in the first half of D and the cosines in the
+second (`MarianSinusoidalPositionalEmbedding`); ours interleaves them, as the paper's formula.
+The same model is one in either layout up to an order of D's features: every tensor with a D
+axis is read through `SPLIT` (our feature 2i is Marian's i, 2i + 1 is D/2 + i) and written
+back through its inverse, so the paper's model exports exactly (LayerNorm, residuals and the
+tied output do not depend on the order of the features).
+
+Marian's LayerNorm epsilon is fixed at 1e-5: a model trained here with another `norm_eps`
+(the paper's configs: 1e-6) exports with a warning, its logits then differ by ~1e-5.
+
+The token ids are ours (pad 0, decoder start = BOS 2, EOS 3: what the translator reads); the
+OPUS-MT layout (EOS 0, pad = decoder start = the last id) is refused, naming the ids. The
+vocabulary is what `MarianTokenizer` reads: `source.spm` and `target.spm` (here one
+SentencePiece model, shared) and `vocab.json` (piece -> id, the model's own ids).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+
+import numpy as np
+
+from transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from transformer.huggingface.mapping import (
+    Tensors,
+    mismatches,
+    require,
+    token_ids_config,
+    unsupported,
+)
+from transformer.model.config import TransformerConfig
+
+log = logging.getLogger("transformer")
+SOURCE_SPM, TARGET_SPM, VOCAB_JSON = "source.spm", "target.spm", "vocab.json"
+HF_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which Marian's layers keep
+ACTIVATIONS = {"relu": ("relu", {}), "swish": ("silu", {}), "silu": ("silu", {}),
+               "gelu": ("gelu", dict(gelu_approximate=False)),
+               "gelu_new": ("gelu", dict(gelu_approximate=True)),
+               "gelu_pytorch_tanh": ("gelu", dict(gelu_approximate=True))}
+
+
+def split_order(d_model: int) -> tuple[np.ndarray, np.ndarray]:
+    """(to_hf, to_ours): Marian's feature j is our feature to_hf[j]; ours i is its to_ours[i]."""
+    to_hf = np.concatenate([np.arange(0, d_model, 2), np.arange(1, d_model, 2)])
+    return to_hf, np.argsort(to_hf)
+
+
+def _reordered(hf: str, ours: str, d_axis: int, d_model: int, to_ours=None, to_hf=None):
+    """One tensor whose axis `d_axis` is D, reordered between the layouts; then `to_ours`
+    (numpy array -> array) and back with `to_hf`."""
+    to_hf_order, to_ours_order = split_order(d_model)
+    to_ours = to_ours or (lambda a: a)
+    to_hf = to_hf or (lambda a: a)
+    return Tensors((hf,), (ours,),
+                   lambda a: [to_ours(np.take(a[0], to_ours_order, axis=d_axis))],
+                   lambda a: [np.take(to_hf(a[0]), to_hf_order, axis=d_axis)])
+
+
+def _attention(hf: str, ours: str, cfg: TransformerConfig) -> list[Tensors]:
+    n, h, d = cfg.num_heads, cfg.d_k, cfg.d_model
+    out = []
+    for name, proj in (("query", "q_proj"), ("key", "k_proj"), ("value", "v_proj")):
+        out += [_reordered(f"{hf}.{proj}.weight", f"{ours}/{name}/kernel", 1, d,
+                           lambda a: a.T.reshape(d, n, h), lambda a: a.reshape(d, -1).T),
+                Tensors((f"{hf}.{proj}.bias",), (f"{ours}/{name}/bias",),
+                        lambda a: [a[0].reshape(n, h)], lambda a: [a[0].reshape(-1)])]
+    return out + [
+        _reordered(f"{hf}.out_proj.weight", f"{ours}/out/kernel", 0, d,
+                   lambda a: a.T.reshape(n, h, d), lambda a: a.reshape(n * h, d).T),
+        _reordered(f"{hf}.out_proj.bias", f"{ours}/out/bias", 0, d)]
+
+
+def _layer_norm(hf: str, ours: str, d: int) -> list[Tensors]:
+    return [_reordered(f"{hf}.weight", f"{ours}/scale", 0, d),
+            _reordered(f"{hf}.bias", f"{ours}/bias", 0, d)]
+
+
+def _feed_forward(hf: str, ours: str, d: int) -> list[Tensors]:
+    return [_reordered(f"{hf}.fc1.weight", f"{ours}/ffn/ff_in/kernel", 1, d, lambda a: a.T,
+                       lambda a: a.T),
+            Tensors((f"{hf}.fc1.bias",), (f"{ours}/ffn/ff_in/bias",), list, list),
+            _reordered(f"{hf}.fc2.weight", f"{ours}/ffn/ff_out/kernel", 0, d, lambda a: a.T,
+                       lambda a: a.T),
+            _reordered(f"{hf}.fc2.bias", f"{ours}/ffn/ff_out/bias", 0, d)]
+
+
+class Marian:
+    """`MarianMTModel` <-> our post-LN encoder-decoder with shared, tied embeddings."""
+
+    model_types = ("marian",)
+
+    @staticmethod
+    def config(hf: dict) -> dict:
+        kind = "marian"
+        require(hf, kind, "activation_function", tuple(ACTIVATIONS), "ReLU, GELU or SiLU")
+        for ours, theirs in (("encoder_attention_heads", "decoder_attention_heads"),
+                             ("encoder_ffn_dim", "decoder_ffn_dim")):
+            if hf[ours] != hf[theirs]:
+                raise unsupported(kind, theirs, hf[theirs], f"our encoder and decoder share "
+                                  f"it: {ours}={hf[ours]}")
+        require(hf, kind, "share_encoder_decoder_embeddings", (True,),
+                "one vocabulary for source and target")
+        require(hf, kind, "tie_word_embeddings", (True,), "the output is the embedding")
+        require(hf, kind, "decoder_vocab_size", (hf["vocab_size"], None),
+                "one vocabulary for source and target")
+        ids = (hf.get("pad_token_id"), hf.get("decoder_start_token_id"), hf.get("eos_token_id"))
+        if ids != (PAD_ID, BOS_ID, EOS_ID):
+            raise unsupported(kind, "pad_token_id/decoder_start_token_id/eos_token_id", ids,
+                              f"our translation models read pad {PAD_ID}, start {BOS_ID} and "
+                              f"EOS {EOS_ID}; the OPUS-MT layout needs its vocabulary "
+                              f"renumbered, not implemented")
+        activation, extra = ACTIVATIONS[hf["activation_function"]]
+        return dict(
+            architecture="encoder_decoder", vocab_size=hf["vocab_size"],
+            num_encoder_layers=hf["encoder_layers"], num_decoder_layers=hf["decoder_layers"],
+            d_model=hf["d_model"], d_ff=hf["encoder_ffn_dim"],
+            num_heads=hf["encoder_attention_heads"], num_kv_heads=None, d_k=None, d_v=None,
+            dropout_rate=float(hf.get("dropout", 0.1)),
+            attention_dropout_rate=float(hf.get("attention_dropout", 0.0)),
+            relu_dropout_rate=float(hf.get("activation_dropout", 0.0)), positional="sinusoidal",
+            norm="layer_norm", norm_position="post", activation=activation, use_bias=True,
+            share_embeddings=True, tie_output_embedding=True, logits_bias=True,
+            max_len=hf["max_position_embeddings"], norm_eps=1e-5,
+            scale_embeddings=bool(hf.get("scale_embedding", False)), **extra)
+
+    @staticmethod
+    def hf_config(cfg: TransformerConfig) -> dict:
+        activation = {"relu": "relu", "silu": "swish"}.get(cfg.activation) or (
+            "gelu_new" if cfg.gelu_approximate else "gelu")
+        ids = token_ids_config(cfg)
+        return dict(
+            model_type="marian", architectures=["MarianMTModel"], vocab_size=cfg.vocab_size,
+            decoder_vocab_size=cfg.vocab_size, d_model=cfg.d_model,
+            encoder_layers=cfg.num_encoder_layers, decoder_layers=cfg.num_decoder_layers,
+            encoder_attention_heads=cfg.num_heads, decoder_attention_heads=cfg.num_heads,
+            encoder_ffn_dim=cfg.d_ff, decoder_ffn_dim=cfg.d_ff,
+            activation_function=activation, max_position_embeddings=cfg.max_len,
+            dropout=cfg.dropout_rate, attention_dropout=cfg.attention_dropout_rate,
+            activation_dropout=cfg.relu_dropout_rate, scale_embedding=cfg.scale_embeddings,
+            share_encoder_decoder_embeddings=True, tie_word_embeddings=True,
+            static_position_embeddings=True, is_encoder_decoder=True,
+            pad_token_id=ids["pad_token_id"], eos_token_id=ids["eos_token_id"],
+            decoder_start_token_id=ids["bos_token_id"], forced_eos_token_id=ids["eos_token_id"])
+
+    @staticmethod
+    def matches(cfg: TransformerConfig) -> list[str]:
+        out = mismatches(cfg, architecture="encoder_decoder", positional="sinusoidal",
+                         norm="layer_norm", norm_position="post", use_bias=True,
+                         share_embeddings=True, tie_output_embedding=True,
+                         num_kv_heads=cfg.num_heads, d_k=cfg.d_model // cfg.num_heads,
+                         d_v=cfg.d_model // cfg.num_heads, logits_bias=cfg.logits_bias)
+        if cfg.activation == "swiglu":
+            out.append("model.activation='swiglu' (wants relu, gelu or silu)")
+        if (cfg.pad_id, cfg.bos_id, cfg.eos_id) != (PAD_ID, BOS_ID, EOS_ID):
+            out.append(f"model.pad_id/bos_id/eos_id={cfg.pad_id, cfg.bos_id, cfg.eos_id} "
+                       f"(wants ours, {PAD_ID, BOS_ID, EOS_ID})")
+        return out
+
+    @staticmethod
+    def tensors(cfg: TransformerConfig) -> list[Tensors]:
+        d = cfg.d_model
+        out = [_reordered("model.shared.weight", "embedding/embedding", 1, d)]
+        for stack, count in (("encoder", cfg.num_encoder_layers),
+                             ("decoder", cfg.num_decoder_layers)):
+            for i in range(count):
+                hf, ours = f"model.{stack}.layers.{i}", f"{stack}/layers_{i}"
+                out += _attention(f"{hf}.self_attn", f"{ours}/self_attention", cfg)
+                out += _layer_norm(f"{hf}.self_attn_layer_norm", f"{ours}/norm_attention", d)
+                if stack == "decoder":
+                    out += _attention(f"{hf}.encoder_attn", f"{ours}/cross_attention", cfg)
+                    out += _layer_norm(f"{hf}.encoder_attn_layer_norm", f"{ours}/norm_cross",
+                                       d)
+                out += _feed_forward(hf, ours, d)
+                out += _layer_norm(f"{hf}.final_layer_norm", f"{ours}/norm_ffn", d)
+        if cfg.logits_bias:
+            out.append(Tensors(("final_logits_bias",), ("decoder/logits_bias",),
+                               lambda a: [a[0].reshape(-1)], lambda a: [a[0].reshape(1, -1)]))
+        return out
+
+
+def write_vocabulary(spm_path: str, out_dir: str, cfg: TransformerConfig) -> None:
+    """`MarianTokenizer`'s files from our SentencePiece model: it as `source.spm` and
+    `target.spm`, `vocab.json` mapping each piece to its id, and `tokenizer_config.json`."""
+    from transformer.data.tokenizer import Tokenizer
+
+    if not spm_path.endswith(".model"):
+        raise ValueError(f"{spm_path}: a Marian export needs a SentencePiece vocabulary")
+    tokenizer = Tokenizer.load(spm_path)
+    for name in (SOURCE_SPM, TARGET_SPM):
+        shutil.copyfile(spm_path, os.path.join(out_dir, name))
+    vocab = {tokenizer.id_to_piece(i): i for i in range(tokenizer.vocab_size)}
+    with open(os.path.join(out_dir, VOCAB_JSON), "w") as f:
+        json.dump(vocab, f, ensure_ascii=False, indent=0)
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "MarianTokenizer", "model_max_length": cfg.max_len,
+                   "separate_vocabs": False}, f, indent=2)
+    if cfg.norm_eps != HF_NORM_EPS:
+        log.warning("model.norm_eps=%g becomes Marian's LayerNorm epsilon %g: its logits "
+                    "differ from the run's by about 1e-5", cfg.norm_eps, HF_NORM_EPS)
+
+
+def read_vocabulary(hf_dir: str):
+    """The run's vocabulary from `MarianTokenizer`'s files where they are one SentencePiece
+    model whose own ids `vocab.json` lists (as `write_vocabulary` writes them); ValueError
+    naming the file otherwise."""
+    from transformer.data.tokenizer import Tokenizer
+
+    paths = [os.path.join(hf_dir, name) for name in (SOURCE_SPM, TARGET_SPM, VOCAB_JSON)]
+    missing = [path for path in paths if not os.path.isfile(path)]
+    if missing:
+        raise ValueError(f"{missing[0]} is missing (MarianTokenizer's files)")
+    source, target, vocab = paths
+    with open(source, "rb") as f, open(target, "rb") as g:
+        if f.read() != g.read():
+            raise ValueError(f"{source} and {target} differ: one shared vocabulary only")
+    tokenizer = Tokenizer.load(source)
+    with open(vocab) as f:
+        ids = json.load(f)
+    if any(tokenizer.id_to_piece(i) != piece for piece, i in ids.items()) or (
+            len(ids) != tokenizer.vocab_size):
+        raise ValueError(f"{vocab} numbers the pieces otherwise than {source}")
+    return tokenizer
