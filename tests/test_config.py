@@ -57,8 +57,8 @@ def test_every_config_file_validates(path, load_config):
     ("model.d_modle", 64, "did you mean 'model.d_model'?"),
     ("learning_rate", 1e-3, "did you mean 'optimizer.learning_rate'?"),  # in the wrong place
     ("vocab_size", 64, "did you mean 'model.vocab_size' or 'data.vocab_size'?"),
-    ("mesh.model", 2, "unknown config key 'mesh.model' in configs/typo.py; known: data, "
-                      "dcn_data, dcn_fsdp, dcn_tensor, fsdp, tensor"),
+    ("mesh.model", 2, "unknown config key 'mesh.model' in configs/typo.py; known: context, "
+                      "data, dcn_context, dcn_data, dcn_fsdp, dcn_tensor, fsdp, tensor"),
 ])
 def test_unknown_config_keys_are_named_with_the_closest_known_key(key, value, message,
                                                                    tiny_config):
@@ -81,7 +81,7 @@ def test_paper_configs_size_accumulation_from_the_device_count(devices, accum, l
     run = resolve(cfg, devices)
     resolved = run.config
     assert resolved.grad_accum_steps == accum and cfg.grad_accum_steps == 0
-    assert run.mesh_shape == {"data": devices, "fsdp": 1, "tensor": 1}
+    assert run.mesh_shape == {"data": devices, "fsdp": 1, "context": 1, "tensor": 1}
     rows_per_device = cfg.data.batch_size // (accum * devices)
     assert rows_per_device * accum * devices == 104
     assert rows_per_device <= cfg.data.max_rows_per_device

@@ -83,12 +83,14 @@ def test_abstract_devices_one_per_chip(libtpu, name, slices, kind):
 
 
 def test_dcn_axes_multiply_the_mesh_axes_across_slices():
-    mesh = {"data": 1, "fsdp": -1, "tensor": 2}
-    assert sharding.hybrid_shape(mesh, 16, 2) == ([1, 4, 2], [2, 1, 1])
-    assert sharding.mesh_shape(mesh, 16, 2) == {"data": 2, "fsdp": 4, "tensor": 2}
+    mesh = {"data": 1, "fsdp": -1, "tensor": 2}  # context left out: 1
+    assert sharding.hybrid_shape(mesh, 16, 2) == ([1, 4, 1, 2], [2, 1, 1, 1])
+    assert sharding.mesh_shape(mesh, 16, 2) == {"data": 2, "fsdp": 4, "context": 1, "tensor": 2}
     assert sharding.mesh_shape({**mesh, "dcn_data": 1, "dcn_fsdp": 2}, 16, 2) == {
-        "data": 1, "fsdp": 8, "tensor": 2}
-    assert sharding.mesh_shape(mesh, 16) == {"data": 1, "fsdp": 8, "tensor": 2}
+        "data": 1, "fsdp": 8, "context": 1, "tensor": 2}
+    assert sharding.mesh_shape({**mesh, "dcn_data": 1, "dcn_context": 2}, 16, 2) == {
+        "data": 1, "fsdp": 4, "context": 2, "tensor": 2}
+    assert sharding.mesh_shape(mesh, 16) == {"data": 1, "fsdp": 8, "context": 1, "tensor": 2}
     with pytest.raises(ValueError, match="mesh.dcn_data=3, mesh.dcn_fsdp=1, mesh.dcn_tensor=1 "
                                          "needs 3 slices, but 2 are available"):
         sharding.mesh_shape({**mesh, "dcn_data": 3}, 16, 2)
@@ -97,16 +99,17 @@ def test_dcn_axes_multiply_the_mesh_axes_across_slices():
 def test_config_takes_the_dcn_keys(load_config):
     cfg = load_config("tiny.py")
     cfg.mesh.dcn_data = 2
-    assert resolve(cfg, 8, num_slices=2).mesh_shape == {"data": 8, "fsdp": 1, "tensor": 1}
+    assert resolve(cfg, 8, num_slices=2).mesh_shape == {"data": 8, "fsdp": 1, "context": 1,
+                                                        "tensor": 1}
 
 
 def test_hybrid_mesh_over_two_slices(libtpu):
     tpu.prepare_environment()
     devices = tpu.abstract_devices(tpu.parse_topology("v5e-4", 2))
     mesh = sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 1}, devices)
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "tensor": 1}
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "context": 1, "tensor": 1}
     slices = np.vectorize(lambda d: d.slice_index)(mesh.devices)
-    assert (slices == np.arange(2)[:, None, None]).all()  # data parallelism across slices
+    assert (slices == np.arange(2)[:, None, None, None]).all()  # data parallel across slices
 
 
 def _train_py(*args: str, prefix: str = "") -> subprocess.CompletedProcess:
@@ -131,7 +134,7 @@ def _check_report(result: subprocess.CompletedProcess) -> str:
 
 def test_train_py_compiles_tiny_for_v5e_2x2(libtpu):
     report = _check_report(_train_py("--config=configs/tiny.py", "--topology=v5e:2x2"))
-    assert "compile only: 4 tpu devices, mesh data 4 x fsdp 1 x tensor 1" in report
+    assert "compile only: 4 tpu devices, mesh data 4 x fsdp 1 x context 1 x tensor 1" in report
 
 
 def test_train_py_compiles_a_language_model_for_v5e_2x2(libtpu):
@@ -140,7 +143,7 @@ def test_train_py_compiles_a_language_model_for_v5e_2x2(libtpu):
     report = _check_report(_train_py(
         "--config=configs/lm_default.py", "--topology=v5e:2x2", "--config.model.scan_layers=True",
         "--config.model.dtype=bfloat16", "--config.data.vocab_size=512"))
-    assert "compile only: 4 tpu devices, mesh data 4 x fsdp 1 x tensor 1" in report
+    assert "compile only: 4 tpu devices, mesh data 4 x fsdp 1 x context 1 x tensor 1" in report
     assert re.search(r"model: [0-9,]+ params \(float32\), compute bfloat16, remat none, "
                      r"scan_layers True, attention splash", report)
 
@@ -149,8 +152,8 @@ def test_train_py_compiles_for_two_slices(libtpu):
     report = _check_report(_train_py(
         "--config=configs/tiny.py", "--topology=v5e-4", "--num_slices=2",
         "--config.model.num_encoder_layers=1", "--config.model.num_decoder_layers=1"))
-    assert "8 x TPU v5 lite; data, fsdp, tensor within a slice (4, 1, 1), across slices " \
-           "(2, 1, 1)" in report
+    assert "8 x TPU v5 lite; data, fsdp, context, tensor within a slice (4, 1, 1, 1), across " \
+           "slices (2, 1, 1, 1)" in report
 
 
 def test_train_py_topology_errors_are_one_line():

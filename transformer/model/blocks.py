@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from transformer.model.config import TransformerConfig
 from transformer.ops import attention, kv_cache, layers, linear_attention, splash
+from transformer.ops import ring as context_attention
 
 
 class Weights(nn.Module):
@@ -186,6 +187,8 @@ class MultiHeadAttention(nn.Module):
             dropout_rng = self.make_rng("dropout")
         if cache is not None:  # k, v [B, K, S, H]
             y = attention.cache_attention(q, k, v, mask=mask)
+        elif cache is None and not is_cross and context_attention.context_shards() > 1:
+            y = self._context_attention(q, k, v, window, segments, in_prefix, deterministic)
         elif self._runs_splash(q, k, is_cross, cache, in_prefix, deterministic):
             y = splash.self_attention(q, k, v, causal=self.causal, local_window_size=window,
                                       segment_ids=segments)
@@ -203,6 +206,23 @@ class MultiHeadAttention(nn.Module):
             self.sow("intermediates", "attention_weights",
                      attention.attention_weights(q, keys, mask=mask, **kwargs))
         return y, cache
+
+    def _context_attention(self, q, k, v, window, segments, in_prefix, deterministic):
+        """Training's self-attention with the positions split over the mesh's "context" axis
+        (`ops/ring.py`), under the mask that `causal`, the window, the global tokens,
+        `segments` and `in_prefix` imply (as Encoder and Decoder build it); a decoder's rows
+        are in `ops/ring.py`'s load-balanced order where `context_load_balanced` says so."""
+        cfg = self.config
+        if not deterministic and cfg.attention_dropout_rate > 0.0:
+            raise ValueError(f"model.attention_dropout_rate={cfg.attention_dropout_rate} with "
+                             f"mesh.context > 1: context parallelism's attention has no "
+                             f"dropout; set it to 0 or mesh.context=1")
+        return context_attention.self_attention(
+            q, k, v, causal=self.causal, strategy=cfg.context_parallel_strategy,
+            local_window_size=window,
+            global_tokens=cfg.attention_global_tokens if window is not None else 0,
+            segment_ids=segments, in_prefix=in_prefix,
+            load_balanced=self.causal and cfg.context_load_balanced)
 
     def _runs_splash(self, q, k, is_cross, cache, in_prefix, deterministic) -> bool:
         """Whether `model.attention_implementation="splash"` runs the kernel here: training's

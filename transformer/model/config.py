@@ -27,6 +27,7 @@ LAYER_ATTENTION = ("global", "local")  # the entries of model.attention_pattern
 # attention.dot_product_attention's, and "splash": the Pallas TPU kernel where it fits
 # (ops/splash.py)
 ATTENTION_IMPLEMENTATIONS = (*attention.IMPLEMENTATIONS, "splash")
+CONTEXT_STRATEGIES = ("all_gather", "ring")  # ops/ring.py's STRATEGIES
 VISION_FIELDS = ("image_size", "patch_size", "num_channels", "num_classes", "pooling")
 REMAT_POLICIES = {
     "none": None,
@@ -102,6 +103,11 @@ class TransformerConfig:
     # Local layers: the first positions of a row attend to and from every position
     # (Longformer's global tokens; the chunked kernel still skips the blocks they do not need).
     attention_global_tokens: int = 0
+    # Context parallelism (mesh.context > 1, `transformer.ops.ring`): how self-attention gets
+    # the keys and values of the other chips' positions ("all_gather" or "ring"), and whether
+    # a decoder's rows are reordered so that every chip has as much causal work
+    context_parallel_strategy: str = "all_gather"
+    context_load_balance: bool = True
     # VISION_FIELDS, read by architecture="vision" (the ViT, `transformer.model.vit`): square
     # images cut into square patches; num_classes and pooling also by "classifier" (text)
     image_size: int = 224
@@ -128,7 +134,8 @@ class TransformerConfig:
                                ("activation", layers.ACTIVATIONS),
                                ("remat_policy", tuple(REMAT_POLICIES)), ("dtype", DTYPES),
                                ("pooling", POOLINGS),
-                               ("attention_implementation", ATTENTION_IMPLEMENTATIONS)):
+                               ("attention_implementation", ATTENTION_IMPLEMENTATIONS),
+                               ("context_parallel_strategy", CONTEXT_STRATEGIES)):
             if getattr(self, field) not in choices:
                 raise ValueError(f"model.{field}={getattr(self, field)!r} is not one of "
                                  f"{', '.join(choices)}")
@@ -268,6 +275,14 @@ class TransformerConfig:
         for "splash" (where the kernel does not fit, `blocks.MultiHeadAttention`)."""
         return "auto" if self.attention_implementation == "splash" else (
             self.attention_implementation)
+
+    @property
+    def context_load_balanced(self) -> bool:
+        """Whether a decoder's training rows go through its layers in `ops/ring.py`'s
+        load-balanced order where the mesh splits the positions over "context":
+        `context_load_balance` with softmax attention (linear attention's running sums read the
+        row in order)."""
+        return self.context_load_balance and self.attention_kind == "softmax"
 
     @property
     def compute_dtype(self):

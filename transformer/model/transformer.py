@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from transformer.data.tokenizer import BOS_ID
 from transformer.model.blocks import DecoderBlock, EncoderBlock, Norm, Weights
 from transformer.model.config import REMAT_POLICIES, TransformerConfig
-from transformer.ops import attention, layers, linear_attention
+from transformer.ops import attention, layers, linear_attention, ring
 
 Cache = dict[str, Any]
 
@@ -141,8 +141,8 @@ class Encoder(nn.Module):
         x = _Embedder(cfg, self.embedding, name="embedder")(inputs, positions, deterministic)
         segments = (inputs != 0 if inputs_segmentation is None
                     else inputs_segmentation).astype(jnp.int32)
-        mask = None  # linear attention reads the segments alone
-        if cfg.attention_kind == "softmax":
+        mask = None  # linear attention reads the segments alone, context attention too
+        if cfg.attention_kind == "softmax" and ring.context_shards() == 1:
             mask = attention.make_segment_mask(segments, segments)
         return encoder_stack(cfg, self.attention_fn, x, mask, positions, segments,
                              deterministic)
@@ -403,9 +403,15 @@ class Transformer(nn.Module):
                 cross_mask = (inputs != 0)[:, None, None, :]  # [B, 1, 1, S]
             else:
                 cross_mask = attention.make_padding_mask(segments != 0, inputs != 0)
-        return self.decoder(tokens, encoded, self_mask, cross_mask, positions,
-                            segments=self_segments, in_prefix=in_prefix, cache=cache,
-                            deterministic=deterministic)
+        shards = ring.context_shards() if cache is None else 1  # > 1: ops/ring.py's masks
+        balance = shards if cfg.context_load_balanced else 1  # 1: the row's order
+        tokens, positions, self_segments, in_prefix, cross_mask = jax.tree.map(
+            lambda x: ring.to_load_balanced(x, balance, axis=x.ndim // 2),  # T of [B, 1, T, S]
+            (tokens, positions, self_segments, in_prefix, cross_mask))
+        head, cache = self.decoder(tokens, encoded, None if shards > 1 else self_mask,
+                                   cross_mask, positions, segments=self_segments,
+                                   in_prefix=in_prefix, cache=cache, deterministic=deterministic)
+        return head._replace(hidden=ring.from_load_balanced(head.hidden, balance)), cache
 
 
 def _full_cache_length(config: TransformerConfig, cache: Cache) -> int | None:

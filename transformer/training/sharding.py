@@ -1,14 +1,20 @@
 """The device mesh, the one logical-axis rules table, and the shardings of params and batches.
 
-Mesh axes ("data", "fsdp", "tensor"): the batch is split over data x fsdp; FSDP shards
-parameters and optimizer state over "fsdp" (their `embed` axis); tensor parallelism splits
+Mesh axes ("data", "fsdp", "context", "tensor"): the batch is split over data x fsdp; FSDP
+shards parameters and optimizer state over "fsdp" (their `embed` axis); context parallelism
+splits the activations' `length` axis (the positions of each row) over "context", and shards
+parameters over it as FSDP does (a chip holding a share of the positions of the same rows
+needs the whole model only for the moment it computes a layer); self-attention then gathers
+the keys and values each query block needs (`transformer.ops.ring`). Tensor parallelism splits
 heads and d_ff over "tensor" (Megatron-style). A parameter dimension that its mesh axes do not
 divide is replicated instead (e.g. a single kv head under tensor parallelism: multi-query).
+`mesh.context` defaults to 1 (configs and runs written before it).
 
 Several TPU slices (multi-slice pods) talk over the data-center network (DCN), slower than the
 links within a slice (ICI): `mesh.data`, `mesh.fsdp`, `mesh.tensor` size each axis within one
-slice and `mesh.dcn_data`, `mesh.dcn_fsdp`, `mesh.dcn_tensor` across slices (each mesh axis is
-their product); `dcn_data` defaults to -1, all the slices, so data parallelism crosses them.
+slice and `mesh.dcn_data`, `mesh.dcn_fsdp`, `mesh.dcn_context`, `mesh.dcn_tensor` across
+slices (each mesh axis is their product); `dcn_data` defaults to -1, all the slices, so data
+parallelism crosses them.
 """
 
 from __future__ import annotations
@@ -24,16 +30,19 @@ from jax.sharding import PartitionSpec as P
 
 from transformer.model.config import TransformerConfig
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "context", "tensor")
 DCN_AXES = tuple(f"dcn_{axis}" for axis in MESH_AXES)  # config keys: the axes across slices
-DCN_DEFAULTS = {"dcn_data": -1, "dcn_fsdp": 1, "dcn_tensor": 1}
+MESH_DEFAULTS = {"context": 1}  # the axes a config may leave out
+DCN_DEFAULTS = {"dcn_data": -1, "dcn_fsdp": 1, "dcn_context": 1, "dcn_tensor": 1}
 BATCH_AXES = ("data", "fsdp")
+LENGTH_AXIS = "context"  # the mesh axis of the activations' positions
+PARAM_AXES = ("fsdp", LENGTH_AXIS)  # the mesh axes a parameter's `embed` axis is sharded over
 
 # Logical axis name -> mesh axes. First match wins (Linen); every name appears once.
 LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", BATCH_AXES),
-    ("length", None),
-    ("embed", "fsdp"),
+    ("length", LENGTH_AXIS),
+    ("embed", PARAM_AXES),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("head_dim", None),
@@ -45,7 +54,8 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 
 def _fill(keys: Sequence[str], sizes: list[int], total: int, what: str) -> list[int]:
     """`sizes` with its one -1 (if any) taking the rest of `total`; one line on a mismatch."""
-    described = ", ".join(f"mesh.{k}={s}" for k, s in zip(keys, sizes, strict=True))
+    described = ", ".join(f"mesh.{k}={s}" for k, s in zip(keys, sizes, strict=True)
+                          if s != 1 or not k.endswith("context"))  # unsplit: left unsaid
     if sizes.count(-1) > 1:
         raise ValueError(f"at most one mesh axis may be -1, got {described}")
     if any(s == 0 or s < -1 for s in sizes):
@@ -69,14 +79,17 @@ def hybrid_shape(mesh_cfg, num_devices: int, num_slices: int = 1) -> tuple[list[
         raise ValueError(f"{num_devices} devices do not split into {num_slices} slices")
     dcn = _fill(DCN_AXES, [int(mesh_cfg.get(k, DCN_DEFAULTS[k])) for k in DCN_AXES],
                 num_slices, "slices")
-    ici = _fill(MESH_AXES, [int(mesh_cfg[axis]) for axis in MESH_AXES],
+    sizes = [int(mesh_cfg[axis] if axis in mesh_cfg else MESH_DEFAULTS[axis])
+             for axis in MESH_AXES]
+    ici = _fill(MESH_AXES, sizes,
                 num_devices // num_slices, "devices per slice" if num_slices > 1 else "devices")
     return ici, dcn
 
 
 def mesh_shape(mesh_cfg, num_devices: int, num_slices: int = 1) -> dict[str, int]:
-    """{"data": .., "fsdp": .., "tensor": ..} from the config's `mesh` section; one -1 takes
-    the rest. With several slices each axis is its size within a slice times across them."""
+    """{"data": .., "fsdp": .., "context": .., "tensor": ..} from the config's `mesh` section;
+    one -1 takes the rest. With several slices each axis is its size within a slice times
+    across them."""
     ici, dcn = hybrid_shape(mesh_cfg, num_devices, num_slices)
     return {axis: i * d for axis, i, d in zip(MESH_AXES, ici, dcn, strict=True)}
 
@@ -96,7 +109,7 @@ def validate_mesh_for_model(shape: Mapping[str, int], model: TransformerConfig) 
 
 
 def make_mesh(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """The ("data", "fsdp", "tensor") mesh over `devices` (default: all), Auto axis types;
+    """The MESH_AXES mesh over `devices` (default: all), Auto axis types;
     over several slices a hybrid mesh whose DCN part spans the slices."""
     devices = list(jax.devices() if devices is None else devices)
     slices = num_slices(devices)
@@ -110,12 +123,16 @@ def make_mesh(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
 
 def logical_to_sharding(logical_specs, abstract_tree, mesh: Mesh):
     """NamedShardings for a tree of logical PartitionSpecs, replicating any dimension whose
-    mesh axes do not divide it."""
+    mesh axes do not divide it (a checkpoint's shardings are the same as before `context`
+    existed on a mesh whose context is 1)."""
 
     def one(spec, leaf):
         mesh_spec = nn.logical_to_mesh_axes(spec, LOGICAL_AXIS_RULES)
         fitted = []
         for dim, axes in zip(leaf.shape, tuple(mesh_spec) + (None,) * leaf.ndim, strict=False):
+            if isinstance(axes, tuple):  # axes of size 1 split nothing: ("fsdp",) reads "fsdp"
+                axes = tuple(a for i, a in enumerate(axes) if i == 0 or mesh.shape[a] > 1)
+                axes = axes[0] if len(axes) == 1 else axes
             names = (axes,) if isinstance(axes, str) else (axes or ())
             size = math.prod(mesh.shape[name] for name in names)
             fitted.append(axes if axes is not None and dim % size == 0 else None)

@@ -1,0 +1,34 @@
+"""The mesh and the rules table: `context` sits between fsdp and tensor, defaults to 1 (configs
+and runs written before it), splits the activations' positions and, beside fsdp, the
+parameters' embed axis; on a mesh whose context is 1 every parameter keeps its sharding."""
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from transformer.training import sharding
+
+
+def test_mesh_axes_and_the_context_default():
+    assert sharding.MESH_AXES == ("data", "fsdp", "context", "tensor")
+    assert sharding.mesh_shape({"data": -1, "fsdp": 1, "tensor": 2}, 8) == {
+        "data": 4, "fsdp": 1, "context": 1, "tensor": 2}
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 2, "context": 4, "tensor": 1})
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "context": 4, "tensor": 1}
+    with pytest.raises(ValueError, match="mesh.context=3, mesh.tensor=1 needs 6 devices"):
+        sharding.mesh_shape({"data": 2, "fsdp": 1, "context": 3, "tensor": 1}, 8)
+
+
+def test_length_goes_to_context_and_embed_beside_fsdp():
+    rules = dict(sharding.LOGICAL_AXIS_RULES)
+    assert rules["length"] == "context" and rules["embed"] == ("fsdp", "context")
+    abstract = {"kernel": jax.ShapeDtypeStruct((64, 16), "float32"),
+                "odd": jax.ShapeDtypeStruct((6, 16), "float32")}
+    specs = {"kernel": P("embed", "mlp"), "odd": P("embed", "mlp")}
+    without = sharding.logical_to_sharding(
+        specs, abstract, sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}))
+    assert without["kernel"].spec == P("fsdp", "tensor")  # as before the context axis
+    split = sharding.logical_to_sharding(
+        specs, abstract, sharding.make_mesh({"data": 1, "fsdp": 2, "context": 2, "tensor": 2}))
+    assert split["kernel"].spec == P(("fsdp", "context"), "tensor")
+    assert split["odd"].spec == P(None, "tensor")  # 4 does not divide 6: replicated
