@@ -47,7 +47,8 @@ class Weights(nn.Module):
 
 
 class Norm(nn.Module):
-    """LayerNorm (scale and bias) or RMSNorm (scale) over D."""
+    """LayerNorm (scale and bias) or RMSNorm (scale) over D; the scale applied is
+    scale + `norm_scale_offset` (Gemma's 1 + w), initialised to 1."""
 
     config: TransformerConfig
 
@@ -55,8 +56,10 @@ class Norm(nn.Module):
     def __call__(self, x):
         cfg = self.config
         d = x.shape[-1]
-        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
-                           (d,))
+        init = nn.initializers.constant(1.0 - cfg.norm_scale_offset)
+        scale = self.param("scale", nn.with_logical_partitioning(init, ("embed",)), (d,))
+        if cfg.norm_scale_offset:
+            scale = cfg.norm_scale_offset + scale
         if cfg.norm == "rms_norm":
             return layers.rms_norm(x, scale, eps=cfg.norm_eps)
         bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
@@ -185,8 +188,13 @@ class MultiHeadAttention(nn.Module):
         dropout_rng = None
         if not deterministic and cfg.attention_dropout_rate > 0.0:
             dropout_rng = self.make_rng("dropout")
+        if cfg.attention_scale is not None:
+            kwargs["scale"] = cfg.attention_scale
+        if cfg.attention_logit_softcap is not None:
+            kwargs["logit_softcap"] = cfg.attention_logit_softcap
         if cache is not None:  # k, v [B, K, S, H]
-            y = attention.cache_attention(q, k, v, mask=mask)
+            y = attention.cache_attention(q, k, v, mask=mask, scale=kwargs.get("scale"),
+                                          logit_softcap=kwargs.get("logit_softcap"))
         elif cache is None and not is_cross and context_attention.context_shards() > 1:
             y = self._context_attention(q, k, v, window, segments, in_prefix, deterministic)
         elif self._runs_splash(q, k, is_cross, cache, in_prefix, deterministic):
@@ -232,6 +240,7 @@ class MultiHeadAttention(nn.Module):
         cfg = self.config
         return (cfg.attention_implementation == "splash" and not is_cross and cache is None
                 and in_prefix is None and not cfg.attention_global_tokens
+                and cfg.attention_logit_softcap is None and cfg.attention_scale is None
                 and (deterministic or cfg.attention_dropout_rate == 0.0)
                 and splash.fits(q, k))
 
@@ -248,7 +257,7 @@ class FeedForward(nn.Module):
         d, f = cfg.d_model, cfg.d_ff
         ff_in, bias_in = Weights((d, f), ("embed", "mlp"), use_bias=cfg.use_bias, name="ff_in")()
         ff_gate = None
-        if cfg.activation == "swiglu":
+        if cfg.activation in layers.GATED:
             ff_gate, _ = Weights((d, f), ("embed", "mlp"), use_bias=False, name="ff_gate")()
         ff_out, bias_out = Weights((f, d), ("mlp", "embed"), use_bias=cfg.use_bias,
                                    name="ff_out")()
@@ -262,13 +271,20 @@ class FeedForward(nn.Module):
             dropout_rng=self.make_rng("dropout") if relu_dropout > 0.0 else None)
 
 
+def _post_norm(cfg: TransformerConfig, sublayer: str) -> Norm | None:
+    """`post_norm_<sublayer>`, the norm of a sublayer's output, where `post_sublayer_norm`."""
+    return Norm(cfg, name=f"post_norm_{sublayer}") if cfg.post_sublayer_norm else None
+
+
 def _pre_norm(x, norm: Norm):
     """A sublayer's input: norm(x) for pre-LN, x for post-LN."""
     return norm(x) if norm.config.norm_position == "pre" else x
 
 
-def _residual(x, y, norm: Norm, deterministic: bool):
-    """x + Dropout(y), normalised after (post-LN) or left as is (pre-LN normalised y's input)."""
+def _residual(x, y, norm: Norm, deterministic: bool, post: Norm | None = None):
+    """x + Dropout(y), normalised after (post-LN) or left as is (pre-LN normalised y's input);
+    y normalised first by `post` where `post_sublayer_norm` (Gemma 2)."""
+    y = y if post is None else post(y)
     y = nn.Dropout(norm.config.dropout_rate)(y, deterministic=deterministic)
     x = x + y.astype(x.dtype)
     return norm(x) if norm.config.norm_position == "post" else x
@@ -291,9 +307,9 @@ class EncoderBlock(nn.Module):
         norm_attention, norm_ffn = Norm(cfg, name="norm_attention"), Norm(cfg, name="norm_ffn")
         y, _ = attend(_pre_norm(x, norm_attention), mask=mask, q_positions=positions,
                       kv_positions=positions, segments=segments, deterministic=deterministic)
-        x = _residual(x, y, norm_attention, deterministic)
+        x = _residual(x, y, norm_attention, deterministic, _post_norm(cfg, "attention"))
         y = FeedForward(cfg, name="ffn")(_pre_norm(x, norm_ffn), deterministic=deterministic)
-        x = _residual(x, y, norm_ffn, deterministic)
+        x = _residual(x, y, norm_ffn, deterministic, _post_norm(cfg, "ffn"))
         return nn.with_logical_constraint(x, ("batch", "length", None)), None
 
 
@@ -323,7 +339,7 @@ class DecoderBlock(nn.Module):
             kv_positions=positions, cache=cache.get("self_attention"),
             cache_index=cache_index, segments=segments, in_prefix=in_prefix,
             deterministic=deterministic)
-        x = _residual(x, y, norm_attention, deterministic)
+        x = _residual(x, y, norm_attention, deterministic, _post_norm(cfg, "attention"))
         if encoded is not None:
             norm_cross = Norm(cfg, name="norm_cross")
             y, new_cache["cross_attention"] = MultiHeadAttention(
@@ -331,9 +347,9 @@ class DecoderBlock(nn.Module):
                 _pre_norm(x, norm_cross), encoded, mask=cross_mask,
                 cache=cache.get("cross_attention", {} if cache else None),
                 deterministic=deterministic)
-            x = _residual(x, y, norm_cross, deterministic)
+            x = _residual(x, y, norm_cross, deterministic, _post_norm(cfg, "cross"))
         norm_ffn = Norm(cfg, name="norm_ffn")
         y = FeedForward(cfg, name="ffn")(_pre_norm(x, norm_ffn), deterministic=deterministic)
-        x = _residual(x, y, norm_ffn, deterministic)
+        x = _residual(x, y, norm_ffn, deterministic, _post_norm(cfg, "ffn"))
         x = nn.with_logical_constraint(x, ("batch", "length", None))
         return x, (new_cache if cache else None)

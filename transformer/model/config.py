@@ -63,6 +63,15 @@ class TransformerConfig:
     share_embeddings: bool = True  # source embedding = target embedding
     tie_output_embedding: bool = True  # pre-softmax projection = target embedding
     logits_bias: bool = False  # a bias [V] added to the logits (Marian's final_logits_bias)
+    # Gemma 2's: a norm after each sublayer too (post_norm_attention, post_norm_ffn), norms
+    # that multiply by scale + norm_scale_offset (Gemma stores scale - 1), attention and
+    # output logits capped as c * tanh(logits / c), attention logits scaled by
+    # attention_scale_dim^-1/2 instead of d_k^-1/2 (its query_pre_attn_scalar)
+    post_sublayer_norm: bool = False
+    norm_scale_offset: float = 0.0
+    attention_logit_softcap: float | None = None
+    logits_softcap: float | None = None
+    attention_scale_dim: int | None = None
     max_len: int = 512
     dtype: str = "float32"  # compute dtype; parameters are always float32
     scan_layers: bool = False
@@ -163,6 +172,14 @@ class TransformerConfig:
         if self.rope_theta <= 0:
             raise ValueError(f"model.rope_theta={self.rope_theta} must be positive")
         self._check_rope_scaling()
+        for field in ("attention_logit_softcap", "logits_softcap", "attention_scale_dim"):
+            if getattr(self, field) is not None and getattr(self, field) <= 0:
+                raise ValueError(f"model.{field}={getattr(self, field)} must be positive "
+                                 f"(or None: off)")
+        if self.attention_logit_softcap is not None and self.attention_implementation not in (
+                "xla", "auto"):
+            raise ValueError(f"model.attention_logit_softcap needs attention_implementation "
+                             f"'xla' or 'auto', got {self.attention_implementation!r}")
         if self.positional == "rope" and self.d_k % 2:
             raise ValueError(f"model.positional='rope' needs an even d_k, got {self.d_k}")
         if self.positional == "sinusoidal" and self.d_model % 2:
@@ -190,6 +207,11 @@ class TransformerConfig:
             raise ValueError(f"model.rope_low_freq_factor={self.rope_low_freq_factor} and "
                              f"rope_high_freq_factor={self.rope_high_freq_factor} must be "
                              f"0 < low < high (Llama 3.1: 1 and 4)")
+
+    @property
+    def attention_scale(self) -> float | None:
+        """The logits' scale where it is not 1/sqrt(d_k) (`attention_scale_dim`), else None."""
+        return None if self.attention_scale_dim is None else self.attention_scale_dim ** -0.5
 
     def rope_arguments(self) -> dict:
         """`layers.apply_rope`'s `inv_freq` and `scale` for this model's RoPE."""

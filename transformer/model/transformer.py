@@ -3,10 +3,8 @@ embeddings, the stacks of `blocks` (scanned and rematerialised as configured), t
 projection and the decoding cache. Shapes are written in the package's legend
 (`transformer/__init__.py`); the hyperparameters are a `TransformerConfig` (`model/config.py`).
 
-Every parameter carries logical axis names (`training/sharding.py` maps them onto the mesh).
-Parameter paths are a contract (docs/architecture.md): `embedding/embedding`,
-`encoder/layers_{i}/self_attention/query/kernel`, ... With `scan_layers` the layers are one
-`layers` subtree with a leading L axis.
+Every parameter carries logical axis names (`training/sharding.py` maps them onto the mesh);
+its path is a contract (docs/architecture.md; with `scan_layers` one `layers` subtree, L first).
 
 `Transformer(inputs, targets)` returns the logits; `Transformer.output_head` the final hidden
 states and the output projection unapplied (`OutputHead`). Architecture "classifier" is the
@@ -188,13 +186,15 @@ class OutputHead(NamedTuple):
     kernel: jax.Array  # [V, D] (tied to the embedding, vocab_axis 0) or [D, V] (vocab_axis 1)
     vocab_axis: int
     bias: jax.Array | None = None  # [V] float32 (`model.logits_bias`)
+    softcap: float | None = None  # c: logits capped as c * tanh(logits / c) (Gemma 2)
 
     def logits(self) -> jax.Array:
         """[B, T, V] float32: the products in the compute dtype accumulate in float32."""
         spec = "BTD,VD->BTV" if self.vocab_axis == 0 else "BTD,DV->BTV"
         logits = jnp.einsum(spec, self.hidden.astype(self.kernel.dtype), self.kernel,
                             preferred_element_type=jnp.float32)
-        logits = logits if self.bias is None else logits + self.bias
+        logits = attention.softcap(logits if self.bias is None else logits + self.bias,
+                                   self.softcap)
         return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
 
 
@@ -232,12 +232,12 @@ class Decoder(nn.Module):
             x = Norm(cfg, name="norm")(x)
         bias = self.param("logits_bias", nn.with_logical_partitioning(
             nn.initializers.zeros, ("vocab",)), (cfg.vocab_size,)) if cfg.logits_bias else None
-        if cfg.tie_output_embedding:
-            return _tied_output_head(cfg, self.embedding, x)._replace(bias=bias), new_cache
-        kernel, _ = Weights((cfg.d_model, cfg.vocab_size), ("embed", "vocab"), use_bias=False,
-                            name="logits")()
-        head = OutputHead(x.astype(cfg.compute_dtype), kernel.astype(cfg.compute_dtype), 1, bias)
-        return head, new_cache
+        head = _tied_output_head(cfg, self.embedding, x)
+        if not cfg.tie_output_embedding:  # the projection's own [D, V] kernel
+            kernel, _ = Weights((cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
+                                use_bias=False, name="logits")()
+            head = OutputHead(x.astype(cfg.compute_dtype), kernel.astype(cfg.compute_dtype), 1)
+        return head._replace(bias=bias, softcap=cfg.logits_softcap), new_cache
 
 
 def shift_right(targets: jax.Array, segmentation: jax.Array | None = None, *,
