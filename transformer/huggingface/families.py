@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from transformer.huggingface.gemma import Gemma2
 from transformer.huggingface.mapping import (
     Tensors,
     bias_heads,
@@ -29,6 +30,8 @@ from transformer.huggingface.mapping import (
     mismatches,
     norm,
     require,
+    rope_fields,
+    rope_parameters,
     same,
     token_ids,
     token_ids_config,
@@ -38,64 +41,7 @@ from transformer.huggingface.mapping import (
 from transformer.huggingface.marian import Marian
 from transformer.model.config import TransformerConfig
 
-ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3", "yarn": "yarn"}
 WINDOWED = {"sliding_attention": "local", "full_attention": "global"}  # layer_types entries
-
-
-def _rope_fields(hf: dict, kind: str) -> dict:
-    """`model.rope_*` of a config.json's RoPE (`rope_parameters`, or the older `rope_scaling`
-    and `rope_theta`): its base and scaling, the scaled context defaulting to
-    max_position_embeddings as `transformers` defaults it."""
-    rope = dict(hf.get("rope_parameters") or {})
-    if hf.get("rope_scaling"):
-        rope.update(hf["rope_scaling"])
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        raise unsupported(kind, "rope_type", rope_type,
-                           f"supported: {', '.join(ROPE_TYPES)}; 'dynamic' rescales with each "
-                           f"call's length, which static-shape decoding does not reproduce")
-    for option in ("partial_rotary_factor", "mscale", "mscale_all_dim"):
-        require(rope, kind, option, (None, 1.0) if option == "partial_rotary_factor"
-                 else (None,), "not implemented")
-    require(rope, kind, "truncate", (True,), "only YaRN's truncated correction range")
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    fields = dict(rope_theta=float(theta), rope_scaling=ROPE_TYPES[rope_type])
-    if rope_type == "default":
-        return fields
-    original = rope.get("original_max_position_embeddings",
-                        hf.get("original_max_position_embeddings",
-                               hf["max_position_embeddings"]))
-    factor = rope.get("factor") or hf["max_position_embeddings"] / original
-    fields.update(rope_scaling_factor=float(factor))
-    if rope_type in ("llama3", "yarn"):
-        fields.update(rope_original_max_len=int(original))
-    if rope_type == "llama3":
-        fields.update(rope_low_freq_factor=float(rope["low_freq_factor"]),
-                      rope_high_freq_factor=float(rope["high_freq_factor"]))
-    if rope_type == "yarn":
-        fields.update(rope_beta_fast=float(rope.get("beta_fast") or 32.0),
-                      rope_beta_slow=float(rope.get("beta_slow") or 1.0))
-        if rope.get("attention_factor") is not None:
-            fields.update(rope_attention_factor=float(rope["attention_factor"]))
-    return fields
-
-
-def _rope_parameters(cfg: TransformerConfig) -> dict:
-    """config.json's `rope_parameters` of our model (`_rope_fields` read back)."""
-    rope = {"rope_type": {v: k for k, v in ROPE_TYPES.items()}[cfg.rope_scaling],
-            "rope_theta": cfg.rope_theta}
-    if cfg.rope_scaling != "none":
-        rope["factor"] = cfg.rope_scaling_factor
-    if cfg.rope_scaling in ("llama3", "yarn"):
-        rope["original_max_position_embeddings"] = cfg.rope_original_max_len
-    if cfg.rope_scaling == "llama3":
-        rope.update(low_freq_factor=cfg.rope_low_freq_factor,
-                    high_freq_factor=cfg.rope_high_freq_factor)
-    if cfg.rope_scaling == "yarn":
-        rope.update(beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow)
-        if cfg.rope_attention_factor is not None:
-            rope["attention_factor"] = cfg.rope_attention_factor
-    return rope
 
 
 def _window_fields(hf: dict, kind: str) -> dict:
@@ -153,7 +99,7 @@ class Llama:
             activation="swiglu", use_bias=False, qkv_bias=kind == "qwen2",
             tie_output_embedding=bool(hf.get("tie_word_embeddings", False)),
             max_len=hf["max_position_embeddings"], norm_eps=float(hf["rms_norm_eps"]),
-            scale_embeddings=False, **_rope_fields(hf, kind), **_window_fields(hf, kind),
+            scale_embeddings=False, **rope_fields(hf, kind), **_window_fields(hf, kind),
             **token_ids(hf))
 
     @staticmethod
@@ -165,7 +111,7 @@ class Llama:
             num_hidden_layers=cfg.num_decoder_layers, num_attention_heads=cfg.num_heads,
             num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.d_k, hidden_act="silu",
             max_position_embeddings=cfg.max_len, rms_norm_eps=cfg.norm_eps,
-            rope_parameters=_rope_parameters(cfg), attention_dropout=cfg.attention_dropout_rate,
+            rope_parameters=rope_parameters(cfg), attention_dropout=cfg.attention_dropout_rate,
             tie_word_embeddings=cfg.tie_output_embedding, **token_ids_config(cfg))
         windows = [cfg.layer_window(i) for i in range(cfg.num_decoder_layers)]
         if cfg.qkv_bias:
@@ -376,7 +322,7 @@ class ViT:
             transposed("classifier.weight", "head/kernel"), same("classifier.bias", "head/bias")]
 
 
-FAMILIES = (Llama, GPT2, ViT, Marian)
+FAMILIES = (Llama, Gemma2, GPT2, ViT, Marian)
 BY_MODEL_TYPE = {kind: family for family in FAMILIES for kind in family.model_types}
 
 

@@ -88,7 +88,10 @@ def token_ids_config(cfg: TransformerConfig) -> dict:
 
 # Model options a family computes only where it says so (`_mismatches`' `wanted`): their
 # values in the paper's model.
-FEATURE_DEFAULTS = dict(qkv_bias=False, rope_scaling="none")
+FEATURE_DEFAULTS = dict(qkv_bias=False, rope_scaling="none", logits_bias=False,
+                        post_sublayer_norm=False, norm_scale_offset=0.0,
+                        attention_logit_softcap=None, logits_softcap=None,
+                        attention_scale_dim=None)
 
 
 def mismatches(cfg: TransformerConfig, windows: bool = False, **wanted) -> list[str]:
@@ -104,3 +107,62 @@ def mismatches(cfg: TransformerConfig, windows: bool = False, **wanted) -> list[
                    "softmax over " + ("all positions or a window)" if windows
                                       else "all positions)"))
     return out
+
+
+ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3", "yarn": "yarn"}
+
+
+def rope_fields(hf: dict, kind: str) -> dict:
+    """`model.rope_*` of a config.json's RoPE (`rope_parameters`, or the older `rope_scaling`
+    and `rope_theta`): its base and scaling, the scaled context defaulting to
+    max_position_embeddings as `transformers` defaults it."""
+    rope = dict(hf.get("rope_parameters") or {})
+    if hf.get("rope_scaling"):
+        rope.update(hf["rope_scaling"])
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise unsupported(kind, "rope_type", rope_type,
+                           f"supported: {', '.join(ROPE_TYPES)}; 'dynamic' rescales with each "
+                           f"call's length, which static-shape decoding does not reproduce")
+    for option in ("partial_rotary_factor", "mscale", "mscale_all_dim"):
+        require(rope, kind, option, (None, 1.0) if option == "partial_rotary_factor"
+                 else (None,), "not implemented")
+    require(rope, kind, "truncate", (True,), "only YaRN's truncated correction range")
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    fields = dict(rope_theta=float(theta), rope_scaling=ROPE_TYPES[rope_type])
+    if rope_type == "default":
+        return fields
+    original = rope.get("original_max_position_embeddings",
+                        hf.get("original_max_position_embeddings",
+                               hf["max_position_embeddings"]))
+    factor = rope.get("factor") or hf["max_position_embeddings"] / original
+    fields.update(rope_scaling_factor=float(factor))
+    if rope_type in ("llama3", "yarn"):
+        fields.update(rope_original_max_len=int(original))
+    if rope_type == "llama3":
+        fields.update(rope_low_freq_factor=float(rope["low_freq_factor"]),
+                      rope_high_freq_factor=float(rope["high_freq_factor"]))
+    if rope_type == "yarn":
+        fields.update(rope_beta_fast=float(rope.get("beta_fast") or 32.0),
+                      rope_beta_slow=float(rope.get("beta_slow") or 1.0))
+        if rope.get("attention_factor") is not None:
+            fields.update(rope_attention_factor=float(rope["attention_factor"]))
+    return fields
+
+
+def rope_parameters(cfg: TransformerConfig) -> dict:
+    """config.json's `rope_parameters` of our model (`rope_fields` read back)."""
+    rope = {"rope_type": {v: k for k, v in ROPE_TYPES.items()}[cfg.rope_scaling],
+            "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling != "none":
+        rope["factor"] = cfg.rope_scaling_factor
+    if cfg.rope_scaling in ("llama3", "yarn"):
+        rope["original_max_position_embeddings"] = cfg.rope_original_max_len
+    if cfg.rope_scaling == "llama3":
+        rope.update(low_freq_factor=cfg.rope_low_freq_factor,
+                    high_freq_factor=cfg.rope_high_freq_factor)
+    if cfg.rope_scaling == "yarn":
+        rope.update(beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow)
+        if cfg.rope_attention_factor is not None:
+            rope["attention_factor"] = cfg.rope_attention_factor
+    return rope

@@ -74,20 +74,27 @@ def attention_weights(
     scale: float | None = None,
     local_window_size: int | tuple[int, int] | None = None,
     global_tokens: int = 0,
+    logit_softcap: float | None = None,
 ) -> jax.Array:
-    """softmax(q k^T * scale + bias) over unmasked keys: [B, N, T, S], float32.
+    """softmax(q k^T * scale + bias) over unmasked keys: [B, N, T, S], float32; with
+    `logit_softcap` c the scaled logits are first capped as c * tanh(logits / c) (Gemma 2).
 
     Rows with no unmasked key are all zeros. This is what "xla" attention multiplies V with,
     exposed for inspection (e.g. plotting attention maps).
     """
     num_kv_heads = k.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    logits = jnp.einsum("BTKGH,BSKH->BKGTS", group_queries(q, num_kv_heads), k,
-                        preferred_element_type=jnp.float32) * scale
+    logits = softcap(jnp.einsum("BTKGH,BSKH->BKGTS", group_queries(q, num_kv_heads), k,
+                                preferred_element_type=jnp.float32) * scale, logit_softcap)
     mask = _with_window(mask, local_window_size, q.shape[1], k.shape[1], global_tokens)
     weights = _masked_softmax(logits, as_5d(mask, num_kv_heads), as_5d(bias, num_kv_heads))
     b, kh, g, t, s = weights.shape
     return weights.reshape(b, kh * g, t, s)
+
+
+def softcap(logits: jax.Array, cap: float | None) -> jax.Array:
+    """cap * tanh(logits / cap): logits kept within (-cap, cap); None: as they are."""
+    return logits if cap is None else jnp.tanh(logits / cap) * cap
 
 
 def _masked_softmax(logits: jax.Array, mask5: jax.Array | None,
@@ -102,9 +109,10 @@ def _masked_softmax(logits: jax.Array, mask5: jax.Array | None,
 
 
 def _xla_attention(q, k, v, mask, bias, scale, dropout_rate, dropout_rng, local_window_size,
-                   global_tokens):
+                   global_tokens, logit_softcap=None):
     weights = attention_weights(q, k, mask=mask, bias=bias, scale=scale,
-                                local_window_size=local_window_size, global_tokens=global_tokens)
+                                local_window_size=local_window_size, global_tokens=global_tokens,
+                                logit_softcap=logit_softcap)
     weights = dropout(weights, dropout_rate, dropout_rng)
     b, n, t, s = weights.shape
     num_kv_heads = k.shape[2]
@@ -114,7 +122,8 @@ def _xla_attention(q, k, v, mask, bias, scale, dropout_rate, dropout_rng, local_
 
 
 def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
-                    mask: jax.Array | None = None, scale: float | None = None) -> jax.Array:
+                    mask: jax.Array | None = None, scale: float | None = None,
+                    logit_softcap: float | None = None) -> jax.Array:
     """Attention over a decoding cache, whose keys and values are head-major: q [B, T, N, H],
     k [B, K, S, H], v [B, K, S, Hv] -> [B, T, N, Hv] in v's dtype; `mask` broadcastable to
     [B, N, T, S], True = attend.
@@ -133,8 +142,8 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     q = q.reshape(k.shape[0], -1, *q.shape[2:])  # [B, W*T, N, H]
     num_kv_heads = k.shape[1]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    logits = jnp.einsum("BTKGH,BKSH->BKGTS", group_queries(q, num_kv_heads), k,
-                        preferred_element_type=jnp.float32) * scale
+    logits = softcap(jnp.einsum("BTKGH,BKSH->BKGTS", group_queries(q, num_kv_heads), k,
+                                preferred_element_type=jnp.float32) * scale, logit_softcap)
     weights = _masked_softmax(logits, as_5d(mask, num_kv_heads), None).astype(v.dtype)
     # Heads-first output: XLA:CPU has no bfloat16 -> float32 kernel for "->BTKGE" here.
     out = jnp.einsum("BKGTS,BKSE->BKGTE", weights, v, preferred_element_type=jnp.float32)
@@ -210,6 +219,7 @@ def dot_product_attention(
     key_chunk_size: int = DEFAULT_KEY_CHUNK_SIZE,
     local_window_size: int | tuple[int, int] | None = None,
     global_tokens: int = 0,
+    logit_softcap: float | None = None,
 ) -> jax.Array:
     """Multi-head, grouped-query or multi-query attention.
 
@@ -228,6 +238,8 @@ def dot_product_attention(
         (and-ed with `mask`); None: all keys.
       global_tokens: with a window, the first `global_tokens` positions of a row attend to and
         from every position (Longformer's global tokens; still and-ed with `mask`).
+      logit_softcap: c caps the scaled logits as c * tanh(logits / c) (Gemma 2; "xla" only,
+        which "auto" then runs).
     Returns:
       [B, T, N, Hv] in v's dtype.
     """
@@ -238,13 +250,18 @@ def dot_product_attention(
     if global_tokens < 0 or (global_tokens and window is None):
         raise ValueError(f"global_tokens={global_tokens} must be >= 0 and widens a local window: "
                          f"set local_window_size (without one every position attends to all)")
+    if logit_softcap is not None:
+        if implementation not in ("xla", "auto"):
+            raise ValueError(f"logit_softcap={logit_softcap} needs implementation='xla' "
+                             f"(got {implementation!r})")
+        implementation = "xla"
     if implementation == "auto":
         implementation = choose_implementation(q, k, v, dropout_rate=dropout_rate,
                                                local_window_size=window,
                                                global_tokens=global_tokens)
     if implementation == "xla":
         return _xla_attention(q, k, v, mask, bias, scale, dropout_rate, dropout_rng, window,
-                              global_tokens)
+                              global_tokens, logit_softcap)
     if implementation == "chunked":
         if dropout_rate > 0.0:
             raise ValueError("implementation='chunked' has no attention dropout: set the "

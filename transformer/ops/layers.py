@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-ACTIVATIONS = ("relu", "gelu", "silu", "swiglu")
+ACTIVATIONS = ("relu", "gelu", "silu", "swiglu", "geglu")
+GATED = ("swiglu", "geglu")  # the activations with a gate projection (ff_gate)
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")  # rope_inverse_frequencies' `scaling`
 
 
@@ -155,13 +156,14 @@ def feed_forward(
                                            `gelu_approximate` is False)
         silu:   Swish(x W1 + b1) W2 + b2  (Marian's "swish", ungated)
         swiglu: (Swish(x W_gate) * x W1) W2   (Shazeer 2020; needs ff_gate [D, F])
+        geglu:  (GELU(x W_gate) * x W1) W2    (GELU as `gelu_approximate`; Gemma's)
 
     `dropout_rate` drops the hidden activations ("ReLU dropout"; 0 in the paper).
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation={activation!r}; choose one of {ACTIVATIONS}")
-    if (activation == "swiglu") != (ff_gate is not None):
-        raise ValueError("ff_gate is required by activation='swiglu' and only by it")
+    if (activation in GATED) != (ff_gate is not None):
+        raise ValueError(f"ff_gate is required by activation in {GATED} and only by them")
     hidden = jnp.einsum("...D,DF->...F", x, ff_in)
     if bias_in is not None:
         hidden = hidden + bias_in
@@ -171,8 +173,11 @@ def feed_forward(
         hidden = jax.nn.gelu(hidden, approximate=gelu_approximate)
     elif activation == "silu":
         hidden = jax.nn.silu(hidden)
-    else:
+    elif activation == "swiglu":
         hidden = jax.nn.silu(jnp.einsum("...D,DF->...F", x, ff_gate)) * hidden
+    else:
+        gate = jnp.einsum("...D,DF->...F", x, ff_gate)
+        hidden = jax.nn.gelu(gate, approximate=gelu_approximate) * hidden
     hidden = dropout(hidden, dropout_rate, dropout_rng)
     out = jnp.einsum("...F,FD->...D", hidden, ff_out)
     if bias_out is not None:
