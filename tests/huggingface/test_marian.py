@@ -169,3 +169,51 @@ def test_unsupported_marian_variants_are_one_line_errors(tmp_path, change, messa
     with pytest.raises(ValueError, match=message):
         convert.import_checkpoint(str(hf_dir), str(tmp_path / "run"))
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_an_imported_marian_fine_tunes_on_the_offline_corpus(tmp_path, load_config,
+                                                              offline_fixture_data_dir):
+    """`init_from` on an imported MarianMTModel: configs/default.py's data and optimizer with
+    the checkpoint's model and vocabulary; the run starts from its weights, the loss falls,
+    and the result translates and exports again."""
+    import dataclasses
+
+    from conftest import SHRUNK_DEFAULT
+    from ml_collections import ConfigDict
+
+    from transformer.training.loop import train_and_evaluate
+
+    hf_dir = tmp_path / "marian"
+    hf_dir.mkdir()
+    _vocabulary(hf_dir)
+    torch.manual_seed(0)
+    _save(transformers.MarianMTModel(transformers.MarianConfig(
+        **(SIZES | dict(init_std=0.02)), activation_function="swish", scale_embedding=True,
+        dropout=0.0)), hf_dir)
+    pretrained = tmp_path / "imported"
+    convert.import_checkpoint(str(hf_dir), str(pretrained), overrides={"model.dtype": "float32"})
+    imported = json.loads((pretrained / "config.json").read_text())["model"]
+    cfg = load_config("default.py", **{
+        **{k: v for k, v in SHRUNK_DEFAULT.items() if not k.startswith("model.")},
+        "data.vocab_size": V, "data.data_dir": str(offline_fixture_data_dir),
+        "num_train_steps": 30, "eval_every_steps": 30, "bleu_every_steps": 30,
+        "log_every_steps": 1, "optimizer.warmup_steps": 3, "init_from": str(pretrained)})
+    cfg.model = ConfigDict(imported)
+    workdir = tmp_path / "finetuned"
+    train_and_evaluate(cfg, str(workdir))
+    assert (workdir / "vocab" / tokenizer_lib.MODEL_FILE).read_bytes() == (
+        hf_dir / marian.SOURCE_SPM).read_bytes()
+    with open(workdir / "metrics.jsonl") as f:
+        losses = [line["loss"] for line in map(json.loads, f) if line["split"] == "train"]
+    assert len(losses) == 30 and np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.5, losses
+    # The weights moved from the imported ones (not from a fresh initialisation).
+    before, after = (averaging.load_params(str(w))["embedding"]["embedding"]
+                     for w in (pretrained, workdir))
+    assert np.corrcoef(np.ravel(before), np.ravel(after))[0, 1] > 0.5
+    translator = translator_lib.load(str(workdir))
+    assert dataclasses.asdict(translator.model_config)["logits_bias"]
+    assert len(translator.translate(SOURCES, beam_size=2)) == 2
+    convert.export_workdir(str(workdir), str(tmp_path / "exported"))
+    reloaded = transformers.MarianMTModel.from_pretrained(str(tmp_path / "exported"))
+    assert reloaded.config.activation_function == "swish"
