@@ -104,10 +104,10 @@ def test_marian_logits_translations_and_round_trip(tmp_path):
         assert (tmp_path / "exported" / name).read_bytes() == (hf_dir / name).read_bytes()
 
 
-def test_the_papers_model_trained_here_exports_to_marian(tmp_path, load_config):
-    """A post-LN run of our paper's recipe (interleaved sinusoids, ReLU, LayerNorm eps 1e-6)
-    loads as a MarianMTModel whose logits are ours (its features reordered into Marian's
-    split sinusoid layout; its eps becomes 1e-5) and whose greedy translation is ours."""
+def _papers_run(tmp_path, load_config):
+    """A post-LN run of our paper's recipe (configs/default.py's model, post-LN; interleaved
+    sinusoids, ReLU, LayerNorm eps 1e-6), random weights scaled for sharper logits: its
+    workdir, model and parameters."""
     cfg = load_config("default.py", **{
         "data.vocab_size": V, "model.num_encoder_layers": 2, "model.num_decoder_layers": 2,
         "model.d_model": 32, "model.d_ff": 64, "model.num_heads": 4, "model.max_len": 64,
@@ -117,7 +117,7 @@ def test_the_papers_model_trained_here_exports_to_marian(tmp_path, load_config):
     model = Transformer(run.model)
     tokens = jax.numpy.ones((1, 1), jax.numpy.int32)
     params = nn.unbox(model.init(jax.random.key(0), tokens, tokens)["params"])
-    params = jax.tree.map(lambda x: x * 4.0 if x.ndim > 1 else x, params)  # sharper logits
+    params = jax.tree.map(lambda x: x * 4.0 if x.ndim > 1 else x, params)
     workdir = tmp_path / "run"
     workdir.mkdir()
     workdir_lib.write_config(str(workdir), cfg.to_dict(), {})
@@ -125,6 +125,14 @@ def test_the_papers_model_trained_here_exports_to_marian(tmp_path, load_config):
     series = averaging.ParamsSeries(str(workdir), every_minutes=1.0, keep=1, use_async=False)
     series.save(1, params)
     series.close()
+    return workdir, model, params
+
+
+def test_the_papers_model_trained_here_exports_to_marian(tmp_path, load_config):
+    """The paper's model loads as a MarianMTModel whose logits are ours (its features
+    reordered into Marian's split sinusoid layout; its eps becomes 1e-5) and whose greedy
+    translation is ours."""
+    workdir, model, params = _papers_run(tmp_path, load_config)
     convert.export_workdir(str(workdir), str(tmp_path / "hf"))
     hf_model = transformers.MarianMTModel.from_pretrained(str(tmp_path / "hf")).eval()
     rng = np.random.default_rng(1)
@@ -138,6 +146,21 @@ def test_the_papers_model_trained_here_exports_to_marian(tmp_path, load_config):
     theirs = _hf_translations(hf_model, tmp_path / "hf", SOURCES, 1, extra=5)
     assert translator.translate(SOURCES, beam_size=1, alpha=0.0, max_extra_length=5,
                                 batch_size=1) == theirs
+
+
+def test_the_decoding_peer_benchmark_translates_as_transformers(tmp_path, load_config):
+    """benchmarks/peers/marian.py on the paper's model: one sentence a batch at alpha 0, ours
+    and `generate`'s greedy and beam-4 outputs are the same; BLEU and speeds are reported."""
+    import runpy
+
+    workdir, _, _ = _papers_run(tmp_path, load_config)
+    compare = runpy.run_path(str(convert.CONFIGS_DIR.parent / "benchmarks" / "peers" /
+                                 "marian.py"))["compare"]
+    records = compare(str(workdir), SOURCES, SOURCES, beam_sizes=[4, 1], batch_size=1,
+                      alpha=0.0, rounds=1)
+    assert [(r["beam_size"], r["identical"]) for r in records] == [(4, 2), (1, 2)]
+    for r in records:
+        assert r["ours_bleu"] == r["theirs_bleu"] and r["ours_sentences_per_sec"] > 0
 
 
 @pytest.mark.parametrize("field, value, message", [
