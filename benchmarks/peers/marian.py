@@ -10,12 +10,13 @@ The run must be one Marian expresses (post-LN, sinusoidal positions, shared tied
 pre-LN model among them). For each beam size and round, each batch of `--batch_size` sentences
 is translated by ours (`Translator.translate_ids`), then by theirs (`generate` with
 `num_beams`, `max_new_tokens` = the batch's longest source in pieces + EOS +
-`decode.max_extra_length`, at most `model.max_len`, EOS forced at the last step and padding never drawn, as ours), one
-after the other, so a shared machine's drift hits both alike; the first round compiles ours
-and is not counted. Length penalties differ: ours divides a hypothesis' log-probability by
-((5 + length) / 6)^alpha (GNMT's), theirs by length^alpha (`length_penalty`); at alpha 0 both
-rank by log-probability alone and their beams agree. Prints a table (sentences/s of both,
-the ratio, BLEU of both, how many outputs are identical), then one JSON line per beam size.
+`decode.max_extra_length`, at most `model.max_len`, EOS forced at the last step and padding
+never drawn, as ours), one after the other, so a shared machine's drift hits both alike; the
+first round compiles ours and is not counted. Length penalties differ: ours divides a
+hypothesis' log-probability by ((5 + length) / 6)^alpha (GNMT's), theirs by length^alpha
+(`length_penalty`); at alpha 0 both rank by log-probability alone and their beams agree.
+Prints a table (sentences/s of both, the ratio, BLEU of both, how many outputs are
+identical), then one JSON line per beam size.
 """
 
 from __future__ import annotations
