@@ -55,12 +55,15 @@ TPU_DEVICE_FILES = ("/dev/accel*", "/dev/vfio/[0-9]*")  # what JAX's own TPU che
 
 def cpu_unless_an_accelerator() -> None:
     """Sets JAX_PLATFORMS=cpu (where unset) when libtpu is installed, no TPU device file
-    exists and no GPU plugin is installed: the CPU is all JAX could use there."""
+    exists and no GPU plugin is installed: the CPU is all JAX could use there. Also JAX's own
+    setting when JAX is already imported (before any backend starts)."""
     if ("JAX_PLATFORMS" in os.environ or importlib.util.find_spec("libtpu") is None
             or any(glob.glob(pattern) for pattern in TPU_DEVICE_FILES)
             or any(importlib.util.find_spec(name) for name in GPU_PLUGINS)):
         return
     os.environ["JAX_PLATFORMS"] = "cpu"
+    if "jax" in sys.modules:  # `import transformer` imported JAX, which read the variable then
+        sys.modules["jax"].config.update("jax_platforms", "cpu")
 
 
 quiet_native_logs(sys.argv)
