@@ -1,0 +1,173 @@
+"""Mixture of experts, as pure functions of arrays (no Flax): the router, its auxiliary losses,
+and two ways of sending tokens to their experts and back. Shapes in the package's legend
+(`transformer/__init__.py`), plus N tokens, E experts, K experts per token, C slots per expert.
+
+`route` scores each token's experts in float32 (softmax or sigmoid of x W_router), keeps the
+top K, renormalises their weights to sum to 1 (Mixtral) where asked, and returns the Switch/GShard
+load-balancing loss, the router z-loss (ST-MoE) and each expert's share of the assignments.
+
+`dropless` sorts the N*K (token, expert) assignments by expert and runs each expert on its
+contiguous rows with `jax.lax.ragged_dot` (grouped matrix products): no token is dropped and the
+shapes stay static (N*K rows). `capacity` gives every expert C = ceil(factor * T * K / E) slots
+per row of the batch (GShard's groups), fills them in priority order (every token's first
+choice, then its second, ...) and drops what does not fit; a dropped assignment adds nothing
+(the residual connection carries the token), and the count of dropped ones is returned. Its
+[B, E, C, D] buffers are what an `expert` mesh axis splits and exchanges all-to-all.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from transformer.ops import layers
+
+ROUTER_SCORES = ("softmax", "sigmoid")
+
+
+class Routing(NamedTuple):
+    """A router's decision for N tokens and its statistics (float32)."""
+
+    weights: jax.Array  # [N, K] the combine weights of the chosen experts
+    experts: jax.Array  # [N, K] int32, the chosen experts, best first
+    aux_loss: jax.Array  # scalar: E * sum_e f_e * P_e (1 for K=1 when balanced; K for K)
+    z_loss: jax.Array  # scalar: mean over tokens of logsumexp(logits)^2
+    load: jax.Array  # [E] fraction of the N*K assignments each expert receives (sums to 1)
+
+
+def route(logits: jax.Array, k: int, *, scores: str = "softmax", renormalize: bool = True,
+          valid: jax.Array | None = None) -> Routing:
+    """Top-k routing of logits [N, E] (computed in float32 by the caller's router).
+
+    Scores are softmax(logits) or sigmoid(logits); the top-k scores are the combine weights,
+    divided by their sum where `renormalize` (Mixtral's top-2). `valid` [N] (bool; None: all)
+    keeps padding tokens out of the statistics. The load-balancing loss is Switch's/GShard's
+    (and transformers' Mixtral `load_balancing_loss_func`): E * sum_e f_e * P_e with f_e the
+    fraction of tokens sent to expert e (summed over the K choices) and P_e the mean score of
+    expert e. The z-loss is ST-MoE's mean of logsumexp(logits)^2.
+    """
+    if scores not in ROUTER_SCORES:
+        raise ValueError(f"router scores {scores!r}; choose one of {ROUTER_SCORES}")
+    logits = logits.astype(jnp.float32)
+    n, e = logits.shape
+    probs = jax.nn.softmax(logits, axis=-1) if scores == "softmax" else jax.nn.sigmoid(logits)
+    weights, experts = jax.lax.top_k(probs, k)
+    if renormalize:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    mask = jnp.ones((n,), jnp.float32) if valid is None else valid.astype(jnp.float32)
+    count = jnp.maximum(mask.sum(), 1.0)
+    chosen = jax.nn.one_hot(experts, e, dtype=jnp.float32).sum(axis=1) * mask[:, None]  # [N, E]
+    tokens_per_expert = chosen.sum(axis=0) / count  # f_e, sums to K
+    mean_probs = (probs * mask[:, None]).sum(axis=0) / count  # P_e
+    aux_loss = e * jnp.sum(tokens_per_expert * mean_probs)
+    z_loss = jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1)) * mask) / count
+    return Routing(weights, experts.astype(jnp.int32), aux_loss, z_loss, tokens_per_expert / k)
+
+
+def activate(hidden: jax.Array, gate: jax.Array | None, activation: str,
+             gelu_approximate: bool = True) -> jax.Array:
+    """The feed-forward's nonlinearity of x W1 (`hidden`) and x W_gate (`gate`, gated ones),
+    as `layers.feed_forward` applies it (biases already added)."""
+    if activation == "relu":
+        return jax.nn.relu(hidden)
+    if activation == "gelu":
+        return jax.nn.gelu(hidden, approximate=gelu_approximate)
+    if activation == "silu":
+        return jax.nn.silu(hidden)
+    if activation == "swiglu":
+        return jax.nn.silu(gate) * hidden
+    return jax.nn.gelu(gate, approximate=gelu_approximate) * hidden
+
+
+class Experts(NamedTuple):
+    """The experts' weights: ff_in, ff_gate [E, D, F], ff_out [E, F, D], biases [E, F], [E, D]
+    (ff_gate only for a gated activation; biases optional)."""
+
+    ff_in: jax.Array
+    ff_out: jax.Array
+    ff_gate: jax.Array | None = None
+    bias_in: jax.Array | None = None
+    bias_out: jax.Array | None = None
+
+
+def dropless(x: jax.Array, routing: Routing, experts: Experts, *, activation: str,
+             gelu_approximate: bool = True, dropout_rate: float = 0.0,
+             dropout_rng: jax.Array | None = None) -> jax.Array:
+    """sum_k weight_k * FFN_{expert_k}(x) for x [N, D]: the N*K assignments sorted by expert,
+    each expert's rows multiplied by its weights with `jax.lax.ragged_dot`, then put back."""
+    n, k = routing.experts.shape
+    num_experts = experts.ff_in.shape[0]
+    flat = routing.experts.reshape(-1)  # [N*K], token i's choices at rows i*K .. i*K+K-1
+    order = jnp.argsort(flat, stable=True)
+    sorted_experts = flat[order]
+    rows = x[order // k]  # [N*K, D]
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    hidden = jax.lax.ragged_dot(rows, experts.ff_in, group_sizes)
+    if experts.bias_in is not None:
+        hidden = hidden + experts.bias_in[sorted_experts]
+    gate = None
+    if experts.ff_gate is not None:
+        gate = jax.lax.ragged_dot(rows, experts.ff_gate, group_sizes)
+    hidden = layers.dropout(activate(hidden, gate, activation, gelu_approximate),
+                            dropout_rate, dropout_rng)
+    out = jax.lax.ragged_dot(hidden, experts.ff_out, group_sizes)
+    if experts.bias_out is not None:
+        out = out + experts.bias_out[sorted_experts]
+    unsorted = jnp.zeros_like(out).at[order].set(out).reshape(n, k, -1)
+    return jnp.einsum("NKD,NK->ND", unsorted, routing.weights.astype(out.dtype))
+
+
+def capacity(length: int, k: int, num_experts: int, factor: float) -> int:
+    """Slots per expert for a group of `length` tokens: ceil(factor * length * K / E)."""
+    return max(1, math.ceil(factor * length * k / num_experts))
+
+
+def slots(experts: jax.Array, num_experts: int, capacity_: int) -> tuple[jax.Array, jax.Array]:
+    """(slot [T, K] int32, kept [T, K] bool) of one group's assignments experts [T, K]: an
+    expert's slots go to the first choices of all tokens in order, then the second choices, ...;
+    an assignment past the expert's `capacity_` is not kept."""
+    t, k = experts.shape
+    priority = experts.T.reshape(-1)  # choice-major: [K*T]
+    one_hot = jax.nn.one_hot(priority, num_experts, dtype=jnp.int32)
+    position = (jnp.cumsum(one_hot, axis=0) - 1)[jnp.arange(k * t), priority]
+    slot = position.reshape(k, t).T
+    return slot, slot < capacity_
+
+
+def with_capacity(x: jax.Array, routing: Routing, experts: Experts, *, capacity_factor: float,
+                  activation: str, gelu_approximate: bool = True, dropout_rate: float = 0.0,
+                  dropout_rng: jax.Array | None = None,
+                  constrain=lambda buffer: buffer) -> tuple[jax.Array, jax.Array]:
+    """(y [B, T, D], dropped assignments) for x [B, T, D] and routing of its B*T tokens, with
+    `capacity` slots per expert in each row; `constrain` places the [B, E, C, D] buffers
+    (e.g. `nn.with_logical_constraint` onto the `expert` mesh axis)."""
+    b, t, d = x.shape
+    num_experts = experts.ff_in.shape[0]
+    k = routing.experts.shape[-1]
+    c = capacity(t, k, num_experts, capacity_factor)
+    chosen = routing.experts.reshape(b, t, k)
+    slot, kept = jax.vmap(lambda e: slots(e, num_experts, c))(chosen)
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None, None], chosen.shape)
+    tokens = jnp.broadcast_to(x[:, :, None, :], (b, t, k, d))
+    target = jnp.where(kept, slot, c)  # slot c is out of range: dropped by the scatter
+    buffer = jnp.zeros((b, num_experts, c, d), x.dtype).at[rows, chosen, target].set(
+        tokens, mode="drop")
+    buffer = constrain(buffer)
+    hidden = jnp.einsum("BECD,EDF->BECF", buffer, experts.ff_in)
+    if experts.bias_in is not None:
+        hidden = hidden + experts.bias_in[:, None, :]
+    gate = None
+    if experts.ff_gate is not None:
+        gate = jnp.einsum("BECD,EDF->BECF", buffer, experts.ff_gate)
+    hidden = layers.dropout(activate(hidden, gate, activation, gelu_approximate),
+                            dropout_rate, dropout_rng)
+    out = jnp.einsum("BECF,EFD->BECD", hidden, experts.ff_out)
+    if experts.bias_out is not None:
+        out = out + experts.bias_out[:, None, :]
+    out = constrain(out)
+    gathered = out.at[rows, chosen, target].get(mode="fill", fill_value=0)  # [B, T, K, D]
+    weights = jnp.where(kept, routing.weights.reshape(b, t, k), 0.0).astype(out.dtype)
+    return jnp.einsum("BTKD,BTK->BTD", gathered, weights), (~kept).sum()
