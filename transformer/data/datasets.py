@@ -8,9 +8,12 @@ files. `offline_de_en` builds itself from Debian packages (`offline/de_en.py`).
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import io
 import logging
 import os
+import sys
 
 import numpy as np
 
@@ -34,7 +37,24 @@ def _tfds():
         tf.config.set_visible_devices([], "GPU")
     except RuntimeError:  # already initialised
         pass
+    if not sys.stderr.isatty():  # bars in a terminal; none in a log file or a pipe
+        tfds.disable_progress_bar()
     return tfds
+
+
+@contextlib.contextmanager
+def _tfds_quietly():
+    """TFDS's own chatter off the screen while it finds or prepares a dataset (our lines say
+    what happens): its warnings about half-built folders and its banner on stdout. Its errors
+    stay."""
+    absl_logger = logging.getLogger("absl")
+    level = absl_logger.level
+    absl_logger.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        absl_logger.setLevel(level)
 
 
 def _wmt_manual_files(builder) -> list[str]:
@@ -59,13 +79,16 @@ def prepare_dataset(name: str, data_dir: str | None = None, manual_dir: str | No
     if name.split("/")[0] == "offline_de_en":
         from transformer.data.offline import de_en as offline_de_en  # noqa: F401  (registers the builder)
     try:
-        builder = tfds.builder(name, data_dir=data_dir)
+        with _tfds_quietly():
+            builder = tfds.builder(name, data_dir=data_dir)
     except Exception as e:  # unknown name or config
         close = difflib.get_close_matches(name.split("/")[0],
                                           tfds.list_builders() + ["offline_de_en"], n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise DataUnavailable(f"data.dataset={name!r}: {str(e).splitlines()[0]}{hint}") from None
-    if builder.is_prepared():
+    with _tfds_quietly():
+        prepared = builder.is_prepared()
+    if prepared:
         return _ensure_array_record(builder)
     kwargs = {}
     from tensorflow_datasets.translate import wmt
@@ -83,8 +106,9 @@ def prepare_dataset(name: str, data_dir: str | None = None, manual_dir: str | No
     elif manual_dir:
         kwargs["download_config"] = tfds.download.DownloadConfig(manual_dir=manual_dir)
     log.info("preparing %s in %s (array_record)", name, builder.data_dir)
-    builder.download_and_prepare(file_format="array_record", **kwargs)
-    return tfds.builder(name, data_dir=data_dir)
+    with _tfds_quietly():
+        builder.download_and_prepare(file_format="array_record", **kwargs)
+        return tfds.builder(name, data_dir=data_dir)
 
 
 def _ensure_array_record(builder):

@@ -31,8 +31,11 @@ from absl import logging as absl_logging
 FLAGS = flags.FLAGS
 VERBOSE_ENV = "TRANSFORMER_VERBOSE"
 # Read by the native libraries when they first log; a value the user set is kept.
+# TensorFlow (2.21) prints its oneDNN notice whatever TF_CPP_MIN_LOG_LEVEL says, unless its
+# oneDNN kernels are off: they would serve TensorFlow's matrix products, and TensorFlow here only
+# reads and tokenizes data.
 QUIET_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "TPU_MIN_LOG_LEVEL": "2", "TPU_STDERR_LOG_LEVEL": "2",
-             "GRPC_VERBOSITY": "ERROR", "GLOG_minloglevel": "2"}
+             "GRPC_VERBOSITY": "ERROR", "GLOG_minloglevel": "2", "TF_ENABLE_ONEDNN_OPTS": "0"}
 
 
 def verbose(argv: list[str]) -> bool:
