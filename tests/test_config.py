@@ -58,7 +58,8 @@ def test_every_config_file_validates(path, load_config):
     ("learning_rate", 1e-3, "did you mean 'optimizer.learning_rate'?"),  # in the wrong place
     ("vocab_size", 64, "did you mean 'model.vocab_size' or 'data.vocab_size'?"),
     ("mesh.model", 2, "unknown config key 'mesh.model' in configs/typo.py; known: context, "
-                      "data, dcn_context, dcn_data, dcn_fsdp, dcn_tensor, fsdp, tensor"),
+                      "data, dcn_context, dcn_data, dcn_expert, dcn_fsdp, dcn_tensor, expert, "
+                      "fsdp, tensor"),
 ])
 def test_unknown_config_keys_are_named_with_the_closest_known_key(key, value, message,
                                                                    tiny_config):

@@ -50,7 +50,7 @@ TOP_LEVEL: dict[str, tuple[type | tuple[type, ...], object]] = {
 # (generate) and distributed.initialize read.
 SECTIONS: dict[str, frozenset[str]] = {
     "model": frozenset(f.name for f in dataclasses.fields(TransformerConfig)),
-    "mesh": frozenset(sharding.MESH_AXES + sharding.DCN_AXES),
+    "mesh": sharding.CONFIG_KEYS,
     "data": data_lib.CONFIG_KEYS,
     "optimizer": frozenset({"name", "schedule", "learning_rate", "warmup_steps", "end_fraction",
                             "b1", "b2", "eps", "weight_decay", "clip_norm",

@@ -6,6 +6,7 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from transformer.model.config import TransformerConfig
 from transformer.training import sharding
 
 
@@ -14,7 +15,7 @@ def test_mesh_axes_and_the_context_default():
     assert sharding.mesh_shape({"data": -1, "fsdp": 1, "tensor": 2}, 8) == {
         "data": 4, "fsdp": 1, "context": 1, "tensor": 2}
     mesh = sharding.make_mesh({"data": 1, "fsdp": 2, "context": 4, "tensor": 1})
-    assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "context": 4, "tensor": 1}
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "context": 4, "tensor": 1, "expert": 1}
     with pytest.raises(ValueError, match="mesh.context=3, mesh.tensor=1 needs 6 devices"):
         sharding.mesh_shape({"data": 2, "fsdp": 1, "context": 3, "tensor": 1}, 8)
 
@@ -32,3 +33,16 @@ def test_length_goes_to_context_and_embed_beside_fsdp():
         specs, abstract, sharding.make_mesh({"data": 1, "fsdp": 2, "context": 2, "tensor": 2}))
     assert split["kernel"].spec == P(("fsdp", "context"), "tensor")
     assert split["odd"].spec == P(None, "tensor")  # 4 does not divide 6: replicated
+
+
+def test_expert_axis_splits_the_batch_and_the_experts():
+    shape = sharding.mesh_shape({"data": 2, "fsdp": 1, "tensor": 1, "expert": 4}, 8)
+    assert shape == {"data": 2, "fsdp": 1, "context": 1, "tensor": 1, "expert": 4}
+    assert sharding.batch_shards(shape) == 8
+    abstract = {"ff_in": jax.ShapeDtypeStruct((8, 64, 16), "float32")}
+    specs = {"ff_in": P("expert", "embed", "mlp")}
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 2, "tensor": 1, "expert": 4})
+    assert sharding.logical_to_sharding(specs, abstract, mesh)["ff_in"].spec == P(
+        "expert", "fsdp", "tensor")
+    with pytest.raises(ValueError, match="mesh.expert=4 does not divide model.num_experts=6"):
+        sharding.validate_mesh_for_model(shape, TransformerConfig(num_experts=6))

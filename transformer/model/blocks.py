@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer.model.config import TransformerConfig
+from transformer.model.experts import MixtureOfExperts
 from transformer.ops import attention, kv_cache, layers, linear_attention, splash
 from transformer.ops import ring as context_attention
 
@@ -271,6 +272,17 @@ class FeedForward(nn.Module):
             dropout_rng=self.make_rng("dropout") if relu_dropout > 0.0 else None)
 
 
+def _feed_forward(cfg: TransformerConfig, routed: bool, x, segments, deterministic: bool):
+    """The feed-forward sublayer: `ffn`, or where `routed` the experts (`moe`) plus, with
+    `moe_shared_expert`, `ffn` as the expert every token also goes through."""
+    if not routed:
+        return FeedForward(cfg, name="ffn")(x, deterministic=deterministic)
+    y = MixtureOfExperts(cfg, name="moe")(x, segments=segments, deterministic=deterministic)
+    if cfg.moe_shared_expert:
+        y = y + FeedForward(cfg, name="ffn")(x, deterministic=deterministic).astype(y.dtype)
+    return y
+
+
 def _post_norm(cfg: TransformerConfig, sublayer: str) -> Norm | None:
     """`post_norm_<sublayer>`, the norm of a sublayer's output, where `post_sublayer_norm`."""
     return Norm(cfg, name=f"post_norm_{sublayer}") if cfg.post_sublayer_norm else None
@@ -293,11 +305,13 @@ def _residual(x, y, norm: Norm, deterministic: bool, post: Norm | None = None):
 class EncoderBlock(nn.Module):
     """Self-attention and feed-forward sublayers. `__call__(x [B,S,D], mask, positions,
     segments, deterministic) -> (x, None)`, the shape of an `nn.scan` body (as
-    `DecoderBlock`'s). `window`: this layer's local window (None: global)."""
+    `DecoderBlock`'s). `window`: this layer's local window (None: global); `routed`: its
+    feed-forward is a mixture of experts."""
 
     config: TransformerConfig
     attention_fn: Callable[..., jax.Array] = attention.dot_product_attention
     window: int | None = None
+    routed: bool = False
 
     @nn.compact
     def __call__(self, x, mask, positions, segments=None, deterministic=True):
@@ -308,7 +322,7 @@ class EncoderBlock(nn.Module):
         y, _ = attend(_pre_norm(x, norm_attention), mask=mask, q_positions=positions,
                       kv_positions=positions, segments=segments, deterministic=deterministic)
         x = _residual(x, y, norm_attention, deterministic, _post_norm(cfg, "attention"))
-        y = FeedForward(cfg, name="ffn")(_pre_norm(x, norm_ffn), deterministic=deterministic)
+        y = _feed_forward(cfg, self.routed, _pre_norm(x, norm_ffn), segments, deterministic)
         x = _residual(x, y, norm_ffn, deterministic, _post_norm(cfg, "ffn"))
         return nn.with_logical_constraint(x, ("batch", "length", None)), None
 
@@ -318,12 +332,13 @@ class DecoderBlock(nn.Module):
 
     `__call__(x [B,T,D], encoded [B,S,D] or None, self_mask, cross_mask, positions, segments,
     in_prefix, cache, cache_index, deterministic) -> (x, cache)`. `window`: this layer's local
-    window (None: global).
+    window (None: global); `routed`: its feed-forward is a mixture of experts.
     """
 
     config: TransformerConfig
     attention_fn: Callable[..., jax.Array] = attention.dot_product_attention
     window: int | None = None
+    routed: bool = False
 
     @nn.compact
     def __call__(self, x, encoded, self_mask, cross_mask, positions, segments=None,
@@ -349,7 +364,7 @@ class DecoderBlock(nn.Module):
                 deterministic=deterministic)
             x = _residual(x, y, norm_cross, deterministic, _post_norm(cfg, "cross"))
         norm_ffn = Norm(cfg, name="norm_ffn")
-        y = FeedForward(cfg, name="ffn")(_pre_norm(x, norm_ffn), deterministic=deterministic)
+        y = _feed_forward(cfg, self.routed, _pre_norm(x, norm_ffn), segments, deterministic)
         x = _residual(x, y, norm_ffn, deterministic, _post_norm(cfg, "ffn"))
         x = nn.with_logical_constraint(x, ("batch", "length", None))
         return x, (new_cache if cache else None)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
-from transformer.ops import attention, layers, linear_attention
+from transformer.ops import attention, layers, linear_attention, moe
 
 # vision: `transformer.model.vit`; classifier: the encoder and a class head (`Transformer.classify`)
 ARCHITECTURES = ("encoder_decoder", "encoder", "decoder", "vision", "classifier")
@@ -126,6 +126,22 @@ class TransformerConfig:
     # cls: the first token's final state (the ViT's class token; a text's first piece);
     # gap: the mean of the final states (the patches; a text's non-padding tokens)
     pooling: str = "cls"
+    # Mixture of experts (`transformer.ops.moe`, docs/moe.md): num_experts feed-forward
+    # experts (0: dense) in every moe_layer_interval-th layer (layers n-1, 2n-1, ...), each
+    # token sent to experts_per_token of them by a float32 router (moe_router_scores, the
+    # top-k weights renormalised to sum to 1 where moe_renormalize, as Mixtral); a shared
+    # dense expert beside them where moe_shared_expert; moe_capacity_factor 0 dispatches
+    # without dropping (ragged_dot), >= 1 gives each expert that many times its even share of
+    # slots per row; the load-balancing and router z-loss coefficients
+    num_experts: int = 0
+    experts_per_token: int = 2
+    moe_layer_interval: int = 1
+    moe_router_scores: str = "softmax"
+    moe_renormalize: bool = True
+    moe_shared_expert: bool = False
+    moe_capacity_factor: float = 0.0
+    moe_aux_loss_coef: float = 0.01
+    moe_z_loss_coef: float = 0.001
 
     def __post_init__(self):
         set_ = functools.partial(object.__setattr__, self)
@@ -189,6 +205,8 @@ class TransformerConfig:
                                                          self.num_decoder_layers) < 1:
             raise ValueError("model.num_encoder_layers and num_decoder_layers must be >= 1")
         self._check_attention_pattern()
+        if self.num_experts:
+            self._check_experts()
         if self.architecture == "vision":
             self._check_vision()
 
@@ -264,6 +282,30 @@ class TransformerConfig:
                              f"between layers, which model.scan_layers=True cannot stack (their "
                              f"decoding caches differ): set scan_layers=False or a uniform "
                              f"pattern")
+
+    def _check_experts(self):
+        if self.num_experts < 0 or not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError(f"model.experts_per_token={self.experts_per_token} must be in 1.."
+                             f"model.num_experts={self.num_experts}")
+        if self.moe_router_scores not in moe.ROUTER_SCORES:
+            raise ValueError(f"model.moe_router_scores={self.moe_router_scores!r} is not one of "
+                             f"{', '.join(moe.ROUTER_SCORES)}")
+        if self.moe_layer_interval < 1:
+            raise ValueError(f"model.moe_layer_interval={self.moe_layer_interval} must be >= 1")
+        if 0 < self.moe_capacity_factor < 1 or self.moe_capacity_factor < 0:
+            raise ValueError(f"model.moe_capacity_factor={self.moe_capacity_factor} drops tokens "
+                             f"even from a balanced router: set 0 (dropless dispatch) or >= 1")
+        if self.scan_layers and self.moe_layer_interval > 1:
+            raise ValueError(f"model.moe_layer_interval={self.moe_layer_interval} makes layers "
+                             f"differ, which model.scan_layers=True cannot stack: set "
+                             f"scan_layers=False or moe_layer_interval=1")
+        if self.architecture in ("vision", "classifier"):
+            raise ValueError(f"model.num_experts={self.num_experts}: experts are for the "
+                             f"encoder-decoder, encoder and decoder architectures")
+
+    def routed(self, layer: int) -> bool:
+        """Whether layer `layer` (same index in the encoder and the decoder) has experts."""
+        return self.num_experts > 0 and (layer + 1) % self.moe_layer_interval == 0
 
     def layer_window(self, layer: int) -> int | None:
         """The window w of layer `layer`'s self-attention (same index in the encoder and the

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from transformer.data.tokenizer import BOS_ID
 from transformer.model.blocks import DecoderBlock, EncoderBlock, Norm, Weights
 from transformer.model.config import REMAT_POLICIES, TransformerConfig
+from transformer.model.experts import COLLECTION
 from transformer.ops import attention, layers, linear_attention, ring
 
 Cache = dict[str, Any]
@@ -52,7 +53,7 @@ def _stack(block: type[nn.Module], cfg: TransformerConfig, num_layers: int, *,
                          static_argnums=(2 + args.index("deterministic"),))  # self is 0
     if cfg.scan_layers:
         in_axes = tuple(0 if arg in per_layer_args else nn.broadcast for arg in args)
-        block = nn.scan(block, variable_axes={"params": 0},
+        block = nn.scan(block, variable_axes={"params": 0, COLLECTION: 0},
                         split_rngs={"params": True, "dropout": True}, in_axes=in_axes,
                         length=num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
     return block
@@ -64,8 +65,7 @@ def _layer_names(cfg: TransformerConfig, num_layers: int) -> list[str]:
 
 
 def _layers(cfg: TransformerConfig, num_layers: int) -> list[tuple[str, int | None]]:
-    """(subtree name, local window or None) of each layer (`_layer_names`); scanned layers
-    share one window (the config refuses a mixed pattern with scan_layers)."""
+    """(subtree name, local window or None) of each layer; scanned ones share one window."""
     return [(name, cfg.layer_window(i))
             for i, name in enumerate(_layer_names(cfg, num_layers))]
 
@@ -76,9 +76,9 @@ def encoder_stack(cfg: TransformerConfig, attention_fn, x, mask, positions, segm
     Call it inside a compact module (the Encoder, the ViT's encoder): the layers and the norm
     become that module's submodules (`layers_{i}` or scanned `layers`, `norm`)."""
     block = _stack(EncoderBlock, cfg, cfg.num_encoder_layers)
-    for name, window in _layers(cfg, cfg.num_encoder_layers):
-        x, _ = block(cfg, attention_fn, window, name=name)(x, mask, positions, segments,
-                                                           deterministic)
+    for i, (name, window) in enumerate(_layers(cfg, cfg.num_encoder_layers)):
+        x, _ = block(cfg, attention_fn, window, cfg.routed(i), name=name)(
+            x, mask, positions, segments, deterministic)
     if cfg.norm_position == "pre":
         x = Norm(cfg, name="norm")(x)
     return x
@@ -222,8 +222,8 @@ class Decoder(nn.Module):
         index = None if cache is None else cache["index"]
         new_cache = None if cache is None else {"index": index + tokens.shape[1]}
         block = _stack(DecoderBlock, cfg, cfg.num_decoder_layers, per_layer_args=("cache",))
-        for name, window in _layers(cfg, cfg.num_decoder_layers):
-            x, layer_cache = block(cfg, self.attention_fn, window, name=name)(
+        for i, (name, window) in enumerate(_layers(cfg, cfg.num_decoder_layers)):
+            x, layer_cache = block(cfg, self.attention_fn, window, cfg.routed(i), name=name)(
                 x, encoded, self_mask, cross_mask, positions, segments, in_prefix,
                 None if cache is None else cache[name], index, deterministic)
             if cache is not None:

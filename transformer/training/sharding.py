@@ -10,6 +10,12 @@ heads and d_ff over "tensor" (Megatron-style). A parameter dimension that its me
 divide is replicated instead (e.g. a single kv head under tensor parallelism: multi-query).
 `mesh.context` defaults to 1 (configs and runs written before it).
 
+Expert parallelism (`mesh.expert`, a mixture-of-experts model, docs/moe.md): the mesh always
+ends with an "expert" axis (size 1 unless set; `mesh_shape` names it only when the config
+does). It splits the batch as data parallelism does and the experts' weights (logical axis
+`expert`) among its chips; capacity dispatch's [B, E, C, D] buffers go from rows split over it
+to experts split over it (logical `expert_batch`: the batch axes but "expert"), an all-to-all.
+
 Several TPU slices (multi-slice pods) talk over the data-center network (DCN), slower than the
 links within a slice (ICI): `mesh.data`, `mesh.fsdp`, `mesh.tensor` size each axis within one
 slice and `mesh.dcn_data`, `mesh.dcn_fsdp`, `mesh.dcn_context`, `mesh.dcn_tensor` across
@@ -32,15 +38,20 @@ from transformer.model.config import TransformerConfig
 
 MESH_AXES = ("data", "fsdp", "context", "tensor")
 DCN_AXES = tuple(f"dcn_{axis}" for axis in MESH_AXES)  # config keys: the axes across slices
-MESH_DEFAULTS = {"context": 1}  # the axes a config may leave out
-DCN_DEFAULTS = {"dcn_data": -1, "dcn_fsdp": 1, "dcn_context": 1, "dcn_tensor": 1}
-BATCH_AXES = ("data", "fsdp")
+EXPERT_AXIS = "expert"  # last in every mesh (`mesh_axes`)
+MESH_DEFAULTS = {"context": 1, EXPERT_AXIS: 1}  # the axes a config may leave out
+DCN_DEFAULTS = {"dcn_data": -1, "dcn_fsdp": 1, "dcn_context": 1, "dcn_tensor": 1,
+                f"dcn_{EXPERT_AXIS}": 1}
+CONFIG_KEYS = frozenset(MESH_AXES + DCN_AXES + (EXPERT_AXIS, f"dcn_{EXPERT_AXIS}"))
+BATCH_AXES = ("data", "fsdp", EXPERT_AXIS)
 LENGTH_AXIS = "context"  # the mesh axis of the activations' positions
 PARAM_AXES = ("fsdp", LENGTH_AXIS)  # the mesh axes a parameter's `embed` axis is sharded over
 
 # Logical axis name -> mesh axes. First match wins (Linen); every name appears once.
 LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", BATCH_AXES),
+    ("expert_batch", BATCH_AXES[:-1]),
+    ("expert", EXPERT_AXIS),
     ("length", LENGTH_AXIS),
     ("embed", PARAM_AXES),
     ("heads", "tensor"),
@@ -55,7 +66,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 def _fill(keys: Sequence[str], sizes: list[int], total: int, what: str) -> list[int]:
     """`sizes` with its one -1 (if any) taking the rest of `total`; one line on a mismatch."""
     described = ", ".join(f"mesh.{k}={s}" for k, s in zip(keys, sizes, strict=True)
-                          if s != 1 or not k.endswith("context"))  # unsplit: left unsaid
+                          if s != 1 or not k.endswith(("context", EXPERT_AXIS)))  # unsplit
     if sizes.count(-1) > 1:
         raise ValueError(f"at most one mesh axis may be -1, got {described}")
     if any(s == 0 or s < -1 for s in sizes):
@@ -72,16 +83,23 @@ def _fill(keys: Sequence[str], sizes: list[int], total: int, what: str) -> list[
     return sizes
 
 
+def mesh_axes(mesh_cfg) -> tuple[str, ...]:
+    """MESH_AXES, and "expert" where the config's `mesh` section sets it."""
+    sets_expert = EXPERT_AXIS in mesh_cfg or f"dcn_{EXPERT_AXIS}" in mesh_cfg
+    return MESH_AXES + ((EXPERT_AXIS,) if sets_expert else ())
+
+
 def hybrid_shape(mesh_cfg, num_devices: int, num_slices: int = 1) -> tuple[list[int], list[int]]:
-    """(sizes within a slice, sizes across slices) of the MESH_AXES, from the config's `mesh`
+    """(sizes within a slice, sizes across slices) of the `mesh_axes`, from the config's `mesh`
     section for `num_devices` devices in `num_slices` slices."""
     if num_devices % num_slices:
         raise ValueError(f"{num_devices} devices do not split into {num_slices} slices")
-    dcn = _fill(DCN_AXES, [int(mesh_cfg.get(k, DCN_DEFAULTS[k])) for k in DCN_AXES],
+    axes = mesh_axes(mesh_cfg)
+    dcn_axes = tuple(f"dcn_{axis}" for axis in axes)
+    dcn = _fill(dcn_axes, [int(mesh_cfg.get(k, DCN_DEFAULTS[k])) for k in dcn_axes],
                 num_slices, "slices")
-    sizes = [int(mesh_cfg[axis] if axis in mesh_cfg else MESH_DEFAULTS[axis])
-             for axis in MESH_AXES]
-    ici = _fill(MESH_AXES, sizes,
+    sizes = [int(mesh_cfg[axis] if axis in mesh_cfg else MESH_DEFAULTS[axis]) for axis in axes]
+    ici = _fill(axes, sizes,
                 num_devices // num_slices, "devices per slice" if num_slices > 1 else "devices")
     return ici, dcn
 
@@ -91,7 +109,7 @@ def mesh_shape(mesh_cfg, num_devices: int, num_slices: int = 1) -> dict[str, int
     one -1 takes the rest. With several slices each axis is its size within a slice times
     across them."""
     ici, dcn = hybrid_shape(mesh_cfg, num_devices, num_slices)
-    return {axis: i * d for axis, i, d in zip(MESH_AXES, ici, dcn, strict=True)}
+    return {axis: i * d for axis, i, d in zip(mesh_axes(mesh_cfg), ici, dcn, strict=True)}
 
 
 def num_slices(devices: Sequence[jax.Device]) -> int:
@@ -100,7 +118,12 @@ def num_slices(devices: Sequence[jax.Device]) -> int:
 
 
 def validate_mesh_for_model(shape: Mapping[str, int], model: TransformerConfig) -> None:
-    """Tensor parallelism must divide the heads and d_ff (one line naming the sizes)."""
+    """Tensor parallelism must divide the heads and d_ff, expert parallelism the experts (one
+    line naming the sizes)."""
+    expert = shape.get(EXPERT_AXIS, 1)
+    if expert > 1 and model.num_experts % expert:
+        raise ValueError(f"mesh.expert={expert} does not divide model.num_experts="
+                         f"{model.num_experts}")
     tensor = shape["tensor"]
     for field in ("num_heads", "d_ff"):
         value = getattr(model, field)
@@ -109,16 +132,19 @@ def validate_mesh_for_model(shape: Mapping[str, int], model: TransformerConfig) 
 
 
 def make_mesh(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """The MESH_AXES mesh over `devices` (default: all), Auto axis types;
+    """The MESH_AXES + ("expert",) mesh over `devices` (default: all), Auto axis types;
     over several slices a hybrid mesh whose DCN part spans the slices."""
     devices = list(jax.devices() if devices is None else devices)
     slices = num_slices(devices)
     ici, dcn = hybrid_shape(mesh_cfg, len(devices), slices)
-    axis_types = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+    if EXPERT_AXIS not in mesh_axes(mesh_cfg):
+        ici, dcn = ici + [1], dcn + [1]
+    axes = MESH_AXES + (EXPERT_AXIS,)
+    axis_types = (jax.sharding.AxisType.Auto,) * len(axes)
     if slices == 1:
-        return jax.make_mesh(tuple(ici), MESH_AXES, axis_types, devices=devices)
+        return jax.make_mesh(tuple(ici), axes, axis_types, devices=devices)
     grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
-    return Mesh(grid, MESH_AXES, axis_types=axis_types)
+    return Mesh(grid, axes, axis_types=axis_types)
 
 
 def logical_to_sharding(logical_specs, abstract_tree, mesh: Mesh):
@@ -151,7 +177,7 @@ def tree_shardings(boxed_abstract_tree, mesh: Mesh):
 
 def batch_shards(mesh_shape: Mapping[str, int]) -> int:
     """How many ways the batch is split: the product of the BATCH_AXES sizes (`mesh.shape`)."""
-    return math.prod(mesh_shape[axis] for axis in BATCH_AXES)
+    return math.prod(mesh_shape.get(axis, 1) for axis in BATCH_AXES)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -36,6 +36,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from transformer.config import Resolved
+from transformer.model import experts
 from transformer.model.transformer import Transformer, TransformerConfig
 from transformer.model.vit import VisionTransformer, mirror_averaged_logits
 from transformer.training import optim, sharding
@@ -238,10 +239,12 @@ def classification_figures(logits: jax.Array, labels: jax.Array) -> dict[str, ja
 
 def _loss_sums(trainer: Trainer, params, batch, *, label_smoothing, z_loss, dropout_rng,
                grad_scale=1.0):
+    """(optim.LossSums, the routed layers' `experts.statistics`, {} for a dense model)."""
     if "label" in batch:
         logits = classifier_logits(trainer, params, batch, dropout_rng)
         return classification_sums(logits, batch["label"], label_smoothing=label_smoothing,
-                                   z_loss=z_loss)[0]
+                                   z_loss=z_loss)[0], {}
+    routed = trainer.model.config.num_experts > 0
     deterministic = dropout_rng is None
     # The model's activation constraints (`nn.with_logical_constraint`) need the rules and the
     # mesh in scope; without them they do nothing and XLA may gather FSDP activations whole.
@@ -251,20 +254,29 @@ def _loss_sums(trainer: Trainer, params, batch, *, label_smoothing, z_loss, drop
         output = trainer.model.apply(
             {"params": params}, batch.get("inputs"), batch["targets"], **_model_kwargs(batch),
             deterministic=deterministic, method="output_head" if chunked else "__call__",
-            rngs=None if deterministic else {"dropout": dropout_rng})
+            rngs=None if deterministic else {"dropout": dropout_rng},
+            mutable=[experts.COLLECTION] if routed else False)
+        output, moe = output if routed else (output, {})
+        moe = experts.statistics(moe) if routed else {}
         if chunked:  # the kernel gathered over fsdp once, not in every chunk
             kernel = nn.with_logical_constraint(
                 output.kernel, ("vocab", None) if output.vocab_axis == 0 else (None, "vocab"))
     weights = loss_weights(batch)
     if not chunked:
         return optim.cross_entropy_loss(output, batch["targets"], weights,
-                                        label_smoothing=label_smoothing, z_loss=z_loss)
+                                        label_smoothing=label_smoothing, z_loss=z_loss), moe
     rows = output.hidden.shape[0]
     rows_per_device = max(1, rows // sharding.batch_shards(trainer.mesh.shape))
     return optim.projected_cross_entropy_loss(
         output.hidden, kernel, batch["targets"], weights, vocab_axis=output.vocab_axis,
         label_smoothing=label_smoothing, z_loss=z_loss,
-        chunk_length=max(1, trainer.loss_chunk_tokens // rows_per_device), grad_scale=grad_scale)
+        chunk_length=max(1, trainer.loss_chunk_tokens // rows_per_device),
+        grad_scale=grad_scale), moe
+
+
+# A routed model's train-line metrics (`experts.statistics`), means over the microbatches
+MOE_METRICS = ("moe_aux_loss", "router_z_loss", "expert_load_max", "expert_load_min",
+               "moe_dropped")
 
 
 def make_train_step(trainer: Trainer, cfg) -> Callable:
@@ -284,10 +296,12 @@ def make_train_step(trainer: Trainer, cfg) -> Callable:
     `skipped_overflow_steps` (the running count, this step included).
     """
     label_smoothing, z_loss = float(cfg.label_smoothing), float(cfg.z_loss)
+    model = trainer.model.config
     seed = int(cfg.seed)
     scaled = trainer.loss_scale is not None
 
     def train_step(state: TrainState, batch: dict):
+        num_micro = batch["label" if "label" in batch else "targets"].shape[0]
         total_weight = jnp.maximum(loss_weights(batch).sum(), 1.0)
         step_rng = jax.random.fold_in(jax.random.key(seed), state.step + 1)
         scale = state.loss_scale.scale if scaled else 1.0
@@ -296,22 +310,28 @@ def make_train_step(trainer: Trainer, cfg) -> Callable:
             micro, index = xs
 
             def loss_fn(params):
-                sums = _loss_sums(trainer, params, micro, label_smoothing=label_smoothing,
-                                  z_loss=z_loss, dropout_rng=jax.random.fold_in(step_rng, index),
-                                  grad_scale=scale / total_weight if scaled else 1.0)
+                sums, moe = _loss_sums(trainer, params, micro, label_smoothing=label_smoothing,
+                                       z_loss=z_loss,
+                                       dropout_rng=jax.random.fold_in(step_rng, index),
+                                       grad_scale=scale / total_weight if scaled else 1.0)
                 loss = sums.loss_sum / total_weight
-                return (loss * scale if scaled else loss), sums
+                if moe:  # the routers' losses, each microbatch's mean over its routed tokens
+                    loss += (model.moe_aux_loss_coef * moe["moe_aux_loss"]
+                             + model.moe_z_loss_coef * moe["router_z_loss"]) / num_micro
+                return (loss * scale if scaled else loss), (sums, moe)
 
-            (_, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-            acc_grads, acc_loss, acc_z = grads_and_sums
+            (_, (sums, moe)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+            acc_grads, acc_loss, acc_z, acc_moe = grads_and_sums
             return (jax.tree.map(jnp.add, acc_grads, grads), acc_loss + sums.loss_sum,
-                    acc_z + sums.z_loss_sum), None
+                    acc_z + sums.z_loss_sum,
+                    jax.tree.map(lambda a, m: a + m / num_micro, acc_moe, moe)), None
 
-        num_micro = batch["label" if "label" in batch else "targets"].shape[0]
+        moe_zeros = {name: jnp.zeros((), jnp.float32) for name in MOE_METRICS
+                     } if model.num_experts else {}
         zeros = (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros((), jnp.float32),
-                 jnp.zeros((), jnp.float32))
-        (grads, loss_sum, z_sum), _ = jax.lax.scan(microbatch, zeros,
-                                                   (batch, jnp.arange(num_micro)))
+                 jnp.zeros((), jnp.float32), moe_zeros)
+        (grads, loss_sum, z_sum, moe_sums), _ = jax.lax.scan(microbatch, zeros,
+                                                             (batch, jnp.arange(num_micro)))
         if scaled:  # exact: the scale is a power of two
             grads = jax.tree.map(lambda g: g / scale, grads)
         grad_norm = optax.tree.norm(grads)
@@ -331,7 +351,7 @@ def make_train_step(trainer: Trainer, cfg) -> Callable:
                    "target_tokens": total_weight,
                    "sequence_tokens": sequence_tokens(trainer.model.config, batch),
                    "source_tokens": (batch["inputs"] != 0).sum() if "inputs" in batch else 0,
-                   "nonfinite": ~finite}
+                   "nonfinite": ~finite} | moe_sums
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         if scaled:
             overflow = ~jnp.isfinite(grad_norm)

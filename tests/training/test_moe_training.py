@@ -1,0 +1,140 @@
+"""Mixture-of-experts training end to end on fake CPU devices: encoder-decoder, decoder and
+encoder models take routed layers, and training logs the routers' metrics; 8 devices with
+`mesh.expert=4` (beside data or fsdp) give the losses and parameters of 1 device step for
+step, and the checkpoint restores onto another mesh; bad expert settings are one line each."""
+
+import flax
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from transformer.checkpoint.checkpointer import Checkpointer
+from transformer.config import resolve
+from transformer.data import make_source
+from transformer.model import experts
+from transformer.model.transformer import Transformer, TransformerConfig
+from transformer.training import sharding
+from transformer.training import step as step_lib
+
+MOE = {"model.num_experts": 4, "model.experts_per_token": 2, "model.dropout_rate": 0.0,
+       "model.d_model": 32, "model.d_ff": 32, "data.batch_size": 8, "data.max_length": 15,
+       "model.max_len": 16}
+
+
+def _train(cfg, mesh, num_steps, state=None, first_batch=0):
+    """(final state, per-step metrics) of `num_steps` train steps on `mesh`."""
+    run = resolve(cfg, mesh.size)
+    trainer = step_lib.build_trainer(run, mesh)
+    if state is None:
+        state = step_lib.init_state(trainer, cfg.seed)
+    step_fn = step_lib.make_train_step(trainer, run.config)
+    source = make_source(cfg)
+    rows = step_lib.process_rows(mesh, source.rows_per_batch)
+    lines = []
+    for index in range(first_batch, first_batch + num_steps):
+        state, metrics = step_fn(state, step_lib.global_batch(
+            mesh, source.train_batch(index, rows)))
+        lines.append(jax.device_get(metrics))
+    return state, lines
+
+
+def _mesh(n, **axes):
+    return sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1, **axes}, jax.devices()[:n])
+
+
+@pytest.mark.parametrize("architecture,fields", [
+    ("encoder_decoder", {"model.moe_shared_expert": True}),
+    ("decoder", {"model.moe_layer_interval": 2, "model.moe_capacity_factor": 1.0,
+                 "model.moe_router_scores": "sigmoid"}),
+])
+def test_translation_and_lm_train_with_experts(load_config, architecture, fields):
+    """Three steps on one device: the loss falls and the routers' metrics are on the line."""
+    cfg = load_config("tiny.py", **{**MOE, "model.architecture": architecture, **fields})
+    state, lines = _train(cfg, _mesh(1), 3)
+    layers = state.params["decoder"]
+    routed = "layers_1" if architecture == "decoder" else "layers_0"
+    assert layers[routed]["moe"]["ff_in"].shape == (4, 32, 32)
+    assert ("ffn" in layers[routed]) == (architecture == "encoder_decoder")  # shared expert
+    if architecture == "decoder":  # every second layer routed
+        assert "moe" not in layers["layers_0"] and "ffn" in layers["layers_0"]
+    else:
+        assert "moe" in state.params["encoder"]["layers_1"]
+    for line in lines:
+        assert 0 < line["expert_load_min"] <= 0.25 <= line["expert_load_max"] <= 1
+        assert line["router_z_loss"] > 0 and line["moe_aux_loss"] > 0
+        assert (line["moe_dropped"] > 0) == (architecture == "decoder")  # capacity 1: drops
+    assert lines[-1]["loss"] < lines[0]["loss"]
+
+
+def test_encoder_takes_experts():
+    """An encoder-only model's routed layers record their statistics and get gradients."""
+    cfg = TransformerConfig(architecture="encoder", vocab_size=32, num_encoder_layers=2,
+                            d_model=16, d_ff=16, num_heads=2, max_len=8, num_experts=4,
+                            experts_per_token=1, dropout_rate=0.0)
+    model = Transformer(cfg)
+    tokens = jax.random.randint(jax.random.key(1), (2, 8), 1, 32)
+    params = model.init(jax.random.key(0), tokens, tokens)["params"]
+
+    def loss(params):
+        logits, records = model.apply({"params": params}, tokens, tokens,
+                                      mutable=[experts.COLLECTION])
+        return logits.mean() + experts.statistics(records)["moe_aux_loss"]
+
+    grads = jax.grad(loss)(params)
+    for name in ("router", "ff_in", "ff_out"):
+        assert np.abs(grads["encoder"]["layers_1"]["moe"][name].value).sum() > 0, name
+
+
+@pytest.mark.parametrize("capacity_factor", [0.0, 2.0], ids=["dropless", "capacity"])
+def test_expert_parallel_matches_one_device(load_config, tmp_path, capacity_factor):
+    """A decoder LM: 3 steps on 8 devices (data 2 x expert 4) give 1 device's losses and
+    parameters; its checkpoint restores onto fsdp 2 x expert 4 and goes on as the 1-device
+    run."""
+    cfg = load_config("tiny.py", **{**MOE, "model.architecture": "decoder",
+                                    "model.moe_capacity_factor": capacity_factor})
+    expected_state, expected = _train(cfg, _mesh(1), 5)
+    state, lines = _train(cfg, _mesh(8, data=2, expert=4), 3)
+    for line, want in zip(lines, expected, strict=False):
+        for key in ("loss", "moe_aux_loss", "router_z_loss", "expert_load_max", "moe_dropped"):
+            np.testing.assert_allclose(line[key], want[key], rtol=2e-5, err_msg=key)
+    kernel = state.params["decoder"]["layers_0"]["moe"]["ff_in"]
+    assert kernel.sharding.spec[0] == "expert"
+
+    checkpointer = Checkpointer(str(tmp_path), keep=1)
+    checkpointer.save(3, state, {"next_batch_index": 3})
+    checkpointer.close()
+    cfg.mesh.update({"data": 1, "fsdp": 2, "expert": 4})
+    other = _mesh(8, fsdp=2, expert=4)
+    restored, _ = Checkpointer(str(tmp_path), keep=1).restore(
+        3, step_lib.build_trainer(resolve(cfg, 8), other).abstract_state)
+    assert restored.params["decoder"]["layers_0"]["moe"]["ff_in"].sharding.spec == P(
+        "expert", "fsdp", "tensor")
+    state, lines = _train(cfg, other, 2, state=restored, first_batch=3)
+    for line, want in zip(lines, expected[3:], strict=True):
+        np.testing.assert_allclose(line["loss"], want["loss"], rtol=2e-5)
+    got, want = (flax.traverse_util.flatten_dict(jax.device_get(s.params), sep="/")
+                 for s in (state, expected_state))
+    for path, value in want.items():
+        # The key biases' gradient is rounding noise (softmax ignores a shift shared by all
+        # keys) that Adam turns into steps of +-lr: compare the others.
+        if not path.endswith("key/bias"):
+            np.testing.assert_allclose(got[path], value, rtol=1e-4, atol=1e-5, err_msg=path)
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"num_experts": 2, "experts_per_token": 3},
+     "model.experts_per_token=3 must be in 1..model.num_experts=2"),
+    ({"num_experts": 4, "moe_capacity_factor": 0.5},
+     "model.moe_capacity_factor=0.5 drops tokens even from a balanced router"),
+])
+def test_bad_expert_settings(fields, message):
+    with pytest.raises(ValueError, match=message):
+        TransformerConfig(**fields)
+
+
+def test_expert_axis_must_divide_the_experts(load_config):
+    cfg = load_config("tiny.py", **{**MOE, "model.num_experts": 6, "mesh.expert": 4,
+                                    "mesh.data": 2})
+    with pytest.raises(ValueError, match="mesh.expert=4 does not divide model.num_experts=6"):
+        resolve(cfg, 8)

@@ -1,0 +1,88 @@
+"""The routed feed-forward sublayer (`MixtureOfExperts`, a layer's `moe` subtree) and the
+statistics its layers record, over the pure functions of `transformer.ops.moe`.
+
+Parameters (docs/architecture.md): `moe/router` [D, E] (float32 arithmetic), `moe/ff_in`,
+`moe/ff_gate` (gated activations) [E, D, F], `moe/ff_out` [E, F, D], and with `use_bias`
+`moe/bias_in` [E, F], `moe/bias_out` [E, D]; logical axes `expert`, `embed`, `mlp`. Applied
+with `mutable=["moe"]`, each routed layer records its router's statistics (`statistics` reads
+them); otherwise nothing is recorded.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from transformer.model.config import TransformerConfig
+from transformer.ops import layers, moe
+
+COLLECTION = "moe"
+# The buffers of capacity dispatch [B, E, C, D]: rows over the batch's mesh axes but "expert",
+# experts over "expert" (sharding.py), so that going there and back is an all-to-all.
+BUFFER_AXES = ("expert_batch", "expert", None, None)
+
+
+class MixtureOfExperts(nn.Module):
+    """`__call__(x [B, T, D], segments [B, T] or None, deterministic) -> y [B, T, D]`: each
+    token through its `experts_per_token` experts, their outputs summed with the router's
+    weights (`ops/moe.py`)."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x, *, segments=None, deterministic=True):
+        cfg = self.config
+        dtype = cfg.compute_dtype
+        e, d, f = cfg.num_experts, cfg.d_model, cfg.d_ff
+        b, t, _ = x.shape
+
+        def weight(name, shape, axes, init):
+            return self.param(name, nn.with_logical_partitioning(init, axes), shape)
+
+        expert_init = nn.initializers.xavier_uniform(in_axis=-2, out_axis=-1, batch_axis=(0,))
+        router = weight("router", (d, e), ("embed", None), nn.initializers.xavier_uniform())
+        experts = moe.Experts(
+            ff_in=weight("ff_in", (e, d, f), ("expert", "embed", "mlp"), expert_init),
+            ff_out=weight("ff_out", (e, f, d), ("expert", "mlp", "embed"), expert_init),
+            ff_gate=weight("ff_gate", (e, d, f), ("expert", "embed", "mlp"), expert_init)
+            if cfg.activation in layers.GATED else None,
+            bias_in=weight("bias_in", (e, f), ("expert", "mlp"), nn.initializers.zeros)
+            if cfg.use_bias else None,
+            bias_out=weight("bias_out", (e, d), ("expert", "embed"), nn.initializers.zeros)
+            if cfg.use_bias else None)
+        experts = jax.tree.map(lambda a: a.astype(dtype), experts)
+        tokens = x.reshape(b * t, d)
+        logits = jnp.einsum("ND,DE->NE", tokens.astype(jnp.float32), router)
+        routing = moe.route(logits, cfg.experts_per_token, scores=cfg.moe_router_scores,
+                            renormalize=cfg.moe_renormalize,
+                            valid=None if segments is None else segments.reshape(-1) != 0)
+        rate = 0.0 if deterministic else cfg.relu_dropout_rate
+        kwargs = dict(activation=cfg.activation, gelu_approximate=cfg.gelu_approximate,
+                      dropout_rate=rate, dropout_rng=self.make_rng("dropout") if rate else None)
+        if cfg.moe_capacity_factor:
+            y, dropped = moe.with_capacity(
+                x.astype(dtype), routing, experts, capacity_factor=cfg.moe_capacity_factor,
+                constrain=lambda a: nn.with_logical_constraint(a, BUFFER_AXES), **kwargs)
+        else:
+            y = moe.dropless(tokens.astype(dtype), routing, experts, **kwargs).reshape(b, t, d)
+            dropped = jnp.zeros((), jnp.int32)
+        self.sow(COLLECTION, "routing", {
+            "aux_loss": routing.aux_loss, "z_loss": routing.z_loss, "load": routing.load,
+            "dropped": dropped.astype(jnp.float32) / routing.experts.size})
+        return y
+
+
+def statistics(collection) -> dict[str, jax.Array]:
+    """The routed layers' records (the `moe` collection of an apply) as the mean over layers
+    of `moe_aux_loss`, `router_z_loss`, `expert_load_max` / `expert_load_min` (fraction of the
+    routed assignments that the most and the least loaded expert of a layer receives) and
+    `moe_dropped` (fraction of assignments over capacity)."""
+    records = [r for r in jax.tree.leaves(collection, is_leaf=lambda r: isinstance(r, dict)
+                                          and "load" in r)]
+    load = jnp.concatenate([r["load"].reshape(-1, r["load"].shape[-1]) for r in records])
+    mean = {name: jnp.mean(jnp.concatenate([r[name].reshape(-1) for r in records]))
+            for name in ("aux_loss", "z_loss", "dropped")}
+    return {"moe_aux_loss": mean["aux_loss"], "router_z_loss": mean["z_loss"],
+            "expert_load_max": load.max(-1).mean(), "expert_load_min": load.min(-1).mean(),
+            "moe_dropped": mean["dropped"]}
