@@ -54,7 +54,7 @@ def test_abstract_batch_follows_each_batch_layout(load_config):
     batch = memory.abstract_batch(tiny, mesh)
     assert {k: v.shape for k, v in batch.items()} == {"inputs": (2, 16, 12),
                                                       "targets": (2, 16, 13)}
-    assert batch["inputs"].sharding.spec == jax.P(None, ("data", "fsdp"))
+    assert batch["inputs"].sharding.spec == jax.P(None, sharding.BATCH_AXES)
     wmt = load_config("wmt14_ende_base.py", grad_accum_steps=1)
     assert set(memory.batch_shapes(wmt)) == set(memory.TRANSLATION_KEYS)
     assert set(memory.batch_shapes(wmt).values()) == {(1, 104, 256)}

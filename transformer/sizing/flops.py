@@ -20,6 +20,12 @@ V vocab, A = 2 for relu/gelu and 3 for swiglu (FFN matmuls). Forward FLOPs of on
         proj(T, T) + core(T, T) + proj(T, S) + core(T, S) + ffn(T)
     output projection:               logits(L) = 2·L·D·V
 
+A routed layer (`model.num_experts` E > 0, `experts_per_token` k, docs/moe.md) replaces
+ffn(L) by its router, 2·L·D·E, plus the experts each token goes through, k·ffn(L) (dropless;
+capacity dispatch computes every slot, c·k·ffn(L) for capacity factor c), plus ffn(L) for a
+shared expert. (On CPU, `jax.lax.ragged_dot` lowers to a masked product over all E experts: E
+times the experts' figure is computed there; the count is the model's, not that lowering's.)
+
 The decoder's causal self-attention is counted over the full T×T score matrix, as most accounts
 (and the "xla" implementation, which computes the masked entries) do; a causal-aware kernel skips
 about half of it.
@@ -109,8 +115,31 @@ def param_counts(config: TransformerConfig) -> dict[str, int]:
     return counts
 
 
+def active_params(config: TransformerConfig) -> int:
+    """Parameters a token goes through: the total less, in each routed layer, the
+    num_experts - experts_per_token experts it skips (the router and shared expert count)."""
+    params = abstract_params(config)
+    skipped = 0.0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        names = [getattr(key, "key", "") for key in path]
+        if "moe" in names and names[-1] != "router":
+            skipped += leaf.size * (1 - config.experts_per_token / config.num_experts)
+    return _size(params) - round(skipped)
+
+
 def _ffn_matmuls(config: TransformerConfig) -> int:
     return 3 if config.activation == "swiglu" else 2
+
+
+def ffn_flops_per_token(config: TransformerConfig, layer: int) -> float:
+    """The feed-forward sublayer's forward FLOPs per token in layer `layer` (module
+    docstring): dense, or routed (router, the k experts, the shared one)."""
+    dense = 2.0 * config.d_model * config.d_ff * _ffn_matmuls(config)
+    if not config.routed(layer):
+        return dense
+    active = config.experts_per_token * (config.moe_capacity_factor or 1.0)
+    return (2.0 * config.d_model * config.num_experts + active * dense
+            + (dense if config.moe_shared_expert else 0.0))
 
 
 def _attention_flops(config: TransformerConfig, q_len: int, kv_len: int) -> dict[str, float]:
@@ -169,7 +198,6 @@ def forward_flops(config: TransformerConfig, *, source_length: int,
     s, t = source_length, target_length
     if config.architecture == "vision":
         s = vit.num_tokens(config)
-    ffn = 2.0 * config.d_model * config.d_ff * _ffn_matmuls(config)
     parts = {"attention_projections": 0.0, "attention_scores_values": 0.0, "ffn": 0.0}
 
     def add(attn: dict[str, float], layers: int = 1):
@@ -179,13 +207,15 @@ def forward_flops(config: TransformerConfig, *, source_length: int,
     if config.architecture != "decoder":
         for layer in range(config.num_encoder_layers):
             add(_self_attention_flops(config, s, layer, causal=False))
-        parts["ffn"] += config.num_encoder_layers * ffn * s
+        parts["ffn"] += s * sum(ffn_flops_per_token(config, layer)
+                                for layer in range(config.num_encoder_layers))
     if config.architecture in ("decoder", "encoder_decoder"):
         for layer in range(config.num_decoder_layers):
             add(_self_attention_flops(config, t, layer, causal=True))
         if config.architecture == "encoder_decoder":
             add(_attention_flops(config, t, s), config.num_decoder_layers)
-        parts["ffn"] += config.num_decoder_layers * ffn * t
+        parts["ffn"] += t * sum(ffn_flops_per_token(config, layer)
+                                for layer in range(config.num_decoder_layers))
     output_length = s if config.architecture == "encoder" else t
     parts["logits"] = 2.0 * output_length * config.d_model * config.vocab_size
     if config.classifies:  # one row of class logits

@@ -163,6 +163,10 @@ def summarize(run: Resolved) -> str:
         lines.append(_row("logits", "tied to embedding (x @ embedding^T)", 0))
     lines.append("-" * (_NAME_WIDTH + _SHAPE_WIDTH + _COUNT_WIDTH + 2))
     lines.append(_row("total", f"{counts['total'] / 1e6:.1f}M", counts["total"]))
+    if config.num_experts:  # what one token goes through: k of the E experts
+        active = flops.active_params(config)
+        lines.append(_row(f"active ({config.experts_per_token} of {config.num_experts} experts)",
+                          f"{active / 1e6:.1f}M", active))
     lines.append("")
     lines += _flops_lines(config, length, length)
     lines.append(f"total_params: {counts['total']}")
