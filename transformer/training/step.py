@@ -379,8 +379,8 @@ def make_eval_step(trainer: Trainer) -> Callable:
         if "label" in batch:
             return classification_figures(classifier_logits(trainer, params, batch, None),
                                           batch["label"])
-        sums = _loss_sums(trainer, params, batch, label_smoothing=0.0, z_loss=0.0,
-                          dropout_rng=None)
+        sums, _ = _loss_sums(trainer, params, batch, label_smoothing=0.0, z_loss=0.0,
+                             dropout_rng=None)
         return {"nll_sum": sums.loss_sum, "tokens": sums.weight_sum}
 
     batch_sharding = NamedSharding(trainer.mesh, P(None, sharding.BATCH_AXES))
