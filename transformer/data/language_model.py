@@ -43,7 +43,7 @@ import threading
 import numpy as np
 
 from transformer.checkpoint import workdir as workdir_lib
-from transformer.data import batching, span_corruption
+from transformer.data import batching, files, span_corruption
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.data.datasets import (
     CHUNK,
@@ -53,6 +53,7 @@ from transformer.data.datasets import (
     read_documents,
     text_features,
 )
+from transformer.data.permutation import Permutation
 
 log = logging.getLogger("transformer")
 OBJECTIVES = {"causal": "decoder", "prefix": "decoder", "masked": "encoder",
@@ -119,7 +120,9 @@ class LanguageModelSource:
                  mask_rate: float = 0.15, seed: int = 0, data_dir: str | None = None,
                  manual_dir: str | None = None, workdir: str | None = None,
                  vocab_sample_documents: int = 200_000, num_sentinels: int = 0,
-                 tokenizer: tokenizer_lib.Tokenizer | None = None):
+                 tokenizer: tokenizer_lib.Tokenizer | None = None, text_field: str = "text",
+                 eval_dataset: str | None = None, shuffle_window: int = 8,
+                 skip_bad_lines: bool = False):
         if objective not in OBJECTIVES:
             raise ValueError(f"data.objective={objective!r} is not one of "
                              f"{', '.join(OBJECTIVES)}")
@@ -148,20 +151,32 @@ class LanguageModelSource:
         self.validation_split, self.eval_documents = eval_split, int(eval_documents)
         self.workdir = workdir
         self._sources: dict[str, object] = {}
-        self.builder = prepare_dataset(dataset, data_dir, manual_dir)
-        self.keys = text_features(self.builder)
-        if not self.keys:
-            raise ValueError(f"data.dataset={dataset!r} has no text feature to model")
-        splits = sorted(self.builder.info.splits)  # empty under tfds.testing.mock_data
-        for key, split in (("train split", "train"), ("data.eval_split", eval_split)):
-            if splits and split not in splits:
-                raise ValueError(f"{key}={split!r} is not a split of {dataset} "
-                                 f"({', '.join(splits)})")
-            if not len(self._split(split)):
-                fix = "prepare the dataset again" + (
-                    "" if split == "train" else " or choose another data.eval_split")
-                raise DataUnavailable(f"{dataset}: the {split!r} split is empty; {fix}")
-        self.num_train_documents = len(self._split("train")) * len(self.keys)
+        self.files = None  # {split: FileDocuments} for a source of files
+        if files.parse_spec(dataset):
+            if not eval_dataset:
+                raise ValueError(f"data.dataset={dataset!r} is files: set data.eval_dataset "
+                                 f"to the files to evaluate on (<format>:<glob>)")
+            opts = dict(fields=(text_field,), seed=self.seed, shuffle_window=shuffle_window,
+                        skip_bad_lines=skip_bad_lines)
+            self.files = {"train": files.FileDocuments(dataset, **opts),
+                          eval_split: files.FileDocuments(eval_dataset, setting="data.eval_dataset",
+                                                          **opts)}
+            self.keys, self.name = [text_field], self.files["train"].name
+        else:
+            self.builder = prepare_dataset(dataset, data_dir, manual_dir)
+            self.keys, self.name = text_features(self.builder), self.builder.info.full_name
+            if not self.keys:
+                raise ValueError(f"data.dataset={dataset!r} has no text feature to model")
+            splits = sorted(self.builder.info.splits)  # empty under tfds.testing.mock_data
+            for key, split in (("train split", "train"), ("data.eval_split", eval_split)):
+                if splits and split not in splits:
+                    raise ValueError(f"{key}={split!r} is not a split of {dataset} "
+                                     f"({', '.join(splits)})")
+                if not self._num_documents(split):
+                    fix = "prepare the dataset again" + (
+                        "" if split == "train" else " or choose another data.eval_split")
+                    raise DataUnavailable(f"{dataset}: the {split!r} split is empty; {fix}")
+        self.num_train_documents = self._num_documents("train")
         self.tokenizer = tokenizer or self._tokenizer(int(vocab_size),
                                                       int(vocab_sample_documents))
         if self.tokenizer.vocab_size != int(vocab_size):
@@ -193,18 +208,34 @@ class LanguageModelSource:
             self._sources[split] = open_split(self.builder, split)
         return self._sources[split]
 
+    def _num_documents(self, split: str) -> int:
+        if self.files:
+            return len(self.files[split])
+        return len(self._split(split)) * len(self.keys)
+
     def _texts(self, split: str, documents) -> list[str]:
+        if self.files:
+            return self.files[split].texts(documents)
         return read_documents(self._split(split), documents, self.keys)
 
+    def _sample(self, key: int, count: int) -> np.ndarray:
+        """`count` distinct training documents drawn with seed (seed, key), sorted (files: an
+        on-the-fly permutation, nothing the size of the corpus)."""
+        if self.files:
+            count = min(count, self.num_train_documents)
+            return np.sort(Permutation(self.num_train_documents, (self.seed, key))(
+                np.arange(count)))
+        return np.sort(np.random.default_rng([self.seed, key]).permutation(
+            self.num_train_documents)[:count])
+
     def _tokenizer(self, vocab_size: int, sample_documents: int) -> tokenizer_lib.Tokenizer:
-        sample = np.sort(np.random.default_rng([self.seed, 7]).permutation(
-            self.num_train_documents)[:sample_documents])
+        sample = self._sample(7, sample_documents)
 
         def sentences():
             for i in range(0, len(sample), CHUNK):
                 yield from self._texts("train", sample[i:i + CHUNK])
 
-        info = {"dataset": self.builder.info.full_name, "sample_documents": int(len(sample)),
+        info = {"dataset": self.name, "sample_documents": int(len(sample)),
                 "features": self.keys}
         if self.workdir is None:
             return tokenizer_lib.train(sentences(), vocab_size, seed=self.seed,
@@ -216,8 +247,7 @@ class LanguageModelSource:
 
     def _docs_per_batch(self) -> int:
         """Documents per update: its capacity in tokens over the mean tokens of a document."""
-        rng = np.random.default_rng([self.seed, 11])
-        sample = np.sort(rng.permutation(self.num_train_documents)[:LENGTH_SAMPLE])
+        sample = self._sample(11, LENGTH_SAMPLE)
         lengths = [len(ids) + 1 for ids in self.tokenizer.encode(self._texts("train", sample))]
         row_tokens = self.span_length or self.max_length  # span corruption: before corrupting
         capacity = self.rows_per_batch * self.grad_accum_steps * row_tokens
@@ -232,7 +262,7 @@ class LanguageModelSource:
                                vocab_size=self.tokenizer.vocab_size, mask_rate=self.mask_rate)
 
     def fingerprint(self) -> str:
-        return (f"{self.builder.info.full_name} {self.objective} features={','.join(self.keys)}"
+        return (f"{self.name} {self.objective} features={','.join(self.keys)}"
                 f" documents={self.num_train_documents} max_length={self.max_length} "
                 f"docs_per_batch={self.docs_per_batch}")
 
@@ -246,6 +276,9 @@ class LanguageModelSource:
         if index < 0:
             raise ValueError(f"batch index {index} < 0")
         epoch, b = divmod(index, self.batches_per_epoch)
+        if self.files:
+            return self.files["train"].order(epoch, np.arange(b * self.docs_per_batch,
+                                                              (b + 1) * self.docs_per_batch))
         order = np.random.default_rng([self.seed, epoch]).permutation(self.num_train_documents)
         return order[b * self.docs_per_batch:(b + 1) * self.docs_per_batch]
 
@@ -302,7 +335,7 @@ class LanguageModelSource:
 
     @functools.cached_property
     def _eval_plan(self) -> tuple[list[np.ndarray], np.ndarray]:
-        count = min(self.eval_documents, len(self._split(self.validation_split)) * len(self.keys))
+        count = min(self.eval_documents, self._num_documents(self.validation_split))
         pieces = self._cut(self._texts(self.validation_split, range(count)))
         starts = batching.plan_epoch(*self._lengths(pieces), np.arange(len(pieces)),
                                      self.eval_rows_per_batch,
@@ -345,6 +378,9 @@ def from_config(cfg, workdir: str | None = None) -> LanguageModelSource:
         mask_rate=float(data.get("mask_rate") or 0.15), seed=int(cfg.seed),
         data_dir=data.get("data_dir"), manual_dir=data.get("manual_dir"), workdir=workdir,
         vocab_sample_documents=int(data.get("vocab_sample_documents") or 200_000),
-        num_sentinels=int(data.get("num_sentinels") or DEFAULT_SENTINELS.get(objective, 0)))
+        num_sentinels=int(data.get("num_sentinels") or DEFAULT_SENTINELS.get(objective, 0)),
+        text_field=data.get("text_field") or "text", eval_dataset=data.get("eval_dataset"),
+        shuffle_window=int(data.get("shuffle_window") or 8),
+        skip_bad_lines=bool(data.get("skip_bad_lines")))
     tokenizer_lib.check_special_ids(source.tokenizer, cfg.model)
     return source

@@ -1,0 +1,222 @@
+"""Own data from files (`transformer/data/files.py`): every format reads the documents written,
+the on-the-fly permutation is a bijection, each epoch's order visits every document once with a
+batch drawing from one window of shards, every bad input is one line naming the file, and a
+language model's batches from a glob of jsonl.zst shards are a pure function of (seed, index)."""
+
+import gzip
+import json
+import pathlib
+import runpy
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+
+from transformer.data import files
+from transformer.data.permutation import Permutation
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+WORDS = ("the cat sat on a mat and dog ran far away from home in rain while birds sang over "
+         "green hills near old stone bridges").split()
+
+
+def documents(count, seed=0):
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(WORDS, int(rng.integers(4, 30)))) for _ in range(count)]
+
+
+def write_jsonl(path, records, compress=None):
+    data = "".join(json.dumps(r) + "\n" for r in records).encode()
+    if compress == "gz":
+        data = gzip.compress(data)
+    elif compress == "zst":
+        data = zstandard.ZstdCompressor().compress(data)
+    pathlib.Path(path).write_bytes(data)
+
+
+def write_shards(directory, docs, shards, ext="jsonl.zst", nested=False):
+    directory.mkdir(parents=True, exist_ok=True)
+    for k, part in enumerate(np.array_split(np.arange(len(docs)), shards)):
+        records = [{"meta": {"text": docs[i]}, "id": int(i)} if nested else {"text": docs[i]}
+                   for i in part]
+        write_jsonl(directory / f"part-{k:03d}.{ext}", records, ext.rsplit(".", 1)[-1]
+                    if ext.endswith(("gz", "zst")) else None)
+    return directory
+
+
+# --------------------------------------------------------------------------- permutation
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 64, 1000, 4097])
+def test_the_permutation_is_a_bijection_fixed_by_its_key(n):
+    perm = Permutation(n, (3, 1))
+    out = perm(np.arange(n))
+    np.testing.assert_array_equal(np.sort(out), np.arange(n))
+    np.testing.assert_array_equal(out[n // 3:], perm(np.arange(n // 3, n)))  # index by index
+    if n >= 64:
+        assert not np.array_equal(out, Permutation(n, (3, 2))(np.arange(n)))
+        assert not np.array_equal(out, np.arange(n))
+        # near-uniform: each element's mean position is about (n - 1) / 2 over many keys
+        positions = np.mean([np.argsort(Permutation(n, (k,))(np.arange(n)))[:8]
+                             for k in range(400)], axis=0)
+        np.testing.assert_allclose(positions, (n - 1) / 2, rtol=0.12)
+
+
+# --------------------------------------------------------------------------- formats
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "jsonl.gz", "jsonl.zst", "parquet", "txt",
+                                 "txt_paragraphs", "array_record"])
+def test_every_format_reads_the_documents_written(fmt, tmp_path):
+    docs = documents(30)
+    parts = np.array_split(np.arange(30), 3)
+    ext = fmt.replace("txt_paragraphs", "txt")
+    for k, part in enumerate(parts):
+        path = tmp_path / f"shard-{k}.{ext}"
+        if fmt.startswith("jsonl"):
+            write_jsonl(path, [{"meta": {"text": docs[i]}} for i in part],
+                        fmt.split(".")[1] if "." in fmt else None)
+        elif fmt == "parquet":
+            pq.write_table(pa.table({"meta": [{"text": docs[i], "n": int(i)} for i in part]}),
+                           path)
+        elif fmt == "txt":
+            path.write_text("\n".join(docs[i] for i in part) + "\n")
+        elif fmt == "txt_paragraphs":
+            path.write_text("\n\n".join(docs[i].replace(" on ", "\non\n") for i in part))
+        else:
+            from array_record.python.array_record_module import ArrayRecordWriter
+
+            writer = ArrayRecordWriter(str(path), "group_size:1")
+            for i in part:
+                writer.write(json.dumps({"meta": {"text": docs[i]}}).encode())
+            writer.close()
+    spec = {"txt": "text:", "txt_paragraphs": "text_paragraphs:"}.get(fmt, "")
+    source = files.FileDocuments(f"{spec}{tmp_path}/shard-*.{ext}", fields=("meta.text",))
+    assert len(source) == 30
+    got = source.texts(np.arange(30))
+    expected = [d.replace(" on ", "\non\n") for d in docs] if fmt == "txt_paragraphs" else docs
+    assert got == expected
+
+
+def test_the_format_is_inferred_from_the_extension_and_tfds_names_stay_tfds():
+    assert files.parse_spec("/d/train-*.jsonl.zst") == ("jsonl", "/d/train-*.jsonl.zst")
+    assert files.parse_spec("gs://b/c4/en/*.json.gz") == ("jsonl", "gs://b/c4/en/*.json.gz")
+    assert files.parse_spec("data/*.parquet") == ("parquet", "data/*.parquet")
+    assert files.parse_spec("text:/d/books/*") == ("text", "/d/books/*")
+    assert files.parse_spec("c4/en:3.0.1") is None
+    assert files.parse_spec("offline_de_en") is None
+
+
+# --------------------------------------------------------------------------- order
+
+
+def test_each_epoch_visits_every_document_once_a_window_at_a_time(tmp_path):
+    write_shards(tmp_path, documents(230), shards=10)
+    source = files.FileDocuments(f"{tmp_path}/*.jsonl.zst", seed=5, shuffle_window=3)
+    n = len(source)
+    first, second = source.order(0, np.arange(n)), source.order(1, np.arange(n))
+    for order in (first, second):
+        np.testing.assert_array_equal(np.sort(order), np.arange(n))
+    assert not np.array_equal(first, second)
+    np.testing.assert_array_equal(source.order(0, np.arange(40, 90)), first[40:90])
+    # the first window: the rows of exactly 3 shards, all of them, before any other's
+    shard = np.searchsorted(source.offsets, first, side="right") - 1
+    first_three = []
+    for k in shard:
+        if k not in first_three:
+            first_three.append(k)
+        if len(first_three) == 3:
+            break
+    size = int(source.counts[first_three].sum())
+    assert set(shard[:size]) == set(first_three)
+    assert not set(shard[size:]) & set(first_three)
+    again = files.FileDocuments(f"{tmp_path}/*.jsonl.zst", seed=5, shuffle_window=3)
+    np.testing.assert_array_equal(again.order(0, np.arange(n)), first)
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def test_bad_inputs_are_one_line_naming_the_file(tmp_path):
+    good = tmp_path / "good.jsonl"
+    write_jsonl(good, [{"text": "a b"}, {"text": "c d"}])
+
+    def refused(spec, match, **kw):
+        with pytest.raises(files.BadData, match=match) as e:
+            files.FileDocuments(spec, **kw)
+        assert "\n" not in str(e.value)
+
+    refused(f"{tmp_path}/nothing-*.jsonl", "matches no file")
+    refused(str(good), r"no field 'body' \(it has \['text'\]\)", fields=("body",))
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad/a.jsonl").write_text('{"text": "x"}\n{"text": oops}\n{"text": "y"}\n')
+    refused(f"{tmp_path}/bad/*.jsonl", r"bad/a.jsonl:2: malformed JSON.*skip_bad_lines")
+    skipping = files.FileDocuments(f"{tmp_path}/bad/*.jsonl", skip_bad_lines=True)
+    assert skipping.skipped_lines == 1 and skipping.texts([0, 1]) == ["x", "y"]
+    (tmp_path / "latin1").mkdir()
+    (tmp_path / "latin1/a.jsonl").write_bytes('{"text": "Stra\xdfe"}\n'.encode("latin-1"))
+    refused(f"{tmp_path}/latin1/*.jsonl", r"latin1/a.jsonl:1: not UTF-8")
+    (tmp_path / "empty").mkdir()
+    write_jsonl(tmp_path / "empty/a.jsonl", [{"text": "a"}])
+    (tmp_path / "empty/b.jsonl").write_text("")
+    refused(f"{tmp_path}/empty/*.jsonl", r"empty/b.jsonl has no documents")
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "ints.parquet")
+    refused(str(tmp_path / "ints.parquet"), r"ints.parquet: column 'text' is int64, not a string")
+    pq.write_table(pa.table({"body": ["a"]}), tmp_path / "body.parquet")
+    refused(str(tmp_path / "body.parquet"), r"no column 'text' \(it has \['body'\]\)")
+    refused("/data/corpus/*.bin", "cannot tell the format")
+    refused("gs://no-such-bucket-for-tests/*.jsonl", r"gs://no-such-bucket-for-tests/\*.jsonl")
+
+
+# --------------------------------------------------------------------------- language model
+
+
+@pytest.fixture
+def lm_files_config(tmp_path):
+    write_shards(tmp_path / "train", documents(600), shards=6, nested=True)
+    write_shards(tmp_path / "validation", documents(40, seed=1), shards=2, nested=True)
+    cfg = runpy.run_path(str(ROOT / "configs/lm_files.py"))["get_config"]()
+    cfg.data.update(dict(dataset=f"jsonl:{tmp_path}/train/*.jsonl.zst", text_field="meta.text",
+                         eval_dataset=f"{tmp_path}/validation/*.jsonl.zst", vocab_size=64,
+                         max_length=32, batch_size=8, shuffle_window=2))
+    cfg.model.update(dict(d_model=32, d_ff=64, num_heads=2, num_kv_heads=1,
+                          num_decoder_layers=2, max_len=32))
+    cfg.update(dict(num_train_steps=6, eval_every_steps=6, checkpoint_every_steps=3,
+                    log_every_steps=1))
+    return cfg
+
+
+def test_language_model_batches_from_files_are_a_function_of_the_index(lm_files_config,
+                                                                       tmp_path):
+    from transformer.data.language_model import from_config
+
+    source = from_config(lm_files_config, str(tmp_path / "run"))
+    again = from_config(lm_files_config, str(tmp_path / "run"))  # a restart: the saved vocab
+    assert source.num_train_documents == 600
+    whole = source.train_batch(7, (0, 8))
+    halves = [again.train_batch(7, rows) for rows in ((0, 4), (4, 8))]
+    for key, value in whole.items():
+        np.testing.assert_array_equal(value, np.concatenate([h[key] for h in halves], 1))
+    assert (whole["targets_segmentation"] > 0).mean() > 0.7
+    # the batch holds the tokens of the documents the order names, each cut with EOS
+    docs = source.batch_documents(7)
+    texts = source.files["train"].texts(docs)
+    pieces, _ = source.train_pieces(7)
+    ids = [list(e) + [source.tokenizer.eos_id] for e in source.tokenizer.encode(texts)]
+    expected = [e[i:i + 32] for e in ids for i in range(0, len(e), 32)]
+    assert [np.asarray(p).tolist() for p in pieces] == expected
+    assert len(set(docs.tolist())) == len(docs) == source.docs_per_batch
+    assert not np.array_equal(whole["targets"], source.train_batch(8, (0, 8))["targets"])
+    evaluated = sum(int((b["targets_segmentation"] > 0).sum())
+                    for b in source.eval_batches("validation", (0, 8)))
+    assert evaluated == sum(map(len, source._eval_plan[0]))
+
+
+def test_language_model_from_files_needs_an_eval_dataset(lm_files_config):
+    from transformer.data.language_model import from_config
+
+    lm_files_config.data.eval_dataset = None
+    with pytest.raises(ValueError, match="set data.eval_dataset"):
+        from_config(lm_files_config)

@@ -1,0 +1,309 @@
+"""Documents from the user's own files: `data.dataset="<format>:<glob>"` (or a glob whose
+extension names the format) with format `jsonl` (also `.gz`, `.zst`), `parquet`, `text` (one
+document a line; `text_paragraphs`: a blank line between documents) or `arrayrecord` (each
+record a JSON object, or UTF-8 text). Paths are local or anything fsspec reaches (`gs://`
+with gcsfs installed); each shard is read whole when a batch needs it, never the corpus.
+
+A document is the value of a named field (`data.text_field`, dotted for nested fields such as
+`meta.text`). Document ids are global: shard k's rows follow those of shards 0..k-1 (shards
+in sorted path order). The training order of epoch e (`FileDocuments.order`) shuffles without
+materialising anything per document: a seeded permutation of the shards, cut into windows of
+`data.shuffle_window` shards, and within each window a seeded pseudo-random permutation of
+its rows (`permutation.Permutation`), so a batch reads from at most a window's shards and a
+host holds at most that many shards decoded.
+
+Bad input is one line naming the file: a glob matching nothing, a missing field (with the
+fields the file has), a malformed jsonl line (file:line; `data.skip_bad_lines=True` skips and
+counts them instead), a parquet column that is not text, a file without documents, non-UTF-8
+bytes, an unreachable remote path.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import json
+import logging
+import threading
+
+import numpy as np
+
+from transformer.data.permutation import Permutation
+
+log = logging.getLogger("transformer")
+FORMATS = ("jsonl", "parquet", "text", "text_paragraphs", "arrayrecord")
+_EXTENSIONS = ((".jsonl", "jsonl"), (".json", "jsonl"), (".jsonl.gz", "jsonl"),
+               (".json.gz", "jsonl"), (".jsonl.zst", "jsonl"), (".json.zst", "jsonl"),
+               (".parquet", "parquet"), (".txt", "text"), (".txt.gz", "text"),
+               (".txt.zst", "text"), (".array_record", "arrayrecord"),
+               (".arrayrecord", "arrayrecord"))
+CACHED_SHARDS = 8  # decoded shards kept per process (a window's worth by default)
+
+
+class BadData(ValueError):
+    """A file the source cannot use; the message names it and the fix (one line)."""
+
+
+def parse_spec(spec: str) -> tuple[str, str] | None:
+    """(format, glob) when `spec` names files (`<format>:<glob>`, or a path with a known
+    extension, or a remote/absolute path), else None (a TFDS name such as `c4/en:3.0.1`)."""
+    head, sep, rest = spec.partition(":")
+    if sep and head in FORMATS:
+        return head, rest
+    inferred = infer_format(spec)
+    if inferred:
+        return inferred, spec
+    if "://" in spec or spec.startswith(("/", "./", "~")):
+        raise BadData(f"data.dataset={spec!r}: cannot tell the format from the extension; "
+                      f"write it as <format>:<glob> with format one of {', '.join(FORMATS)}")
+    return None
+
+
+def infer_format(path: str) -> str | None:
+    path = path.lower()
+    for ext, fmt in sorted(_EXTENSIONS, key=lambda e: -len(e[0])):
+        if path.endswith(ext):
+            return fmt
+    return None
+
+
+def expand(pattern: str, setting: str = "data.dataset") -> list[str]:
+    """The sorted paths a glob matches (local or remote), or one line saying why none."""
+    import fsspec
+
+    try:
+        fs, _, paths = fsspec.core.get_fs_token_paths(pattern)
+    except ImportError as e:
+        raise BadData(f"{setting}={pattern!r}: reading it needs {e.name or 'an fsspec backend'} "
+                      f"(e.g. pip install gcsfs for gs://)") from None
+    except Exception as e:  # credentials, network, permissions: the backend's first line
+        raise BadData(f"{setting}={pattern!r}: cannot list it ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0] if str(e) else 'no detail'}); check the path "
+                      f"and the credentials for it") from None
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    prefix = "" if protocol in ("file", "local") else f"{protocol}://"
+    paths = sorted(p if "://" in p or not prefix else prefix + p for p in paths)
+    if not paths:
+        raise BadData(f"{setting}={pattern!r} matches no file")
+    return paths
+
+
+def _open(path: str, mode: str = "rb"):
+    import fsspec
+
+    return fsspec.open(path, mode, compression="infer")
+
+
+def _field(record, field: str, where: str) -> str:
+    value = record
+    for part in field.split("."):
+        if not isinstance(value, dict) or part not in value:
+            have = sorted(value) if isinstance(value, dict) else type(value).__name__
+            raise BadData(f"{where}: no field {field!r} (it has {have}); set the field "
+                          f"setting (data.text_field, ...) to one of them")
+        value = value[part]
+    if not isinstance(value, str):
+        raise BadData(f"{where}: field {field!r} is {type(value).__name__}, not text")
+    return value
+
+
+def _decode(data: bytes, where: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadData(f"{where}: not UTF-8 (byte {e.start}); re-encode the file as UTF-8") from None
+
+
+def check_parquet_schema(schema, fields: tuple[str, ...], path: str) -> None:
+    """Each (dotted) field is a string column of a parquet file's schema, else one line."""
+    import pyarrow as pa
+
+    for field in fields:
+        parts = field.split(".")
+        if parts[0] not in schema.names:
+            raise BadData(f"{path}: no column {parts[0]!r} (it has {schema.names}); "
+                          f"set the field setting (data.text_field, ...) to one of them")
+        kind = schema.field(parts[0]).type
+        for depth, part in enumerate(parts[1:], 1):
+            if not pa.types.is_struct(kind) or kind.get_field_index(part) < 0:
+                raise BadData(f"{path}: column {'.'.join(parts[:depth])!r} ({kind}) has no "
+                              f"field {part!r}")
+            kind = kind.field(part).type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            raise BadData(f"{path}: column {field!r} is {kind}, not a string; choose a text "
+                          f"column")
+
+
+class _Reader:
+    """Reads one shard's documents as tuples of the wanted fields."""
+
+    def __init__(self, fmt: str, fields: tuple[str, ...], skip_bad_lines: bool):
+        self.fmt, self.fields, self.skip_bad_lines = fmt, fields, skip_bad_lines
+        self.skipped = 0
+
+    def read(self, path: str) -> list[tuple[str, ...]]:
+        rows = getattr(self, f"_{self.fmt}")(path)
+        if not rows:
+            raise BadData(f"{path} has no documents; remove it or fix the glob")
+        return rows
+
+    def _record(self, record, where: str) -> tuple[str, ...]:
+        return tuple(_field(record, f, where) for f in self.fields)
+
+    def _jsonl(self, path: str) -> list[tuple[str, ...]]:
+        rows = []
+        with _open(path) as f:
+            data = f.read()
+        for number, line in enumerate(data.split(b"\n"), 1):
+            text = _decode(line, f"{path}:{number}").strip()
+            if not text:
+                continue
+            try:
+                record = json.loads(text)
+            except json.JSONDecodeError as e:
+                if self.skip_bad_lines:
+                    self.skipped += 1
+                    continue
+                raise BadData(f"{path}:{number}: malformed JSON ({e.msg}); fix the line or "
+                              f"set data.skip_bad_lines=True to skip and count such lines"
+                              ) from None
+            rows.append(self._record(record, f"{path}:{number}"))
+        return rows
+
+    def _text(self, path: str) -> list[tuple[str, ...]]:
+        with _open(path) as f:
+            lines = _decode(f.read(), path).splitlines()
+        return [(line,) for line in lines if line.strip()]
+
+    def _text_paragraphs(self, path: str) -> list[tuple[str, ...]]:
+        with _open(path) as f:
+            text = _decode(f.read(), path)
+        paragraphs = (p.strip() for p in text.replace("\r\n", "\n").split("\n\n"))
+        return [(p,) for p in paragraphs if p]
+
+    def _parquet(self, path: str) -> list[tuple[str, ...]]:
+        import pyarrow.parquet as pq
+
+        with _open(path) as f:
+            table = pq.read_table(io.BytesIO(f.read()))
+        check_parquet_schema(table.schema, self.fields, path)
+        columns = []
+        for field in self.fields:
+            parts = field.split(".")
+            column = table.column(parts[0]).combine_chunks()
+            for part in parts[1:]:
+                column = column.field(part)
+            columns.append(column.to_pylist())
+        return [tuple(v or "" for v in row) for row in zip(*columns, strict=True)]
+
+    def _arrayrecord(self, path: str) -> list[tuple[str, ...]]:
+        from array_record.python.array_record_module import ArrayRecordReader
+
+        reader = ArrayRecordReader(path)
+        try:
+            records = reader.read_all()
+        finally:
+            reader.close()
+        rows = []
+        for i, data in enumerate(records):
+            text = _decode(data, f"{path} record {i}")
+            if text.lstrip().startswith("{"):
+                rows.append(self._record(json.loads(text), f"{path} record {i}"))
+            else:
+                rows.append((text,) * len(self.fields))
+        return rows
+
+
+class FileDocuments:
+    """Documents by global id from a glob of shards, and each epoch's training order."""
+
+    def __init__(self, spec: str, *, fields: tuple[str, ...] = ("text",), seed: int = 0,
+                 shuffle_window: int = 8, skip_bad_lines: bool = False,
+                 setting: str = "data.dataset"):
+        parsed = parse_spec(spec)
+        if parsed is None:
+            raise BadData(f"{setting}={spec!r} names no files; write <format>:<glob>")
+        self.format, self.pattern = parsed
+        self.fields, self.seed = tuple(fields), int(seed)
+        if int(shuffle_window) < 1:
+            raise BadData(f"data.shuffle_window={shuffle_window} must be >= 1")
+        self.window = int(shuffle_window)
+        self.paths = expand(self.pattern, setting)
+        self._reader = _Reader(self.format, self.fields, skip_bad_lines)
+        self._cache: collections.OrderedDict[int, list] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.counts = np.array([self._count(k) for k in range(len(self.paths))], np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(self.counts)])
+        self.name = f"{self.format}:{self.pattern}"
+        if self._reader.skipped:
+            log.warning("%s: skipped %d malformed lines", self.name, self._reader.skipped)
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    @property
+    def skipped_lines(self) -> int:
+        return self._reader.skipped
+
+    def _count(self, k: int) -> int:
+        """Rows of shard k: parquet's and ArrayRecord's metadata, else a read of the shard."""
+        path = self.paths[k]
+        if self.format == "parquet":
+            import pyarrow.parquet as pq
+
+            with _open(path) as f:
+                parquet = pq.ParquetFile(f)
+                check_parquet_schema(parquet.schema_arrow, self.fields, path)
+                rows = parquet.metadata.num_rows
+            if not rows:
+                raise BadData(f"{path} has no documents; remove it or fix the glob")
+            return rows
+        return len(self._shard(k))
+
+    def _shard(self, k: int) -> list[tuple[str, ...]]:
+        with self._lock:
+            if k in self._cache:
+                self._cache.move_to_end(k)
+                return self._cache[k]
+        rows = self._reader.read(self.paths[k])
+        with self._lock:
+            self._cache[k] = rows
+            while len(self._cache) > max(CACHED_SHARDS, self.window):
+                self._cache.popitem(last=False)
+        return rows
+
+    def records(self, ids) -> list[tuple[str, ...]]:
+        """The field tuples of global documents `ids`."""
+        ids = np.asarray(ids, np.int64)
+        shards = np.searchsorted(self.offsets, ids, side="right") - 1
+        out = [None] * len(ids)
+        for k in np.unique(shards):
+            rows = self._shard(int(k))
+            for i in np.flatnonzero(shards == k):
+                out[i] = rows[int(ids[i] - self.offsets[k])]
+        return out
+
+    def texts(self, ids) -> list[str]:
+        return [r[0] for r in self.records(ids)]
+
+    def order(self, epoch: int, positions) -> np.ndarray:
+        """The global ids at `positions` of epoch `epoch`'s training order (see the module
+        docstring): shards permuted, cut into windows, rows permuted within each window."""
+        positions = np.asarray(positions, np.int64)
+        shard_order = Permutation(len(self.paths), (self.seed, epoch, 0))(
+            np.arange(len(self.paths)))
+        counts = self.counts[shard_order]
+        window_of = np.arange(len(shard_order)) // self.window
+        window_sizes = np.bincount(window_of, weights=counts).astype(np.int64)
+        window_starts = np.concatenate([[0], np.cumsum(window_sizes)])
+        windows = np.searchsorted(window_starts, positions, side="right") - 1
+        ids = np.empty_like(positions)
+        for w in np.unique(windows):
+            here = windows == w
+            inner = Permutation(int(window_sizes[w]), (self.seed, epoch, 1, int(w)))(
+                positions[here] - window_starts[w])
+            members = shard_order[window_of == w]
+            member_starts = np.concatenate([[0], np.cumsum(self.counts[members])])
+            slot = np.searchsorted(member_starts, inner, side="right") - 1
+            ids[here] = self.offsets[members[slot]] + inner - member_starts[slot]
+        return ids
