@@ -240,3 +240,67 @@ def test_an_imported_marian_fine_tunes_on_the_offline_corpus(tmp_path, load_conf
     convert.export_workdir(str(workdir), str(tmp_path / "exported"))
     reloaded = transformers.MarianMTModel.from_pretrained(str(tmp_path / "exported"))
     assert reloaded.config.activation_function == "swish"
+
+
+def test_a_marian_with_opus_mt_ids_imports_renumbered(tmp_path):
+    """OPUS-MT's ids (EOS 0, unk 1, pad = decoder start = the last id; `vocab.json` numbering
+    a unigram `source.spm`'s pieces): the run's vocabulary and model take our ids (one row
+    longer), encode sources as `MarianTokenizer` does, give its logits and its greedy and
+    beam translations (its pad never generated, as its `bad_words_ids` say)."""
+    import io
+
+    import sentencepiece as spm
+
+    hf_dir = tmp_path / "opus"
+    hf_dir.mkdir()
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(TRANSLATION_SENTENCES), model_writer=model, vocab_size=72,
+        model_type="unigram", unk_id=0, eos_id=1, bos_id=-1, pad_id=-1, minloglevel=2)
+    for name in (marian.SOURCE_SPM, marian.TARGET_SPM):
+        (hf_dir / name).write_bytes(model.getvalue())
+    processor = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    pieces = [processor.id_to_piece(i) for i in range(2, processor.get_piece_size())]
+    vocab = {"</s>": 0, "<unk>": 1, **{p: 2 + i for i, p in enumerate(pieces)}}
+    vocab["<pad>"] = pad = len(vocab)
+    (hf_dir / marian.VOCAB_JSON).write_text(json.dumps(vocab))
+    ids = dict(pad_token_id=pad, eos_token_id=0, decoder_start_token_id=pad,
+               forced_eos_token_id=0)
+    torch.manual_seed(0)
+    hf_model = transformers.MarianMTModel(transformers.MarianConfig(
+        **(SIZES | ids | dict(vocab_size=pad + 1)), activation_function="swish"))
+    hf_model.final_logits_bias.normal_(0.0, 1.0)
+    _save(hf_model, hf_dir)
+    workdir, run, params = _import(tmp_path, hf_dir)
+    order = marian.opus_order(json.loads((hf_dir / "config.json").read_text()))
+    assert run.model.vocab_size == pad + 2 == len(order)
+    to_ours = np.argsort(order, kind="stable")[:pad + 1]  # Marian id -> ours
+    hf_tokenizer = transformers.MarianTokenizer.from_pretrained(str(hf_dir))
+    ours = translator_lib.load(workdir)
+    theirs_ids = hf_tokenizer(SOURCES)["input_ids"]
+    assert [to_ours[row].tolist() for row in theirs_ids] == ours.encode(SOURCES)
+    rng = np.random.default_rng(0)
+    inputs = rng.integers(2, pad, (2, 9))
+    inputs[:, -1], inputs[1, 5:] = 0, pad  # EOS; row 1 right-padded
+    targets = rng.integers(2, pad, (2, 7))
+    decoder_inputs = np.concatenate([np.full((2, 1), pad), targets[:, :-1]], axis=1)
+    with torch.no_grad():
+        expected = hf_model(input_ids=torch.tensor(inputs),
+                            attention_mask=torch.tensor(inputs != pad),
+                            decoder_input_ids=torch.tensor(decoder_inputs)).logits.numpy()
+    logits = np.asarray(Transformer(run.model).apply(
+        {"params": params}, to_ours[inputs].astype(np.int32), to_ours[targets].astype(np.int32)))
+    real = [i for i in range(len(order)) if i not in (0, 2)]  # pad and BOS: Marian's pad
+    np.testing.assert_allclose(logits[..., real], expected[..., order[real]], atol=ATOL, rtol=0)
+    for beams in (1, 4):
+        translations = []
+        for sentence in SOURCES:
+            batch = hf_tokenizer([sentence], return_tensors="pt")
+            with torch.no_grad():
+                tokens = hf_model.generate(
+                    **batch, num_beams=beams, do_sample=False, length_penalty=0.0,
+                    max_new_tokens=batch["input_ids"].shape[1] + 5, bad_words_ids=[[pad]],
+                    **ids)
+            translations.append(hf_tokenizer.decode(tokens[0], skip_special_tokens=True))
+        assert ours.translate(SOURCES, beam_size=beams, alpha=0.0, max_extra_length=5,
+                              batch_size=1) == translations, beams

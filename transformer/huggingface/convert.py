@@ -127,9 +127,17 @@ def abstract_params(model_cfg: TransformerConfig):
     return jax.eval_shape(lambda: model.init(jax.random.key(0), tokens, tokens))["params"]
 
 
-def _check_tensors(family, model_cfg: TransformerConfig, reader: TensorReader, hf_dir: str):
+def _import_groups(family, model_cfg: TransformerConfig, hf_config: dict) -> list:
+    """The family's tensor groups as this checkpoint holds them (`import_tensors` where its
+    ids are numbered otherwise than ours: Marian's OPUS-MT layout)."""
+    if hasattr(family, "import_tensors"):
+        return family.import_tensors(model_cfg, hf_config)
+    return family.tensors(model_cfg)
+
+
+def _check_tensors(family, groups: list, reader: TensorReader, hf_dir: str):
     """Every tensor the model needs is there, and nothing there would be silently dropped."""
-    wanted = {name for group in family.tensors(model_cfg) for name in group.hf}
+    wanted = {name for group in groups for name in group.hf}
     missing = sorted(wanted - reader.names())
     if missing:
         raise ValueError(f"{hf_dir} lacks tensor {missing[0]} (and {len(missing) - 1} more) "
@@ -166,15 +174,16 @@ def import_checkpoint(hf_dir: str, workdir: str, *, config_file: str | None = No
         cfg.data.vocab_size = fields["vocab_size"]
     run = resolve(cfg, config_file=config_path)
     reader = TensorReader(hf_dir)
-    _check_tensors(family, run.model, reader, hf_dir)
-    tokenizer = _vocabulary(hf_dir, run.model)
+    groups = _import_groups(family, run.model, hf_config)
+    _check_tensors(family, groups, reader, hf_dir)
+    tokenizer = _vocabulary(hf_dir, run.model, hf_config)
     if workdir_lib.read_config_file(workdir) is not None or checkpoint.list_steps(
             workdir_lib.path(workdir, workdir_lib.PARAMS_SERIES)):
         raise ValueError(f"--workdir={workdir} already holds a run: import into a new "
                          f"directory")
 
     mesh = sharding.make_mesh(run.config.mesh)
-    params = read_params(reader, family, run.model, mesh)
+    params = read_params(reader, family, run.model, mesh, groups)
     os.makedirs(workdir, exist_ok=True)
     series = averaging.ParamsSeries(workdir, every_minutes=1.0, keep=1, use_async=False)
     series.save(IMPORTED_STEP, params)  # every process writes its shards
@@ -190,9 +199,10 @@ def import_checkpoint(hf_dir: str, workdir: str, *, config_file: str | None = No
     return workdir_lib.path(workdir, workdir_lib.PARAMS_SERIES, str(IMPORTED_STEP))
 
 
-def read_params(reader: TensorReader, family, model_cfg: TransformerConfig, mesh):
-    """The model's parameters from `reader`, each array placed in its sharding on `mesh` as
-    soon as its tensor group is read."""
+def read_params(reader: TensorReader, family, model_cfg: TransformerConfig, mesh,
+                groups: list | None = None):
+    """The model's parameters from `reader` (as `groups` map them, default the family's), each
+    array placed in its sharding on `mesh` as soon as its tensor group is read."""
     boxed = abstract_params(model_cfg)
     abstract = nn.unbox(boxed)
     names = _names(abstract)
@@ -201,7 +211,7 @@ def read_params(reader: TensorReader, family, model_cfg: TransformerConfig, mesh
     shapes = {name: leaf.shape for name, leaf in zip(names, jax.tree.leaves(abstract),
                                                       strict=True)}
     placed = {}
-    for group in family.tensors(model_cfg):
+    for group in groups or family.tensors(model_cfg):
         for name, value in zip(group.ours, group.to_ours([reader.get(n) for n in group.hf]),
                                strict=True):
             if value.shape != shapes[name]:
@@ -212,7 +222,7 @@ def read_params(reader: TensorReader, family, model_cfg: TransformerConfig, mesh
     return jax.tree.unflatten(jax.tree.structure(abstract), [placed[name] for name in names])
 
 
-def _vocabulary(hf_dir: str, model_cfg: TransformerConfig):
+def _vocabulary(hf_dir: str, model_cfg: TransformerConfig, hf_config: dict):
     """The checkpoint's own tokenizer as the run's vocabulary: its `tokenizer.json` (with the
     special ids of its config.json), else its SentencePiece `tokenizer.model`; None, with a
     warning saying what the run then lacks, where there is neither or it does not fit the
@@ -231,7 +241,7 @@ def _vocabulary(hf_dir: str, model_cfg: TransformerConfig):
         return None
     try:
         if model_cfg.architecture == "encoder_decoder":
-            tokenizer = marian.read_vocabulary(hf_dir)
+            tokenizer = marian.read_vocabulary(hf_dir, hf_config)
         elif path == json_path:
             with open(path, "rb") as f:
                 tokenizer = tokenizer_lib.HuggingFaceTokenizer(

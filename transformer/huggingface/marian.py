@@ -19,8 +19,9 @@ tied output do not depend on the order of the features).
 Marian's LayerNorm epsilon is fixed at 1e-5: a model trained here with another `norm_eps`
 (the paper's configs: 1e-6) exports with a warning, its logits then differ by ~1e-5.
 
-The token ids are ours (pad 0, decoder start = BOS 2, EOS 3: what the translator reads); the
-OPUS-MT layout (EOS 0, pad = decoder start = the last id) is refused, naming the ids. The
+The token ids are ours (pad 0, decoder start = BOS 2, EOS 3: what the translator reads); a
+checkpoint with the OPUS-MT layout (EOS 0, pad = decoder start = the last id) is renumbered to
+ours on import (`opus_order`), another layout refused, naming the ids. The exported
 vocabulary is what `MarianTokenizer` reads: `source.spm` and `target.spm` (here one
 SentencePiece model, shared) and `vocab.json` (piece -> id, the model's own ids).
 """
@@ -46,11 +47,28 @@ from transformer.model.config import TransformerConfig
 
 log = logging.getLogger("transformer")
 SOURCE_SPM, TARGET_SPM, VOCAB_JSON = "source.spm", "target.spm", "vocab.json"
+NEVER = -1e9  # a logit bias no token wins with
 HF_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which Marian's layers keep
 ACTIVATIONS = {"relu": ("relu", {}), "swish": ("silu", {}), "silu": ("silu", {}),
                "gelu": ("gelu", dict(gelu_approximate=False)),
                "gelu_new": ("gelu", dict(gelu_approximate=True)),
                "gelu_pytorch_tanh": ("gelu", dict(gelu_approximate=True))}
+
+
+def opus_order(hf: dict) -> np.ndarray | None:
+    """Our id i's Marian id, where the checkpoint numbers them as OPUS-MT does (EOS 0, pad =
+    decoder start = the last id): ours pad 0 and BOS 2 both read Marian's pad row (the
+    decoder's start), unk 1 stays, EOS 3 is its 0, and its pieces 2.. follow from 4, so our
+    vocabulary is one longer. None where the ids are ours already (pad 0, start 2, EOS 3);
+    another layout is refused naming the three ids."""
+    ids = (hf.get("pad_token_id"), hf.get("decoder_start_token_id"), hf.get("eos_token_id"))
+    if ids == (PAD_ID, BOS_ID, EOS_ID):
+        return None
+    last = hf["vocab_size"] - 1
+    if ids != (last, last, 0):
+        raise unsupported("marian", "pad_token_id/decoder_start_token_id/eos_token_id", ids,
+                          f"ours ({PAD_ID}, {BOS_ID}, {EOS_ID}) or OPUS-MT's ({last}, {last}, 0)")
+    return np.array([last, 1, last, 0] + list(range(2, last)))
 
 
 def split_order(d_model: int) -> tuple[np.ndarray, np.ndarray]:
@@ -98,6 +116,20 @@ def _feed_forward(hf: str, ours: str, d: int) -> list[Tensors]:
             _reordered(f"{hf}.fc2.bias", f"{ours}/ffn/ff_out/bias", 0, d)]
 
 
+def _renumbered(group: Tensors, order: np.ndarray, axis: int, banned=None) -> Tensors:
+    """`group` (one tensor with a vocabulary axis) read with our ids (`opus_order`); `banned`
+    (a value) put at our BOS, which Marian's pad row gives and OPUS-MT never generates."""
+    def to_ours(arrays):
+        value = np.take(arrays[0], order, axis=axis)
+        if banned is not None:
+            np.moveaxis(value, axis, 0)[BOS_ID] = banned
+        return group.to_ours([value])
+
+    inverse = np.argsort(order, kind="stable")[np.arange(len(order) - 1)]
+    return Tensors(group.hf, group.ours, to_ours,
+                   lambda a: [np.take(group.to_hf(a)[0], inverse, axis=axis)])
+
+
 class Marian:
     """`MarianMTModel` <-> our post-LN encoder-decoder with shared, tied embeddings."""
 
@@ -117,15 +149,11 @@ class Marian:
         require(hf, kind, "tie_word_embeddings", (True,), "the output is the embedding")
         require(hf, kind, "decoder_vocab_size", (hf["vocab_size"], None),
                 "one vocabulary for source and target")
-        ids = (hf.get("pad_token_id"), hf.get("decoder_start_token_id"), hf.get("eos_token_id"))
-        if ids != (PAD_ID, BOS_ID, EOS_ID):
-            raise unsupported(kind, "pad_token_id/decoder_start_token_id/eos_token_id", ids,
-                              f"our translation models read pad {PAD_ID}, start {BOS_ID} and "
-                              f"EOS {EOS_ID}; the OPUS-MT layout needs its vocabulary "
-                              f"renumbered, not implemented")
+        order = opus_order(hf)
         activation, extra = ACTIVATIONS[hf["activation_function"]]
         return dict(
-            architecture="encoder_decoder", vocab_size=hf["vocab_size"],
+            architecture="encoder_decoder",
+            vocab_size=hf["vocab_size"] if order is None else len(order),
             num_encoder_layers=hf["encoder_layers"], num_decoder_layers=hf["decoder_layers"],
             d_model=hf["d_model"], d_ff=hf["encoder_ffn_dim"],
             num_heads=hf["encoder_attention_heads"], num_kv_heads=None, d_k=None, d_v=None,
@@ -171,6 +199,23 @@ class Marian:
         return out
 
     @staticmethod
+    def import_tensors(cfg: TransformerConfig, hf: dict) -> list[Tensors]:
+        """`tensors` of a checkpoint with OPUS-MT's ids, its vocabulary rows renumbered
+        (`opus_order`); OPUS-MT's `bad_words_ids` (its pad) becomes a logits bias that our
+        BOS never wins."""
+        order = opus_order(hf)
+        if order is None:
+            return Marian.tensors(cfg)
+        out = []
+        for group in Marian.tensors(cfg):
+            if group.ours == ("embedding/embedding",):
+                group = _renumbered(group, order, 0)
+            elif group.ours == ("decoder/logits_bias",):
+                group = _renumbered(group, order, 1, banned=NEVER)
+            out.append(group)
+        return out
+
+    @staticmethod
     def tensors(cfg: TransformerConfig) -> list[Tensors]:
         d = cfg.d_model
         out = [_reordered("model.shared.weight", "embedding/embedding", 1, d)]
@@ -213,10 +258,11 @@ def write_vocabulary(spm_path: str, out_dir: str, cfg: TransformerConfig) -> Non
                     "differ from the run's by about 1e-5", cfg.norm_eps, HF_NORM_EPS)
 
 
-def read_vocabulary(hf_dir: str):
-    """The run's vocabulary from `MarianTokenizer`'s files where they are one SentencePiece
-    model whose own ids `vocab.json` lists (as `write_vocabulary` writes them); ValueError
-    naming the file otherwise."""
+def read_vocabulary(hf_dir: str, hf: dict):
+    """The run's vocabulary from `MarianTokenizer`'s files: where they are one SentencePiece
+    model whose own ids `vocab.json` lists (as `write_vocabulary` writes them), that model;
+    with OPUS-MT's ids, `source.spm` as a `tokenizer.json` with our ids (`opus_vocabulary`);
+    ValueError naming the file otherwise."""
     from transformer.data.tokenizer import Tokenizer
 
     paths = [os.path.join(hf_dir, name) for name in (SOURCE_SPM, TARGET_SPM, VOCAB_JSON)]
@@ -224,6 +270,8 @@ def read_vocabulary(hf_dir: str):
     if missing:
         raise ValueError(f"{missing[0]} is missing (MarianTokenizer's files)")
     source, target, vocab = paths
+    if opus_order(hf) is not None:
+        return opus_vocabulary(source, vocab, opus_order(hf))
     with open(source, "rb") as f, open(target, "rb") as g:
         if f.read() != g.read():
             raise ValueError(f"{source} and {target} differ: one shared vocabulary only")
@@ -234,3 +282,29 @@ def read_vocabulary(hf_dir: str):
             len(ids) != tokenizer.vocab_size):
         raise ValueError(f"{vocab} numbers the pieces otherwise than {source}")
     return tokenizer
+
+
+def opus_vocabulary(source_spm: str, vocab_json: str, order: np.ndarray):
+    """OPUS-MT's source vocabulary with our ids (`opus_order`): `source.spm`'s segmentation
+    (its normaliser, pieces and scores, as `transformers` converts a SentencePiece model) over
+    `vocab.json`'s pieces renumbered; pieces only the target side has get a score no
+    segmentation picks, as control pieces do. Encodes a source as `MarianTokenizer` does
+    without its Moses punctuation normaliser."""
+    from transformers.convert_slow_tokenizer import SpmConverter, import_protobuf
+
+    from transformer.data.tokenizer import HuggingFaceTokenizer
+
+    proto = import_protobuf().ModelProto()
+    with open(source_spm, "rb") as f:
+        proto.ParseFromString(f.read())
+    with open(vocab_json) as f:
+        pieces = {i: piece for piece, i in json.load(f).items()}
+    scores = {p.piece: p.score for p in proto.pieces if p.type == 1}  # normal pieces
+    never = min(scores.values(), default=0.0) - 100.0
+    vocab = [(pieces[m], scores.get(pieces[m], never)) for m in order]
+    vocab[BOS_ID] = ("<s>" if "<s>" not in pieces.values() else "<bos>", never)
+    proto.trainer_spec.unk_id = next(i for i, (piece, _) in enumerate(vocab)
+                                     if piece == proto.trainer_spec.unk_piece)
+    tokenizer = SpmConverter.build_tokenizer_from_spm_proto(proto, vocab)
+    return HuggingFaceTokenizer(tokenizer.to_str().encode("utf-8"), bos_id=BOS_ID,
+                                eos_id=EOS_ID, pad_id=PAD_ID)
