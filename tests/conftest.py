@@ -143,3 +143,36 @@ def offline_fixture_data_dir(tmp_path_factory):
         file_format="array_record", download_config=tfds.download.DownloadConfig(
             manual_dir=str(ROOT / "tests" / "data" / "offline_de_en")))
     return data_dir
+
+
+VISION_CLASSES = [f"class{i}" for i in range(10)]
+VISION_MEAN, VISION_STD = 0.25, 0.4
+
+
+@pytest.fixture(scope="session")
+def untrained_vision_workdir(tmp_path_factory):
+    """A tiny ViT run (28x28 grey, 10 classes) whose head is random, not zero, so that the
+    probabilities differ between images; config.json records the preprocessing. Evaluated
+    without the mirror (the tests that want it set `test_time_flip`)."""
+    from transformer.checkpoint.checkpointer import Checkpointer
+    from transformer.config import resolve
+    from transformer.training import sharding
+    from transformer.training import step as step_lib
+
+    path = tmp_path_factory.mktemp("vision_run")
+    cfg = _load_config("vit_fashion_mnist.py", **{
+        "model.num_encoder_layers": 1, "model.d_model": 16, "model.d_ff": 32,
+        "model.num_heads": 2, "data.test_time_flip": False})
+    provenance = {"images": {"class_names": VISION_CLASSES, "mean": [VISION_MEAN],
+                             "std": [VISION_STD]}}
+    (path / "config.json").write_text(json.dumps(cfg.to_dict() | {"provenance": provenance}))
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+    trainer = step_lib.build_trainer(resolve(cfg, 1), mesh)
+    state = step_lib.init_state(trainer, 0)
+    head = jax.tree.map(lambda x: jax.random.normal(jax.random.key(1), x.shape, x.dtype),
+                        state.params["head"])
+    state = state.replace(params=state.params | {"head": head})
+    checkpointer = Checkpointer(str(path), keep=1)
+    checkpointer.save(1, state, {"next_batch_index": 1})
+    checkpointer.close()
+    return path

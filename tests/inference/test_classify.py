@@ -11,10 +11,10 @@ import sys
 import jax
 import numpy as np
 import pytest
+from conftest import VISION_CLASSES, VISION_MEAN, VISION_STD
 from PIL import Image
 
 import transformer
-from transformer.checkpoint.checkpointer import Checkpointer
 from transformer.config import resolve
 from transformer.inference import classifier as classify
 from transformer.model.vit import VisionTransformer
@@ -22,32 +22,8 @@ from transformer.training import evaluation, sharding
 from transformer.training import step as step_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+CLASSES, MEAN, STD = VISION_CLASSES, VISION_MEAN, VISION_STD
 
-CLASSES = [f"class{i}" for i in range(10)]
-MEAN, STD = 0.25, 0.4
-
-
-@pytest.fixture(scope="module")
-def vision_workdir(tmp_path_factory, load_config):
-    """A tiny ViT run (28x28 grey, 10 classes) whose head is random, not zero, so that the
-    probabilities differ between images; config.json records the preprocessing. Evaluated
-    without the mirror (the tests that want it set `test_time_flip`)."""
-    path = tmp_path_factory.mktemp("vision_run")
-    cfg = load_config("vit_fashion_mnist.py", **{
-        "model.num_encoder_layers": 1, "model.d_model": 16, "model.d_ff": 32,
-        "model.num_heads": 2, "data.test_time_flip": False})
-    provenance = {"images": {"class_names": CLASSES, "mean": [MEAN], "std": [STD]}}
-    (path / "config.json").write_text(json.dumps(cfg.to_dict() | {"provenance": provenance}))
-    mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
-    trainer = step_lib.build_trainer(resolve(cfg, 1), mesh)
-    state = step_lib.init_state(trainer, 0)
-    head = jax.tree.map(lambda x: jax.random.normal(jax.random.key(1), x.shape, x.dtype),
-                        state.params["head"])
-    state = state.replace(params=state.params | {"head": head})
-    checkpointer = Checkpointer(str(path), keep=1)
-    checkpointer.save(1, state, {"next_batch_index": 1})
-    checkpointer.close()
-    return path
 
 
 def _by_hand(workdir, pixels: np.ndarray) -> np.ndarray:
@@ -59,16 +35,16 @@ def _by_hand(workdir, pixels: np.ndarray) -> np.ndarray:
     return np.asarray(jax.nn.softmax(logits, axis=-1))
 
 
-def test_png_and_jpeg_files_match_the_model_applied_by_hand(vision_workdir, tmp_path):
+def test_png_and_jpeg_files_match_the_model_applied_by_hand(untrained_vision_workdir, tmp_path):
     rng = np.random.default_rng(0)
     grey = rng.integers(0, 256, (28, 28), dtype=np.uint8)
     Image.fromarray(grey).save(tmp_path / "a.png")
     colour = rng.integers(0, 256, (28, 28, 3), dtype=np.uint8)
     Image.fromarray(colour).save(tmp_path / "b.jpg", quality=95)
-    classifier = transformer.load_classifier(str(vision_workdir))  # classify.load
+    classifier = transformer.load_classifier(str(untrained_vision_workdir))  # classify.load
     # the JPEG as Pillow decodes it, to grey by Pillow's "L" conversion
     decoded = np.asarray(Image.open(tmp_path / "b.jpg").convert("L"))
-    want = _by_hand(vision_workdir, np.stack([grey, decoded])[..., None])
+    want = _by_hand(untrained_vision_workdir, np.stack([grey, decoded])[..., None])
     got = classifier.probabilities([str(tmp_path / "a.png"), str(tmp_path / "b.jpg")])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert np.abs(want[0] - want[1]).max() > 1e-3  # the two images are told apart
@@ -78,9 +54,9 @@ def test_png_and_jpeg_files_match_the_model_applied_by_hand(vision_workdir, tmp_
     np.testing.assert_allclose([p for _, p in top], want[0][order], rtol=1e-5)
 
 
-def test_a_run_evaluated_with_the_mirror_classifies_with_it(vision_workdir, tmp_path):
+def test_a_run_evaluated_with_the_mirror_classifies_with_it(untrained_vision_workdir, tmp_path):
     workdir = tmp_path / "run"
-    shutil.copytree(vision_workdir, workdir)
+    shutil.copytree(untrained_vision_workdir, workdir)
     config = json.loads((workdir / "config.json").read_text())
     config["data"]["test_time_flip"] = True
     (workdir / "config.json").write_text(json.dumps(config))
@@ -91,7 +67,7 @@ def test_a_run_evaluated_with_the_mirror_classifies_with_it(vision_workdir, tmp_
     assert np.abs(got - _by_hand(workdir, pixels)).max() > 1e-4  # the mirror changed them
 
 
-def test_a_larger_image_is_resized_then_centre_cropped(vision_workdir, tmp_path):
+def test_a_larger_image_is_resized_then_centre_cropped(untrained_vision_workdir, tmp_path):
     """A 56x84 image: shorter side to 28 (Pillow bilinear), centre 28x28 of the 28x42."""
     rng = np.random.default_rng(1)
     big = rng.integers(0, 256, (56, 84), dtype=np.uint8)
@@ -106,12 +82,12 @@ def _cli(*args):
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
 
 
-def test_cli_prints_the_top_classes(vision_workdir, tmp_path):
+def test_cli_prints_the_top_classes(untrained_vision_workdir, tmp_path):
     image = np.random.default_rng(2).integers(0, 256, (28, 28), dtype=np.uint8)
     Image.fromarray(image).save(tmp_path / "x.png")
-    result = _cli(f"--workdir={vision_workdir}", "--top=2", tmp_path / "x.png")
+    result = _cli(f"--workdir={untrained_vision_workdir}", "--top=2", tmp_path / "x.png")
     assert result.returncode == 0, result.stderr
-    want = _by_hand(vision_workdir, image[None, ..., None])[0]
+    want = _by_hand(untrained_vision_workdir, image[None, ..., None])[0]
     first, second = np.argsort(-want)[:2]
     assert result.stdout.strip() == (f"{tmp_path / 'x.png'}: {CLASSES[first]} "
                                      f"{100 * want[first]:.1f}%, {CLASSES[second]} "
@@ -119,11 +95,11 @@ def test_cli_prints_the_top_classes(vision_workdir, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["not_an_image", "missing", "text_run"])
-def test_cli_bad_input_is_one_line(case, vision_workdir, untrained_translation_workdir,
+def test_cli_bad_input_is_one_line(case, untrained_vision_workdir, untrained_translation_workdir,
                                    tmp_path):
     good = tmp_path / "good.png"
     Image.fromarray(np.zeros((28, 28), np.uint8)).save(good)
-    workdir, files, expected = vision_workdir, [good], ""
+    workdir, files, expected = untrained_vision_workdir, [good], ""
     if case == "not_an_image":
         (tmp_path / "notes.png").write_text("not pixels")
         files, expected = [good, tmp_path / "notes.png"], "notes.png is not an image"
@@ -152,16 +128,16 @@ class _Batches:
 
 
 @pytest.mark.parametrize("test_time_flip", [False, True])
-def test_confusion_matrix_counts_label_and_top1_pairs(vision_workdir, test_time_flip):
+def test_confusion_matrix_counts_label_and_top1_pairs(untrained_vision_workdir, test_time_flip):
     """The split's loss, accuracy and confusion (4 devices) against the classifier's
     probabilities; with `test_time_flip`, those of each image and its mirror averaged."""
-    classifier = dataclasses.replace(classify.load(str(vision_workdir)),
+    classifier = dataclasses.replace(classify.load(str(untrained_vision_workdir)),
                                      test_time_flip=test_time_flip)
     rng = np.random.default_rng(3)
     pixels = rng.integers(0, 256, (8, 28, 28, 1), dtype=np.uint8)
     images = classifier.normalise(pixels)
     labels = np.array([0, 3, 3, 9, 1, 1, 5, -1], np.int32)
-    cfg = json.loads((vision_workdir / "config.json").read_text())
+    cfg = json.loads((untrained_vision_workdir / "config.json").read_text())
     cfg.pop("provenance")
     from ml_collections import ConfigDict
 
@@ -173,7 +149,8 @@ def test_confusion_matrix_counts_label_and_top1_pairs(vision_workdir, test_time_
                                                  (0, 4), "test")
     probabilities = classifier.probabilities(pixels)
     if test_time_flip:
-        plain, mirrored = (_by_hand(vision_workdir, x) for x in (pixels, pixels[:, :, ::-1]))
+        plain, mirrored = (_by_hand(untrained_vision_workdir, x)
+                           for x in (pixels, pixels[:, :, ::-1]))
         np.testing.assert_allclose(probabilities, (plain + mirrored) / 2, rtol=1e-5, atol=1e-6)
     labelled = labels >= 0
     want_loss = -np.log(probabilities[labelled, labels[labelled]]).mean()
@@ -185,5 +162,6 @@ def test_confusion_matrix_counts_label_and_top1_pairs(vision_workdir, test_time_
             want[label, guess] += 1
     np.testing.assert_array_equal(confusion, want)
     assert figures["accuracy"] == pytest.approx(np.trace(want) / 7)
-    out = evaluation.plot_confusion_matrix(confusion, CLASSES, str(vision_workdir / "c.png"), "t")
-    assert (vision_workdir / "c.png").stat().st_size > 1000 and out.endswith("c.png")
+    out = evaluation.plot_confusion_matrix(confusion, CLASSES,
+                                           str(untrained_vision_workdir / "c.png"), "t")
+    assert (untrained_vision_workdir / "c.png").stat().st_size > 1000 and out.endswith("c.png")
