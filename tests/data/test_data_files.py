@@ -220,3 +220,33 @@ def test_language_model_from_files_needs_an_eval_dataset(lm_files_config):
     lm_files_config.data.eval_dataset = None
     with pytest.raises(ValueError, match="set data.eval_dataset"):
         from_config(lm_files_config)
+
+
+# --------------------------------------------------------------------------- mixtures
+
+
+def test_a_mixture_draws_each_source_s_token_share_within_1_percent(lm_files_config, tmp_path):
+    from transformer.data.language_model import from_config
+
+    rng = np.random.default_rng(2)
+    for name, (low, high) in (("web", (5, 20)), ("code", (30, 80)), ("books", (60, 200))):
+        docs = [" ".join(rng.choice(WORDS, int(rng.integers(low, high)))) for _ in range(300)]
+        write_shards(tmp_path / name, docs, shards=3)
+    weights = {"web": 0.7, "code": 0.2, "books": 0.1}
+    lm_files_config.data.sources = [{"dataset": f"{tmp_path}/{n}/*.jsonl.zst", "weight": w}
+                                    for n, w in weights.items()]
+    lm_files_config.data.text_field = "text"
+    lm_files_config.data.eval_dataset = f"{tmp_path}/web/*.jsonl.zst"
+    source = from_config(lm_files_config)
+    mixture = source.files["train"]
+    tokens = np.zeros(3)
+    for index in range(300):  # several epochs of the small sources
+        ids = source.batch_documents(index)
+        lengths = [len(t) + 1 for t in source.tokenizer.encode(mixture.texts(ids))]
+        np.add.at(tokens, mixture.source_of(ids), lengths)
+    np.testing.assert_allclose(tokens / tokens.sum(), list(weights.values()), atol=0.01)
+    again = from_config(lm_files_config)
+    np.testing.assert_array_equal(again.batch_documents(123), source.batch_documents(123))
+    lm_files_config.data.sources[1]["weight"] = 0.0
+    with pytest.raises(files.BadData, match=r"data.sources\[1\].weight=0.0 must be positive"):
+        from_config(lm_files_config)

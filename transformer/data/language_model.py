@@ -53,6 +53,7 @@ from transformer.data.datasets import (
     read_documents,
     text_features,
 )
+from transformer.data.mixture import Mixture
 from transformer.data.permutation import Permutation
 
 log = logging.getLogger("transformer")
@@ -122,7 +123,7 @@ class LanguageModelSource:
                  vocab_sample_documents: int = 200_000, num_sentinels: int = 0,
                  tokenizer: tokenizer_lib.Tokenizer | None = None, text_field: str = "text",
                  eval_dataset: str | None = None, shuffle_window: int = 8,
-                 skip_bad_lines: bool = False):
+                 skip_bad_lines: bool = False, sources: list[dict] | None = None):
         if objective not in OBJECTIVES:
             raise ValueError(f"data.objective={objective!r} is not one of "
                              f"{', '.join(OBJECTIVES)}")
@@ -152,13 +153,16 @@ class LanguageModelSource:
         self.workdir = workdir
         self._sources: dict[str, object] = {}
         self.files = None  # {split: FileDocuments} for a source of files
-        if files.parse_spec(dataset):
+        if sources or files.parse_spec(dataset):
+            eval_dataset = eval_dataset or files.split_spec(dataset, eval_split)
             if not eval_dataset:
                 raise ValueError(f"data.dataset={dataset!r} is files: set data.eval_dataset "
                                  f"to the files to evaluate on (<format>:<glob>)")
             opts = dict(fields=(text_field,), seed=self.seed, shuffle_window=shuffle_window,
                         skip_bad_lines=skip_bad_lines)
-            self.files = {"train": files.FileDocuments(dataset, **opts),
+            train = (_mixture(sources, opts) if sources else
+                     files.FileDocuments(dataset, **opts))
+            self.files = {"train": train,
                           eval_split: files.FileDocuments(eval_dataset, setting="data.eval_dataset",
                                                           **opts)}
             self.keys, self.name = [text_field], self.files["train"].name
@@ -246,11 +250,21 @@ class LanguageModelSource:
             info=info, num_sentinels=self.num_sentinels)
 
     def _docs_per_batch(self) -> int:
-        """Documents per update: its capacity in tokens over the mean tokens of a document."""
-        sample = self._sample(11, LENGTH_SAMPLE)
-        lengths = [len(ids) + 1 for ids in self.tokenizer.encode(self._texts("train", sample))]
+        """Documents per update: its capacity in tokens over the mean tokens of a document (a
+        mixture: each source's share of the capacity over its own mean)."""
         row_tokens = self.span_length or self.max_length  # span corruption: before corrupting
         capacity = self.rows_per_batch * self.grad_accum_steps * row_tokens
+        train = self.files and self.files["train"]
+        if isinstance(train, Mixture):
+            means = []
+            for k, source in enumerate(train.sources):
+                sample = np.sort(Permutation(len(source), (self.seed, 11, k))(
+                    np.arange(min(LENGTH_SAMPLE, len(source)))))
+                means.append(np.mean([len(ids) + 1 for ids in self.tokenizer.encode(
+                    source.texts(sample))]))
+            return max(1, round(train.set_rates(capacity, means)))
+        sample = self._sample(11, LENGTH_SAMPLE)
+        lengths = [len(ids) + 1 for ids in self.tokenizer.encode(self._texts("train", sample))]
         return max(1, round(capacity / float(np.mean(lengths))))
 
     def _row_rngs(self, stream: int, index: int, rows: range) -> list[np.random.Generator]:
@@ -275,6 +289,8 @@ class LanguageModelSource:
         """The training documents of global batch `index`, in placement order."""
         if index < 0:
             raise ValueError(f"batch index {index} < 0")
+        if self.files and isinstance(self.files["train"], Mixture):
+            return self.files["train"].batch(index)
         epoch, b = divmod(index, self.batches_per_epoch)
         if self.files:
             return self.files["train"].order(epoch, np.arange(b * self.docs_per_batch,
@@ -354,6 +370,22 @@ class LanguageModelSource:
             yield {k: v[None] for k, v in batch.items()}
 
 
+def _mixture(sources: list[dict], opts: dict) -> Mixture:
+    """`data.sources` ({dataset, weight, text_field?}) as a `Mixture`."""
+    for i, spec in enumerate(sources):  # before any file is read
+        if "dataset" not in spec or "weight" not in spec:
+            raise ValueError(f"data.sources[{i}]={spec}: each source needs a dataset "
+                             f"(<format>:<glob>) and a weight")
+        if not float(spec["weight"]) > 0:
+            raise files.BadData(f"data.sources[{i}].weight={spec['weight']} must be positive")
+    documents = []
+    for i, spec in enumerate(sources):
+        fields = (spec.get("text_field") or opts["fields"][0],)
+        documents.append(files.FileDocuments(spec["dataset"], setting=f"data.sources[{i}]",
+                                             **{**opts, "fields": fields}))
+    return Mixture(documents, [float(s["weight"]) for s in sources], opts["seed"])
+
+
 def from_config(cfg, workdir: str | None = None) -> LanguageModelSource:
     """`LanguageModelSource` from the config's `data` keys (see configs/lm_default.py)."""
     data = cfg.data
@@ -381,6 +413,7 @@ def from_config(cfg, workdir: str | None = None) -> LanguageModelSource:
         num_sentinels=int(data.get("num_sentinels") or DEFAULT_SENTINELS.get(objective, 0)),
         text_field=data.get("text_field") or "text", eval_dataset=data.get("eval_dataset"),
         shuffle_window=int(data.get("shuffle_window") or 8),
-        skip_bad_lines=bool(data.get("skip_bad_lines")))
+        skip_bad_lines=bool(data.get("skip_bad_lines")),
+        sources=[dict(s) for s in data.get("sources") or []])
     tokenizer_lib.check_special_ids(source.tokenizer, cfg.model)
     return source

@@ -34,7 +34,7 @@ import jax
 import numpy as np
 
 from transformer.checkpoint import workdir as workdir_lib
-from transformer.data import batching
+from transformer.data import batching, files
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.data.datasets import (
     CHUNK,
@@ -138,7 +138,9 @@ class TranslationSource:
                  tokens_per_batch: int = 0, eval_batch_size: int | None = None, seed: int = 0,
                  data_dir: str | None = None, manual_dir: str | None = None,
                  workdir: str | None = None, vocab_sample_pairs: int = 500_000,
-                 tokenizer: tokenizer_lib.Tokenizer | None = None):
+                 tokenizer: tokenizer_lib.Tokenizer | None = None,
+                 source_field: str | None = None, target_field: str | None = None,
+                 eval_dataset: str | None = None, skip_bad_lines: bool = False):
         _check_sizes(batch_size, grad_accum_steps, max_length, tokens_per_batch,
                      eval_batch_size)
         self.dataset, self.seed = dataset, int(seed)
@@ -150,15 +152,32 @@ class TranslationSource:
         self.source_length = self.target_length = self.max_length
         self.validation_split = "validation"  # the split the training loop evaluates
         self.workdir = workdir
-        self.builder = prepare_dataset(dataset, data_dir, manual_dir)
-        languages = tuple(self.builder.info.features.languages)
-        for key, lang in (("source_lang", source_lang), ("target_lang", target_lang)):
-            if lang not in languages:
-                raise ValueError(f"data.{key}={lang!r} is not a language of {dataset} "
-                                 f"({', '.join(languages)})")
         self._sources: dict[str, object] = {}
+        self.builder = None
+        if files.parse_spec(dataset):
+            eval_dataset = eval_dataset or files.split_spec(dataset, self.validation_split)
+            if not eval_dataset:
+                raise ValueError(f"data.dataset={dataset!r} is files: set data.eval_dataset "
+                                 f"to the files to evaluate on (<format>:<glob>)")
+            fields = (source_field, target_field)
+            for split, spec, setting in (("train", dataset, "data.dataset"),
+                                         (self.validation_split, eval_dataset,
+                                          "data.eval_dataset")):
+                self._sources[split] = _file_split(spec, setting, (source_lang, target_lang),
+                                                   fields, seed=self.seed,
+                                                   skip_bad_lines=skip_bad_lines)
+            self._name = self._sources["train"].documents.name
+        else:
+            self.builder = prepare_dataset(dataset, data_dir, manual_dir)
+            self._name = self.builder.info.full_name
+            languages = tuple(self.builder.info.features.languages)
+            for key, lang in (("source_lang", source_lang), ("target_lang", target_lang)):
+                if lang not in languages:
+                    raise ValueError(f"data.{key}={lang!r} is not a language of {dataset} "
+                                     f"({', '.join(languages)})")
         for split in ("train", self.validation_split):
-            if (split == "train" or split in self.builder.info.splits) and \
+            if (split == "train" or self.builder is None or
+                    split in self.builder.info.splits) and \
                     not len(self._source(split)):
                 raise DataUnavailable(f"{dataset}: the {split!r} split is empty; prepare the "
                                       f"dataset again (or point data.data_dir elsewhere)")
@@ -187,6 +206,9 @@ class TranslationSource:
 
     def _source(self, split: str):
         if split not in self._sources:
+            if self.builder is None:
+                raise ValueError(f"split {split!r}: a source of files has train and "
+                                 f"{self.validation_split!r} (data.eval_dataset) only")
             self._sources[split] = open_split(self.builder, split)
         return self._sources[split]
 
@@ -235,11 +257,11 @@ class TranslationSource:
 
     @property
     def dataset_name(self) -> str:
-        return self.builder.info.full_name
+        return self._name
 
     def fingerprint(self) -> str:
-        packages = self.builder.info.metadata.get("packages") if self.builder.info.metadata \
-            else None
+        metadata = self.builder.info.metadata if self.builder else None
+        packages = metadata.get("packages") if metadata else None
         extra = ""
         if packages:
             digest = hashlib.sha256(json.dumps(packages, sort_keys=True).encode()).hexdigest()
@@ -308,6 +330,24 @@ class TranslationSource:
                           self.source_lang, self.target_lang)
 
 
+def _file_split(spec: str, setting: str, languages: tuple[str, str],
+                fields: tuple[str | None, str | None], **options) -> files.Split:
+    """A split of pairs from files: fields `data.source_field`/`data.target_field`, by default
+    the language codes as columns, else Hugging Face's nested `translation.<code>`."""
+    explicit = tuple(f or lang for f, lang in zip(fields, languages, strict=True))
+    try:
+        documents = files.FileDocuments(spec, fields=explicit, setting=setting, **options)
+    except files.BadData as e:
+        if any(fields) or not ("no column" in str(e) or "no field" in str(e)):
+            raise
+        try:
+            documents = files.FileDocuments(spec, fields=tuple(
+                f"translation.{lang}" for lang in languages), setting=setting, **options)
+        except files.BadData:
+            raise e from None
+    return documents.split(languages)
+
+
 def _counted(chunks, bar):
     """`chunks` of pairs, each counted on `bar` once it has been used."""
     for pairs in chunks:
@@ -364,6 +404,8 @@ def from_config(cfg, workdir: str | None = None) -> TranslationSource:
         tokens_per_batch=int(data.get("tokens_per_batch") or 0),
         eval_batch_size=data.get("eval_batch_size"), seed=int(cfg.seed),
         data_dir=data.get("data_dir"), manual_dir=data.get("manual_dir"), workdir=workdir,
-        vocab_sample_pairs=int(data.get("vocab_sample_pairs") or 500_000))
+        vocab_sample_pairs=int(data.get("vocab_sample_pairs") or 500_000),
+        source_field=data.get("source_field"), target_field=data.get("target_field"),
+        eval_dataset=data.get("eval_dataset"), skip_bad_lines=bool(data.get("skip_bad_lines")))
     tokenizer_lib.check_special_ids(source.tokenizer, cfg.model)  # translation keeps ours
     return source

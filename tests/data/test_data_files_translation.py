@@ -1,0 +1,100 @@
+"""Translation from files: the offline corpus written in the Hugging Face hub's parquet layout
+(`hub_layout`) reads back pair for pair by split name, flat `en`/`de` columns and named fields
+work too, and `configs/wmt14_files.py` trains from the layout and resumes bit-identically after
+SIGKILL."""
+
+import importlib.util
+import pathlib
+import runpy
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from transformer.data import files, hub_layout
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def hub(offline_fixture_data_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("hub") / "wmt14"
+    directory = hub_layout.from_tfds("offline_de_en", str(out), "de-en",
+                                     data_dir=str(offline_fixture_data_dir), shards=3)
+    return pathlib.Path(directory)
+
+
+def small_config(dataset):
+    cfg = runpy.run_path(str(ROOT / "configs/wmt14_files.py"))["get_config"]()
+    cfg.data.update(dict(dataset=str(dataset), vocab_size=200, max_length=32, batch_size=8,
+                         tokens_per_batch=0, eval_batch_size=8))
+    cfg.model.update(dict(d_model=32, d_ff=64, num_heads=2, num_encoder_layers=1,
+                          num_decoder_layers=1, max_len=32))
+    return cfg
+
+
+def test_the_hub_layout_reads_back_pair_for_pair_by_split(hub, offline_fixture_data_dir,
+                                                          tmp_path):
+    from transformer.data.datasets import open_split, prepare_dataset, read_pairs
+    from transformer.data.translation import from_config
+
+    assert sorted(p.name for p in hub.iterdir())[:2] == ["test-00000-of-00001.parquet",
+                                                          "train-00000-of-00003.parquet"]
+    assert files.split_spec(str(hub), "validation") == f"parquet:{hub}/validation-*.parquet"
+    source = from_config(small_config(hub), str(tmp_path / "run"))
+    builder = prepare_dataset("offline_de_en", str(offline_fixture_data_dir))
+    for split in ("train", "validation"):
+        tfds_split = open_split(builder, split)
+        assert len(source._source(split)) == len(tfds_split)
+        assert source.raw_pairs(split) == read_pairs(tfds_split, range(len(tfds_split)), "en",
+                                                     "de")
+    again = from_config(small_config(hub), str(tmp_path / "run"))
+    whole = source.train_batch(3, (0, 8))
+    halves = [again.train_batch(3, rows) for rows in ((0, 4), (4, 8))]
+    for key, value in whole.items():
+        np.testing.assert_array_equal(value, np.concatenate([h[key] for h in halves], 1))
+    assert (whole["targets_segmentation"] > 0).any()
+
+
+def test_flat_columns_and_named_fields(tmp_path):
+    from transformer.data.translation import _file_split
+
+    pq.write_table(pa.table({"en": ["a house", "a cat"], "de": ["ein Haus", "eine Katze"]}),
+                   tmp_path / "flat.parquet")
+    pq.write_table(pa.table({"src": ["a dog"], "tgt": ["ein Hund"]}), tmp_path / "named.parquet")
+    flat = _file_split(str(tmp_path / "flat.parquet"), "data.dataset", ("en", "de"),
+                       (None, None))
+    assert flat.__getitems__([1, 0]) == [{"en": "a cat", "de": "eine Katze"},
+                                         {"en": "a house", "de": "ein Haus"}]
+    named = _file_split(str(tmp_path / "named.parquet"), "data.dataset", ("en", "de"),
+                        ("src", "tgt"))
+    assert named[0] == {"en": "a dog", "de": "ein Hund"}
+    with pytest.raises(files.BadData, match=r"named.parquet: no column 'en' \(it has"):
+        _file_split(str(tmp_path / "named.parquet"), "data.dataset", ("en", "de"), (None, None))
+
+
+@pytest.mark.slow
+def test_wmt14_files_trains_from_the_layout_and_resumes_after_kill9(hub, tmp_path):
+    spec = importlib.util.spec_from_file_location("multihost",
+                                                  ROOT / "tests/training/test_multihost.py")
+    multihost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(multihost)
+    shrink = {"data.dataset": hub, "data.vocab_size": 200, "data.max_length": 32,
+              "data.batch_size": 8, "data.eval_batch_size": 8, "data.tokens_per_batch": 0,
+              "model.max_len": 32, "model.d_model": 32, "model.d_ff": 64,
+              "model.num_heads": 2, "model.num_encoder_layers": 1,
+              "model.num_decoder_layers": 1, "num_train_steps": 6, "eval_every_steps": 6,
+              "bleu_every_steps": 6, "bleu_num_sentences": 8, "checkpoint_every_steps": 3,
+              "checkpoint_every_minutes": 0, "params_every_minutes": 0, "log_every_steps": 1,
+              "optimizer.warmup_steps": 1}
+    run = dict(overrides=["--config=configs/wmt14_files.py",
+                          *(f"--config.{k}={v}" for k, v in shrink.items())], common=())
+    multihost.finish(multihost.launch(tmp_path / "ref", processes=1, devices=1, **run))
+    killed = tmp_path / "killed"
+    procs = multihost.launch(killed, processes=1, devices=1, faults={0: "killafter@3"}, **run)
+    procs[0].wait(timeout=600)
+    assert procs[0].returncode == -9, multihost.output_of(procs[0])[-2000:]
+    multihost.finish(multihost.launch(killed, processes=1, devices=1, **run))
+    reference = multihost.figures(tmp_path / "ref")
+    assert (6, "validation") in reference and multihost.figures(killed) == reference

@@ -1,0 +1,70 @@
+"""Several file sources mixed by weight (`data.sources`: a list of {dataset, weight, ...}).
+
+A weight is a share of training tokens. With m_s the mean tokens of a document of source s (a
+seeded sample) and T an update's token capacity, source s contributes r_s = w_s T / m_s
+documents per update (w normalised): update i takes documents [floor(r_s i), floor(r_s (i+1)))
+of source s's own order (`FileDocuments.order`, epoch by epoch as each source wraps), so batch
+i is a function of (seed, i) and each source's token share converges to its weight. The
+documents of an update are then interleaved by a seeded permutation of their ids. Global ids
+put source s's documents after those of sources 0..s-1.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from transformer.data.files import BadData, FileDocuments
+from transformer.data.permutation import Permutation
+
+
+class Mixture:
+    """Documents of several `FileDocuments` by global id, and each update's draw."""
+
+    def __init__(self, sources: list[FileDocuments], weights, seed: int = 0):
+        weights = np.asarray(weights, np.float64)
+        for i, w in enumerate(weights):
+            if not w > 0:
+                raise BadData(f"data.sources[{i}].weight={w} must be positive")
+        self.sources, self.seed = sources, int(seed)
+        self.weights = weights / weights.sum()
+        self.offsets = np.concatenate([[0], np.cumsum([len(s) for s in sources])])
+        self.name = " + ".join(f"{w:.3g}*{s.name}" for s, w in zip(sources, self.weights,
+                                                                  strict=True))
+        self.rates = None
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def set_rates(self, tokens_per_batch: float, mean_tokens) -> float:
+        """Documents per update of each source for `tokens_per_batch` tokens; returns their sum."""
+        self.rates = self.weights * float(tokens_per_batch) / np.asarray(mean_tokens, np.float64)
+        return float(self.rates.sum())
+
+    def source_of(self, ids) -> np.ndarray:
+        return np.searchsorted(self.offsets, np.asarray(ids, np.int64), side="right") - 1
+
+    def texts(self, ids) -> list[str]:
+        ids = np.asarray(ids, np.int64)
+        which = self.source_of(ids)
+        out = [None] * len(ids)
+        for s in np.unique(which):
+            where = np.flatnonzero(which == s)
+            for i, text in zip(where, self.sources[s].texts(ids[where] - self.offsets[s]),
+                               strict=True):
+                out[i] = text
+        return out
+
+    def batch(self, index: int) -> np.ndarray:
+        """The global ids of update `index`'s documents, interleaved."""
+        parts = []
+        for s, (source, rate) in enumerate(zip(self.sources, self.rates, strict=True)):
+            start, stop = int(np.floor(rate * index)), int(np.floor(rate * (index + 1)))
+            positions = np.arange(start, stop, dtype=np.int64)
+            epochs, inner = np.divmod(positions, len(source))
+            ids = np.empty_like(positions)
+            for e in np.unique(epochs):
+                ids[epochs == e] = source.order(int(e), inner[epochs == e])
+            parts.append(ids + self.offsets[s])
+        ids = np.concatenate(parts)
+        return ids[Permutation(len(ids), (self.seed, index, 13))(np.arange(len(ids)))] \
+            if len(ids) else ids
