@@ -250,3 +250,19 @@ def test_a_mixture_draws_each_source_s_token_share_within_1_percent(lm_files_con
     lm_files_config.data.sources[1]["weight"] = 0.0
     with pytest.raises(files.BadData, match=r"data.sources\[1\].weight=0.0 must be positive"):
         from_config(lm_files_config)
+
+
+def test_data_vocab_path_uses_an_existing_sentencepiece_model_as_is(lm_files_config, tmp_path):
+    from transformer.data import tokenizer as tokenizer_lib
+    from transformer.data.language_model import from_config
+
+    given = tokenizer_lib.train(documents(300, seed=4), 64, seed=9)
+    path = given.save(str(tmp_path / "mine"))
+    lm_files_config.data.vocab_path = path
+    source = from_config(lm_files_config, str(tmp_path / "run"))
+    assert source.tokenizer.sha256 == given.sha256
+    kept = tokenizer_lib.load(str(tmp_path / "run" / "vocab"))
+    assert kept.sha256 == given.sha256  # the run's own copy, for resume and inference
+    lm_files_config.data.vocab_path = str(tmp_path / "missing.model")
+    with pytest.raises(ValueError, match=r"data.vocab_path=.*missing.model.*not a readable"):
+        from_config(lm_files_config, str(tmp_path / "other"))

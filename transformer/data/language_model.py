@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 
 import numpy as np
@@ -123,7 +124,8 @@ class LanguageModelSource:
                  vocab_sample_documents: int = 200_000, num_sentinels: int = 0,
                  tokenizer: tokenizer_lib.Tokenizer | None = None, text_field: str = "text",
                  eval_dataset: str | None = None, shuffle_window: int = 8,
-                 skip_bad_lines: bool = False, sources: list[dict] | None = None):
+                 skip_bad_lines: bool = False, sources: list[dict] | None = None,
+                 vocab_path: str | None = None):
         if objective not in OBJECTIVES:
             raise ValueError(f"data.objective={objective!r} is not one of "
                              f"{', '.join(OBJECTIVES)}")
@@ -150,7 +152,7 @@ class LanguageModelSource:
             self.target_length = noise + spans + 1
         self.num_sentinels = int(num_sentinels)
         self.validation_split, self.eval_documents = eval_split, int(eval_documents)
-        self.workdir = workdir
+        self.workdir, self.vocab_path = workdir, vocab_path
         self._sources: dict[str, object] = {}
         self.files = None  # {split: FileDocuments} for a source of files
         if sources or files.parse_spec(dataset):
@@ -241,6 +243,17 @@ class LanguageModelSource:
 
         info = {"dataset": self.name, "sample_documents": int(len(sample)),
                 "features": self.keys}
+        if self.vocab_path:  # used as is; a run keeps a copy in <workdir>/vocab/
+            try:
+                given = tokenizer_lib.Tokenizer.load(self.vocab_path)
+            except (OSError, RuntimeError) as e:
+                raise ValueError(f"data.vocab_path={self.vocab_path!r} is not a readable "
+                                 f"SentencePiece model ({type(e).__name__})") from None
+            if self.workdir is None:
+                return given
+            directory = workdir_lib.path(self.workdir, workdir_lib.VOCAB)
+            if not os.path.exists(tokenizer_lib.vocabulary_file(directory)):
+                given.save(directory)
         if self.workdir is None:
             return tokenizer_lib.train(sentences(), vocab_size, seed=self.seed,
                                        num_sentinels=self.num_sentinels)
@@ -414,6 +427,7 @@ def from_config(cfg, workdir: str | None = None) -> LanguageModelSource:
         text_field=data.get("text_field") or "text", eval_dataset=data.get("eval_dataset"),
         shuffle_window=int(data.get("shuffle_window") or 8),
         skip_bad_lines=bool(data.get("skip_bad_lines")),
-        sources=[dict(s) for s in data.get("sources") or []])
+        sources=[dict(s) for s in data.get("sources") or []],
+        vocab_path=data.get("vocab_path") or None)
     tokenizer_lib.check_special_ids(source.tokenizer, cfg.model)
     return source
