@@ -190,7 +190,8 @@ def test_a_peer_that_exits_with_an_error_stops_the_others_naming_it(tmp_path):
 def test_two_processes_decode_validation_bleu(offline_fixture_data_dir, tmp_path):
     """Beam search over params sharded across two processes, long enough (64 positions) for the
     translator's stages: the first sentence reaches its limit (43 steps) in the third stage, and
-    both processes go on with the other sentence alone (checked once by printing)."""
+    both processes go on with the other sentence alone (checked once by printing). Its loss and
+    BLEU are those of `transformer.evaluate` on the final checkpoint in one process."""
     workdir = tmp_path / "run"
     overrides = ["--config=configs/default.py",
                  f"--config.data.data_dir={offline_fixture_data_dir}",
@@ -202,7 +203,16 @@ def test_two_processes_decode_validation_bleu(offline_fixture_data_dir, tmp_path
         lines = [json.loads(line) for line in f]
     (validation,) = [line for line in lines if line["split"] == "validation"]
     assert validation["step"] == 2 and validation["bleu_num_sentences"] == 2
-    assert 0 <= validation["bleu"] <= 100 and validation["loss"] > 0
+    one = subprocess.run([sys.executable, "-m", "transformer.evaluate", f"--workdir={workdir}",
+                          "--split=validation", "--num_sentences=2"], cwd=ROOT,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE),
+                         capture_output=True, text=True, timeout=600)
+    assert one.returncode == 0, one.stderr[-3000:]
+    with open(workdir / "metrics.jsonl") as f:
+        reference = [json.loads(line) for line in f][-1]
+    assert reference["split"] == "validation" and reference["step"] == 2
+    assert validation["bleu"] == pytest.approx(reference["bleu"], abs=1e-9)
+    assert validation["loss"] == pytest.approx(reference["loss"], rel=1e-5)
 
 
 @pytest.mark.slow
