@@ -1,8 +1,11 @@
-"""BLEU both ways against sacreBLEU's own API on the same files, and perplexity."""
+"""BLEU both ways against sacreBLEU's own API on the same files, against the formula of
+Papineni et al. (2002) counted out here, on a case worked by hand, and perplexity."""
 
+import collections
 import math
 import re
 
+import numpy as np
 import pytest
 import sacrebleu
 
@@ -83,6 +86,43 @@ def test_both_bleus_match_sacrebleu_on_the_same_files(files):
     # Sanity: a realistic range, and the two flavours differ on this text.
     assert 20 < result["bleu"] < 80 and 20 < result["bleu_tok_compound"] < 80
     assert result["bleu"] != pytest.approx(result["bleu_tok_compound"], abs=0.01)
+
+
+def test_a_case_worked_by_hand():
+    """Reference "the cat sat on the mat", hypothesis "the cat sat on a mat": clipped n-gram
+    precisions 5/6, 3/5, 2/4, 1/3, equal lengths (no brevity penalty): BLEU = (1/12)^(1/4)."""
+    result = scores.bleu(["the cat sat on a mat"], ["the cat sat on the mat"])
+    assert result["bleu"] == pytest.approx(100 * (1 / 12) ** 0.25, abs=1e-9)  # 53.728
+    assert result["bleu_tok_compound"] == pytest.approx(100 * (1 / 12) ** 0.25, abs=1e-9)
+
+
+def _corpus_bleu_by_the_formula(hypotheses, references):
+    """BLEU of whitespace-tokenized sentences as the paper defines it: corpus-level clipped
+    n-gram precisions p_1..p_4, their geometric mean, times exp(1 - r / c) where c < r."""
+    matches, totals = np.zeros(4), np.zeros(4)
+    for hyp, ref in zip(hypotheses, references, strict=True):
+        h, r = hyp.split(), ref.split()
+        for n in range(1, 5):
+            hyp_grams = collections.Counter(tuple(h[i:i + n]) for i in range(len(h) - n + 1))
+            ref_grams = collections.Counter(tuple(r[i:i + n]) for i in range(len(r) - n + 1))
+            matches[n - 1] += sum(min(k, ref_grams[g]) for g, k in hyp_grams.items())
+            totals[n - 1] += max(len(h) - n + 1, 0)
+    c = sum(len(h.split()) for h in hypotheses)
+    r = sum(len(x.split()) for x in references)
+    brevity = 1.0 if c >= r else math.exp(1 - r / c)
+    return 100 * brevity * math.exp(np.mean(np.log(matches / totals)))
+
+
+def test_tokenized_bleu_equals_the_formula_counted_out(files):
+    hyps, refs = files
+    split = [scores.tokenize_compound_split(x) for x in hyps]
+    ref_split = [scores.tokenize_compound_split(x) for x in refs]
+    want = _corpus_bleu_by_the_formula(split, ref_split)
+    assert scores.bleu(hyps, refs)["bleu_tok_compound"] == pytest.approx(want, abs=1e-9)
+    shorter = [" ".join(h.split()[:-2]) for h in hyps]  # brevity penalty in play
+    want = _corpus_bleu_by_the_formula([scores.tokenize_compound_split(x) for x in shorter],
+                                       ref_split)
+    assert scores.bleu(shorter, refs)["bleu_tok_compound"] == pytest.approx(want, abs=1e-9)
 
 
 def test_preprocessing_spelled_out():
