@@ -266,3 +266,45 @@ def test_data_vocab_path_uses_an_existing_sentencepiece_model_as_is(lm_files_con
     lm_files_config.data.vocab_path = str(tmp_path / "missing.model")
     with pytest.raises(ValueError, match=r"data.vocab_path=.*missing.model.*not a readable"):
         from_config(lm_files_config, str(tmp_path / "other"))
+
+
+# --------------------------------------------------------------------------- classification
+
+
+def test_text_classification_reads_labelled_files(tmp_path):
+    from transformer.data.text_classification import TextClassificationSource
+
+    rng = np.random.default_rng(5)
+    names = ("books", "code", "web")
+
+    def labelled(count):
+        labels = rng.integers(0, 3, count)
+        return [{"body": {"text": " ".join(rng.choice(WORDS, 6)) + f" {names[c]}"},
+                 "topic": names[c]} for c in labels]
+
+    train, validation = labelled(64), labelled(10)
+    write_jsonl(tmp_path / "train.jsonl", train)
+    pq.write_table(pa.table({"body": [r["body"] for r in validation],
+                             "topic": [r["topic"] for r in validation]}),
+                   tmp_path / "validation.parquet")
+    source = TextClassificationSource(
+        str(tmp_path / "train.jsonl"), eval_dataset=str(tmp_path / "validation.parquet"),
+        vocab_size=48, max_length=96, batch_size=8, text_feature="body.text",
+        label_feature="topic", num_classes=3)
+    assert source.class_names == names
+    rows, labels = source.split("validation")
+    assert labels.tolist() == [names.index(r["topic"]) for r in validation]
+    decoded = [source.tokenizer.decode(row) for row in rows]
+    assert decoded == [r["body"]["text"] for r in validation]
+    batch = source.train_batch(2, (0, 8))
+    assert batch["inputs"].shape == (1, 8, 96) and batch["label"].shape == (1, 8)
+    write_jsonl(tmp_path / "odd.jsonl", [{"body": {"text": "a b"}, "topic": "poetry"}])
+    with pytest.raises(files.BadData, match="label 'poetry' is not a class"):
+        TextClassificationSource(
+            str(tmp_path / "train.jsonl"), eval_dataset=str(tmp_path / "odd.jsonl"),
+            vocab_size=48, max_length=16, batch_size=8, text_feature="body.text",
+            label_feature="topic")
+    with pytest.raises(files.BadData, match=r"train.jsonl:1: no label field 'label'"):
+        TextClassificationSource(
+            str(tmp_path / "train.jsonl"), eval_dataset=str(tmp_path / "odd.jsonl"),
+            vocab_size=48, max_length=16, batch_size=8, text_feature="body.text")

@@ -22,7 +22,7 @@ CONFIG_KEYS = frozenset({
     "objective", "eval_split", "eval_documents", "mask_rate", "vocab_sample_documents",  # LM
     "num_sentinels",
     "text_field", "eval_dataset", "shuffle_window", "skip_bad_lines",  # files (data/files.py)
-    "source_field", "target_field", "sources", "vocab_path",
+    "source_field", "target_field", "sources", "vocab_path", "label_field",
     "task", "min_length", "eval_examples",  # synthetic
     "crop_padding", "random_flip", "test_time_flip",  # images (data/images.py)
     "text_feature", "label_feature",  # text classification (data/text_classification.py)

@@ -50,6 +50,8 @@ def parse_spec(spec: str) -> tuple[str, str] | None:
     head, sep, rest = spec.partition(":")
     if sep and head in FORMATS:
         return head, rest
+    if hub_directory(spec):
+        return "parquet", f"{spec.rstrip('/')}/train-*.parquet"
     inferred = infer_format(spec)
     if inferred:
         return inferred, spec
@@ -57,6 +59,30 @@ def parse_spec(spec: str) -> tuple[str, str] | None:
         raise BadData(f"data.dataset={spec!r}: cannot tell the format from the extension; "
                       f"write it as <format>:<glob> with format one of {', '.join(FORMATS)}")
     return None
+
+
+def hub_directory(spec: str) -> str | None:
+    """The directory `spec` names when it is one (the Hugging Face hub's parquet layout,
+    `<repo>/<config>/<split>-*.parquet`, found by split name; local or remote), else None."""
+    import fsspec
+
+    head, sep, rest = spec.partition(":")
+    path = rest if sep and head in FORMATS else spec
+    if any(c in path for c in "*?[") or infer_format(path) or not (
+            "/" in path or path.startswith(("~", "."))):
+        return None
+    try:
+        fs, _, roots = fsspec.core.get_fs_token_paths(path)
+        return path.rstrip("/") if len(roots) == 1 and fs.isdir(roots[0]) else None
+    except Exception:  # not reachable: expand() reports it when the files are read
+        return None
+
+
+def split_spec(spec: str, split: str) -> str | None:
+    """The `<format>:<glob>` of a split: a hub-layout directory's `<split>-*.parquet`, else
+    None (a glob names one split's files)."""
+    directory = hub_directory(spec)
+    return f"parquet:{directory}/{split}-*.parquet" if directory else None
 
 
 def infer_format(path: str) -> str | None:
@@ -107,6 +133,20 @@ def _field(record, field: str, where: str) -> str:
     return value
 
 
+def _label(record, field: str, where: str) -> int | str:
+    value = record
+    for part in field.split("."):
+        if not isinstance(value, dict) or part not in value:
+            have = sorted(value) if isinstance(value, dict) else type(value).__name__
+            raise BadData(f"{where}: no label field {field!r} (it has {have}); set "
+                          f"data.label_field to one of them")
+        value = value[part]
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise BadData(f"{where}: label {field!r} is {type(value).__name__}, not an integer or "
+                      f"a class name")
+    return value
+
+
 def _decode(data: bytes, where: str) -> str:
     try:
         return data.decode("utf-8")
@@ -114,11 +154,13 @@ def _decode(data: bytes, where: str) -> str:
         raise BadData(f"{where}: not UTF-8 (byte {e.start}); re-encode the file as UTF-8") from None
 
 
-def check_parquet_schema(schema, fields: tuple[str, ...], path: str) -> None:
-    """Each (dotted) field is a string column of a parquet file's schema, else one line."""
+def check_parquet_schema(schema, fields: tuple[str, ...], path: str,
+                         label_field: str | None = None) -> None:
+    """Each (dotted) field is a string column of a parquet file's schema (the label an integer
+    or string one), else one line."""
     import pyarrow as pa
 
-    for field in fields:
+    for field in fields + ((label_field,) if label_field else ()):
         parts = field.split(".")
         if parts[0] not in schema.names:
             raise BadData(f"{path}: no column {parts[0]!r} (it has {schema.names}); "
@@ -129,6 +171,8 @@ def check_parquet_schema(schema, fields: tuple[str, ...], path: str) -> None:
                 raise BadData(f"{path}: column {'.'.join(parts[:depth])!r} ({kind}) has no "
                               f"field {part!r}")
             kind = kind.field(part).type
+        if field == label_field and pa.types.is_integer(kind):
+            continue
         if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
             raise BadData(f"{path}: column {field!r} is {kind}, not a string; choose a text "
                           f"column")
@@ -137,9 +181,14 @@ def check_parquet_schema(schema, fields: tuple[str, ...], path: str) -> None:
 class _Reader:
     """Reads one shard's documents as tuples of the wanted fields."""
 
-    def __init__(self, fmt: str, fields: tuple[str, ...], skip_bad_lines: bool):
+    def __init__(self, fmt: str, fields: tuple[str, ...], skip_bad_lines: bool,
+                 label_field: str | None = None):
         self.fmt, self.fields, self.skip_bad_lines = fmt, fields, skip_bad_lines
+        self.label_field = label_field
         self.skipped = 0
+        if label_field and fmt.startswith("text"):
+            raise BadData(f"data.label_field={label_field!r}: {fmt} files hold no labels; use "
+                          f"jsonl, parquet or arrayrecord")
 
     def read(self, path: str) -> list[tuple[str, ...]]:
         rows = getattr(self, f"_{self.fmt}")(path)
@@ -147,8 +196,9 @@ class _Reader:
             raise BadData(f"{path} has no documents; remove it or fix the glob")
         return rows
 
-    def _record(self, record, where: str) -> tuple[str, ...]:
-        return tuple(_field(record, f, where) for f in self.fields)
+    def _record(self, record, where: str) -> tuple:
+        texts = tuple(_field(record, f, where) for f in self.fields)
+        return texts + (_label(record, self.label_field, where),) if self.label_field else texts
 
     def _jsonl(self, path: str) -> list[tuple[str, ...]]:
         rows = []
@@ -186,15 +236,15 @@ class _Reader:
 
         with _open(path) as f:
             table = pq.read_table(io.BytesIO(f.read()))
-        check_parquet_schema(table.schema, self.fields, path)
+        check_parquet_schema(table.schema, self.fields, path, self.label_field)
         columns = []
-        for field in self.fields:
+        for field in self.fields + ((self.label_field,) if self.label_field else ()):
             parts = field.split(".")
             column = table.column(parts[0]).combine_chunks()
             for part in parts[1:]:
                 column = column.field(part)
             columns.append(column.to_pylist())
-        return [tuple(v or "" for v in row) for row in zip(*columns, strict=True)]
+        return [tuple("" if v is None else v for v in row) for row in zip(*columns, strict=True)]
 
     def _arrayrecord(self, path: str) -> list[tuple[str, ...]]:
         from array_record.python.array_record_module import ArrayRecordReader
@@ -219,7 +269,7 @@ class FileDocuments:
 
     def __init__(self, spec: str, *, fields: tuple[str, ...] = ("text",), seed: int = 0,
                  shuffle_window: int = 8, skip_bad_lines: bool = False,
-                 setting: str = "data.dataset"):
+                 setting: str = "data.dataset", label_field: str | None = None):
         parsed = parse_spec(spec)
         if parsed is None:
             raise BadData(f"{setting}={spec!r} names no files; write <format>:<glob>")
@@ -229,7 +279,7 @@ class FileDocuments:
             raise BadData(f"data.shuffle_window={shuffle_window} must be >= 1")
         self.window = int(shuffle_window)
         self.paths = expand(self.pattern, setting)
-        self._reader = _Reader(self.format, self.fields, skip_bad_lines)
+        self._reader = _Reader(self.format, self.fields, skip_bad_lines, label_field)
         self._cache: collections.OrderedDict[int, list] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.counts = np.array([self._count(k) for k in range(len(self.paths))], np.int64)
@@ -253,7 +303,8 @@ class FileDocuments:
 
             with _open(path) as f:
                 parquet = pq.ParquetFile(f)
-                check_parquet_schema(parquet.schema_arrow, self.fields, path)
+                check_parquet_schema(parquet.schema_arrow, self.fields, path,
+                                     self._reader.label_field)
                 rows = parquet.metadata.num_rows
             if not rows:
                 raise BadData(f"{path} has no documents; remove it or fix the glob")
@@ -283,6 +334,11 @@ class FileDocuments:
                 out[i] = rows[int(ids[i] - self.offsets[k])]
         return out
 
+    def split(self, names: tuple[str, ...]) -> Split:
+        """This source as a random-access split of dicts {name: field} (what
+        `datasets.read_pairs` reads)."""
+        return Split(self, names)
+
     def texts(self, ids) -> list[str]:
         return [r[0] for r in self.records(ids)]
 
@@ -307,3 +363,19 @@ class FileDocuments:
             slot = np.searchsorted(member_starts, inner, side="right") - 1
             ids[here] = self.offsets[members[slot]] + inner - member_starts[slot]
         return ids
+
+
+class Split:
+    """Records of a `FileDocuments` as dicts keyed by `names` (one per field), by index."""
+
+    def __init__(self, documents: FileDocuments, names: tuple[str, ...]):
+        self.documents, self.names = documents, names
+
+    def __len__(self) -> int:
+        return len(self.documents)
+
+    def __getitems__(self, ids) -> list[dict[str, str]]:
+        return [dict(zip(self.names, r, strict=True)) for r in self.documents.records(ids)]
+
+    def __getitem__(self, i: int) -> dict[str, str]:
+        return self.__getitems__([i])[0]

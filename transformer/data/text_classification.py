@@ -30,6 +30,7 @@ import logging
 import numpy as np
 
 from transformer.checkpoint import workdir as workdir_lib
+from transformer.data import files
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.data.datasets import CHUNK, DataUnavailable, prepare_dataset
 
@@ -95,7 +96,7 @@ class TextClassificationSource:
                  text_feature: str = "text", label_feature: str = "label",
                  data_dir: str | None = None, manual_dir: str | None = None,
                  workdir: str | None = None, vocab_sample_documents: int = 200_000,
-                 num_classes: int | None = None):
+                 num_classes: int | None = None, eval_dataset: str | None = None):
         if int(max_length) < 2:
             raise ValueError(f"data.max_length={max_length} must be >= 2 (a piece and EOS)")
         if int(batch_size) < 1 or int(batch_size) % int(grad_accum_steps):
@@ -106,31 +107,13 @@ class TextClassificationSource:
         self.batch_size, self.grad_accum_steps = int(batch_size), int(grad_accum_steps)
         self.rows_per_batch = self.batch_size // self.grad_accum_steps
         self.eval_rows_per_batch = int(eval_batch_size or self.rows_per_batch)
-        self.builder = open_builder(dataset, data_dir, manual_dir)
-        features = self.builder.info.features
-        for key, value in (("data.text_feature", text_feature),
-                           ("data.label_feature", label_feature)):
-            if value not in features:
-                raise ValueError(f"{key}={value!r} is not a feature of {dataset} "
-                                 f"({', '.join(features)})")
-        if not hasattr(features[label_feature], "names"):
-            raise ValueError(f"data.label_feature={label_feature!r} of {dataset} is not a "
-                             f"ClassLabel")
-        self.class_names = tuple(features[label_feature].names)
+        if files.parse_spec(dataset):
+            texts = self._read_files(dataset, eval_dataset, text_feature, label_feature)
+        else:
+            texts = self._read_tfds(dataset, data_dir, manual_dir, text_feature, label_feature)
         if num_classes is not None and num_classes != len(self.class_names):
             raise ValueError(f"model.num_classes={num_classes} but {dataset} has "
                              f"{len(self.class_names)} classes ({', '.join(self.class_names)})")
-        splits = sorted(self.builder.info.splits)
-        if "train" not in splits:
-            raise ValueError(f"{dataset} has no train split ({', '.join(splits)})")
-        self.validation_split = "validation" if "validation" in splits else "test"
-        if self.validation_split not in splits:
-            raise ValueError(f"{dataset} has neither a validation nor a test split")
-        if self.validation_split == "test":
-            log.info("%s has no validation split: evaluating on test", dataset)
-        self.test_split = "test" if "test" in splits else self.validation_split
-        texts = {split: read_split(self.builder, split, text_feature, label_feature)
-                 for split in splits if split in ("train", "validation", "test")}
         self.tokenizer = self._tokenizer(texts["train"][0], int(vocab_size),
                                          int(vocab_sample_documents), workdir)
         if self.tokenizer.vocab_size != int(vocab_size):
@@ -148,6 +131,64 @@ class TextClassificationSource:
             raise ValueError(f"{dataset} has {len(self._splits['train'][0])} training examples, "
                              f"fewer than data.batch_size={self.batch_size}")
 
+    def _read_files(self, dataset, eval_dataset, text_field, label_field) -> dict:
+        """{split: (texts, labels)} from files: labels integers (classes 0..max) or class
+        names (sorted, as in the training files)."""
+        eval_dataset = eval_dataset or files.split_spec(dataset, "validation")
+        if not eval_dataset:
+            raise ValueError(f"data.dataset={dataset!r} is files: set data.eval_dataset to the "
+                             f"files to evaluate on (<format>:<glob>)")
+        raw = {}
+        for split, spec, setting in (("train", dataset, "data.dataset"),
+                                     ("validation", eval_dataset, "data.eval_dataset")):
+            documents = files.FileDocuments(spec, fields=(text_field,), seed=self.seed,
+                                            setting=setting, label_field=label_field)
+            raw[split] = documents.records(np.arange(len(documents)))
+            if split == "train":
+                self._name = documents.name
+        train_labels = [r[1] for r in raw["train"]]
+        if all(isinstance(v, int) for v in train_labels):
+            self.class_names = tuple(str(c) for c in range(max(train_labels) + 1))
+        else:
+            self.class_names = tuple(sorted({str(v) for v in train_labels}))
+        index = {name: c for c, name in enumerate(self.class_names)}
+        texts = {}
+        for split, records in raw.items():
+            labels = [index.get(str(r[1]), -1) for r in records]
+            if min(labels) < 0:
+                bad = next(r[1] for r, c in zip(records, labels, strict=True) if c < 0)
+                raise files.BadData(f"{split} files: label {bad!r} is not a class of the "
+                                    f"training files ({', '.join(self.class_names)})")
+            texts[split] = ([r[0] for r in records], np.asarray(labels, np.int64))
+        self.validation_split = self.test_split = "validation"
+        return texts
+
+    def _read_tfds(self, dataset, data_dir, manual_dir, text_feature, label_feature) -> dict:
+        """{split: (texts, labels)} of a TFDS dataset's train, validation and test splits."""
+        self.builder = open_builder(dataset, data_dir, manual_dir)
+        self._name = self.builder.info.full_name
+        features = self.builder.info.features
+        for key, value in (("data.text_feature", text_feature),
+                           ("data.label_feature", label_feature)):
+            if value not in features:
+                raise ValueError(f"{key}={value!r} is not a feature of {dataset} "
+                                 f"({', '.join(features)})")
+        if not hasattr(features[label_feature], "names"):
+            raise ValueError(f"data.label_feature={label_feature!r} of {dataset} is not a "
+                             f"ClassLabel")
+        self.class_names = tuple(features[label_feature].names)
+        splits = sorted(self.builder.info.splits)
+        if "train" not in splits:
+            raise ValueError(f"{dataset} has no train split ({', '.join(splits)})")
+        self.validation_split = "validation" if "validation" in splits else "test"
+        if self.validation_split not in splits:
+            raise ValueError(f"{dataset} has neither a validation nor a test split")
+        if self.validation_split == "test":
+            log.info("%s has no validation split: evaluating on test", dataset)
+        self.test_split = "test" if "test" in splits else self.validation_split
+        return {split: read_split(self.builder, split, text_feature, label_feature)
+                for split in splits if split in ("train", "validation", "test")}
+
     def _tokenizer(self, train_texts: list[str], vocab_size: int, sample: int,
                    workdir: str | None) -> tokenizer_lib.Tokenizer:
         chosen = np.sort(np.random.default_rng([self.seed, 7]).permutation(
@@ -158,7 +199,7 @@ class TextClassificationSource:
 
         if workdir is None:
             return tokenizer_lib.train(sentences(), vocab_size, seed=self.seed)
-        info = {"dataset": self.builder.info.full_name, "sample_documents": int(len(chosen))}
+        info = {"dataset": self._name, "sample_documents": int(len(chosen))}
         return tokenizer_lib.load_or_train(
             workdir_lib.path(workdir, workdir_lib.VOCAB), vocab_size, seed=self.seed,
             sentences=sentences, expected_sha256=workdir_lib.recorded_vocabulary(workdir),
@@ -176,7 +217,7 @@ class TextClassificationSource:
 
     def fingerprint(self) -> str:
         sizes = " ".join(f"{name}={len(rows)}" for name, (rows, _) in self._splits.items())
-        return (f"{self.builder.info.full_name} {sizes} max_length={self.max_length} "
+        return (f"{self._name} {sizes} max_length={self.max_length} "
                 f"classes={len(self.class_names)}")
 
     def vocabulary_fingerprint(self) -> str:
@@ -233,8 +274,9 @@ def from_config(cfg, workdir: str | None = None) -> TextClassificationSource:
         data.dataset, vocab_size=int(data.vocab_size), max_length=int(data.max_length),
         batch_size=int(data.batch_size), grad_accum_steps=int(cfg.grad_accum_steps),
         eval_batch_size=data.get("eval_batch_size"), seed=int(cfg.seed),
-        text_feature=data.get("text_feature") or "text",
-        label_feature=data.get("label_feature") or "label", data_dir=data.get("data_dir"),
+        text_feature=data.get("text_field") or data.get("text_feature") or "text",
+        label_feature=data.get("label_field") or data.get("label_feature") or "label",
+        eval_dataset=data.get("eval_dataset"), data_dir=data.get("data_dir"),
         manual_dir=data.get("manual_dir"), workdir=workdir,
         vocab_sample_documents=int(data.get("vocab_sample_documents") or 200_000),
         num_classes=int(model.num_classes))
