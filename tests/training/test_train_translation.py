@@ -9,15 +9,20 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+import scipy.special
 from conftest import SHRUNK_DEFAULT  # noqa: E402
 
 from transformer.checkpoint import averaging  # noqa: E402
 from transformer.checkpoint import workdir as workdir_lib  # noqa: E402
 from transformer.checkpoint.checkpointer import list_steps  # noqa: E402
 from transformer.config import resolve  # noqa: E402
+from transformer.data import make_source  # noqa: E402
 from transformer.data.synthetic import FIRST_TOKEN, SyntheticTask  # noqa: E402
 from transformer.inference.translator import Translator  # noqa: E402
+from transformer.inference.translator import load as load_translator  # noqa: E402
+from transformer.model.transformer import Transformer  # noqa: E402
 from transformer.training import (
     evaluation,  # noqa: E402
     scores,  # noqa: E402
@@ -44,14 +49,40 @@ def validation_lines(workdir):
     return [line for line in lines if line["split"] == "validation"]
 
 
-def test_validation_lines_carry_loss_and_both_bleus(run):
+def test_validation_lines_carry_loss_and_both_bleus(run, tmp_path):
     lines = validation_lines(run)
     assert [line["step"] for line in lines] == [2, 4]
     for line in lines:
-        assert line["loss"] > 0 and line["perplexity"] > 1
-        assert 0 <= line["bleu"] <= 100 and 0 <= line["bleu_tok_compound"] <= 100
+        assert line["perplexity"] == pytest.approx(math.exp(line["loss"]), rel=1e-6)
         assert line["bleu_num_sentences"] == 2
         assert line["bleu_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a")
+    # The translations scored during training are those evaluate writes; their BLEU rescored.
+    workdir = pathlib.Path(shutil.copytree(run, tmp_path / "run"))
+    figures = evaluation.evaluate_run(str(workdir), "validation", step=4, num_sentences=2)
+    hypotheses = eval_file(workdir, "validation.step4.translation.txt")
+    references = eval_file(workdir, "validation.step4.reference.txt")
+    rescored = scores.bleu(hypotheses, references, target_lang="de")
+    for key in ("bleu", "bleu_tok_compound"):
+        assert lines[-1][key] == pytest.approx(rescored[key], abs=1e-9) == figures[key]
+
+
+def test_validation_loss_is_the_mean_nll_of_each_pair_scored_alone(run):
+    """The loss logged during training, from packed and sharded eval batches, against every
+    validation pair run through the model alone (no packing, no padding) and its NLL summed
+    in numpy: sum over pairs of -log softmax(logits)[target] / the number of target tokens."""
+    translator = load_translator(str(run), step=4)
+    source = make_source(translator.config, str(run))
+    data, _ = source.eval_split("validation")
+    model = Transformer(translator.model_config)
+    nll, tokens = 0.0, 0
+    for i in range(len(data)):
+        inputs, targets = (np.asarray(x, np.int32)[None] for x in data.pair(i))
+        logits = np.asarray(model.apply({"params": translator.params}, inputs, targets,
+                                        deterministic=True), np.float64)[0]
+        log_probs = logits - scipy.special.logsumexp(logits, axis=-1, keepdims=True)
+        nll -= log_probs[np.arange(targets.shape[1]), targets[0]].sum()
+        tokens += targets.shape[1]
+    assert validation_lines(run)[-1]["loss"] == pytest.approx(nll / tokens, rel=1e-5)
 
 
 def test_params_series_keeps_the_last_saves_and_the_final_step(run):
