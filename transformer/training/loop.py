@@ -34,14 +34,37 @@ log = logging.getLogger("transformer")
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "transformer")
 
 
+DATA_PREPARED_KEY = "transformer/data_prepared"
+DATA_WAIT_LOG_S = 60  # the others say they are waiting once a minute
+
+
 def _prepared_source(cfg, workdir: str, *, batch_shards: int):
     """The data source; with several processes, process 0 prepares the dataset and vocabulary
-    first and the others then reuse them. Its batch rows must split over data x fsdp."""
+    first and the others then reuse them. They wait on a key of the coordination service's
+    key-value store, not in a collective: a long preparation hits no barrier timeout, and a
+    failure in process 0 still stops them (`distributed.FailureNotices`). Its batch rows must
+    split over data x fsdp."""
+    client = None
+    if jax.process_count() > 1:
+        from jax._src import distributed as jax_distributed  # no public handle to the client
+
+        client = jax_distributed.global_state.client
     if jax.process_index() == 0:
         source = make_source(cfg, workdir)
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices("data prepared")
-    if jax.process_index() != 0:
+        if client is not None:
+            client.key_value_set(DATA_PREPARED_KEY, "1")
+    else:
+        waited = 0
+        while True:
+            try:
+                client.blocking_key_value_get(DATA_PREPARED_KEY, DATA_WAIT_LOG_S * 1000)
+                break
+            except Exception as error:  # the deadline: go on waiting, saying so
+                if "DEADLINE_EXCEEDED" not in str(error):
+                    raise
+                waited += DATA_WAIT_LOG_S
+                log.info("process %d: waiting %d s for process 0 to prepare the data",
+                         jax.process_index(), waited)
         source = make_source(cfg, workdir)
     for key, rows in (("data.batch_size", source.rows_per_batch),
                       ("data.eval_batch_size", source.eval_rows_per_batch)):
