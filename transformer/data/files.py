@@ -37,7 +37,7 @@ _EXTENSIONS = ((".jsonl", "jsonl"), (".json", "jsonl"), (".jsonl.gz", "jsonl"),
                (".parquet", "parquet"), (".txt", "text"), (".txt.gz", "text"),
                (".txt.zst", "text"), (".array_record", "arrayrecord"),
                (".arrayrecord", "arrayrecord"))
-CACHED_SHARDS = 8  # decoded shards kept per process (a window's worth by default)
+CACHED_SHARDS = 2  # decoded shards kept per process when data.shuffle_window is smaller
 
 
 class BadData(ValueError):
@@ -296,7 +296,8 @@ class FileDocuments:
         return self._reader.skipped
 
     def _count(self, k: int) -> int:
-        """Rows of shard k: parquet's and ArrayRecord's metadata, else a read of the shard."""
+        """Rows of shard k: parquet's metadata, else a read of the shard (not kept: memory
+        stays that of the cached shards whatever the corpus)."""
         path = self.paths[k]
         if self.format == "parquet":
             import pyarrow.parquet as pq
@@ -309,7 +310,7 @@ class FileDocuments:
             if not rows:
                 raise BadData(f"{path} has no documents; remove it or fix the glob")
             return rows
-        return len(self._shard(k))
+        return len(self._reader.read(path))
 
     def _shard(self, k: int) -> list[tuple[str, ...]]:
         with self._lock:
