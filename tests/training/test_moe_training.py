@@ -13,6 +13,7 @@ from transformer.checkpoint.checkpointer import Checkpointer
 from transformer.config import resolve
 from transformer.data import make_source
 from transformer.model import experts
+from transformer.model import transformer as M
 from transformer.model.transformer import Transformer, TransformerConfig
 from transformer.training import sharding
 from transformer.training import step as step_lib
@@ -138,3 +139,28 @@ def test_expert_axis_must_divide_the_experts(load_config):
                                     "mesh.data": 2})
     with pytest.raises(ValueError, match="mesh.expert=4 does not divide model.num_experts=6"):
         resolve(cfg, 8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("architecture", ["decoder", "encoder_decoder"])
+def test_cached_decoding_equals_the_full_forward(architecture):
+    """Token by token through the cache, the routed (dropless) model gives its training
+    forward's logits: routing is per token."""
+    cfg = TransformerConfig(architecture=architecture, vocab_size=32, num_encoder_layers=1,
+                            num_decoder_layers=2, d_model=16, d_ff=16, num_heads=2, max_len=8,
+                            num_experts=4, experts_per_token=2, dropout_rate=0.0,
+                            activation="swiglu", use_bias=False)
+    model = Transformer(cfg)
+    tokens = jax.random.randint(jax.random.key(1), (2, 6), 4, 32)
+    inputs = tokens if architecture == "encoder_decoder" else None
+    variables = model.init(jax.random.key(0), inputs, tokens)
+    full = model.apply(variables, inputs, tokens)
+    encoded = None if inputs is None else model.apply(variables, inputs,
+                                                      method=M.Transformer.encode)
+    cache, steps = M.init_cache(cfg, 2, 6), []
+    for position, token in enumerate(M.shift_right(tokens).T):
+        logits, cache = model.apply(variables, encoded, inputs, token[:, None], cache=cache,
+                                    method=M.Transformer.decode)
+        steps.append(logits[:, 0])
+        assert int(cache["index"]) == position + 1
+    np.testing.assert_allclose(np.stack(steps, 1), full, rtol=1e-5, atol=1e-5)
