@@ -10,6 +10,7 @@ import importlib.util
 import re
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -25,10 +26,13 @@ FOREIGN = re.compile(
     r"|Traceback|\w+Warning: |^WARNING:|Downloading and preparing")
 
 
+HOME = tempfile.mkdtemp(prefix="quiet_home")  # what the libraries write under ~ goes here
+
+
 def _run(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
     """`python args...` from the repository root in a user's environment; fails on a non-zero
     exit status or a foreign line on stderr (or stdout)."""
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(ROOT), "XLA_FLAGS": FAST_COMPILE}
+    env = {"PATH": "/usr/bin:/bin", "HOME": HOME, "XLA_FLAGS": FAST_COMPILE}
     done = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, input=stdin,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
