@@ -25,6 +25,8 @@ flags.DEFINE_integer("mesh_devices", None, "With --compile_only: the number of d
 flags.DEFINE_string("topology", None, "With --compile_only: a Cloud TPU accelerator type (v5p-128, "
                     "v5e-8, v4-32, ...) or chip grid (v5e:2x2) to compile for; needs libtpu.")
 flags.DEFINE_integer("num_slices", 1, "With --topology: the number of slices (multi-slice).")
+flags.DEFINE_bool("sweep", False, "With --topology: compile a grid of context splits and remat "
+                  "policies, drop what does not fit, rank the rest by estimated step time.")
 flags.DEFINE_string("coordinator_address", None, "host:port of process 0, for clusters that "
                     "jax.distributed cannot detect.")
 flags.DEFINE_integer("num_processes", None, "Number of processes (with --coordinator_address).")
@@ -47,7 +49,8 @@ def _quiet_libraries():
     progress.propagate = False
 
 
-def _compile_for_topology(cfg, name: str, num_slices: int, config_file: str):
+def _compile_for_topology(cfg, name: str, num_slices: int, config_file: str,
+                          sweep: bool = False):
     """Compiles the train step for a TPU topology's abstract devices
     (`transformer/sizing/tpu.py`)."""
     from transformer.sizing import tpu
@@ -65,7 +68,10 @@ def _compile_for_topology(cfg, name: str, num_slices: int, config_file: str):
     with cli.one_line_errors():
         devices = tpu.abstract_devices(topology)
         run = resolve(cfg, len(devices), config_file=config_file, num_slices=num_slices)
-        print(tpu.compile_report(run, topology, devices))
+        if sweep:
+            print(tpu.sweep_report(cfg, topology, devices, tpu.sweep_points(len(devices))))
+        else:
+            print(tpu.compile_report(run, topology, devices))
 
 
 def _compile_only(cfg, mesh_devices: int | None, config_file: str):
@@ -132,11 +138,11 @@ def main(argv):
         with cli.one_line_errors():
             print(summarize(resolve(cfg, config_file=config_file)))
         return
-    if FLAGS.topology is not None or FLAGS["num_slices"].present:
+    if FLAGS.topology is not None or FLAGS["num_slices"].present or FLAGS.sweep:
         if not FLAGS.compile_only or FLAGS.mesh_devices is not None or FLAGS.topology is None:
-            sys.exit("error: --topology (and --num_slices) go with --compile_only, without "
-                     "--mesh_devices")
-        _compile_for_topology(cfg, FLAGS.topology, FLAGS.num_slices, config_file)
+            sys.exit("error: --topology (and --num_slices, --sweep) go with --compile_only, "
+                     "without --mesh_devices")
+        _compile_for_topology(cfg, FLAGS.topology, FLAGS.num_slices, config_file, FLAGS.sweep)
         return
     if FLAGS.compile_only:
         _compile_only(cfg, FLAGS.mesh_devices, config_file)

@@ -35,7 +35,7 @@ def paper_config(*, size: str, target_lang: str, dropout_rate: float) -> config_
     cfg.seed = 0
     cfg.init_from = ""  # a run (workdir, workdir:step, or params dir) to start from
     cfg.num_train_steps = shape["num_train_steps"]
-    cfg.mesh = config_dict.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+    cfg.mesh = config_dict.ConfigDict(dict(data=-1, fsdp=1, context=1, tensor=1))
     cfg.checkpoint_every_steps = 1000  # full checkpoints (params, Adam moments, data position)
     cfg.checkpoint_every_minutes = 10  # for resuming after preemption
     cfg.keep_checkpoints = 3
@@ -99,6 +99,22 @@ def paper_config(*, size: str, target_lang: str, dropout_rate: float) -> config_
         attention_window=config_dict.placeholder(int),  # read by "local" layers only
         attention_pattern="global",
         attention_global_tokens=0,  # local layers: the first positions attend to/from all
+        context_parallel_strategy="all_gather",  # read where mesh.context > 1 only
+        context_load_balance=True,
+        # The later families' options, all off: the paper has none of them
+        qkv_bias=False, logits_bias=False,  # Qwen2's q/k/v biases, Marian's final_logits_bias
+        post_sublayer_norm=False, norm_scale_offset=0.0,  # Gemma 2's norms
+        attention_logit_softcap=config_dict.placeholder(float),  # Gemma 2's caps
+        logits_softcap=config_dict.placeholder(float),
+        attention_scale_dim=config_dict.placeholder(int),  # None: 1/sqrt(d_k), as the paper
+        rope_scaling="none", rope_scaling_factor=1.0,  # read by positional="rope" only
+        rope_original_max_len=config_dict.placeholder(int), rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0, rope_beta_fast=32.0, rope_beta_slow=1.0,
+        rope_attention_factor=config_dict.placeholder(float),
+        num_experts=0,  # dense feed-forward layers; the rest is read where num_experts > 0
+        experts_per_token=2, moe_layer_interval=1, moe_router_scores="softmax",
+        moe_renormalize=True, moe_shared_expert=False, moe_capacity_factor=0.0,
+        moe_aux_loss_coef=0.01, moe_z_loss_coef=0.001,
     ))
 
     cfg.optimizer = config_dict.ConfigDict(dict(

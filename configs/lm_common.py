@@ -34,7 +34,7 @@ def lm_config(*, objective: str, dataset: str, vocab_size: int, max_length: int,
     cfg.init_from = ""  # a run (workdir, workdir:step, or params dir) to start from
     cfg.num_train_steps = num_train_steps
     cfg.log_every_steps = 50
-    cfg.mesh = config_dict.ConfigDict(mesh)
+    cfg.mesh = config_dict.ConfigDict({"context": 1, **mesh})  # context: sequence split
     cfg.checkpoint_every_steps = 1000
     cfg.checkpoint_every_minutes = 30  # for resuming after preemption
     cfg.keep_checkpoints = 3

@@ -18,7 +18,7 @@ def get_config():
     cfg.init_from = ""  # a run (workdir, workdir:step, or params dir) to start from
     cfg.num_train_steps = 300
     cfg.log_every_steps = 10
-    cfg.mesh = config_dict.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+    cfg.mesh = config_dict.ConfigDict(dict(data=-1, fsdp=1, context=1, tensor=1))
     cfg.checkpoint_every_steps = 100
     cfg.checkpoint_every_minutes = 0  # 0: off
     cfg.keep_checkpoints = 3

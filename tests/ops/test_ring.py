@@ -87,6 +87,18 @@ MESHES = {
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("strategy", ring.STRATEGIES)
 def test_outputs_and_gradients_equal_unsplit(strategy, case, mesh_name):
+    _check(strategy, case, mesh_name)
+
+
+@pytest.mark.parametrize("case", ["causal-window", "prefix"])
+def test_tiles_within_a_block_equal_unsplit(case, monkeypatch):
+    """A chip's 8 queries and 8 keys a block in tiles of 2 queries and 4 keys."""
+    monkeypatch.setattr(ring, "QUERY_TILE", 2)
+    monkeypatch.setattr(ring, "KEY_TILE", 4)
+    _check("ring", case, "data-context")
+
+
+def _check(strategy, case, mesh_name):
     causal, window, global_tokens, with_prefix = CASES[case]
     mesh = sharding.make_mesh(MESHES[mesh_name])
     # multi-query on the tensor mesh: one kv head, repeated for tensor 2

@@ -107,9 +107,9 @@ def test_hybrid_mesh_over_two_slices(libtpu):
     tpu.prepare_environment()
     devices = tpu.abstract_devices(tpu.parse_topology("v5e-4", 2))
     mesh = sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 1}, devices)
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "context": 1, "tensor": 1}
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "context": 1, "tensor": 1, "expert": 1}
     slices = np.vectorize(lambda d: d.slice_index)(mesh.devices)
-    assert (slices == np.arange(2)[:, None, None, None]).all()  # data parallel across slices
+    assert (slices == np.arange(2)[:, None, None, None, None]).all()  # data across slices
 
 
 def _train_py(*args: str, prefix: str = "") -> subprocess.CompletedProcess:
@@ -334,3 +334,30 @@ def _compile_splash_for_v5e_2x2(window: int | None):
 
     compiled = jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, kv, kv, seg).compile()
     assert compiled.as_text().count("tpu_custom_call") >= 3  # forward, dq, dkv kernels
+
+
+@pytest.mark.slow
+def test_sweep_ranks_what_fits_and_says_why_the_rest_was_dropped(libtpu, load_config):
+    """A decoder LM over v5e:2x2: context 2 (ring) and 1 fit and are ranked with their
+    estimates; tensor 3 cannot divide the heads and is dropped in one line."""
+    cfg = load_config("tiny.py", **{"model.architecture": "decoder", "data.max_length": 15,
+                                    "model.dropout_rate": 0.0, "model.num_decoder_layers": 2,
+                                    "model.context_parallel_strategy": "ring"})
+    points = [{"mesh.data": 1, "mesh.fsdp": 4 // c, "mesh.context": c, "mesh.tensor": 1,
+               "model.remat_policy": "full"} for c in (1, 2)]
+    points.append({"mesh.data": 1, "mesh.fsdp": 1, "mesh.context": 1, "mesh.tensor": 3,
+                   "model.remat_policy": "none"})
+    with _tpu_compile():
+        topology = tpu.parse_topology("v5e:2x2")
+        report = tpu.sweep_report(cfg, topology, tpu.abstract_devices(topology), points)
+    lines = report.splitlines()
+    assert lines[0] == "sweep on v5e:2x2: 2 of 3 fit, fastest first"
+    ranked = [re.search(r"context (\d) .*: ([0-9.]+) ms", line) for line in lines[1:3]]
+    assert sorted(int(m.group(1)) for m in ranked) == [1, 2]
+    assert float(ranked[0].group(2)) <= float(ranked[1].group(2))
+    assert lines[3:] == ["dropped:", "  data 1 fsdp 1 context 1 tensor 3, remat none: "
+                         "mesh.data=1, mesh.fsdp=1, mesh.tensor=3 needs 3 devices, but 4 are "
+                         "available; "
+                         "make the product 4 or set one axis to -1"]
+    assert tpu.sweep_points(8)[-1] == {"mesh.data": 1, "mesh.fsdp": 1, "mesh.context": 8,
+                                       "mesh.tensor": 1, "model.remat_policy": "dots_no_batch"}

@@ -8,8 +8,9 @@ the row, so that no [T, T] mask exists: causal (with a prefix LM's `in_prefix`),
 (w or (left, right)) widened by `global_tokens`, and segment ids (packed rows; 0 = padding).
 A query row with no key to attend to returns zeros, as `attention.dot_product_attention`.
 
-Each chip attends its queries to the key/value blocks of every chip, one block at a time,
-combined by the online softmax (running max, sum and weighted values in float32, as
+Each chip attends its queries to the key/value blocks of every chip, one block at a time and
+within a block a tile of queries against a tile of keys (`QUERY_TILE`, `KEY_TILE`), combined
+by the online softmax (running max, sum and weighted values in float32, as
 `ops/chunked.py`), inside a `jax.shard_map` over the batch axes, "context" and "tensor"
 (heads). Where the blocks come from is `model.context_parallel_strategy`:
 
@@ -19,9 +20,11 @@ combined by the online softmax (running max, sum and weighted values in float32,
                 chips by `ppermute`, one block a step, so a chip holds two blocks at a time and
                 the transfer of the next overlaps the compute of this one.
 
-The backward pass is JAX's autodiff through the loop over blocks, each block's step
-rematerialised (`jax.checkpoint`): the [T/C, T/C] weights of a block are recomputed, never
-saved; the ring's transpose passes the key/value gradients back round the ring.
+The backward pass is JAX's autodiff through the loops over blocks and tiles, each query
+tile and each tile step rematerialised (`jax.checkpoint`): no weights are saved, only the
+running statistics a tile starts from; the ring's transpose passes the key/value gradients
+back round the ring. (A hand-written flash backward, as `ops/chunked.py` has, would save those
+statistics too; the splash kernel does not run inside this shard_map.)
 
 Causal load balancing (`model.context_load_balance`): under a causal mask the chip holding the
 first positions would have least to do and the last most, so the decoder puts its rows in the
@@ -34,6 +37,7 @@ attention reads each position's index from the same order, so the numbers do not
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +50,9 @@ from transformer.training import sharding
 
 STRATEGIES = ("all_gather", "ring")
 AXIS = sharding.LENGTH_AXIS
+# Queries and keys a chip attends at once within a block (the largest divisors of its share
+# up to these): memory [B, N, QUERY_TILE, KEY_TILE] float32 per step, never [T/C, T/C].
+QUERY_TILE, KEY_TILE = 512, 2048
 
 
 def context_shards() -> int:
@@ -104,6 +111,20 @@ def _allowed(q_index, k_index, q_ids, k_ids, q_prefix, k_prefix, *, causal, wind
     return allowed[:, None, None]
 
 
+def _tiles(x, axis: int, size: int):
+    """x with `axis` cut into tiles of `size`, the tiles first: [n, ..., size, ...]."""
+    if x is None:
+        return None
+    x = x.reshape(x.shape[:axis] + (x.shape[axis] // size, size) + x.shape[axis + 1:])
+    return jnp.moveaxis(x, axis, 0)
+
+
+def _untile(x, axis: int):
+    """The inverse of `_tiles`."""
+    x = jnp.moveaxis(x, 0, axis)
+    return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
+
+
 @functools.partial(jax.checkpoint, static_argnums=(0,))
 def _attend_block(scale, carry, q5, k, v, allowed):
     """One key/value block into the online softmax's (max, sum, weighted values)."""
@@ -129,17 +150,37 @@ def _local(q, k, v, ids, prefix, *, strategy, causal, window, global_tokens, bal
     order = load_balanced_order(length, shards) if balanced else np.arange(length)
     index = jnp.asarray(order.reshape(shards, t), jnp.int32)  # [C, T/C] the index of each slot
     q5 = group_queries(q, kh)
-    mask = functools.partial(_allowed, index[me], q_ids=ids, q_prefix=prefix, causal=causal,
-                             window=window, global_tokens=global_tokens)
     stats = (b, kh, n // kh, t)
     carry = (jnp.full(stats, NEG_INF, jnp.float32), jnp.zeros(stats, jnp.float32),
              jnp.zeros((b, t, kh, n // kh, hv), jnp.float32))
     blocks = (k, v, ids, prefix)
+    allowed = functools.partial(_allowed, causal=causal, window=window,
+                                global_tokens=global_tokens)
+    cq, ck = math.gcd(t, QUERY_TILE), math.gcd(t, KEY_TILE)
 
     def attend(carry, blocks, source):
+        """The key/value block of chip `source` into the running softmax, a tile of CQ
+        queries against a tile of CK keys at a time (each query tile rematerialised)."""
         k, v, k_ids, k_prefix = blocks
-        return _attend_block(scale, carry, q5, k, v,
-                             mask(index[source], k_ids=k_ids, k_prefix=k_prefix))
+        keys = (_tiles(k, 1, ck), _tiles(v, 1, ck), _tiles(index[source], 0, ck),
+                _tiles(k_ids, 1, ck), _tiles(k_prefix, 1, ck))
+        m, l, acc = carry
+
+        @jax.checkpoint
+        def query_tile(tile):
+            q_t, m_t, l_t, acc_t, q_index, q_ids, q_prefix = tile
+
+            def step(carry_t, key_tile):
+                k_t, v_t, k_index, k_ids, k_prefix = key_tile
+                mask = allowed(q_index, k_index, q_ids, k_ids, q_prefix, k_prefix)
+                return _attend_block(scale, carry_t, q_t, k_t, v_t, mask), None
+
+            return jax.lax.scan(step, (m_t, l_t, acc_t), keys)[0]
+
+        m, l, acc = jax.lax.map(query_tile, (
+            _tiles(q5, 1, cq), _tiles(m, 3, cq), _tiles(l, 3, cq), _tiles(acc, 1, cq),
+            _tiles(index[me], 0, cq), _tiles(ids, 1, cq), _tiles(prefix, 1, cq)))
+        return _untile(m, 3), _untile(l, 3), _untile(acc, 1)
 
     if strategy == "all_gather":
         gathered = jax.tree.map(

@@ -37,7 +37,7 @@ from transformer.config import Resolved
 from transformer.data import span_corruption
 from transformer.model.config import TransformerConfig
 from transformer.ops import attention, linear_attention
-from transformer.sizing import flops
+from transformer.sizing import flops, step_time
 from transformer.training import sharding
 from transformer.training import step as step_lib
 
@@ -262,6 +262,7 @@ class MemoryPlan:
     peak_bytes: int  # the compiler's peak memory (memory_analysis().peak_memory_in_bytes)
     cost: dict[str, float]  # the compiler's per-device flops, bytes accessed, optimal_seconds
     attention_implementation: str  # as compiled: "auto" on a TPU mesh is "splash"
+    collectives: tuple = ()  # step_time.Collective of the compiled program
 
     @property
     def analytic_total(self) -> int:
@@ -309,7 +310,8 @@ def plan(run: Resolved, mesh) -> MemoryPlan:
         "activations": activation_bytes(model, rows=rows, source_length=source,
                                         target_length=target,
                                         loss_chunk_tokens=trainer.loss_chunk_tokens,
-                                        tensor=mesh.shape["tensor"]),
+                                        tensor=mesh.shape["tensor"])
+        // dict(mesh.shape).get(sharding.LENGTH_AXIS, 1),  # context splits every position
         "batch": device_bytes(batch),
     }
     compiled = {
@@ -324,7 +326,8 @@ def plan(run: Resolved, mesh) -> MemoryPlan:
                       lowered_at - started, compiled_at - lowered_at, stats.peak_memory_in_bytes,
                       {key: float(cost.get(key, 0.0))
                        for key in ("flops", "bytes accessed", "optimal_seconds")},
-                      model.attention_implementation)
+                      model.attention_implementation,
+                      tuple(step_time.collectives(executable.as_text())))
 
 
 def _human(num_bytes: int) -> str:
@@ -344,8 +347,9 @@ def step_flops_per_device(model: TransformerConfig, memory_plan: MemoryPlan) -> 
 
 
 def _compiler_lines(model: TransformerConfig, memory_plan: MemoryPlan,
-                    accelerator: Accelerator) -> list[str]:
-    """Peak memory against HBM, the compiler's FLOPs, its time estimate and the MFU implied."""
+                    accelerator: Accelerator, estimate: list[str] | None) -> list[str]:
+    """Peak memory against HBM, the compiler's FLOPs, its time estimate and the MFU implied
+    (`estimate`: the lines of `step_time.describe`, in place of the program's own)."""
     peak, hbm, cost = memory_plan.peak_bytes, accelerator.memory_bytes, memory_plan.cost
     analytic = step_flops_per_device(model, memory_plan)
     optimal = cost["optimal_seconds"]
@@ -371,17 +375,20 @@ def _compiler_lines(model: TransformerConfig, memory_plan: MemoryPlan,
         f"{'fits' if peak <= hbm else 'does not fit'}",
         f"compiler FLOPs per device per step: {cost['flops']:.3e}{scanned}; "
         f"flops.py: {analytic:.3e}",
+    ] + (estimate or [
         f"step time estimate: {bound}{seconds * 1e3:.3f} ms, from {source}",
         f"MFU estimate: {'at most ' if bound else ''}"
         f"{analytic / (seconds * accelerator.peak_flops):.1%} (flops.py FLOPs / estimated time "
         f"/ peak)",
-    ]
+    ])
 
 
 def format_report(model: TransformerConfig, memory_plan: MemoryPlan,
-                  accelerator: Accelerator | None = None) -> str:
+                  accelerator: Accelerator | None = None,
+                  estimate: list[str] | None = None) -> str:
     """The table `--compile_only` prints; its last line, `per_device_bytes: key=value ...`, is
-    for tools to read. With the `accelerator` compiled for, its fit, time and MFU lines."""
+    for tools to read. With the `accelerator` compiled for, its fit, time and MFU lines
+    (`estimate`: the step-time lines of `step_time.describe`)."""
     mesh = " x ".join(f"{axis} {size}" for axis, size in memory_plan.mesh_shape.items())
     devices = math.prod(memory_plan.mesh_shape.values())
     accum, rows, source, _ = batch_lengths(model, memory_plan.batch)
@@ -432,7 +439,7 @@ def format_report(model: TransformerConfig, memory_plan: MemoryPlan,
                   f"{'fits' if need <= gib * GiB else 'does not fit'}"
                   for name, gib in ACCELERATOR_MEMORY_GIB]
     else:
-        lines += [""] + _compiler_lines(model, memory_plan, accelerator)
+        lines += [""] + _compiler_lines(model, memory_plan, accelerator, estimate)
     figures = {f"analytic_{k}": v for k, v in a.items()}
     figures |= {"analytic_total": memory_plan.analytic_total}
     figures |= {f"compiled_{k}": v for k, v in c.items()}

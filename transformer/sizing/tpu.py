@@ -20,8 +20,8 @@ import tempfile
 
 import jax
 
-from transformer.config import Resolved
-from transformer.sizing import memory
+from transformer.config import Resolved, resolve
+from transformer.sizing import memory, step_time
 from transformer.training import sharding
 
 GiB, GB = 2**30, 10**9
@@ -143,7 +143,8 @@ def abstract_devices(topology: Topology) -> list:
 
 def compile_report(run: Resolved, topology: Topology, devices) -> str:
     """The `--compile_only` report of the train step compiled for `devices` (`run` resolved for
-    them), with the chip's memory, the compiler's time estimate and the MFU it implies."""
+    them), with the chip's memory, the step-time estimate (`step_estimate`) and the MFU it
+    implies."""
     mesh = sharding.make_mesh(run.config.mesh, devices)
     header = (f"topology: {topology.name} = {topology.libtpu_name} x {topology.num_slices} "
               f"slice(s), {len(devices)} x {devices[0].device_kind}")
@@ -151,8 +152,51 @@ def compile_report(run: Resolved, topology: Topology, devices) -> str:
         ici, dcn = sharding.hybrid_shape(run.config.mesh, len(devices), topology.num_slices)
         header += (f"; {', '.join(sharding.MESH_AXES)} within a slice {tuple(ici)}, across "
                    f"slices {tuple(dcn)}")
-    report = memory.format_report(run.model, _plan(run, mesh, topology), topology.chip.device)
+    memory_plan = _plan(run, mesh, topology)
+    estimate = step_estimate(run, topology, devices, memory_plan)
+    analytic = memory.step_flops_per_device(run.model, memory_plan)
+    device = topology.chip.device
+    report = memory.format_report(run.model, memory_plan, device, step_time.describe(
+        estimate, analytic, device.peak_flops))
     return f"{header}\n{report}"
+
+
+def layer_variant(run: Resolved, layers: int, num_devices: int, num_slices: int) -> Resolved:
+    """`run` with at most `layers` layers in each stack, unrolled (`scan_layers` False), and
+    one microbatch of the same rows: a program whose every layer the cost model counts."""
+    cfg = run.config.copy_and_resolve_references()
+    model = cfg.model
+    model.scan_layers = False
+    for stack in ("num_encoder_layers", "num_decoder_layers"):
+        if int(model.get(stack, 0) or 0) > 0:
+            model[stack] = min(int(model[stack]), layers)
+    cfg.data.batch_size = int(cfg.data.batch_size) // int(cfg.grad_accum_steps)
+    cfg.grad_accum_steps = 1
+    return resolve(cfg, num_devices, num_slices=num_slices)
+
+
+def step_estimate(run: Resolved, topology: Topology, devices,
+                  memory_plan: memory.MemoryPlan) -> step_time.StepEstimate:
+    """`step_time`'s estimate of `run`'s train step on `devices`: the programs with 1 and 2
+    layers per stack (one microbatch, unrolled) compiled for them, extrapolated to the
+    config's layers (the deeper stack) and microbatches."""
+    model, device = run.model, topology.chip.device
+    layers = max(model.num_decoder_layers if model.architecture in ("decoder", "encoder_decoder")
+                 else 0, model.num_encoder_layers if model.architecture != "decoder" else 0)
+    mesh = sharding.make_mesh(run.config.mesh, devices)
+    costs = []
+    for depth in (1, 2):
+        variant = layer_variant(run, depth, len(devices), topology.num_slices)
+        variant_plan = _plan(variant, mesh, topology)
+        costs.append(step_time.program_cost(variant_plan.cost, list(variant_plan.collectives),
+                                            device.name, device.peak_flops,
+                                            device.memory_bytes_per_s))
+    return step_time.extrapolate(
+        *costs, layers=layers, microbatches=int(run.config.grad_accum_steps),
+        optimizer_seconds=step_time.optimizer_seconds(memory_plan.analytic["params"],
+                                                      device.memory_bytes_per_s),
+        analytic_flops=memory.step_flops_per_device(model, memory_plan),
+        peak_flops=device.peak_flops)
 
 
 def _plan(run: Resolved, mesh, topology: Topology) -> memory.MemoryPlan:
@@ -179,3 +223,51 @@ def _plan(run: Resolved, mesh, topology: Topology) -> memory.MemoryPlan:
             log.seek(0)
             if oom is None:
                 sys.stderr.write(log.read())
+
+
+SWEEP_CONTEXTS = (1, 2, 4, 8)
+SWEEP_REMAT = ("full", "dots_no_batch")
+
+
+def sweep_points(num_devices: int) -> list[dict[str, object]]:
+    """The default grid: for each split of the positions over `context` in SWEEP_CONTEXTS
+    that divides the devices, the rest of the devices as FSDP, under each remat policy in
+    SWEEP_REMAT (the microbatches as the config sizes them: `data.max_rows_per_device`)."""
+    return [{"mesh.data": 1, "mesh.fsdp": num_devices // c, "mesh.context": c,
+             "mesh.tensor": 1, "model.remat_policy": remat}
+            for c in SWEEP_CONTEXTS if num_devices % c == 0 for remat in SWEEP_REMAT]
+
+
+def sweep_report(cfg, topology: Topology, devices, points: list[dict[str, object]]) -> str:
+    """Compiles the train step for each point of the grid (overrides of `cfg`), drops those
+    that do not fit and ranks the rest by `step_estimate` (no overlap; the overlapped figure
+    beside it): one line each, fastest first, then the ones dropped and why."""
+    device = topology.chip.device
+    ranked, dropped = [], []
+    for overrides in points:
+        point = cfg.copy_and_resolve_references()
+        with point.unlocked():
+            for key, value in overrides.items():
+                section, name = key.split(".")
+                point[section][name] = value
+        label = (f"data {point.mesh.data} fsdp {point.mesh.fsdp} context "
+                 f"{point.mesh.context} tensor {point.mesh.tensor}, remat "
+                 f"{point.model.remat_policy}")
+        try:
+            run = resolve(point, len(devices), num_slices=topology.num_slices)
+            memory_plan = _plan(run, sharding.make_mesh(run.config.mesh, devices), topology)
+            if memory_plan.peak_bytes > device.memory_bytes:
+                raise ValueError(f"peak {memory_plan.peak_bytes / GiB:.2f} GiB > HBM")
+            estimate = step_estimate(run, topology, devices, memory_plan)
+        except ValueError as error:
+            dropped.append(f"  {label}: {error}")
+            continue
+        mfu = memory.step_flops_per_device(run.model, memory_plan) / (
+            estimate.seconds * device.peak_flops)
+        ranked.append((estimate.seconds, f"{label}, {run.config.grad_accum_steps} "
+                       f"microbatch(es): {estimate.seconds * 1e3:.1f} ms "
+                       f"({estimate.overlapped_seconds * 1e3:.1f} ms overlapped), MFU {mfu:.1%}, "
+                       f"peak {memory_plan.peak_bytes / GiB:.2f} GiB"))
+    lines = [f"sweep on {topology.name}: {len(ranked)} of {len(points)} fit, fastest first"]
+    lines += [f"{rank:>3}. {text}" for rank, (_, text) in enumerate(sorted(ranked), 1)]
+    return "\n".join(lines + (["dropped:"] + dropped if dropped else []))

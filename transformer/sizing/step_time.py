@@ -1,0 +1,265 @@
+"""A TPU step-time estimate built from the compiler's own figures for the whole step.
+
+XLA's cost model (`cost_analysis()["optimal_seconds"]`) counts the body of a loop once: with
+scanned layers and gradient accumulation it prices one layer of one microbatch. So the model is
+compiled again twice, unrolled (`scan_layers=False`), with one microbatch of the same rows and
+with 1 and with 2 layers (each stack); the difference is one layer's cost, the rest the step's
+base (embeddings, loss, optimizer), and
+
+    compute = A x (base + L x layer) - (A - 1) x optimizer update
+
+for L layers and A microbatches, the optimizer's update (elementwise over the device's params
+and Adam moments: read and written once a step, at the chip's HBM bandwidth) counted once.
+
+Communication is read from the compiled programs' HLO: every all-gather, reduce-scatter,
+all-reduce, all-to-all and collective-permute, with its bytes, its group (replica groups) and
+how many times it runs (the trip counts of the loops around it, read from their conditions),
+timed at the chip's ICI bandwidth along one torus axis (ring algorithms: an all-gather or
+reduce-scatter moves (n-1)/n of the bytes through each chip, an all-reduce twice that),
+extrapolated over layers and microbatches like the compute.
+
+Where the cost model gives no figure (a negative one, as for programs with the splash kernel),
+a program's compute is its roofline from the compiler's counts: max(FLOPs / peak, bytes
+accessed / HBM bandwidth).
+
+The estimate is `compute + FLOPs the cost model does not see + communication` (no overlap), and
+beside it the same with the communication hidden behind compute. Left out: overlap (XLA's
+latency-hiding scheduler hides part of the communication: the truth lies between the two
+figures), a custom kernel's time (the splash kernel's FLOPs are added at the chip's peak, as
+`flops.py` counts them; its memory traffic is not), the loops left inside a layer (the loss's
+chunks, ring attention's steps, the chunked kernel's blocks: their compute counted once, their
+missing FLOPs added at peak), data-center links (collectives across slices are timed at ICI
+bandwidth), and everything off the device (input pipeline, host, launch overhead).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+# Cloud TPU docs: interchip interconnect bandwidth per chip (all links, one direction each),
+# and the links of a chip (2D torus 4, 3D torus 6). A ring collective along one mesh axis uses
+# the two links of one torus dimension.
+ICI_BYTES_PER_S = {"TPU v4": 2400e9 / 8, "TPU v5": 4800e9 / 8, "TPU v5 lite": 1600e9 / 8,
+                   "TPU v6 lite": 3584e9 / 8}
+LINKS = {"TPU v4": 6, "TPU v5": 6, "TPU v5 lite": 4, "TPU v6 lite": 4}
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
+             "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+_ARRAY = re.compile(r"\b(" + "|".join(_ITEMSIZE) + r")\[([0-9,]*)\]")
+_OP = re.compile(r"=\s*(.*?)\s(" + "|".join(KINDS) + r")(-start)?\(")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective of a compiled program: its kind, the bytes of its result, the devices in
+    a group, and how many times a step runs it."""
+
+    kind: str
+    result_bytes: int
+    group: int
+    count: int = 1
+
+    def bytes_per_device(self) -> float:
+        """What passes through one chip's links, ring algorithms."""
+        n, b = self.group, self.result_bytes
+        if n <= 1:
+            return 0.0
+        return {"all-gather": b * (n - 1) / n, "reduce-scatter": b * (n - 1),
+                "all-reduce": 2 * b * (n - 1) / n, "all-to-all": b * (n - 1) / n,
+                "collective-permute": b}[self.kind]
+
+    def seconds(self, device_kind: str) -> float:
+        """Its time on one torus axis (two links) of `device_kind`, times its count; a
+        collective-permute sends one way (one link)."""
+        link = ICI_BYTES_PER_S[device_kind] / LINKS[device_kind]
+        links = 1 if self.kind == "collective-permute" else 2
+        return self.count * self.bytes_per_device() / (links * link)
+
+
+def _array_bytes(shape_text: str) -> int:
+    return sum(_ITEMSIZE[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+               for dtype, dims in _ARRAY.findall(shape_text))
+
+
+def _group_size(line: str) -> int:
+    """Devices per replica group: `{{0,1},{2,3}}`, iota `[2,4]<=[8]`, or the mesh form
+    `mesh['axis_0'=2,'axis_1'=4] {'axis_1'}`; source-target pairs count 2."""
+    if match := re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line):
+        sizes = dict(re.findall(r"'(\w+)'=(\d+)", match.group(1)))
+        return math.prod(int(sizes[a]) for a in re.findall(r"'(\w+)'", match.group(2)))
+    if match := re.search(r"replica_groups=\[(\d+),(\d+)\]<=", line):
+        return int(match.group(2))
+    if match := re.search(r"replica_groups=\{\{([0-9,]*)\}", line):
+        return len(match.group(1).split(","))
+    return 2 if "source_target_pairs" in line else 1
+
+
+def _computations(hlo: str) -> dict[str, list[str]]:
+    """Computation name -> its instruction lines (the entry's name is "ENTRY")."""
+    out, name = {}, None
+    for line in hlo.splitlines():
+        if match := re.match(r"\s*(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line):
+            name = "ENTRY" if match.group(1) else match.group(2)
+            out[name] = []
+        elif line.strip() == "}":
+            name = None
+        elif name is not None:
+            out[name].append(line)
+    return out
+
+
+def _trip_count(condition: list[str]) -> int:
+    """A while loop's trips from its condition `i < N` (JAX's loops count from 0 by 1): the
+    one integer constant there, else 1 (unknown)."""
+    constants = re.findall(r"= [su]32\[\][^ ]* constant\((\d+)\)", "\n".join(condition))
+    return int(constants[0]) if len(constants) == 1 else 1
+
+
+def _counts(computations: dict[str, list[str]]) -> dict[str, int]:
+    """How many times a step runs each computation: 1 for the entry, times a while loop's
+    trip count (`_trip_count`) for its body, summed over its callers."""
+    calls: dict[str, list[tuple[str, int]]] = {name: [] for name in computations}
+    for caller, lines in computations.items():
+        for line in lines:
+            condition = re.search(r"\bcondition=%?([\w.\-]+)", line)
+            trips = _trip_count(computations.get(condition.group(1), [])) if condition else 1
+            for key, callee in re.findall(r"\b(body|condition|calls|to_apply|"
+                                          r"branch_computations)=\{?%?([\w.\-]+)", line):
+                if callee in calls:
+                    calls[callee].append((caller, trips if key == "body" else 1))
+    counts: dict[str, int] = {}
+
+    def count(name: str, seen=()) -> int:
+        if name == "ENTRY":
+            return 1
+        if name not in counts:
+            counts[name] = sum(count(caller, seen + (name,)) * times
+                               for caller, times in calls.get(name, []) if caller not in seen)
+        return counts[name]
+
+    return {name: count(name) for name in computations}
+
+
+def collectives(hlo: str) -> list[Collective]:
+    """The collectives of a compiled program's HLO text (`compiled.as_text()`), each with the
+    number of times a step runs it."""
+    computations = _computations(hlo)
+    counts = _counts(computations)
+    found = []
+    for name, lines in computations.items():
+        for line in lines:
+            if (match := _OP.search(line)) and counts.get(name, 0):
+                shape = match.group(1)
+                if match.group(3):  # an async start's tuple holds its operand and result
+                    arrays = _ARRAY.findall(shape)
+                    shape = " ".join(f"{d}[{s}]" for d, s in arrays[1:2] or arrays[:1])
+                found.append(Collective(match.group(2), _array_bytes(shape), _group_size(line),
+                                        counts[name]))
+    return found
+
+
+def communication_seconds(found: list[Collective], device_kind: str) -> float:
+    return sum(c.seconds(device_kind) for c in found)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramCost:
+    """Per-device figures of one compiled program."""
+
+    optimal_seconds: float
+    flops: float
+    communication_seconds: float
+    communication_bytes: float
+    num_collectives: int
+
+
+def program_cost(cost: dict[str, float], found: list[Collective], device_kind: str,
+                 peak_flops: float, hbm_bytes_per_s: float) -> ProgramCost:
+    """A compiled program's figures: the cost model's `optimal_seconds` where it gives one,
+    else (it gives a negative figure for some TPU programs) the program's roofline from the
+    compiler's own counts, max(FLOPs / peak, bytes accessed / HBM bandwidth)."""
+    flops_ = cost.get("flops", 0.0)
+    seconds = cost.get("optimal_seconds", 0.0)
+    if seconds <= 0:
+        seconds = max(flops_ / peak_flops, cost.get("bytes accessed", 0.0) / hbm_bytes_per_s)
+    return ProgramCost(seconds, flops_, communication_seconds(found, device_kind),
+                       sum(c.count * c.bytes_per_device() for c in found),
+                       sum(c.count for c in found))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepEstimate:
+    """The whole step's estimate per device (module docstring), in seconds and FLOPs."""
+
+    compute: float  # the cost model's time over every layer and microbatch
+    unseen: float  # flops.py FLOPs the cost model does not count, at peak
+    communication: float
+    communication_bytes: float
+    num_collectives: float
+    compiler_flops: float
+    layers: int
+    microbatches: int
+
+    @property
+    def seconds(self) -> float:
+        """No overlap of communication with compute."""
+        return self.compute + self.unseen + self.communication
+
+    @property
+    def overlapped_seconds(self) -> float:
+        """The communication hidden behind compute."""
+        return max(self.compute + self.unseen, self.communication)
+
+
+def extrapolate(one: ProgramCost, two: ProgramCost, *, layers: int, microbatches: int,
+                optimizer_seconds: float, analytic_flops: float,
+                peak_flops: float) -> StepEstimate:
+    """The step's estimate from the programs with 1 and 2 layers per stack and one microbatch:
+    `layers` per stack, `microbatches` A, the optimizer's update counted once, flops.py's
+    `analytic_flops` per device for the FLOPs the cost model leaves out."""
+
+    def whole(field: str) -> float:
+        a, b = getattr(one, field), getattr(two, field)
+        return microbatches * (a + (layers - 1) * (b - a))
+
+    compute = whole("optimal_seconds") - (microbatches - 1) * optimizer_seconds
+    flops_ = whole("flops")
+    return StepEstimate(compute, max(0.0, analytic_flops - flops_) / peak_flops,
+                        whole("communication_seconds"), whole("communication_bytes"),
+                        whole("num_collectives"), flops_, layers, microbatches)
+
+
+def optimizer_seconds(param_bytes_per_device: int, hbm_bytes_per_s: float) -> float:
+    """Adam's update of a device's float32 params: params, both moments read and written,
+    the gradient read (7 float32 passes), at HBM bandwidth."""
+    return 7 * param_bytes_per_device / hbm_bytes_per_s
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.4g} ms"
+
+
+def describe(estimate: StepEstimate, analytic_flops: float, peak_flops: float) -> list[str]:
+    """The report's lines: the estimate, its parts, and the MFU it implies."""
+    e = estimate
+    return [
+        f"step time estimate: {_ms(e.seconds)} = compute {_ms(e.compute)} (the compiler's cost "
+        f"model over {e.layers} layer(s) x {e.microbatches} microbatch(es)) + {_ms(e.unseen)} "
+        f"of FLOPs it does not count (at peak) + communication {_ms(e.communication)} "
+        f"({e.num_collectives:.0f} collectives, {e.communication_bytes / 2**20:.4g} MiB per "
+        f"device, not overlapped); {_ms(e.overlapped_seconds)} with it hidden",
+        f"MFU estimate: {analytic_flops / (e.seconds * peak_flops):.1%} "
+        f"({analytic_flops / (e.overlapped_seconds * peak_flops):.1%} with the communication "
+        f"hidden; flops.py FLOPs / estimated time / peak)",
+    ]
+
+
+def group_sizes(found: list[Collective]) -> dict[str, list[int]]:
+    """kind -> the sorted group sizes seen (for reports and tests)."""
+    out: dict[str, set[int]] = {}
+    for c in found:
+        out.setdefault(c.kind, set()).add(c.group)
+    return {k: sorted(v) for k, v in out.items()}
+
