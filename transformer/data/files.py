@@ -120,27 +120,28 @@ def _open(path: str, mode: str = "rb"):
     return fsspec.open(path, mode, compression="infer")
 
 
-def _field(record, field: str, where: str) -> str:
+def _lookup(record, field: str, where: str, *, what: str, setting: str):
+    """record[a][b]... for `field` "a.b...", or one line naming what the record has."""
     value = record
     for part in field.split("."):
         if not isinstance(value, dict) or part not in value:
             have = sorted(value) if isinstance(value, dict) else type(value).__name__
-            raise BadData(f"{where}: no field {field!r} (it has {have}); set the field "
-                          f"setting (data.text_field, ...) to one of them")
+            raise BadData(f"{where}: no {what} {field!r} (it has {have}); set {setting} to "
+                          f"one of them")
         value = value[part]
+    return value
+
+
+def _field(record, field: str, where: str) -> str:
+    value = _lookup(record, field, where, what="field",
+                    setting="the field setting (data.text_field, ...)")
     if not isinstance(value, str):
         raise BadData(f"{where}: field {field!r} is {type(value).__name__}, not text")
     return value
 
 
 def _label(record, field: str, where: str) -> int | str:
-    value = record
-    for part in field.split("."):
-        if not isinstance(value, dict) or part not in value:
-            have = sorted(value) if isinstance(value, dict) else type(value).__name__
-            raise BadData(f"{where}: no label field {field!r} (it has {have}); set "
-                          f"data.label_field to one of them")
-        value = value[part]
+    value = _lookup(record, field, where, what="label field", setting="data.label_field")
     if isinstance(value, bool) or not isinstance(value, int | str):
         raise BadData(f"{where}: label {field!r} is {type(value).__name__}, not an integer or "
                       f"a class name")
