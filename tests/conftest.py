@@ -176,3 +176,25 @@ def untrained_vision_workdir(tmp_path_factory):
     checkpointer.save(1, state, {"next_batch_index": 1})
     checkpointer.close()
     return path
+
+
+def train_steps(cfg, mesh, num_steps, state=None, first_batch=0):
+    """(final state, each step's metrics, trainer) of `num_steps` train steps of `cfg` on
+    `mesh`, from `state` (default: a fresh init) and batch `first_batch` on."""
+    from transformer.config import resolve
+    from transformer.data import make_source
+    from transformer.training import step as step_lib
+
+    run = resolve(cfg, mesh.size)
+    trainer = step_lib.build_trainer(run, mesh)
+    if state is None:
+        state = step_lib.init_state(trainer, cfg.seed)
+    step_fn = step_lib.make_train_step(trainer, run.config)
+    source = make_source(cfg)
+    rows = step_lib.process_rows(mesh, source.rows_per_batch)
+    lines = []
+    for index in range(first_batch, first_batch + num_steps):
+        state, metrics = step_fn(state, step_lib.global_batch(
+            mesh, source.train_batch(index, rows)))
+        lines.append(jax.device_get(metrics))
+    return state, lines, trainer

@@ -9,12 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import train_steps
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from transformer.checkpoint.checkpointer import Checkpointer
 from transformer.config import resolve
-from transformer.data import make_source
 from transformer.model.transformer import Transformer, TransformerConfig
 from transformer.training import sharding
 from transformer.training import step as step_lib
@@ -133,21 +133,10 @@ def test_encoders_equal_unsplit(fields):
     _assert_same(_config(**fields), "plain", MIXED)
 
 
-def _train(cfg, mesh, num_steps, state=None, first_batch=0):
-    """(final state, per-step losses) of `num_steps` train steps on `mesh`."""
-    run = resolve(cfg, mesh.size)
-    trainer = step_lib.build_trainer(run, mesh)
-    if state is None:
-        state = step_lib.init_state(trainer, cfg.seed)
-    step_fn = step_lib.make_train_step(trainer, run.config)
-    source = make_source(cfg)
-    rows = step_lib.process_rows(mesh, source.rows_per_batch)
-    losses = []
-    for index in range(first_batch, first_batch + num_steps):
-        state, metrics = step_fn(state, step_lib.global_batch(mesh, source.train_batch(index,
-                                                                                        rows)))
-        losses.append(float(metrics["loss"]))
-    return state, np.array(losses), trainer
+def _train(cfg, mesh, num_steps, **resume):
+    """(final state, per-step losses, trainer): `train_steps` with the losses alone."""
+    state, lines, trainer = train_steps(cfg, mesh, num_steps, **resume)
+    return state, np.array([float(line["loss"]) for line in lines]), trainer
 
 
 def test_training_with_context_4_matches_context_1(load_config, tmp_path):

@@ -7,11 +7,11 @@ import flax
 import jax
 import numpy as np
 import pytest
+from conftest import train_steps
 from jax.sharding import PartitionSpec as P
 
 from transformer.checkpoint.checkpointer import Checkpointer
 from transformer.config import resolve
-from transformer.data import make_source
 from transformer.model import experts
 from transformer.model import transformer as M
 from transformer.model.transformer import Transformer, TransformerConfig
@@ -21,23 +21,6 @@ from transformer.training import step as step_lib
 MOE = {"model.num_experts": 4, "model.experts_per_token": 2, "model.dropout_rate": 0.0,
        "model.d_model": 32, "model.d_ff": 32, "data.batch_size": 8, "data.max_length": 15,
        "model.max_len": 16}
-
-
-def _train(cfg, mesh, num_steps, state=None, first_batch=0):
-    """(final state, per-step metrics) of `num_steps` train steps on `mesh`."""
-    run = resolve(cfg, mesh.size)
-    trainer = step_lib.build_trainer(run, mesh)
-    if state is None:
-        state = step_lib.init_state(trainer, cfg.seed)
-    step_fn = step_lib.make_train_step(trainer, run.config)
-    source = make_source(cfg)
-    rows = step_lib.process_rows(mesh, source.rows_per_batch)
-    lines = []
-    for index in range(first_batch, first_batch + num_steps):
-        state, metrics = step_fn(state, step_lib.global_batch(
-            mesh, source.train_batch(index, rows)))
-        lines.append(jax.device_get(metrics))
-    return state, lines
 
 
 def _mesh(n, **axes):
@@ -52,7 +35,7 @@ def _mesh(n, **axes):
 def test_translation_and_lm_train_with_experts(load_config, architecture, fields):
     """Three steps on one device: the loss falls and the routers' metrics are on the line."""
     cfg = load_config("tiny.py", **{**MOE, "model.architecture": architecture, **fields})
-    state, lines = _train(cfg, _mesh(1), 3)
+    state, lines, _ = train_steps(cfg, _mesh(1), 3)
     layers = state.params["decoder"]
     routed = "layers_1" if architecture == "decoder" else "layers_0"
     assert layers[routed]["moe"]["ff_in"].shape == (4, 32, 32)
@@ -94,8 +77,8 @@ def test_expert_parallel_matches_one_device(load_config, tmp_path, capacity_fact
     run."""
     cfg = load_config("tiny.py", **{**MOE, "model.architecture": "decoder",
                                     "model.moe_capacity_factor": capacity_factor})
-    expected_state, expected = _train(cfg, _mesh(1), 5)
-    state, lines = _train(cfg, _mesh(8, data=2, expert=4), 3)
+    expected_state, expected, _ = train_steps(cfg, _mesh(1), 5)
+    state, lines, _ = train_steps(cfg, _mesh(8, data=2, expert=4), 3)
     for line, want in zip(lines, expected, strict=False):
         for key in ("loss", "moe_aux_loss", "router_z_loss", "expert_load_max", "moe_dropped"):
             np.testing.assert_allclose(line[key], want[key], rtol=2e-5, err_msg=key)
@@ -111,7 +94,7 @@ def test_expert_parallel_matches_one_device(load_config, tmp_path, capacity_fact
         3, step_lib.build_trainer(resolve(cfg, 8), other).abstract_state)
     assert restored.params["decoder"]["layers_0"]["moe"]["ff_in"].sharding.spec == P(
         "expert", "fsdp", "tensor")
-    state, lines = _train(cfg, other, 2, state=restored, first_batch=3)
+    state, lines, _ = train_steps(cfg, other, 2, state=restored, first_batch=3)
     for line, want in zip(lines, expected[3:], strict=True):
         np.testing.assert_allclose(line["loss"], want["loss"], rtol=2e-5)
     got, want = (flax.traverse_util.flatten_dict(jax.device_get(s.params), sep="/")
