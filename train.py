@@ -41,12 +41,7 @@ def _quiet_libraries():
     from transformer.util import cli
 
     cli.quiet_native_logs(sys.argv)
-    handler = pylogging.StreamHandler(sys.stderr)
-    handler.setFormatter(pylogging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
-    progress = pylogging.getLogger("transformer")
-    progress.addHandler(handler)
-    progress.setLevel(pylogging.INFO)
-    progress.propagate = False
+    cli.show_our_lines(pylogging.INFO, timestamps=True)
 
 
 def _compile_for_topology(cfg, name: str, num_slices: int, config_file: str,

@@ -85,13 +85,19 @@ def define_run_flags(*, average: bool) -> None:
 
 
 def start(argv: list[str], *, level: int = logging.WARNING, timestamps: bool = False) -> None:
-    """Refuses stray arguments and sets up logging: our lines (the "transformer" logger) at
-    `level` on stderr as plain text, not in the glog format absl's handler gives the root
-    logger; absl's (orbax's INFO chatter) at WARNING unless --verbosity says otherwise."""
+    """Refuses stray arguments and sets up logging: our lines at `level` (`show_our_lines`),
+    absl's (orbax's INFO chatter) at WARNING unless --verbosity says otherwise."""
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     if not FLAGS["verbosity"].present:
         absl_logging.set_verbosity(absl_logging.WARNING)
+    show_our_lines(level, timestamps=timestamps)
+
+
+def show_our_lines(level: int, *, timestamps: bool) -> None:
+    """Our lines (the "transformer" logger) from `level` on stderr as plain text (with the time
+    where `timestamps`), through their own handler: not in the glog format absl's handler on
+    the root logger would give them."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(
         "%(asctime)s %(message)s" if timestamps else "%(message)s", datefmt="%H:%M:%S"))
