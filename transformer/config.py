@@ -44,6 +44,7 @@ TOP_LEVEL: dict[str, tuple[type | tuple[type, ...], object]] = {
     "profile_start_step": (int, 0),
     "profile_num_steps": (int, 0),
     "init_from": (str, ""),  # a run to start from (transformer/training/transfer.py); "": scratch
+    "init_from_exclude": (str, ""),  # a regex: parameter paths init_from leaves fresh
 }
 # The sections beside them and the keys each may hold: the model's fields, the mesh axes, any
 # data source's keys, and what optim.make_optimizer, the Translator (decode), the Generator

@@ -84,6 +84,25 @@ def test_new_parameters_stay_fresh_and_are_listed(untrained_translation_workdir,
     assert "left fresh: decoder/logits/kernel; not used: none" in caplog.text
 
 
+def test_excluded_parameters_stay_fresh(untrained_translation_workdir):
+    root = str(untrained_translation_workdir)
+    saved = averaging.load_params(root)
+    fresh = _fresh_params(untrained_translation_workdir, {"data": 1, "fsdp": 1, "tensor": 1})
+    params, left_fresh = transfer.load(transfer.parse(root), fresh, exclude="^decoder/layers_1/")
+    assert left_fresh and all(name.startswith("decoder/layers_1/") for name in left_fresh)
+    for (path, got), want, new in zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                                      jax.tree.leaves(saved), jax.tree.leaves(fresh),
+                                      strict=True):
+        name = checkpoint.path_name(path)
+        expected = new if name.startswith("decoder/layers_1/") else want
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+    with pytest.raises(ValueError, match=r"init_from_exclude='\^decoder/logits' matches no "
+                                         r"parameter of this model"):
+        transfer.load(transfer.parse(root), fresh, exclude="^decoder/logits")
+    with pytest.raises(ValueError, match=r"init_from_exclude='\(' is not a regular expression"):
+        transfer.check_exclude("(")
+
+
 def test_a_shape_that_differs_is_one_line(untrained_translation_workdir):
     fresh = _fresh_params(untrained_translation_workdir, {"data": 1, "fsdp": 1, "tensor": 1},
                           d_ff=48)

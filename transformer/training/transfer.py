@@ -7,7 +7,10 @@ position start fresh. Parameters are matched by path;
 those the new model has and the old does not (a classification head, say) keep their fresh
 initialisation and are listed in one log line; a shape that differs is an error naming the
 parameter and both shapes, except a ViT's `position_embedding`, which is interpolated to the
-new patch grid. Per-layer and scanned layouts convert either way.
+new patch grid. Per-layer and scanned layouts convert either way. `init_from_exclude`, a regular
+expression, leaves the parameters whose path it matches (`re.search`, e.g. `decoder/logits` or
+`^decoder/`) fresh too, as fairseq's and T5X's fine-tuning can reset a head; one that matches no
+parameter is an error (a typo would otherwise transfer everything).
 
 The vocabulary must be the pretrained run's: its `vocab/` is copied into the new workdir before
 the data pipeline would train one, and a new workdir that already holds another vocabulary is
@@ -151,15 +154,30 @@ def _resized_table(table: np.ndarray, shape: tuple, has_class_token: bool) -> np
     return np.asarray(resize_position_embeddings(table, old_side, new_side, has_class_token))
 
 
-def load(source: InitSource, fresh, *, has_class_token: bool = False):
+def check_exclude(exclude: str) -> None:
+    """A one-line error unless `init_from_exclude` is a valid regular expression."""
+    try:
+        re.compile(exclude)
+    except re.error as error:
+        raise ValueError(f"init_from_exclude={exclude!r} is not a regular expression ({error})"
+                         f"; give one that matches parameter paths, e.g. 'decoder/logits'"
+                         ) from None
+
+
+def load(source: InitSource, fresh, *, has_class_token: bool = False, exclude: str = ""):
     """`fresh` (the new run's initialised, sharded params) with every parameter the pretrained
-    run has replaced by its value, placed in the same sharding. Returns (params, the paths left
-    fresh)."""
+    run has, and `exclude` (a regex) does not match, replaced by its value, placed in the same
+    sharding. Returns (params, the paths left fresh)."""
     saved = _flat(_same_layout(_read(source), fresh))
     wanted = _flat(fresh)
+    if exclude:
+        check_exclude(exclude)
+        if not any(re.search(exclude, name) for name in wanted):
+            raise ValueError(f"init_from_exclude={exclude!r} matches no parameter of this "
+                             f"model (paths such as {next(iter(wanted))}); fix the expression")
     placed, kept_fresh = [], []
     for name, leaf in wanted.items():
-        if name not in saved:
+        if name not in saved or (exclude and re.search(exclude, name)):
             kept_fresh.append(name)
             placed.append(leaf)
             continue
