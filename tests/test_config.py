@@ -127,3 +127,12 @@ def test_a_missing_required_key_is_named(tiny_config):
     del cfg["num_train_steps"]
     with pytest.raises(ValueError, match="^the config has no 'num_train_steps'"):
         resolve(cfg)
+
+
+def test_defaults_fill_a_locked_config(tiny_config):
+    """A config file's dict arrives locked (config_flags); an optional key it lacks still gets
+    its default."""
+    cfg = tiny_config()
+    assert "init_from_exclude" not in cfg
+    cfg.lock()
+    assert resolve(cfg, 8).config.init_from_exclude == TOP_LEVEL["init_from_exclude"][1] == ""

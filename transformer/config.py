@@ -122,7 +122,8 @@ def _with_defaults(cfg: ConfigDict) -> ConfigDict:
         if default is _REQUIRED:
             raise ValueError(f"the config has no {key!r}; every config sets it "
                              f"(see configs/common.py)")
-        resolved[key] = default
+        with resolved.unlocked():  # a config file's dict arrives locked from config_flags
+            resolved[key] = default
     return resolved
 
 
