@@ -1,5 +1,8 @@
 """T5 span corruption (`transformer/data/span_corruption.py`) against hand-worked cases."""
 
+import collections
+import itertools
+
 import numpy as np
 import pytest
 
@@ -39,7 +42,7 @@ def test_inputs_and_targets_rebuild_the_tokens():
 
 
 @pytest.mark.parametrize("length", [2, 10, 20, 97, 568])
-def test_the_mask_has_the_t5_counts_and_starts_with_kept_tokens(length):
+def test_the_mask_has_the_t5_counts(length):
     rng = np.random.default_rng(length)
     noise, spans = span_corruption.span_counts(length, 0.15, 3.0)
     assert noise == min(max(round(length * 0.15), 1), length - 1)
@@ -47,7 +50,25 @@ def test_the_mask_has_the_t5_counts_and_starts_with_kept_tokens(length):
         mask = span_corruption.noise_mask(length, rng)
         starts = mask & ~np.concatenate([[False], mask[:-1]])
         assert mask.sum() == noise and starts.sum() == spans
-        assert not mask[0] and mask[-1]
+
+
+@pytest.mark.parametrize("length, density, span", [(20, 0.15, 3.0), (9, 0.45, 2.0)])
+def test_every_mask_with_the_counts_is_equally_likely(length, density, span):
+    """All masks of `length` with the noise and span counts, enumerated, each drawn about
+    equally often: spans at the start and the end too (T5's kept-first order never has noise
+    first; with one span it always cuts the last tokens)."""
+    noise, spans = span_corruption.span_counts(length, density, span)
+    masks = [m for m in itertools.product([False, True], repeat=length)
+             if sum(m) == noise and sum(m[i] and (i == 0 or not m[i - 1])
+                                       for i in range(length)) == spans]
+    rng = np.random.default_rng(0)
+    draws = 200 * len(masks)
+    seen = collections.Counter(tuple(span_corruption.noise_mask(
+        length, rng, noise_density=density, mean_span_length=span).tolist())
+        for _ in range(draws))
+    assert set(seen) == set(masks)  # (20: 18 places for one span; 9: 20 masks of 2 spans)
+    chi2 = sum((count - 200) ** 2 / 200 for count in seen.values())
+    assert chi2 < len(masks) + 5 * (2 * len(masks)) ** 0.5  # mean dof, sd sqrt(2 dof)
 
 
 def test_span_lengths_average_three_and_vary():

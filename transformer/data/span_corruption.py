@@ -2,10 +2,16 @@
 objective, on numpy ids.
 
 A piece of n tokens gets round(n · noise_density) noise tokens in round(noise / mean_span_length)
-spans. The noise and the kept tokens are each cut into that many non-empty runs at random
-places and interleaved kept, noise, kept, noise, ... (so a piece starts with kept tokens and
-ends with noise, as in T5 and seqio). The inputs keep the kept tokens and replace span k by
-sentinel k; the targets list sentinel k then span k's tokens, for every span; both end in EOS.
+spans, drawn uniformly among all masks with those counts: the noise is cut into that many
+non-empty runs at random places, the kept tokens into one run more, as many, or one fewer
+(the piece starts and ends with kept tokens, starts or ends with noise, or both), each
+arrangement weighted by how many masks it holds. T5's and seqio's `random_spans_noise_mask`
+always start with kept tokens and end with noise: on pieces of hundreds of tokens that changes
+little, but a short piece (one sentence, one span) then always loses its last tokens, and the
+task degenerates to guessing how a sentence ends (seqio added `random_roll` for this;
+docs/results/2026-12-04-span-corruption-transfer.md measures what it did to fine-tuning here).
+The inputs keep the kept tokens and replace span k by sentinel k; the targets list sentinel k
+then span k's tokens, for every span; both end in EOS.
 
     tokens  [A B C D E F G H I J], noise [. . x x . . . x . .] (spans "C D" and "H"; n = 10)
     inputs  [A B <s0> E F G <s1> I J EOS]      targets [<s0> C D <s1> H EOS]
@@ -16,6 +22,8 @@ special tokens): `tokenizer.train(..., num_sentinels=k)` reserves them and
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -40,12 +48,21 @@ def _random_runs(rng: np.random.Generator, items: int, runs: int) -> np.ndarray:
 
 def noise_mask(length: int, rng: np.random.Generator, *, noise_density: float = NOISE_DENSITY,
                mean_span_length: float = MEAN_SPAN_LENGTH) -> np.ndarray:
-    """[length] bool, True = noise: kept and noise runs interleaved, kept first."""
+    """[length] bool, True = noise: `span_counts` noise tokens in that many runs, every such
+    mask equally likely."""
     noise, spans = span_counts(length, noise_density, mean_span_length)
-    kept_runs = _random_runs(rng, length - noise, spans)
-    noise_runs = _random_runs(rng, noise, spans)
-    run_lengths = np.stack([kept_runs, noise_runs], axis=1).reshape(-1)
-    return np.repeat(np.tile([False, True], spans), run_lengths)
+    kept = length - noise
+    # (kept runs, noise first): kept at both ends, kept first, noise first, noise at both ends
+    shapes = [(runs, first) for runs, first in ((spans + 1, False), (spans, False),
+                                                (spans, True), (spans - 1, True))
+              if 1 <= runs <= kept]
+    counts = [math.comb(kept - 1, runs - 1) for runs, _ in shapes]  # masks of each shape
+    runs, noise_first = shapes[rng.choice(len(shapes), p=[c / sum(counts) for c in counts])]
+    first, second = ((_random_runs(rng, noise, spans), _random_runs(rng, kept, runs))
+                     if noise_first else (_random_runs(rng, kept, runs),
+                                          _random_runs(rng, noise, spans)))
+    lengths = [run[i] for i in range(len(first)) for run in (first, second) if i < len(run)]
+    return np.repeat([(k % 2 == 0) == noise_first for k in range(len(lengths))], lengths)
 
 
 def corrupt(tokens: np.ndarray, mask: np.ndarray,
