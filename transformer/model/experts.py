@@ -15,11 +15,11 @@ import jax
 import jax.numpy as jnp
 
 from transformer.model.config import TransformerConfig
-from transformer.ops import layers, moe
+from transformer.ops import expert_parallel, layers, moe
 
 COLLECTION = "moe"
-# The buffers of capacity dispatch [B, E, C, D]: rows over the batch's mesh axes but "expert",
-# experts over "expert" (sharding.py), so that going there and back is an all-to-all.
+# The buffers of capacity dispatch [B, E, C, D] where mesh.expert is 1: rows over the batch's
+# mesh axes. Over several experts' chips, `ops/expert_parallel.py` sends them all-to-all.
 BUFFER_AXES = ("expert_batch", "expert", None, None)
 
 
@@ -60,7 +60,11 @@ class MixtureOfExperts(nn.Module):
         rate = 0.0 if deterministic else cfg.relu_dropout_rate
         kwargs = dict(activation=cfg.activation, gelu_approximate=cfg.gelu_approximate,
                       dropout_rate=rate, dropout_rng=self.make_rng("dropout") if rate else None)
-        if cfg.moe_capacity_factor:
+        if cfg.moe_capacity_factor and expert_parallel.expert_shards() > 1:
+            y, dropped = expert_parallel.with_capacity(
+                x.astype(dtype), routing, experts, capacity_factor=cfg.moe_capacity_factor,
+                **kwargs)
+        elif cfg.moe_capacity_factor:
             y, dropped = moe.with_capacity(
                 x.astype(dtype), routing, experts, capacity_factor=cfg.moe_capacity_factor,
                 constrain=lambda a: nn.with_logical_constraint(a, BUFFER_AXES), **kwargs)

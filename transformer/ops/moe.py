@@ -12,7 +12,8 @@ shapes stay static (N*K rows). `capacity` gives every expert C = ceil(factor * T
 per row of the batch (GShard's groups), fills them in priority order (every token's first
 choice, then its second, ...) and drops what does not fit; a dropped assignment adds nothing
 (the residual connection carries the token), and the count of dropped ones is returned. Its
-[B, E, C, D] buffers are what an `expert` mesh axis splits and exchanges all-to-all.
+steps are `dispatch` (tokens into [B, E, C, D] buffers), `expert_ffn` and `combine`; over an
+`expert` mesh axis `ops/expert_parallel.py` runs them per device with an all-to-all between.
 """
 
 from __future__ import annotations
@@ -137,25 +138,40 @@ def slots(experts: jax.Array, num_experts: int, capacity_: int) -> tuple[jax.Arr
     return slot, slot < capacity_
 
 
-def with_capacity(x: jax.Array, routing: Routing, experts: Experts, *, capacity_factor: float,
-                  activation: str, gelu_approximate: bool = True, dropout_rate: float = 0.0,
-                  dropout_rng: jax.Array | None = None,
-                  constrain=lambda buffer: buffer) -> tuple[jax.Array, jax.Array]:
-    """(y [B, T, D], dropped assignments) for x [B, T, D] and routing of its B*T tokens, with
-    `capacity` slots per expert in each row; `constrain` places the [B, E, C, D] buffers
-    (e.g. `nn.with_logical_constraint` onto the `expert` mesh axis)."""
+class Slots(NamedTuple):
+    """Where `dispatch` put each assignment [B, T, K]: the buffer's row, expert and slot, and
+    whether it was kept (slot < C)."""
+
+    rows: jax.Array
+    experts: jax.Array
+    slot: jax.Array
+    kept: jax.Array
+
+
+def dispatch(x: jax.Array, chosen: jax.Array, num_experts: int,
+             capacity_: int) -> tuple[jax.Array, Slots]:
+    """(buffer [B, E, C, D], where each assignment went) of x [B, T, D] and its rows' chosen
+    experts [B, T, K]: each row (a group) fills its own C slots of every expert (`slots`);
+    an assignment past them is left out."""
     b, t, d = x.shape
-    num_experts = experts.ff_in.shape[0]
-    k = routing.experts.shape[-1]
-    c = capacity(t, k, num_experts, capacity_factor)
-    chosen = routing.experts.reshape(b, t, k)
-    slot, kept = jax.vmap(lambda e: slots(e, num_experts, c))(chosen)
+    k = chosen.shape[-1]
+    slot, kept = jax.vmap(lambda e: slots(e, num_experts, capacity_))(chosen)
     rows = jnp.broadcast_to(jnp.arange(b)[:, None, None], chosen.shape)
+    target = jnp.where(kept, slot, capacity_)  # slot C is out of range: dropped by the scatter
     tokens = jnp.broadcast_to(x[:, :, None, :], (b, t, k, d))
-    target = jnp.where(kept, slot, c)  # slot c is out of range: dropped by the scatter
-    buffer = jnp.zeros((b, num_experts, c, d), x.dtype).at[rows, chosen, target].set(
+    buffer = jnp.zeros((b, num_experts, capacity_, d), x.dtype).at[rows, chosen, target].set(
         tokens, mode="drop")
-    buffer = constrain(buffer)
+    return buffer, Slots(rows, chosen, target, kept)
+
+
+def expert_ffn(buffer: jax.Array, experts: Experts, *, activation: str,
+               gelu_approximate: bool = True, dropout_rate: float = 0.0,
+               dropout_rng: jax.Array | None = None,
+               reduce=lambda partial: partial) -> jax.Array:
+    """Each expert's FFN of its slots: buffer [B, E, C, D] -> [B, E, C, D] with experts [E, ..]
+    (B rows: this device's, or all-to-all the rows of every device for its own experts).
+    `reduce` sums the partial products where F is split (a shard_map's "tensor" axis) before
+    the output bias."""
     hidden = jnp.einsum("BECD,EDF->BECF", buffer, experts.ff_in)
     if experts.bias_in is not None:
         hidden = hidden + experts.bias_in[:, None, :]
@@ -164,10 +180,33 @@ def with_capacity(x: jax.Array, routing: Routing, experts: Experts, *, capacity_
         gate = jnp.einsum("BECD,EDF->BECF", buffer, experts.ff_gate)
     hidden = layers.dropout(activate(hidden, gate, activation, gelu_approximate),
                             dropout_rate, dropout_rng)
-    out = jnp.einsum("BECF,EFD->BECD", hidden, experts.ff_out)
+    out = reduce(jnp.einsum("BECF,EFD->BECD", hidden, experts.ff_out))
     if experts.bias_out is not None:
         out = out + experts.bias_out[:, None, :]
-    out = constrain(out)
-    gathered = out.at[rows, chosen, target].get(mode="fill", fill_value=0)  # [B, T, K, D]
-    weights = jnp.where(kept, routing.weights.reshape(b, t, k), 0.0).astype(out.dtype)
-    return jnp.einsum("BTKD,BTK->BTD", gathered, weights), (~kept).sum()
+    return out
+
+
+def combine(out: jax.Array, where: Slots, weights: jax.Array) -> jax.Array:
+    """y [B, T, D]: each token's kept slots of out [B, E, C, D] summed with its router weights
+    [B, T, K] (a dropped assignment adds nothing)."""
+    gathered = out.at[where.rows, where.experts, where.slot].get(mode="fill", fill_value=0)
+    weights = jnp.where(where.kept, weights, 0.0).astype(out.dtype)
+    return jnp.einsum("BTKD,BTK->BTD", gathered, weights)
+
+
+def with_capacity(x: jax.Array, routing: Routing, experts: Experts, *, capacity_factor: float,
+                  activation: str, gelu_approximate: bool = True, dropout_rate: float = 0.0,
+                  dropout_rng: jax.Array | None = None,
+                  constrain=lambda buffer: buffer) -> tuple[jax.Array, jax.Array]:
+    """(y [B, T, D], dropped assignments) for x [B, T, D] and routing of its B*T tokens, with
+    `capacity` slots per expert in each row; `constrain` places the [B, E, C, D] buffers
+    (e.g. `nn.with_logical_constraint` onto the `expert` mesh axis)."""
+    b, t, _ = x.shape
+    num_experts = experts.ff_in.shape[0]
+    k = routing.experts.shape[-1]
+    c = capacity(t, k, num_experts, capacity_factor)
+    buffer, where = dispatch(x, routing.experts.reshape(b, t, k), num_experts, c)
+    out = constrain(expert_ffn(
+        constrain(buffer), experts, activation=activation, gelu_approximate=gelu_approximate,
+        dropout_rate=dropout_rate, dropout_rng=dropout_rng))
+    return combine(out, where, routing.weights.reshape(b, t, k)), (~where.kept).sum()
