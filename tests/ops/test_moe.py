@@ -176,41 +176,50 @@ def test_dropless_gradients_reach_every_used_expert():
                          ids=["data2-expert4", "tensor2-expert4"])
 @pytest.mark.parametrize("factor", [1.0, 2.0], ids=["drops", "room-for-all"])
 def test_expert_parallel_all_to_all_equals_one_device(axes, factor):
-    """8 devices, the experts split 4 ways (beside data, or tensor splitting F): outputs,
-    dropped count and gradients of every input equal one device's `with_capacity`; the
-    compiled program sends the tokens all-to-all. Capacity is per row on both, so the same
-    assignments drop (factor 1: the skewed router overflows expert 0; factor E/K = 2: C = T,
-    none can)."""
+    """8 devices, the experts split 4 ways (beside data, or tensor splitting F), each device
+    routing its own rows: outputs, router statistics (padding left out), dropped count and the
+    gradients of every input equal one device's `route` and `with_capacity`; the compiled
+    program sends the tokens all-to-all. Capacity is per row on both, so the same assignments
+    drop (factor 1: the skewed router overflows expert 0; factor E/K = 2: C = T, none can)."""
     b = 8
     rng = np.random.default_rng(9)
     x = jnp.asarray(rng.normal(size=(b, T, D)), jnp.float32)
-    logits = jnp.asarray(rng.normal(size=(b * T, E)) + np.array([1.5, 0, 0, 0]), jnp.float32)
+    logits = jnp.asarray(rng.normal(size=(b, T, E)) + np.array([1.5, 0, 0, 0]), jnp.float32)
+    valid = jnp.asarray(np.arange(T) < np.arange(2, 2 + b)[:, None])  # ragged rows of padding
     w = experts_of(params(10, bias=True))
 
-    def loss(dispatch, x, logits, w):
-        y, dropped = dispatch(x, moe.route(logits, 2), w, capacity_factor=factor,
-                              activation="swiglu")
-        return jnp.sum(y * jnp.sin(y)), (y, dropped)
+    def one_device(x, logits, w):
+        routing = moe.route(logits.reshape(b * T, E), 2, valid=valid.reshape(-1))
+        y, dropped = moe.with_capacity(x, routing, w, capacity_factor=factor,
+                                       activation="swiglu")
+        return routing, y, dropped
+
+    def expert_parallel_(x, logits, w):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return expert_parallel.route_with_capacity(
+                x, logits, w, k=2, valid=valid, capacity_factor=factor, activation="swiglu")
 
     def value_and_grads(dispatch):
-        return jax.value_and_grad(lambda *a: loss(dispatch, *a), argnums=(0, 1, 2),
-                                  has_aux=True)(x, logits, w)
+        def loss(x, logits, w):
+            routing, y, dropped = dispatch(x, logits, w)
+            return jnp.sum(y * jnp.sin(y)) + routing.aux_loss + routing.z_loss, (
+                routing, y, dropped)
+        return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, logits, w)
 
-    (want_loss, (want, want_dropped)), want_grads = jax.jit(
-        lambda: value_and_grads(moe.with_capacity))()
+    (want_loss, (want_routing, want, want_dropped)), want_grads = jax.jit(
+        lambda: value_and_grads(one_device))()
     mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1, **axes})
-
-    def on_mesh():
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            return value_and_grads(expert_parallel.with_capacity)
-
     with jax.set_mesh(mesh):
-        compiled = jax.jit(on_mesh).lower().compile()
-        (got_loss, (got, got_dropped)), got_grads = compiled()
+        compiled = jax.jit(lambda: value_and_grads(expert_parallel_)).lower().compile()
+        (got_loss, (got_routing, got, got_dropped)), got_grads = compiled()
     assert compiled.as_text().count("all-to-all(") >= 4  # there and back, forward and backward
     assert int(got_dropped) == int(want_dropped)
     assert (int(want_dropped) > 0) == (factor == 1.0)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got_routing.experts, want_routing.experts)
+    for name in ("weights", "aux_loss", "z_loss", "load"):
+        np.testing.assert_allclose(getattr(got_routing, name), getattr(want_routing, name),
+                                   rtol=1e-5, err_msg=name)
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
     for g, w_ in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
         np.testing.assert_allclose(g, w_, rtol=1e-5, atol=1e-5)

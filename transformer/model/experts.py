@@ -52,25 +52,27 @@ class MixtureOfExperts(nn.Module):
             bias_out=weight("bias_out", (e, d), ("expert", "embed"), nn.initializers.zeros)
             if cfg.use_bias else None)
         experts = jax.tree.map(lambda a: a.astype(dtype), experts)
-        tokens = x.reshape(b * t, d)
-        logits = jnp.einsum("ND,DE->NE", tokens.astype(jnp.float32), router)
-        routing = moe.route(logits, cfg.experts_per_token, scores=cfg.moe_router_scores,
-                            renormalize=cfg.moe_renormalize,
-                            valid=None if segments is None else segments.reshape(-1) != 0)
+        logits = jnp.einsum("BTD,DE->BTE", x.astype(jnp.float32), router)
+        valid = None if segments is None else segments != 0
+        route = dict(scores=cfg.moe_router_scores, renormalize=cfg.moe_renormalize)
         rate = 0.0 if deterministic else cfg.relu_dropout_rate
         kwargs = dict(activation=cfg.activation, gelu_approximate=cfg.gelu_approximate,
                       dropout_rate=rate, dropout_rng=self.make_rng("dropout") if rate else None)
         if cfg.moe_capacity_factor and expert_parallel.expert_shards() > 1:
-            y, dropped = expert_parallel.with_capacity(
-                x.astype(dtype), routing, experts, capacity_factor=cfg.moe_capacity_factor,
-                **kwargs)
-        elif cfg.moe_capacity_factor:
-            y, dropped = moe.with_capacity(
-                x.astype(dtype), routing, experts, capacity_factor=cfg.moe_capacity_factor,
-                constrain=lambda a: nn.with_logical_constraint(a, BUFFER_AXES), **kwargs)
+            routing, y, dropped = expert_parallel.route_with_capacity(
+                x.astype(dtype), logits, experts, k=cfg.experts_per_token,
+                capacity_factor=cfg.moe_capacity_factor, valid=valid, **route, **kwargs)
         else:
-            y = moe.dropless(tokens.astype(dtype), routing, experts, **kwargs).reshape(b, t, d)
-            dropped = jnp.zeros((), jnp.int32)
+            routing = moe.route(logits.reshape(b * t, e), cfg.experts_per_token,
+                                valid=None if valid is None else valid.reshape(-1), **route)
+            if cfg.moe_capacity_factor:
+                y, dropped = moe.with_capacity(
+                    x.astype(dtype), routing, experts, capacity_factor=cfg.moe_capacity_factor,
+                    constrain=lambda a: nn.with_logical_constraint(a, BUFFER_AXES), **kwargs)
+            else:
+                y = moe.dropless(x.reshape(b * t, d).astype(dtype), routing, experts,
+                                 **kwargs).reshape(b, t, d)
+                dropped = jnp.zeros((), jnp.int32)
         self.sow(COLLECTION, "routing", {
             "aux_loss": routing.aux_loss, "z_loss": routing.z_loss, "load": routing.load,
             "dropped": dropped.astype(jnp.float32) / routing.experts.size})

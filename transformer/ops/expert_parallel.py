@@ -5,7 +5,9 @@ all-to-all over the mesh's "expert" axis, inside a `jax.shard_map` (as MaxText's
 The mesh is the one in context (`jax.sharding.use_abstract_mesh`, as the train step sets it).
 Every device holds whole rows of the batch (split over data x fsdp x expert) and
 E / mesh.expert experts (the `expert` axis of their weights, F split over "tensor"). Each
-device fills its rows' [B/n, E, C, D] buffer (`moe.dispatch`: C slots per expert for each row,
+device routes its own tokens (`moe.route`; the counts and sums behind the load-balancing loss,
+the z-loss and the loads are summed over the devices, so they are the whole batch's) and fills
+its rows' [B/n, E, C, D] buffer (`moe.dispatch`: C slots per expert for each row,
 the row being the group, as for one device); `jax.lax.all_to_all` over "expert" sends each
 expert's slots to the device that holds it, which receives [mesh.expert * B/n, E/mesh.expert,
 C, D]: the rows of its expert group for its own experts. Its experts run their matrix products
@@ -37,16 +39,19 @@ def expert_shards() -> int:
     return 1 if mesh.empty else dict(mesh.shape).get(EXPERT, 1)
 
 
-def with_capacity(x: jax.Array, routing: moe.Routing, experts: moe.Experts, *,
-                  capacity_factor: float, activation: str, gelu_approximate: bool = True,
-                  dropout_rate: float = 0.0,
-                  dropout_rng: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """`moe.with_capacity` over the mesh in context (module docstring): (y [B, T, D], dropped
-    assignments of the whole batch)."""
+def route_with_capacity(x: jax.Array, logits: jax.Array, experts: moe.Experts, *, k: int,
+                        capacity_factor: float, scores: str = "softmax",
+                        renormalize: bool = True, valid: jax.Array | None = None,
+                        activation: str, gelu_approximate: bool = True,
+                        dropout_rate: float = 0.0, dropout_rng: jax.Array | None = None,
+                        ) -> tuple[moe.Routing, jax.Array, jax.Array]:
+    """`moe.route` and `moe.with_capacity` over the mesh in context (module docstring) for
+    x [B, T, D], router logits [B, T, E] and `valid` [B, T]: (routing, its weights and experts
+    [B*T, K] and its statistics those of the whole batch; y [B, T, D]; dropped assignments of
+    the whole batch)."""
     mesh = jax.sharding.get_abstract_mesh()
     b, t, _ = x.shape
     num_experts = experts.ff_in.shape[0]
-    k = routing.experts.shape[-1]
     rows_split = sharding.batch_shards(mesh.shape)
     if b % rows_split:
         raise ValueError(f"expert parallelism splits the batch's {b} rows over mesh data x fsdp "
@@ -54,23 +59,39 @@ def with_capacity(x: jax.Array, routing: moe.Routing, experts: moe.Experts, *,
     c = moe.capacity(t, k, num_experts, capacity_factor)
     weights = {name: w for name, w in experts._asdict().items() if w is not None}
     rows = P(sharding.BATCH_AXES)
+    inputs = {"x": x, "logits": logits, "weights": weights, "valid": valid, "rng": dropout_rng}
+    inputs = {name: value for name, value in inputs.items() if value is not None}
+    specs = {"x": rows, "logits": rows, "valid": rows, "rng": P(),
+             "weights": {name: WEIGHT_SPECS[name] for name in weights}}
+    specs = {name: specs[name] for name in inputs}
     devices = (*sharding.BATCH_AXES, TENSOR)  # a dropout key of its own on each
 
-    def local(x, chosen, combine_weights, weights, *rng):
+    def local(inputs):
+        x = inputs["x"]
+        b, t, _ = x.shape
+        routing = moe.route(
+            inputs["logits"].reshape(b * t, num_experts), k, scores=scores,
+            renormalize=renormalize,
+            valid=inputs["valid"].reshape(-1) if "valid" in inputs else None,
+            reduce=lambda sums: jax.lax.psum(sums, sharding.BATCH_AXES))
+        chosen = routing.experts.reshape(b, t, k)
         buffer, where = moe.dispatch(x, chosen, num_experts, c)
         buffer = jax.lax.all_to_all(buffer, EXPERT, 1, 0, tiled=True)
+        rng = inputs.get("rng")
         out = moe.expert_ffn(
-            buffer, moe.Experts(**weights), activation=activation,
+            buffer, moe.Experts(**inputs["weights"]), activation=activation,
             gelu_approximate=gelu_approximate, dropout_rate=dropout_rate,
-            dropout_rng=jax.random.fold_in(rng[0], jax.lax.axis_index(devices)) if rng else None,
+            dropout_rng=None if rng is None else jax.random.fold_in(
+                rng, jax.lax.axis_index(devices)),
             reduce=lambda partial: jax.lax.psum(partial, TENSOR))
         out = jax.lax.all_to_all(out, EXPERT, 0, 1, tiled=True)
+        y = moe.combine(out, where, routing.weights.reshape(b, t, k))
         dropped = jax.lax.psum((~where.kept).sum(), sharding.BATCH_AXES)
-        return moe.combine(out, where, combine_weights), dropped
+        routing = routing._replace(weights=routing.weights.reshape(b, t, k), experts=chosen)
+        return routing, y, dropped
 
-    rng = () if dropout_rng is None else (dropout_rng,)
-    return jax.shard_map(
-        local, mesh=mesh, out_specs=(rows, P()),
-        in_specs=(rows, rows, rows, {name: WEIGHT_SPECS[name] for name in weights},
-                  *(P() for _ in rng)),
-    )(x, routing.experts.reshape(b, t, k), routing.weights.reshape(b, t, k), weights, *rng)
+    routing_specs = moe.Routing(weights=rows, experts=rows, aux_loss=P(), z_loss=P(), load=P())
+    routing, y, dropped = jax.shard_map(
+        local, mesh=mesh, in_specs=(specs,), out_specs=(routing_specs, rows, P()))(inputs)
+    return routing._replace(weights=routing.weights.reshape(b * t, k),
+                            experts=routing.experts.reshape(b * t, k)), y, dropped

@@ -40,7 +40,7 @@ class Routing(NamedTuple):
 
 
 def route(logits: jax.Array, k: int, *, scores: str = "softmax", renormalize: bool = True,
-          valid: jax.Array | None = None) -> Routing:
+          valid: jax.Array | None = None, reduce=lambda sums: sums) -> Routing:
     """Top-k routing of logits [N, E] (computed in float32 by the caller's router).
 
     Scores are softmax(logits) or sigmoid(logits); the top-k scores are the combine weights,
@@ -48,7 +48,9 @@ def route(logits: jax.Array, k: int, *, scores: str = "softmax", renormalize: bo
     keeps padding tokens out of the statistics. The load-balancing loss is Switch's/GShard's
     (and transformers' Mixtral `load_balancing_loss_func`): E * sum_e f_e * P_e with f_e the
     fraction of tokens sent to expert e (summed over the K choices) and P_e the mean score of
-    expert e. The z-loss is ST-MoE's mean of logsumexp(logits)^2.
+    expert e. The z-loss is ST-MoE's mean of logsumexp(logits)^2. `reduce` sums the token
+    counts and sums behind the statistics over the devices (in a shard_map, where each holds
+    some of the tokens), so that they are the whole batch's.
     """
     if scores not in ROUTER_SCORES:
         raise ValueError(f"router scores {scores!r}; choose one of {ROUTER_SCORES}")
@@ -59,12 +61,14 @@ def route(logits: jax.Array, k: int, *, scores: str = "softmax", renormalize: bo
     if renormalize:
         weights = weights / weights.sum(axis=-1, keepdims=True)
     mask = jnp.ones((n,), jnp.float32) if valid is None else valid.astype(jnp.float32)
-    count = jnp.maximum(mask.sum(), 1.0)
     chosen = jax.nn.one_hot(experts, e, dtype=jnp.float32).sum(axis=1) * mask[:, None]  # [N, E]
-    tokens_per_expert = chosen.sum(axis=0) / count  # f_e, sums to K
-    mean_probs = (probs * mask[:, None]).sum(axis=0) / count  # P_e
-    aux_loss = e * jnp.sum(tokens_per_expert * mean_probs)
-    z_loss = jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1)) * mask) / count
+    count, chosen, probs, z = reduce((
+        mask.sum(), chosen.sum(axis=0), (probs * mask[:, None]).sum(axis=0),
+        jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1)) * mask)))
+    count = jnp.maximum(count, 1.0)
+    tokens_per_expert = chosen / count  # f_e, sums to K
+    aux_loss = e * jnp.sum(tokens_per_expert * probs / count)  # probs / count: P_e
+    z_loss = z / count
     return Routing(weights, experts.astype(jnp.int32), aux_loss, z_loss, tokens_per_expert / k)
 
 
