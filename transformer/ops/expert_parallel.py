@@ -74,7 +74,7 @@ def route_with_capacity(x: jax.Array, logits: jax.Array, experts: moe.Experts, *
             renormalize=renormalize,
             valid=inputs["valid"].reshape(-1) if "valid" in inputs else None,
             reduce=lambda sums: jax.lax.psum(sums, sharding.BATCH_AXES))
-        chosen = routing.experts.reshape(b, t, k)
+        chosen, weights = (a.reshape(b, t, k) for a in (routing.experts, routing.weights))
         buffer, where = moe.dispatch(x, chosen, num_experts, c)
         buffer = jax.lax.all_to_all(buffer, EXPERT, 1, 0, tiled=True)
         rng = inputs.get("rng")
@@ -85,10 +85,9 @@ def route_with_capacity(x: jax.Array, logits: jax.Array, experts: moe.Experts, *
                 rng, jax.lax.axis_index(devices)),
             reduce=lambda partial: jax.lax.psum(partial, TENSOR))
         out = jax.lax.all_to_all(out, EXPERT, 0, 1, tiled=True)
-        y = moe.combine(out, where, routing.weights.reshape(b, t, k))
         dropped = jax.lax.psum((~where.kept).sum(), sharding.BATCH_AXES)
-        routing = routing._replace(weights=routing.weights.reshape(b, t, k), experts=chosen)
-        return routing, y, dropped
+        return routing._replace(weights=weights, experts=chosen), moe.combine(
+            out, where, weights), dropped
 
     routing_specs = moe.Routing(weights=rows, experts=rows, aux_loss=P(), z_loss=P(), load=P())
     routing, y, dropped = jax.shard_map(

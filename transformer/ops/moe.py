@@ -62,13 +62,14 @@ def route(logits: jax.Array, k: int, *, scores: str = "softmax", renormalize: bo
         weights = weights / weights.sum(axis=-1, keepdims=True)
     mask = jnp.ones((n,), jnp.float32) if valid is None else valid.astype(jnp.float32)
     chosen = jax.nn.one_hot(experts, e, dtype=jnp.float32).sum(axis=1) * mask[:, None]  # [N, E]
-    count, chosen, probs, z = reduce((
+    count, chosen_sums, prob_sums, z_sum = reduce((
         mask.sum(), chosen.sum(axis=0), (probs * mask[:, None]).sum(axis=0),
         jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1)) * mask)))
     count = jnp.maximum(count, 1.0)
-    tokens_per_expert = chosen / count  # f_e, sums to K
-    aux_loss = e * jnp.sum(tokens_per_expert * probs / count)  # probs / count: P_e
-    z_loss = z / count
+    tokens_per_expert = chosen_sums / count  # f_e, sums to K
+    mean_probs = prob_sums / count  # P_e
+    aux_loss = e * jnp.sum(tokens_per_expert * mean_probs)
+    z_loss = z_sum / count
     return Routing(weights, experts.astype(jnp.int32), aux_loss, z_loss, tokens_per_expert / k)
 
 
