@@ -172,15 +172,17 @@ def test_dropless_gradients_reach_every_used_expert():
     assert (np.abs(np.asarray(grads.ff_in)).sum((1, 2)) > 0).tolist() == used.tolist()
 
 
-@pytest.mark.parametrize("axes", [{"data": 2, "expert": 4}, {"tensor": 2, "expert": 4}],
-                         ids=["data2-expert4", "tensor2-expert4"])
+@pytest.mark.parametrize("axes", [{"data": 2, "expert": 4}, {"tensor": 2, "expert": 4},
+                                  {"context": 2, "expert": 4}],
+                         ids=["data2-expert4", "tensor2-expert4", "context2-expert4"])
 @pytest.mark.parametrize("factor", [1.0, 2.0], ids=["drops", "room-for-all"])
 def test_expert_parallel_all_to_all_equals_one_device(axes, factor):
-    """8 devices, the experts split 4 ways (beside data, or tensor splitting F), each device
-    routing its own rows: outputs, router statistics (padding left out), dropped count and the
-    gradients of every input equal one device's `route` and `with_capacity`; the compiled
-    program sends the tokens all-to-all. Capacity is per row on both, so the same assignments
-    drop (factor 1: the skewed router overflows expert 0; factor E/K = 2: C = T, none can)."""
+    """8 devices, the experts split 4 ways (beside data, tensor splitting F, or context whose
+    rows are gathered whole), each device routing its own rows: outputs, router statistics
+    (padding left out), dropped count and the gradients of every input equal one device's
+    `route` and `with_capacity`; the compiled program sends the tokens all-to-all. Capacity is
+    per row on both, so the same assignments drop (factor 1: the skewed router overflows
+    expert 0; factor E/K = 2: C = T, none can)."""
     b = 8
     rng = np.random.default_rng(9)
     x = jnp.asarray(rng.normal(size=(b, T, D)), jnp.float32)
