@@ -111,6 +111,7 @@ def paper_config(*, size: str, target_lang: str, dropout_rate: float) -> config_
         rope_original_max_len=config_dict.placeholder(int), rope_low_freq_factor=1.0,
         rope_high_freq_factor=4.0, rope_beta_fast=32.0, rope_beta_slow=1.0,
         rope_attention_factor=config_dict.placeholder(float),
+        relative_buckets=32, relative_max_distance=128,  # read by positional="relative" (T5)
         num_experts=0,  # dense feed-forward layers; the rest is read where num_experts > 0
         experts_per_token=2, moe_layer_interval=1, moe_router_scores="softmax",
         moe_renormalize=True, moe_shared_expert=False, moe_capacity_factor=0.0,

@@ -39,6 +39,7 @@ from transformer.huggingface.mapping import (
     unsupported,
 )
 from transformer.huggingface.marian import Marian
+from transformer.huggingface.t5 import T5
 from transformer.model.config import TransformerConfig
 
 WINDOWED = {"sliding_attention": "local", "full_attention": "global"}  # layer_types entries
@@ -322,7 +323,7 @@ class ViT:
             transposed("classifier.weight", "head/kernel"), same("classifier.bias", "head/bias")]
 
 
-FAMILIES = (Llama, Gemma2, GPT2, ViT, Marian)
+FAMILIES = (Llama, Gemma2, GPT2, ViT, Marian, T5)
 BY_MODEL_TYPE = {kind: family for family in FAMILIES for kind in family.model_types}
 
 

@@ -3,7 +3,8 @@ names, arithmetic in the pure functions of `attention`, `layers` and `kv_cache`.
 
 The sublayers (`MultiHeadAttention`, `FeedForward`), each wrapped in a residual connection and
 a norm (post-LN as the paper, or pre-LN), make the encoder and decoder layers (`EncoderBlock`,
-`DecoderBlock`) that `model` stacks. Shapes are written in the package's legend
+`DecoderBlock`) that `model` stacks; `RelativeBias` is T5's position bias that a stack's layers
+share, `ClassifierHead` and `pool` a classifier's head. Shapes are written in the package's legend
 (`transformer/__init__.py`).
 """
 
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 
 from transformer.model.config import TransformerConfig
 from transformer.model.experts import MixtureOfExperts
-from transformer.ops import attention, kv_cache, layers, linear_attention, splash
+from transformer.ops import attention, kv_cache, layers, linear_attention, relative_position, splash
 from transformer.ops import ring as context_attention
 
 
@@ -99,7 +100,7 @@ class MultiHeadAttention(nn.Module):
     @nn.compact
     def __call__(self, x, kv_inputs=None, *, mask=None, q_positions=None, kv_positions=None,
                  cache=None, cache_index=None, segments=None, in_prefix=None,
-                 deterministic=True):
+                 deterministic=True, bias=None):
         cfg = self.config
         dtype = cfg.compute_dtype
         d, n, kh, h, hv = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_k, cfg.d_v
@@ -129,7 +130,7 @@ class MultiHeadAttention(nn.Module):
             y, cache = self._linear(q, k, v, cache, segments, in_prefix)
         else:
             y, cache = self._softmax(q, k, v, mask, cache, cache_index, segments, in_prefix,
-                                     is_cross, deterministic)
+                                     is_cross, deterministic, bias)
         out = project("out", "BTNE,NED->BTD", y, (n, hv, d), ("heads", "head_dim", "embed"),
                       num_in_axes=2)
         return out, cache
@@ -146,8 +147,9 @@ class MultiHeadAttention(nn.Module):
             valid=None if segments is None else segments != 0, in_prefix=in_prefix)
 
     def _softmax(self, q, k, v, mask, cache, cache_index, segments, in_prefix, is_cross,
-                 deterministic):
-        """Softmax attention over all keys, a window of them, or a decoding cache."""
+                 deterministic, bias=None):
+        """Softmax attention over all keys, a window of them, or a decoding cache; `bias`
+        [B, N, T, S] (`RelativeBias`) added to the logits."""
         cfg = self.config
         window = None
         if self.window is not None and not is_cross:  # a causal window looks back only
@@ -193,12 +195,17 @@ class MultiHeadAttention(nn.Module):
             kwargs["scale"] = cfg.attention_scale
         if cfg.attention_logit_softcap is not None:
             kwargs["logit_softcap"] = cfg.attention_logit_softcap
+        if bias is not None:
+            kwargs["bias"] = bias
         if cache is not None:  # k, v [B, K, S, H]
-            y = attention.cache_attention(q, k, v, mask=mask, scale=kwargs.get("scale"),
-                                          logit_softcap=kwargs.get("logit_softcap"))
+            y = attention.cache_attention(q, k, v, mask=mask, **kwargs)
         elif cache is None and not is_cross and context_attention.context_shards() > 1:
+            if bias is not None:
+                raise ValueError("model.positional='relative' with mesh.context > 1: context "
+                                 "parallelism's attention takes no bias; set mesh.context=1")
             y = self._context_attention(q, k, v, window, segments, in_prefix, deterministic)
-        elif self._runs_splash(q, k, is_cross, cache, in_prefix, deterministic):
+        elif bias is None and self._runs_splash(q, k, is_cross, cache, in_prefix,
+                                                deterministic):
             y = splash.self_attention(q, k, v, causal=self.causal, local_window_size=window,
                                       segment_ids=segments)
         else:
@@ -304,9 +311,10 @@ def _residual(x, y, norm: Norm, deterministic: bool, post: Norm | None = None):
 
 class EncoderBlock(nn.Module):
     """Self-attention and feed-forward sublayers. `__call__(x [B,S,D], mask, positions,
-    segments, deterministic) -> (x, None)`, the shape of an `nn.scan` body (as
-    `DecoderBlock`'s). `window`: this layer's local window (None: global); `routed`: its
-    feed-forward is a mixture of experts."""
+    segments, deterministic, bias) -> (x, None)`, the shape of an `nn.scan` body (as
+    `DecoderBlock`'s); `bias` [B, N, S, S]: the self-attention's (`relative_bias`) or None.
+    `window`: this layer's local window (None: global); `routed`: its feed-forward is a
+    mixture of experts."""
 
     config: TransformerConfig
     attention_fn: Callable[..., jax.Array] = attention.dot_product_attention
@@ -314,13 +322,14 @@ class EncoderBlock(nn.Module):
     routed: bool = False
 
     @nn.compact
-    def __call__(self, x, mask, positions, segments=None, deterministic=True):
+    def __call__(self, x, mask, positions, segments=None, deterministic=True, bias=None):
         cfg = self.config
         attend = MultiHeadAttention(cfg, self.attention_fn, use_rope=cfg.positional == "rope",
                                     window=self.window, name="self_attention")
         norm_attention, norm_ffn = Norm(cfg, name="norm_attention"), Norm(cfg, name="norm_ffn")
         y, _ = attend(_pre_norm(x, norm_attention), mask=mask, q_positions=positions,
-                      kv_positions=positions, segments=segments, deterministic=deterministic)
+                      kv_positions=positions, segments=segments, deterministic=deterministic,
+                      bias=bias)
         x = _residual(x, y, norm_attention, deterministic, _post_norm(cfg, "attention"))
         y = _feed_forward(cfg, self.routed, _pre_norm(x, norm_ffn), segments, deterministic)
         x = _residual(x, y, norm_ffn, deterministic, _post_norm(cfg, "ffn"))
@@ -331,7 +340,8 @@ class DecoderBlock(nn.Module):
     """Masked self-attention, cross-attention (encoder-decoder only) and feed-forward sublayers.
 
     `__call__(x [B,T,D], encoded [B,S,D] or None, self_mask, cross_mask, positions, segments,
-    in_prefix, cache, cache_index, deterministic) -> (x, cache)`. `window`: this layer's local
+    in_prefix, cache, cache_index, deterministic, bias) -> (x, cache)`; `bias` as
+    `EncoderBlock`'s, over the cache's positions when decoding. `window`: this layer's local
     window (None: global); `routed`: its feed-forward is a mixture of experts.
     """
 
@@ -342,7 +352,7 @@ class DecoderBlock(nn.Module):
 
     @nn.compact
     def __call__(self, x, encoded, self_mask, cross_mask, positions, segments=None,
-                 in_prefix=None, cache=None, cache_index=None, deterministic=True):
+                 in_prefix=None, cache=None, cache_index=None, deterministic=True, bias=None):
         cfg = self.config
         cache = cache or {}
         new_cache = {}
@@ -353,7 +363,7 @@ class DecoderBlock(nn.Module):
             _pre_norm(x, norm_attention), mask=self_mask, q_positions=positions,
             kv_positions=positions, cache=cache.get("self_attention"),
             cache_index=cache_index, segments=segments, in_prefix=in_prefix,
-            deterministic=deterministic)
+            deterministic=deterministic, bias=bias)
         x = _residual(x, y, norm_attention, deterministic, _post_norm(cfg, "attention"))
         if encoded is not None:
             norm_cross = Norm(cfg, name="norm_cross")
@@ -368,3 +378,65 @@ class DecoderBlock(nn.Module):
         x = _residual(x, y, norm_ffn, deterministic, _post_norm(cfg, "ffn"))
         x = nn.with_logical_constraint(x, ("batch", "length", None))
         return x, (new_cache if cache else None)
+
+
+class RelativeBias(nn.Module):
+    """T5's relative position bias (`ops/relative_position.py`): its table `embedding`
+    [relative_buckets, N], one per stack, read for every pair of query and key positions."""
+
+    config: TransformerConfig
+    bidirectional: bool
+
+    @nn.compact
+    def __call__(self, q_positions, k_positions):
+        cfg = self.config
+        table = self.param("embedding", nn.with_logical_partitioning(
+            nn.initializers.normal(cfg.d_model ** -0.5), (None, "heads")),
+            (cfg.relative_buckets, cfg.num_heads))
+        return relative_position.relative_position_bias(
+            table, q_positions, k_positions, bidirectional=self.bidirectional,
+            max_distance=cfg.relative_max_distance)
+
+
+def relative_bias(cfg: TransformerConfig, positions, *, causal: bool,
+                  key_length: int | None = None) -> jax.Array | None:
+    """The self-attention bias [B, N, T, S] that a stack's layers share, where
+    `model.positional="relative"` (else None), as its submodule `relative_bias`: for queries
+    at `positions` [B, T] and keys at the same positions, or, decoding, at the cache's
+    0..key_length-1. Call it inside the stack's compact module."""
+    if cfg.positional != "relative":
+        return None
+    keys = positions if key_length is None else jnp.arange(key_length)[None]
+    return RelativeBias(cfg, bidirectional=not causal, name="relative_bias")(positions, keys)
+
+
+def pool(encoded: jax.Array, valid: jax.Array, pooling: str) -> jax.Array:
+    """encoded [B, S, D], valid [B, S] (False at padding) -> [B, D] float32: the first
+    token's state ("cls") or the mean of the valid tokens' states ("gap"; zeros for a row
+    with none)."""
+    encoded = encoded.astype(jnp.float32)
+    if pooling == "cls":
+        return encoded[:, 0]
+    weights = valid.astype(jnp.float32)
+    total = jnp.einsum("BSD,BS->BD", encoded, weights)
+    return total / jnp.maximum(weights.sum(axis=1, keepdims=True), 1.0)
+
+
+class ClassifierHead(nn.Module):
+    """pooled [B, D] -> logits [B, num_classes] float32; kernel and bias start at zero (the
+    ViT paper's zero-initialised head), so the first logits are uniform."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, pooled):
+        cfg = self.config
+        zeros = nn.initializers.zeros
+        kernel = self.param("kernel", nn.with_logical_partitioning(zeros, ("embed", "vocab")),
+                            (cfg.d_model, cfg.num_classes))
+        bias = self.param("bias", nn.with_logical_partitioning(zeros, ("vocab",)),
+                          (cfg.num_classes,))
+        logits = jnp.einsum("BD,DV->BV", pooled.astype(cfg.compute_dtype),
+                            kernel.astype(cfg.compute_dtype),
+                            preferred_element_type=jnp.float32)
+        return nn.with_logical_constraint(logits + bias, ("batch", None))

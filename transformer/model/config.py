@@ -17,7 +17,8 @@ from transformer.ops import attention, layers, linear_attention, moe
 
 # vision: `transformer.model.vit`; classifier: the encoder and a class head (`Transformer.classify`)
 ARCHITECTURES = ("encoder_decoder", "encoder", "decoder", "vision", "classifier")
-POSITIONALS = ("sinusoidal", "learned", "rope", "none")
+# relative: T5's learned bias per head and relative-position bucket (`ops/relative_position.py`)
+POSITIONALS = ("sinusoidal", "learned", "rope", "relative", "none")
 NORMS = ("layer_norm", "rms_norm")
 NORM_POSITIONS = ("post", "pre")
 POOLINGS = ("cls", "gap")  # a classifier's summary: first (class) token, or mean of the tokens
@@ -92,6 +93,11 @@ class TransformerConfig:
     rope_beta_fast: float = 32.0
     rope_beta_slow: float = 1.0
     rope_attention_factor: float | None = None
+    # positional="relative" (T5): the buckets of the bias table [relative_buckets, N] that the
+    # encoder's and the decoder's layers share (each stack its own; the encoder's bidirectional,
+    # the decoder's causal), distances from relative_max_distance on sharing the last bucket
+    relative_buckets: int = 32
+    relative_max_distance: int = 128
     scale_embeddings: bool = True  # token embeddings times sqrt(d_model) (paper section 3.4)
     gelu_approximate: bool = True  # activation="gelu": tanh approximation (False: exact erf)
     # The token ids the model reads (data/tokenizer.py's unless a checkpoint brings its own
@@ -201,6 +207,8 @@ class TransformerConfig:
         if self.positional == "sinusoidal" and self.d_model % 2:
             raise ValueError(f"model.positional='sinusoidal' needs an even d_model, "
                              f"got {self.d_model}")
+        if self.positional == "relative":
+            self._check_relative()
         if self.architecture == "encoder_decoder" and min(self.num_encoder_layers,
                                                          self.num_decoder_layers) < 1:
             raise ValueError("model.num_encoder_layers and num_decoder_layers must be >= 1")
@@ -225,6 +233,16 @@ class TransformerConfig:
             raise ValueError(f"model.rope_low_freq_factor={self.rope_low_freq_factor} and "
                              f"rope_high_freq_factor={self.rope_high_freq_factor} must be "
                              f"0 < low < high (Llama 3.1: 1 and 4)")
+
+    def _check_relative(self):
+        if self.relative_buckets < 4 or not (self.relative_buckets // 2
+                                             < self.relative_max_distance):
+            raise ValueError(f"model.relative_buckets={self.relative_buckets} and "
+                             f"relative_max_distance={self.relative_max_distance} must be >= 4 "
+                             f"and > relative_buckets / 2 (T5: 32 and 128)")
+        if self.attention_kind != "softmax" or self.attention_window is not None:
+            raise ValueError("model.positional='relative' biases softmax attention over all "
+                             "positions: set attention_kind='softmax' and no attention_window")
 
     @property
     def attention_scale(self) -> float | None:

@@ -27,7 +27,15 @@ import jax
 import jax.numpy as jnp
 
 from transformer.data.tokenizer import BOS_ID
-from transformer.model.blocks import DecoderBlock, EncoderBlock, Norm, Weights
+from transformer.model.blocks import (
+    ClassifierHead,
+    DecoderBlock,
+    EncoderBlock,
+    Norm,
+    Weights,
+    pool,
+    relative_bias,
+)
 from transformer.model.config import REMAT_POLICIES, TransformerConfig
 from transformer.model.experts import COLLECTION
 from transformer.ops import attention, layers, linear_attention, ring
@@ -76,9 +84,10 @@ def encoder_stack(cfg: TransformerConfig, attention_fn, x, mask, positions, segm
     Call it inside a compact module (the Encoder, the ViT's encoder): the layers and the norm
     become that module's submodules (`layers_{i}` or scanned `layers`, `norm`)."""
     block = _stack(EncoderBlock, cfg, cfg.num_encoder_layers)
+    bias = relative_bias(cfg, positions, causal=False)
     for i, (name, window) in enumerate(_layers(cfg, cfg.num_encoder_layers)):
         x, _ = block(cfg, attention_fn, window, cfg.routed(i), name=name)(
-            x, mask, positions, segments, deterministic)
+            x, mask, positions, segments, deterministic, bias)
     if cfg.norm_position == "pre":
         x = Norm(cfg, name="norm")(x)
     return x
@@ -146,38 +155,6 @@ class Encoder(nn.Module):
                              deterministic)
 
 
-def pool(encoded: jax.Array, valid: jax.Array, pooling: str) -> jax.Array:
-    """encoded [B, S, D], valid [B, S] (False at padding) -> [B, D] float32: the first
-    token's state ("cls") or the mean of the valid tokens' states ("gap"; zeros for a row
-    with none)."""
-    encoded = encoded.astype(jnp.float32)
-    if pooling == "cls":
-        return encoded[:, 0]
-    weights = valid.astype(jnp.float32)
-    total = jnp.einsum("BSD,BS->BD", encoded, weights)
-    return total / jnp.maximum(weights.sum(axis=1, keepdims=True), 1.0)
-
-
-class ClassifierHead(nn.Module):
-    """pooled [B, D] -> logits [B, num_classes] float32; kernel and bias start at zero (the
-    ViT paper's zero-initialised head), so the first logits are uniform."""
-
-    config: TransformerConfig
-
-    @nn.compact
-    def __call__(self, pooled):
-        cfg = self.config
-        zeros = nn.initializers.zeros
-        kernel = self.param("kernel", nn.with_logical_partitioning(zeros, ("embed", "vocab")),
-                            (cfg.d_model, cfg.num_classes))
-        bias = self.param("bias", nn.with_logical_partitioning(zeros, ("vocab",)),
-                          (cfg.num_classes,))
-        logits = jnp.einsum("BD,DV->BV", pooled.astype(cfg.compute_dtype),
-                            kernel.astype(cfg.compute_dtype),
-                            preferred_element_type=jnp.float32)
-        return nn.with_logical_constraint(logits + bias, ("batch", None))
-
-
 class OutputHead(NamedTuple):
     """The final hidden states and the output projection, unapplied: for a loss that projects
     a chunk at a time (`optim.projected_cross_entropy_loss`) instead of holding [B, T, V]."""
@@ -222,10 +199,12 @@ class Decoder(nn.Module):
         index = None if cache is None else cache["index"]
         new_cache = None if cache is None else {"index": index + tokens.shape[1]}
         block = _stack(DecoderBlock, cfg, cfg.num_decoder_layers, per_layer_args=("cache",))
+        bias = relative_bias(cfg, positions, causal=True, key_length=None if cache is None
+                             else _full_cache_length(cfg, cache))
         for i, (name, window) in enumerate(_layers(cfg, cfg.num_decoder_layers)):
             x, layer_cache = block(cfg, self.attention_fn, window, cfg.routed(i), name=name)(
                 x, encoded, self_mask, cross_mask, positions, segments, in_prefix,
-                None if cache is None else cache[name], index, deterministic)
+                None if cache is None else cache[name], index, deterministic, bias)
             if cache is not None:
                 new_cache[name] = layer_cache
         if cfg.norm_position == "pre":

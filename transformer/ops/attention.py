@@ -122,11 +122,13 @@ def _xla_attention(q, k, v, mask, bias, scale, dropout_rate, dropout_rng, local_
 
 
 def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
-                    mask: jax.Array | None = None, scale: float | None = None,
+                    mask: jax.Array | None = None, bias: jax.Array | None = None,
+                    scale: float | None = None,
                     logit_softcap: float | None = None) -> jax.Array:
     """Attention over a decoding cache, whose keys and values are head-major: q [B, T, N, H],
     k [B, K, S, H], v [B, K, S, Hv] -> [B, T, N, Hv] in v's dtype; `mask` broadcastable to
-    [B, N, T, S], True = attend.
+    [B, N, T, S], True = attend; `bias` added to the logits, broadcastable to [B, N, T, S]
+    (one row of q per row of the cache only).
 
     q may hold W rows per row of the cache ([B*W, T, N, H], the W rows of one cache row
     adjacent: a beam search's beams over their sentence's encoder keys and values); they are
@@ -144,7 +146,11 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     logits = softcap(jnp.einsum("BTKGH,BKSH->BKGTS", group_queries(q, num_kv_heads), k,
                                 preferred_element_type=jnp.float32) * scale, logit_softcap)
-    weights = _masked_softmax(logits, as_5d(mask, num_kv_heads), None).astype(v.dtype)
+    if bias is not None and rows != k.shape[0]:
+        raise ValueError(f"cache_attention: a bias needs one query row per cache row, got "
+                         f"{rows} rows over {k.shape[0]}")
+    weights = _masked_softmax(logits, as_5d(mask, num_kv_heads),
+                              as_5d(bias, num_kv_heads)).astype(v.dtype)
     # Heads-first output: XLA:CPU has no bfloat16 -> float32 kernel for "->BTKGE" here.
     out = jnp.einsum("BKGTS,BKSE->BKGTE", weights, v, preferred_element_type=jnp.float32)
     return jnp.moveaxis(out, 3, 1).reshape(rows, t, q.shape[2], v.shape[-1]).astype(v.dtype)

@@ -43,4 +43,4 @@ def relative_position_bias(table: jax.Array, q_positions: jax.Array, k_positions
     relative = k_positions[:, None, :] - q_positions[:, :, None]  # [B, T, S]
     buckets = relative_position_bucket(relative, bidirectional=bidirectional,
                                        num_buckets=table.shape[0], max_distance=max_distance)
-    return jnp.moveaxis(table.astype(jnp.float32)[buckets], -1, 1)
+    return jnp.moveaxis(jnp.asarray(table, jnp.float32)[buckets], -1, 1)

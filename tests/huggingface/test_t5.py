@@ -1,0 +1,194 @@
+"""T5 (transformer/huggingface/t5.py): a tiny random `T5ForConditionalGeneration` in the v1.1 /
+Flan-T5 layout (gated-GELU, an untied lm_head, d_kv * heads != d_model, more decoder than
+encoder layers, random norm weights and bias tables, sequences past the bias's max distance;
+nothing downloaded) imported gives its logits and its greedy and beam outputs (our cached
+decoding with the decoder's relative bias at each step); export gives its tensors back; what
+T5 cannot express is refused in one line; the original T5's ReLU feed-forward is read."""
+
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_huggingface import ATOL, _check_round_trip, _import
+
+from transformer.huggingface import convert, families
+from transformer.inference import decoding
+from transformer.model.transformer import Transformer, init_cache
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+from safetensors.numpy import load_file, save_file  # noqa: E402 (after the skips)
+
+V, D = 96, 32
+T5 = dict(vocab_size=V, d_model=D, d_kv=12, d_ff=48, num_layers=2, num_decoder_layers=3,
+          num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=10,
+          feed_forward_proj="gated-gelu", dropout_rate=0.0, initializer_factor=1.0,
+          pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+EXTRA = 30  # output tokens allowed beyond the source's length (ours end before: EOS likelier)
+
+
+def _t5_dir(path, **changes):
+    """A random T5 saved as the hub's v1.1 / Flan-T5 checkpoints are (config.json with
+    tie_word_embeddings false, an lm_head.weight of its own), read back by transformers."""
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(transformers.T5Config(**T5 | changes))
+    with torch.no_grad():
+        for name, value in model.named_parameters():
+            if name.endswith("layer_norm.weight"):
+                value.normal_(1.0, 0.3)
+            elif "relative_attention_bias" in name:
+                value.normal_(0.0, 2.0)
+    model.eval().save_pretrained(path)
+    tensors = load_file(str(path / convert.SINGLE_FILE))
+    head = np.random.default_rng(0).normal(0.0, 0.5, (V, D)).astype(np.float32)
+    head[1] *= 2.0  # EOS: outputs of 18 to 33 tokens here, each ending before the limit
+    tensors["lm_head.weight"] = head
+    save_file(tensors, str(path / convert.SINGLE_FILE), metadata={"format": "pt"})
+    config = json.loads((path / convert.HF_CONFIG).read_text())
+    for key in ("scale_decoder_outputs", "is_gated_act", "dense_act_fn"):
+        config.pop(key)
+    (path / convert.HF_CONFIG).write_text(json.dumps(config | {"tie_word_embeddings": False}))
+    model = transformers.T5ForConditionalGeneration.from_pretrained(str(path)).eval()
+    assert model.lm_head.weight.data_ptr() != model.shared.weight.data_ptr()
+    return model
+
+
+def _batch():
+    """Sources [2, 14] (EOS last, row 1 padded) and targets [2, 13]: distances past 10."""
+    rng = np.random.default_rng(0)
+    inputs = rng.integers(2, V, (2, 14))
+    inputs[:, -1], inputs[1, 8:] = 1, 0
+    inputs[1, 7] = 1
+    return inputs, rng.integers(2, V, (2, 13))
+
+
+def _hf_logits(model, inputs, targets):
+    decoder_inputs = np.concatenate([np.zeros((len(targets), 1), np.int64), targets[:, :-1]], 1)
+    with torch.no_grad():
+        return model(input_ids=torch.tensor(inputs), attention_mask=torch.tensor(inputs != 0),
+                     decoder_input_ids=torch.tensor(decoder_inputs)).logits.numpy()
+
+
+def _check_logits(run, params, hf_model):
+    inputs, targets = _batch()
+    ours = Transformer(run.model).apply({"params": params}, jnp.asarray(inputs, jnp.int32),
+                                        jnp.asarray(targets, jnp.int32))
+    np.testing.assert_allclose(np.asarray(ours), _hf_logits(hf_model, inputs, targets),
+                               atol=ATOL, rtol=0)
+    return inputs, targets
+
+
+def _ours(run, params, source, beams):
+    """Our search over one source: the output up to its EOS (the search's own)."""
+    model = Transformer(run.model)
+    inputs = jnp.asarray([source], jnp.int32)
+    max_length = len(source) + EXTRA
+
+    def decode_fn(tokens, cache):
+        return model.apply({"params": params}, encoded, inputs, tokens, cache=cache,
+                           method="decode")
+
+    encoded = model.apply({"params": params}, inputs, method="encode")
+    cache = init_cache(run.model, beams, max_length)
+    common = dict(bos=jnp.zeros((1,), jnp.int32), max_lengths=jnp.array([max_length]),
+                  max_length=max_length, eos_id=1)
+    if beams == 1:
+        tokens = decoding.greedy_search(decode_fn, cache, **common)[0]
+    else:
+        tokens = decoding.beam_search(decode_fn, cache, beam_size=beams, alpha=0.0,
+                                      **common)[0][0, 0]
+    tokens = np.asarray(tokens).tolist()
+    return tokens[:tokens.index(1) + 1]
+
+
+def _theirs(hf_model, source, beams):
+    """transformers' generate as long as ours runs (EOS forced last), pad never drawn, no
+    length penalty; the output after the decoder start, up to its EOS. Without its cache:
+    transformers 5.25 sizes it by the encoder's layers, and the decoder has more."""
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([source]), num_beams=beams, do_sample=False,
+                                max_new_tokens=len(source) + EXTRA, length_penalty=0.0,
+                                suppress_tokens=[0], forced_eos_token_id=1,
+                                use_cache=False)[0].tolist()
+    return out[1:out.index(1) + 1]
+
+
+def test_t5_logits_and_round_trip(tmp_path):
+    hf_dir = tmp_path / "t5"
+    hf_model = _t5_dir(hf_dir)
+    workdir, run, params = _import(tmp_path, hf_dir)
+    cfg = run.model
+    assert (cfg.positional, cfg.activation, cfg.gelu_approximate, cfg.attention_scale,
+            cfg.tie_output_embedding, cfg.bos_id, cfg.d_k, cfg.relative_buckets,
+            cfg.relative_max_distance) == ("relative", "geglu", True, 1.0, False, 0, 12, 8, 10)
+    inputs, targets = _check_logits(run, params, hf_model)
+    reloaded = _check_round_trip(tmp_path, workdir, hf_dir,
+                                 transformers.T5ForConditionalGeneration)
+    np.testing.assert_array_equal(_hf_logits(reloaded, inputs, targets),
+                                  _hf_logits(hf_model, inputs, targets))
+
+
+@pytest.mark.slow
+def test_t5_greedy_and_beam_outputs_are_transformers(tmp_path):
+    """Cached decoding (the decoder's bias for each new position over the cache's) gives
+    generate's outputs, 18 to 33 tokens long: past the bias's max distance (10)."""
+    hf_model = _t5_dir(tmp_path / "t5")
+    _, run, params = _import(tmp_path, tmp_path / "t5")
+    inputs, _ = _batch()
+    sources = [row[:list(row).index(1) + 1].tolist() for row in inputs]
+    outputs = {}
+    for beams in (1, 4):
+        outputs[beams] = [_ours(run, params, source, beams) for source in sources]
+        assert outputs[beams] == [_theirs(hf_model, s, beams) for s in sources], beams
+        lengths = [len(o) for o in outputs[beams]]
+        assert all(T5["relative_attention_max_distance"] < n < len(s) + EXTRA
+                   for n, s in zip(lengths, sources, strict=True)), lengths
+    assert outputs[1] != outputs[4]  # the beams find what greedy does not
+
+
+def test_without_the_relative_bias_the_logits_differ(tmp_path):
+    """The bias tables are read (zeroed, the logits move), so the test above would see a
+    dropped or misread one."""
+    hf_model = _t5_dir(tmp_path / "t5")
+    _, run, params = _import(tmp_path, tmp_path / "t5")
+    zeroed = jax.tree_util.tree_map_with_path(
+        lambda path, x: x * 0 if "relative_bias" in jax.tree_util.keystr(path) else x, params)
+    inputs, targets = _batch()
+    ours = Transformer(run.model).apply({"params": zeroed}, jnp.asarray(inputs, jnp.int32),
+                                        jnp.asarray(targets, jnp.int32))
+    assert np.abs(np.asarray(ours) - _hf_logits(hf_model, inputs, targets)).max() > 0.1
+
+
+def test_the_original_t5s_relu_feed_forward_is_read(tmp_path):
+    hf_model = _t5_dir(tmp_path / "t5", feed_forward_proj="relu")
+    _, run, params = _import(tmp_path, tmp_path / "t5")
+    assert run.model.activation == "relu"
+    _check_logits(run, params, hf_model)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(tie_word_embeddings=True), "tie_word_embeddings=True"),
+    (dict(feed_forward_proj="gated-relu"), "feed_forward_proj='gated-relu'"),
+])
+def test_what_our_model_does_not_compute_is_refused_on_import(change, message):
+    hf = transformers.T5Config(**T5).to_dict() | {"tie_word_embeddings": False}
+    hf.pop("scale_decoder_outputs")
+    with pytest.raises(ValueError, match=re.escape(message)) as error:
+        families.T5.config(hf | change)
+    assert "\n" not in str(error.value)
+
+
+def test_what_t5_cannot_express_is_refused_on_export(tmp_path):
+    _t5_dir(tmp_path / "t5")
+    workdir, _, _ = _import(tmp_path, tmp_path / "t5")
+    path = tmp_path / "run" / "config.json"
+    config = json.loads(path.read_text())
+    config["model"]["gelu_approximate"] = False
+    path.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="closest is T5, which differs in model.gelu_approx"
+                                         "imate=False with activation='geglu'") as error:
+        convert.export_workdir(workdir, str(tmp_path / "out"))
+    assert "\n" not in str(error.value)

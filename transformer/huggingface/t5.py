@@ -1,0 +1,173 @@
+"""T5 (`T5ForConditionalGeneration`) in the T5 v1.1 / Flan-T5 layout: pre-LN with RMSNorm
+without bias (`norm="rms_norm"`, `norm_position="pre"`, a final norm per stack), no biases,
+one embedding for source and target read unscaled, an untied `lm_head`, a gated-GELU
+feed-forward (`activation="geglu"`; transformers' "gated-gelu" is gelu_new, the tanh
+approximation: `gelu_approximate=True`), and no position embeddings but T5's relative position
+bias (`positional="relative"`, `relative_buckets`, `relative_max_distance`).
+
+T5 scales no attention logits by 1/sqrt(d_k) (its initialisation folds the factor into the
+query). Ours are scaled by `attention_scale_dim`^-1/2 where it is set, so T5 is
+`attention_scale_dim=1`: a scale of exactly 1.0, the checkpoint's kernels read as they are,
+which keeps export bit-exact (folding 1/sqrt(d_k) into the query kernel instead would round it
+on the way in and out).
+
+The bias table lives in the first layer of each stack (`relative_attention_bias`
+[num_buckets, N]) and every layer of the stack adds it; ours is the stack's
+`relative_bias/embedding` (`blocks.RelativeBias`), bidirectional buckets in the encoder,
+causal in the decoder. The decoder starts from pad (id 0: `bos_id=0`), ends at EOS (1).
+
+Checkpoint layout (`torch.nn.Linear` weight [out, in]):
+    shared.weight [V, D]; lm_head.weight [V, D]; {encoder,decoder}.final_layer_norm.weight
+    {stack}.block.{i}.layer.0.SelfAttention.{q,k,v} [N*H, D], .o [D, N*H], layer.0.layer_norm
+    {stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight [num_buckets, N]
+    decoder.block.{i}.layer.1.EncDecAttention.{q,k,v,o}, layer.1.layer_norm
+    ...layer.{1 encoder, 2 decoder}.DenseReluDense.wi_0 (gate), wi_1 [F, D], wo [D, F]
+    (ReLU: one `wi`), and that layer's layer_norm
+
+The original T5 (`tie_word_embeddings` true: the decoder's output scaled by d_model^-0.5 into
+the tied embedding) is refused in one line; its ReLU feed-forward is read where the head is
+untied. Training-time differences that change no logits: T5 also drops out after each stack's
+final norm, and its attention dropout is its `dropout_rate` (ours: `attention_dropout_rate`,
+set to it).
+"""
+
+from __future__ import annotations
+
+from transformer.huggingface.mapping import (
+    Tensors,
+    heads_in,
+    heads_out,
+    mismatches,
+    same,
+    transposed,
+    unsupported,
+)
+from transformer.model.config import TransformerConfig
+
+# transformers' activation names -> (ours, gelu_approximate)
+ACTIVATIONS = {"relu": ("relu", True), "gelu": ("gelu", False), "gelu_new": ("gelu", True),
+               "gelu_pytorch_tanh": ("gelu", True), "silu": ("silu", True),
+               "swish": ("silu", True)}
+GATED = {"gelu": "geglu", "silu": "swiglu"}  # ours, gated
+
+
+def _activation(hf: dict) -> dict:
+    """`activation` and `gelu_approximate` of `feed_forward_proj` ("{act}" or
+    "gated-{act}"; "gated-gelu" is gelu_new, as transformers reads it)."""
+    proj = hf.get("feed_forward_proj", "relu")
+    gated, _, name = proj.rpartition("-")
+    name = "gelu_new" if proj == "gated-gelu" else name
+    if gated not in ("", "gated") or name not in ACTIVATIONS or (
+            gated and ACTIVATIONS[name][0] not in GATED):
+        raise unsupported("t5", "feed_forward_proj", proj,
+                          "relu, gelu, gelu_new, silu, gated-gelu, gated-gelu_new, gated-silu")
+    activation, approximate = ACTIVATIONS[name]
+    return dict(activation=GATED[activation] if gated else activation,
+                gelu_approximate=approximate)
+
+
+def _feed_forward_proj(cfg: TransformerConfig) -> str:
+    gated = cfg.activation in GATED.values()
+    base = {"geglu": "gelu", "swiglu": "silu"}.get(cfg.activation, cfg.activation)
+    if base == "gelu":
+        base = "gelu_new" if cfg.gelu_approximate else "gelu"
+    return "gated-gelu" if gated and base == "gelu_new" else ("gated-" if gated else "") + base
+
+
+def _attention(hf: str, ours: str, n: int, h: int) -> list[Tensors]:
+    return [heads_in(f"{hf}.q.weight", f"{ours}/query/kernel", n, h),
+            heads_in(f"{hf}.k.weight", f"{ours}/key/kernel", n, h),
+            heads_in(f"{hf}.v.weight", f"{ours}/value/kernel", n, h),
+            heads_out(f"{hf}.o.weight", f"{ours}/out/kernel", n, h)]
+
+
+def _feed_forward(hf: str, ours: str, gated: bool) -> list[Tensors]:
+    ff = f"{hf}.DenseReluDense"
+    inner = ([transposed(f"{ff}.wi_0.weight", f"{ours}/ffn/ff_gate/kernel"),
+              transposed(f"{ff}.wi_1.weight", f"{ours}/ffn/ff_in/kernel")] if gated
+             else [transposed(f"{ff}.wi.weight", f"{ours}/ffn/ff_in/kernel")])
+    return inner + [transposed(f"{ff}.wo.weight", f"{ours}/ffn/ff_out/kernel"),
+                    same(f"{hf}.layer_norm.weight", f"{ours}/norm_ffn/scale")]
+
+
+class T5:
+    """`T5ForConditionalGeneration` (v1.1 / Flan-T5) <-> our pre-LN encoder-decoder with the
+    relative position bias (module docstring)."""
+
+    model_types = ("t5",)
+    ignored = ("embed_tokens.weight",)  # copies of shared.weight some checkpoints hold
+
+    @staticmethod
+    def config(hf: dict) -> dict:
+        if hf.get("tie_word_embeddings", True) is not False and hf.get(
+                "scale_decoder_outputs") is not False:
+            raise unsupported("t5", "tie_word_embeddings", hf.get("tie_word_embeddings", True),
+                              "T5 v1.1 / Flan-T5's untied lm_head only: the original T5 "
+                              "scales the decoder output by d_model^-0.5 into the embedding")
+        dropout = float(hf.get("dropout_rate", 0.1))
+        return dict(
+            architecture="encoder_decoder", vocab_size=hf["vocab_size"],
+            num_encoder_layers=hf["num_layers"],
+            num_decoder_layers=hf.get("num_decoder_layers") or hf["num_layers"],
+            d_model=hf["d_model"], d_ff=hf["d_ff"], num_heads=hf["num_heads"],
+            num_kv_heads=None, d_k=hf["d_kv"], d_v=hf["d_kv"], dropout_rate=dropout,
+            attention_dropout_rate=dropout, relu_dropout_rate=dropout, positional="relative",
+            relative_buckets=hf.get("relative_attention_num_buckets", 32),
+            relative_max_distance=hf.get("relative_attention_max_distance", 128),
+            norm="rms_norm", norm_position="pre", use_bias=False, share_embeddings=True,
+            tie_output_embedding=False, logits_bias=False, scale_embeddings=False,
+            attention_scale_dim=1, max_len=hf.get("n_positions") or 512,
+            norm_eps=float(hf.get("layer_norm_epsilon", 1e-6)),
+            bos_id=hf.get("decoder_start_token_id") or 0, eos_id=hf.get("eos_token_id", 1),
+            pad_id=hf.get("pad_token_id", 0), **_activation(hf))
+
+    @staticmethod
+    def hf_config(cfg: TransformerConfig) -> dict:
+        return dict(
+            model_type="t5", architectures=["T5ForConditionalGeneration"],
+            vocab_size=cfg.vocab_size, d_model=cfg.d_model, d_kv=cfg.d_k, d_ff=cfg.d_ff,
+            num_layers=cfg.num_encoder_layers, num_decoder_layers=cfg.num_decoder_layers,
+            num_heads=cfg.num_heads, relative_attention_num_buckets=cfg.relative_buckets,
+            relative_attention_max_distance=cfg.relative_max_distance,
+            dropout_rate=cfg.dropout_rate, layer_norm_epsilon=cfg.norm_eps,
+            feed_forward_proj=_feed_forward_proj(cfg), n_positions=cfg.max_len,
+            tie_word_embeddings=False, is_encoder_decoder=True,
+            pad_token_id=cfg.pad_id, eos_token_id=cfg.eos_id,
+            decoder_start_token_id=cfg.bos_id)
+
+    @staticmethod
+    def matches(cfg: TransformerConfig) -> list[str]:
+        out = mismatches(cfg, architecture="encoder_decoder", positional="relative",
+                         norm="rms_norm", norm_position="pre", use_bias=False,
+                         share_embeddings=True, tie_output_embedding=False,
+                         scale_embeddings=False, attention_scale_dim=1,
+                         num_kv_heads=cfg.num_heads, d_v=cfg.d_k, pad_id=0)
+        if cfg.activation == "geglu" and not cfg.gelu_approximate:
+            out.append("model.gelu_approximate=False with activation='geglu' (wants True: "
+                       "T5's gated-gelu is the tanh approximation)")
+        if cfg.dropout_rate != cfg.attention_dropout_rate:
+            out.append(f"model.attention_dropout_rate={cfg.attention_dropout_rate} (wants "
+                       f"dropout_rate={cfg.dropout_rate}: T5 has one rate)")
+        return out
+
+    @staticmethod
+    def tensors(cfg: TransformerConfig) -> list[Tensors]:
+        n, h = cfg.num_heads, cfg.d_k
+        gated = cfg.activation in GATED.values()
+        out = [same("shared.weight", "embedding/embedding"),
+               transposed("lm_head.weight", "decoder/logits/kernel")]
+        for stack, count in (("encoder", cfg.num_encoder_layers),
+                             ("decoder", cfg.num_decoder_layers)):
+            first = f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+            out += [same(first, f"{stack}/relative_bias/embedding"),
+                    same(f"{stack}.final_layer_norm.weight", f"{stack}/norm/scale")]
+            for i in range(count):
+                hf, ours = f"{stack}.block.{i}.layer", f"{stack}/layers_{i}"
+                out += _attention(f"{hf}.0.SelfAttention", f"{ours}/self_attention", n, h)
+                out.append(same(f"{hf}.0.layer_norm.weight", f"{ours}/norm_attention/scale"))
+                if stack == "decoder":
+                    out += _attention(f"{hf}.1.EncDecAttention", f"{ours}/cross_attention",
+                                      n, h)
+                    out.append(same(f"{hf}.1.layer_norm.weight", f"{ours}/norm_cross/scale"))
+                out += _feed_forward(f"{hf}.{2 if stack == 'decoder' else 1}", ours, gated)
+        return out
