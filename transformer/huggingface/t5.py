@@ -27,8 +27,8 @@ Checkpoint layout (`torch.nn.Linear` weight [out, in]):
 The original T5 (`tie_word_embeddings` true: the decoder's output scaled by d_model^-0.5 into
 the tied embedding) is refused in one line; its ReLU feed-forward is read where the head is
 untied. Training-time differences that change no logits: T5 also drops out after each stack's
-final norm, and its attention dropout is its `dropout_rate` (ours: `attention_dropout_rate`,
-set to it).
+final norm, and its one `dropout_rate` is also its attention and feed-forward dropout (an
+import sets ours to it; an export writes `model.dropout_rate`).
 """
 
 from __future__ import annotations
@@ -145,9 +145,6 @@ class T5:
         if cfg.activation == "geglu" and not cfg.gelu_approximate:
             out.append("model.gelu_approximate=False with activation='geglu' (wants True: "
                        "T5's gated-gelu is the tanh approximation)")
-        if cfg.dropout_rate != cfg.attention_dropout_rate:
-            out.append(f"model.attention_dropout_rate={cfg.attention_dropout_rate} (wants "
-                       f"dropout_rate={cfg.dropout_rate}: T5 has one rate)")
         return out
 
     @staticmethod
