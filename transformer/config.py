@@ -91,9 +91,16 @@ def resolve(cfg: ConfigDict, num_devices: int | None = None, *,
     cfg.grad_accum_steps = grad_accum_steps(cfg, shards)
     if int(cfg.data.batch_size) % (cfg.grad_accum_steps * shards):
         raise ValueError(f"data.batch_size={cfg.data.batch_size} is not divisible by "
-                         f"grad_accum_steps={cfg.grad_accum_steps} x mesh.data x mesh.fsdp="
+                         f"grad_accum_steps={cfg.grad_accum_steps} x {_batch_axes(shape)}="
                          f"{shards}")
     return Resolved(cfg, model, shape)
+
+
+def _batch_axes(mesh) -> str:
+    """The mesh axes that split the batch, as a user sets them: "mesh.data x mesh.fsdp", with
+    " x mesh.expert" where experts are split."""
+    return " x ".join(f"mesh.{axis}" for axis in sharding.BATCH_AXES
+                      if axis != sharding.EXPERT_AXIS or int(mesh.get(axis, 1) or 1) != 1)
 
 
 def grad_accum_steps(cfg: ConfigDict, batch_shards: int) -> int:
@@ -107,7 +114,7 @@ def grad_accum_steps(cfg: ConfigDict, batch_shards: int) -> int:
         raise ValueError("grad_accum_steps=0 sizes accumulation from data.max_rows_per_device, "
                          "which must then be >= 1")
     if rows % batch_shards:
-        raise ValueError(f"data.batch_size={rows} is not divisible by mesh.data x mesh.fsdp="
+        raise ValueError(f"data.batch_size={rows} is not divisible by {_batch_axes(cfg.mesh)}="
                          f"{batch_shards}")
     per_device = rows // batch_shards
     return next(a for a in range(-(-per_device // most), per_device + 1) if per_device % a == 0)
