@@ -3,7 +3,8 @@ Flan-T5 layout (gated-GELU, an untied lm_head, d_kv * heads != d_model, more dec
 encoder layers, random norm weights and bias tables, sequences past the bias's max distance;
 nothing downloaded) imported gives its logits and its greedy and beam outputs (our cached
 decoding with the decoder's relative bias at each step); export gives its tensors back; what
-T5 cannot express is refused in one line; the original T5's ReLU feed-forward is read."""
+T5 cannot express is refused in one line; the original T5's ReLU feed-forward is read; the
+tied, unscaled head that transformers 5 saves is read and written back."""
 
 import json
 import re
@@ -147,6 +148,30 @@ def test_t5_greedy_and_beam_outputs_are_transformers(tmp_path):
         assert all(T5["relative_attention_max_distance"] < n < len(s) + EXTRA
                    for n, s in zip(lengths, sources, strict=True)), lengths
     assert outputs[1] != outputs[4]  # the beams find what greedy does not
+
+
+def test_a_tied_unscaled_head_as_transformers_5_saves_t5(tmp_path):
+    """transformers 5 saves a fresh T5 v1.1 with its head tied to the embedding, unscaled
+    (`scale_decoder_outputs` false, no lm_head.weight): read as our tied head, written back
+    so."""
+    hf_dir = tmp_path / "t5"
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        **T5, tie_word_embeddings=False))  # v1.1: transformers 5 reads it as unscaled, tied
+    with torch.no_grad():
+        model.shared.weight.mul_(0.3)  # logits of size ~1, as the other families'
+    model.eval().save_pretrained(hf_dir)
+    assert "lm_head.weight" not in load_file(str(hf_dir / convert.SINGLE_FILE))
+    hf_model = transformers.T5ForConditionalGeneration.from_pretrained(str(hf_dir)).eval()
+    assert not hf_model.config.scale_decoder_outputs
+    workdir, run, params = _import(tmp_path, hf_dir)
+    assert run.model.tie_output_embedding and "logits" not in params["decoder"]
+    inputs, targets = _check_logits(run, params, hf_model)
+    reloaded = _check_round_trip(tmp_path, workdir, hf_dir,
+                                 transformers.T5ForConditionalGeneration)
+    assert not reloaded.config.scale_decoder_outputs
+    np.testing.assert_array_equal(_hf_logits(reloaded, inputs, targets),
+                                  _hf_logits(hf_model, inputs, targets))
 
 
 def test_without_the_relative_bias_the_logits_differ(tmp_path):

@@ -159,7 +159,10 @@ def import_checkpoint(hf_dir: str, workdir: str, *, config_file: str | None = No
         raise ValueError(f"--from={hf_dir} is not a directory: give a save_pretrained directory")
     hf_config = read_json(os.path.join(hf_dir, HF_CONFIG), "not a save_pretrained directory")
     family = families.for_checkpoint(hf_config, os.path.join(hf_dir, HF_CONFIG))
+    reader = TensorReader(hf_dir)
     fields = family.config(hf_config)
+    if hasattr(family, "tensor_fields"):  # what config.json leaves to the tensors (T5's head)
+        fields |= family.tensor_fields(reader.names())
     cfg, config_path = load_run_config(config_file, fields["architecture"])
     base = dict(cfg.model)
     base.update(fields, scan_layers=False)
@@ -173,7 +176,6 @@ def import_checkpoint(hf_dir: str, workdir: str, *, config_file: str | None = No
     if fields["architecture"] != "vision":
         cfg.data.vocab_size = fields["vocab_size"]
     run = resolve(cfg, config_file=config_path)
-    reader = TensorReader(hf_dir)
     groups = _import_groups(family, run.model, hf_config)
     _check_tensors(family, groups, reader, hf_dir)
     tokenizer = _vocabulary(hf_dir, run.model, hf_config)

@@ -1,6 +1,6 @@
 """T5 (`T5ForConditionalGeneration`) in the T5 v1.1 / Flan-T5 layout: pre-LN with RMSNorm
 without bias (`norm="rms_norm"`, `norm_position="pre"`, a final norm per stack), no biases,
-one embedding for source and target read unscaled, an untied `lm_head`, a gated-GELU
+one embedding for source and target read unscaled, an unscaled (untied) `lm_head`, a gated-GELU
 feed-forward (`activation="geglu"`; transformers' "gated-gelu" is gelu_new, the tanh
 approximation: `gelu_approximate=True`), and no position embeddings but T5's relative position
 bias (`positional="relative"`, `relative_buckets`, `relative_max_distance`).
@@ -24,11 +24,15 @@ Checkpoint layout (`torch.nn.Linear` weight [out, in]):
     ...layer.{1 encoder, 2 decoder}.DenseReluDense.wi_0 (gate), wi_1 [F, D], wo [D, F]
     (ReLU: one `wi`), and that layer's layer_norm
 
-The original T5 (`tie_word_embeddings` true: the decoder's output scaled by d_model^-0.5 into
-the tied embedding) is refused in one line; its ReLU feed-forward is read where the head is
-untied. Training-time differences that change no logits: T5 also drops out after each stack's
-final norm, and its one `dropout_rate` is also its attention and feed-forward dropout (an
-import sets ours to it; an export writes `model.dropout_rate`).
+The head: the hub's v1.1 / Flan-T5 config.json says `tie_word_embeddings: false` and holds its
+own `lm_head.weight`; `transformers` 5 writes `tie_word_embeddings: true` with
+`scale_decoder_outputs: false` and saves `lm_head.weight` only where it differs from the
+embedding, so a checkpoint without it is read tied and unscaled (`tie_output_embedding=True`)
+and exported so again. The original T5 (a tied head scaled by d_model^-0.5, which
+`transformers` 5 reads as `scale_decoder_outputs` true) is refused in one line; its ReLU
+feed-forward is read. Training-time differences that change no logits: T5 also drops out after
+each stack's final norm, and its one `dropout_rate` is also its attention and feed-forward
+dropout (an import sets ours to it; an export writes `model.dropout_rate`).
 """
 
 from __future__ import annotations
@@ -102,7 +106,7 @@ class T5:
         if hf.get("tie_word_embeddings", True) is not False and hf.get(
                 "scale_decoder_outputs") is not False:
             raise unsupported("t5", "tie_word_embeddings", hf.get("tie_word_embeddings", True),
-                              "T5 v1.1 / Flan-T5's untied lm_head only: the original T5 "
+                              "T5 v1.1 / Flan-T5's unscaled head only: the original T5 "
                               "scales the decoder output by d_model^-0.5 into the embedding")
         dropout = float(hf.get("dropout_rate", 0.1))
         return dict(
@@ -122,6 +126,11 @@ class T5:
             pad_id=hf.get("pad_token_id", 0), **_activation(hf))
 
     @staticmethod
+    def tensor_fields(names: set[str]) -> dict:
+        """The head is untied where the checkpoint holds `lm_head.weight` (module docstring)."""
+        return dict(tie_output_embedding="lm_head.weight" not in names)
+
+    @staticmethod
     def hf_config(cfg: TransformerConfig) -> dict:
         return dict(
             model_type="t5", architectures=["T5ForConditionalGeneration"],
@@ -131,7 +140,8 @@ class T5:
             relative_attention_max_distance=cfg.relative_max_distance,
             dropout_rate=cfg.dropout_rate, layer_norm_epsilon=cfg.norm_eps,
             feed_forward_proj=_feed_forward_proj(cfg), n_positions=cfg.max_len,
-            tie_word_embeddings=False, is_encoder_decoder=True,
+            tie_word_embeddings=cfg.tie_output_embedding, scale_decoder_outputs=False,
+            is_encoder_decoder=True,
             pad_token_id=cfg.pad_id, eos_token_id=cfg.eos_id,
             decoder_start_token_id=cfg.bos_id)
 
@@ -139,8 +149,7 @@ class T5:
     def matches(cfg: TransformerConfig) -> list[str]:
         out = mismatches(cfg, architecture="encoder_decoder", positional="relative",
                          norm="rms_norm", norm_position="pre", use_bias=False,
-                         share_embeddings=True, tie_output_embedding=False,
-                         scale_embeddings=False, attention_scale_dim=1,
+                         share_embeddings=True, scale_embeddings=False, attention_scale_dim=1,
                          num_kv_heads=cfg.num_heads, d_v=cfg.d_k, pad_id=0)
         if cfg.activation == "geglu" and not cfg.gelu_approximate:
             out.append("model.gelu_approximate=False with activation='geglu' (wants True: "
@@ -151,8 +160,9 @@ class T5:
     def tensors(cfg: TransformerConfig) -> list[Tensors]:
         n, h = cfg.num_heads, cfg.d_k
         gated = cfg.activation in GATED.values()
-        out = [same("shared.weight", "embedding/embedding"),
-               transposed("lm_head.weight", "decoder/logits/kernel")]
+        out = [same("shared.weight", "embedding/embedding")]
+        if not cfg.tie_output_embedding:
+            out.append(transposed("lm_head.weight", "decoder/logits/kernel"))
         for stack, count in (("encoder", cfg.num_encoder_layers),
                              ("decoder", cfg.num_decoder_layers)):
             first = f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
