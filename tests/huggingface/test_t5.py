@@ -17,6 +17,7 @@ from test_huggingface import ATOL, _check_round_trip, _import
 
 from transformer.huggingface import convert, families
 from transformer.inference import decoding
+from transformer.inference import translator as translator_lib
 from transformer.model.transformer import Transformer, init_cache
 
 torch = pytest.importorskip("torch")
@@ -172,6 +173,42 @@ def test_a_tied_unscaled_head_as_transformers_5_saves_t5(tmp_path):
     assert not reloaded.config.scale_decoder_outputs
     np.testing.assert_array_equal(_hf_logits(reloaded, inputs, targets),
                                   _hf_logits(hf_model, inputs, targets))
+
+
+def _tokenizer_json(hf_dir):
+    """A word-level `tokenizer.json` with T5's special ids (pad 0, EOS 1 appended, unk 2)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2} | {f"w{i}": i for i in range(3, V)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="$A </s>", special_tokens=[("</s>", 1)])
+    tokenizer.save(str(hf_dir / "tokenizer.json"))
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(hf_dir / "tokenizer.json"), pad_token="<pad>", eos_token="</s>",
+        unk_token="<unk>")
+
+
+@pytest.mark.slow
+def test_an_imported_t5_translates_text_as_transformers(tmp_path):
+    """The checkpoint's tokenizer.json becomes the run's vocabulary, and `Translator` starts
+    from the model's decoder start (pad, 0) and ends at its EOS (1): greedy and beam-4 text
+    equal to generate's, decoded by the same tokenizer."""
+    hf_dir = tmp_path / "t5"
+    hf_model = _t5_dir(hf_dir)
+    hf_tokenizer = _tokenizer_json(hf_dir)
+    workdir, _, _ = _import(tmp_path, hf_dir)
+    translator = translator_lib.load(workdir)
+    inputs, _ = _batch()
+    sentences = [" ".join(f"w{i}" for i in row[:list(row).index(1)]) for row in inputs]
+    assert translator.encode(sentences) == hf_tokenizer(sentences)["input_ids"]
+    for beams in (1, 4):
+        ours = translator.translate(sentences, beam_size=beams, alpha=0.0,
+                                    max_extra_length=EXTRA, batch_size=1)
+        theirs = [hf_tokenizer.decode(_theirs(hf_model, ids, beams), skip_special_tokens=True)
+                  for ids in hf_tokenizer(sentences)["input_ids"]]
+        assert ours == theirs and all(ours), beams
 
 
 def test_without_the_relative_bias_the_logits_differ(tmp_path):

@@ -235,14 +235,15 @@ def _vocabulary(hf_dir: str, model_cfg: TransformerConfig, hf_config: dict):
              "the Python API takes token ids")
     json_path = os.path.join(hf_dir, tokenizer_lib.JSON_FILE)
     path = json_path if os.path.isfile(json_path) else os.path.join(hf_dir, TOKENIZER_MODEL)
-    if model_cfg.architecture == "encoder_decoder":  # MarianTokenizer's files
+    is_marian = hf_config["model_type"] in families.Marian.model_types
+    if is_marian:  # MarianTokenizer's files
         path = os.path.join(hf_dir, marian.VOCAB_JSON)
     if not os.path.isfile(path):
         log.warning("%s has no %s or %s: %s", hf_dir, tokenizer_lib.JSON_FILE, TOKENIZER_MODEL,
                     lacks)
         return None
     try:
-        if model_cfg.architecture == "encoder_decoder":
+        if is_marian:
             tokenizer = marian.read_vocabulary(hf_dir, hf_config)
         elif path == json_path:
             with open(path, "rb") as f:

@@ -24,7 +24,6 @@ from ml_collections import ConfigDict
 from transformer.checkpoint import averaging
 from transformer.checkpoint import workdir as workdir_lib
 from transformer.config import resolve
-from transformer.data.tokenizer import BOS_ID, EOS_ID
 from transformer.inference import decoding
 from transformer.model.transformer import (
     Transformer,
@@ -79,7 +78,7 @@ class Translator:
             if len(ids) + 1 > self.max_source_length:
                 cut.append(number)
                 ids = ids[: self.max_source_length - 1]
-            encoded.append(ids + [EOS_ID])
+            encoded.append(ids + [self.model_config.eos_id])
         if cut:
             shown = ", ".join(map(str, cut[:5])) + (", ..." if len(cut) > 5 else "")
             log.warning("%d of %d sentences are longer than the model's max_len=%d pieces "
@@ -188,13 +187,14 @@ def _search_fn(model: Transformer, beam_size: int, alpha: float, max_length: int
                       "grow_cache": functools.partial(grow_cache, model.config)}
         first_length = staged["cache_lengths"][0] if staged else max_length
         cache = init_cache(model.config, batch * beam_size, first_length)
-        bos = jnp.full((batch,), BOS_ID, jnp.int32)
+        bos = jnp.full((batch,), model.config.bos_id, jnp.int32)
         if beam_size == 1:
             return decoding.greedy_search(decode_fn, cache, bos=bos, max_lengths=max_lengths,
-                                          max_length=max_length, eos_id=EOS_ID, **staged)
+                                          max_length=max_length, eos_id=model.config.eos_id,
+                                          **staged)
         seqs, _ = decoding.beam_search(decode_fn, cache, bos=bos, max_lengths=max_lengths,
                                        max_length=max_length, beam_size=beam_size,
-                                       alpha=alpha, eos_id=EOS_ID,
+                                       alpha=alpha, eos_id=model.config.eos_id,
                                        cache_batch_axis=1 if scan_layers else 0, **staged)
         return seqs[:, 0]
 
@@ -284,14 +284,15 @@ def _dropping_fns(model: Transformer, beam_size: int, alpha: float, max_length: 
         cache = init_cache(model.config, inputs.shape[0] * beam_size, first_length)
         state = {"encoded": encoded, "inputs": inputs}
         search = decoding.beam_search_start(
-            decode_fn(params, state), cache, bos=jnp.full((inputs.shape[0],), BOS_ID, jnp.int32),
+            decode_fn(params, state), cache,
+            bos=jnp.full((inputs.shape[0],), model.config.bos_id, jnp.int32),
             beam_size=beam_size, max_length=max_length)
         return {**state, "search": search}
 
     def steps(params, state, max_lengths, until):
         search = decoding.beam_search_steps(
             decode_fn(params, state), state["search"], until=until, max_lengths=max_lengths,
-            max_length=max_length, beam_size=beam_size, alpha=alpha, eos_id=EOS_ID,
+            max_length=max_length, beam_size=beam_size, alpha=alpha, eos_id=model.config.eos_id,
             cache_batch_axis=axis)
         open_ = decoding.beam_search_open(search, max_lengths=max_lengths, alpha=alpha)
         return {**state, "search": search}, open_
