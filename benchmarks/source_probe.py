@@ -1,6 +1,7 @@
 """Does an encoder-decoder read its source? Perplexity with the true sources against random ones.
 
-    python benchmarks/source_probe.py --workdir=runs/t5_translate [--batches=5] [--out=probe.json]
+    python benchmarks/source_probe.py --workdir=runs/t5_translate [--step=N] [--batches=5] \
+        [--out=probe.json]
 
 For a trained encoder-decoder run (translation or span corruption), the unsmoothed validation
 perplexity of its first `--batches` eval batches twice: as they are, and with every source
@@ -65,14 +66,14 @@ def weight_rms(params) -> dict[str, float]:
     return {name: (total / count) ** 0.5 for name, (total, count) in sums.items() if count}
 
 
-def probe(workdir: str, batches: int, seed: int = 0) -> dict:
+def probe(workdir: str, batches: int, seed: int = 0, step: int | None = None) -> dict:
     """{"step", "perplexity_true_sources", "perplexity_random_sources", "weight_rms"}."""
     run = resolve(workdir_lib.load_config(workdir))
     if run.model.architecture != "encoder_decoder":
         raise SystemExit(f"--workdir={workdir}: model.architecture="
                          f"{run.model.architecture!r} has no source to probe; give an "
                          f"encoder-decoder run")
-    params = load_params(workdir)
+    params = load_params(workdir, step=step)
     source = make_source(run.config, workdir)
     mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
     trainer = step_lib.build_trainer(Resolved(run.config, run.model, dict(mesh.shape)), mesh)
@@ -80,7 +81,7 @@ def probe(workdir: str, batches: int, seed: int = 0) -> dict:
     eval_step = step_lib.make_eval_step(trainer)
     rng = np.random.default_rng(seed)
     tokenizer = workdir_lib.load_tokenizer(workdir, run.model.vocab_size)
-    first_piece = FIRST_ORDINARY_ID + len(tokenizer.sentinel_ids())
+    first_piece = FIRST_ORDINARY_ID + len(tokenizer.sentinel_ids)
     totals = {"true": {}, "random": {}}
     for index, local in enumerate(source.eval_batches("validation",
                                                       (0, source.eval_rows_per_batch))):
@@ -90,7 +91,7 @@ def probe(workdir: str, batches: int, seed: int = 0) -> dict:
                 local, run.model.vocab_size, first_piece, rng))):
             sums = jax.device_get(eval_step(params, step_lib.global_batch(trainer.mesh, batch)))
             totals[kind] = {k: totals[kind].get(k, 0.0) + float(v) for k, v in sums.items()}
-    return {"workdir": workdir, "step": params_step(workdir), "batches": batches,
+    return {"workdir": workdir, "step": params_step(workdir, step=step), "batches": batches,
             "perplexity_true_sources": step_lib.eval_metrics(totals["true"])["perplexity"],
             "perplexity_random_sources": step_lib.eval_metrics(totals["random"])["perplexity"],
             "weight_rms": weight_rms(params)}
@@ -99,11 +100,12 @@ def probe(workdir: str, batches: int, seed: int = 0) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", required=True)
+    parser.add_argument("--step", type=int, help="a checkpoint's step (default: the latest)")
     parser.add_argument("--batches", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args()
-    figures = probe(args.workdir, args.batches, args.seed)
+    figures = probe(args.workdir, args.batches, args.seed, args.step)
     print(f"{args.workdir} (step {figures['step']}): validation perplexity "
           f"{figures['perplexity_true_sources']:.1f} with the true sources, "
           f"{figures['perplexity_random_sources']:.1f} with random ones")
