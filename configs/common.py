@@ -34,6 +34,7 @@ def paper_config(*, size: str, target_lang: str, dropout_rate: float) -> config_
     cfg = config_dict.ConfigDict()
     cfg.seed = 0
     cfg.init_from = ""  # a run (workdir, workdir:step, or params dir) to start from
+    cfg.init_from_exclude = ""  # a regex of parameter paths init_from leaves fresh
     cfg.num_train_steps = shape["num_train_steps"]
     cfg.mesh = config_dict.ConfigDict(dict(data=-1, fsdp=1, context=1, tensor=1))
     cfg.checkpoint_every_steps = 1000  # full checkpoints (params, Adam moments, data position)

@@ -34,6 +34,7 @@ def get_config():
     cfg = config_dict.ConfigDict()
     cfg.seed = 0
     cfg.init_from = ""  # a run (workdir, workdir:step, or params dir) to start from
+    cfg.init_from_exclude = ""  # a regex of parameter paths init_from leaves fresh
     cfg.num_train_steps = 5000
     cfg.log_every_steps = 50
     cfg.mesh = config_dict.ConfigDict(dict(data=-1, fsdp=1, context=1, tensor=1))

@@ -32,6 +32,7 @@ def lm_config(*, objective: str, dataset: str, vocab_size: int, max_length: int,
     cfg = config_dict.ConfigDict()
     cfg.seed = 0
     cfg.init_from = ""  # a run (workdir, workdir:step, or params dir) to start from
+    cfg.init_from_exclude = ""  # a regex of parameter paths init_from leaves fresh
     cfg.num_train_steps = num_train_steps
     cfg.log_every_steps = 50
     cfg.mesh = config_dict.ConfigDict({"context": 1, **mesh})  # context: sequence split

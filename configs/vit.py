@@ -57,6 +57,7 @@ def base_config() -> config_dict.ConfigDict:
     cfg = config_dict.ConfigDict()
     cfg.seed = 0
     cfg.init_from = ""  # a run (workdir, workdir:step, or params dir) to start from
+    cfg.init_from_exclude = ""  # a regex of parameter paths init_from leaves fresh
     cfg.mesh = config_dict.ConfigDict(dict(data=-1, fsdp=1, context=1, tensor=1))
     cfg.log_every_steps = 100
     cfg.checkpoint_every_steps = 2000
