@@ -25,6 +25,7 @@ def tiny_config(load_config):
     ({"data.batch_size": 12}, "data.batch_size=12 is not divisible"),
     ({"num_train_steps": -5}, "num_train_steps=-5 must be >= 1"),
     ({"model.num_heads": 3}, "num_heads"),
+    ({"init_from_exclude": "("}, "init_from_exclude='(' is not a regular expression"),
 ])
 def test_bad_config_fails_before_device_work(overrides, message, tiny_config):
     cfg = tiny_config(**overrides)

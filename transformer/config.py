@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from typing import NoReturn
@@ -207,6 +208,12 @@ def _check_values(cfg: ConfigDict, model: TransformerConfig) -> None:
     if cfg.params_every_minutes and cfg.params_keep < 1:
         raise ValueError(f"params_keep={cfg.params_keep} must be >= 1 when "
                          f"params_every_minutes={cfg.params_every_minutes}")
+    try:
+        re.compile(cfg.init_from_exclude)
+    except re.error as error:
+        raise ValueError(f"init_from_exclude={cfg.init_from_exclude!r} is not a regular "
+                         f"expression ({error}); give one that matches parameter paths, e.g. "
+                         f"'decoder/logits'") from None
     if not 0.0 <= cfg.label_smoothing < 1.0:
         raise ValueError(f"label_smoothing={cfg.label_smoothing} must be in [0, 1)")
     if cfg.loss_chunk_tokens < -1:

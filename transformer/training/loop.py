@@ -178,7 +178,6 @@ def _train(cfg, workdir: str, config_file: str | None,
     cfg = run.config
     starting = not list_steps(workdir_lib.path(workdir, workdir_lib.CHECKPOINTS))
     init = transfer.parse(cfg.init_from) if cfg.init_from and starting else None
-    transfer.check_exclude(cfg.init_from_exclude)
     os.makedirs(workdir, exist_ok=True)
     if init is not None and cfg.data.dataset != "synthetic":  # before the data pipeline
         transfer.copy_vocabulary(init, workdir, int(cfg.data.vocab_size))  # trains its own

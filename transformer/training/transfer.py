@@ -154,30 +154,19 @@ def _resized_table(table: np.ndarray, shape: tuple, has_class_token: bool) -> np
     return np.asarray(resize_position_embeddings(table, old_side, new_side, has_class_token))
 
 
-def check_exclude(exclude: str) -> None:
-    """A one-line error unless `init_from_exclude` is a valid regular expression."""
-    try:
-        re.compile(exclude)
-    except re.error as error:
-        raise ValueError(f"init_from_exclude={exclude!r} is not a regular expression ({error})"
-                         f"; give one that matches parameter paths, e.g. 'decoder/logits'"
-                         ) from None
-
-
 def load(source: InitSource, fresh, *, has_class_token: bool = False, exclude: str = ""):
     """`fresh` (the new run's initialised, sharded params) with every parameter the pretrained
-    run has, and `exclude` (a regex) does not match, replaced by its value, placed in the same
-    sharding. Returns (params, the paths left fresh)."""
+    run has, and `exclude` (a regex, checked by `config.resolve`) does not match, replaced by its
+    value, placed in the same sharding. Returns (params, the paths left fresh)."""
     saved = _flat(_same_layout(_read(source), fresh))
     wanted = _flat(fresh)
-    if exclude:
-        check_exclude(exclude)
-        if not any(re.search(exclude, name) for name in wanted):
-            raise ValueError(f"init_from_exclude={exclude!r} matches no parameter of this "
-                             f"model (paths such as {next(iter(wanted))}); fix the expression")
+    excluded = {name for name in wanted if exclude and re.search(exclude, name)}
+    if exclude and not excluded:
+        raise ValueError(f"init_from_exclude={exclude!r} matches no parameter of this "
+                         f"model (paths such as {next(iter(wanted))}); fix the expression")
     placed, kept_fresh = [], []
     for name, leaf in wanted.items():
-        if name not in saved or (exclude and re.search(exclude, name)):
+        if name not in saved or name in excluded:
             kept_fresh.append(name)
             placed.append(leaf)
             continue
