@@ -21,10 +21,10 @@ import json
 import os
 import sys
 
-import jax
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
 from transformer.checkpoint import workdir as workdir_lib  # noqa: E402
 from transformer.checkpoint.averaging import load_params, params_step  # noqa: E402
@@ -33,6 +33,7 @@ from transformer.data import make_source  # noqa: E402
 from transformer.data.tokenizer import FIRST_ORDINARY_ID  # noqa: E402
 from transformer.training import sharding  # noqa: E402
 from transformer.training import step as step_lib  # noqa: E402
+from transformer.util import cli  # noqa: E402, F401  (the CLIs' quiet start-up)
 
 GROUPS = {"output projection": ("logits",), "embeddings": ("embed",),
           "attention": ("attention", "query", "key", "value", "out"),
