@@ -333,6 +333,11 @@ def test_span_corruption_batches_pair_inputs_and_targets_by_segment(lm_config, t
     for key, value in whole.items():
         np.testing.assert_array_equal(value, np.concatenate([h[key] for h in halves], 1))
     pieces, placement = source.train_pieces(3)
+    documents = source.tokenizer.encode(source._texts("train", source.batch_documents(3)))
+    stream = np.concatenate(documents)  # T5's reduce_concat_tokens: no separator, no EOS
+    assert [len(p) for p in pieces[:-1]] == [n] * (len(pieces) - 1) and len(pieces[-1]) <= n
+    np.testing.assert_array_equal(np.concatenate(pieces), stream[:sum(map(len, pieces))])
+    assert len(stream) - sum(map(len, pieces)) <= 1  # only a last piece of one token is left
     by_slot = {place[:2]: piece for piece, place in zip(pieces, placement, strict=True)
                if place is not None}
     rebuilt = 0

@@ -11,8 +11,10 @@ Objectives (`data.objective`):
   `targets` the original piece at the selected positions and 0 elsewhere, so the loss counts
   the selected positions alone. Keys `inputs`, `inputs_segmentation`, `inputs_positions`,
   `targets`.
-- "span_corruption": T5's denoising objective, encoder-decoder (`span_corruption.py`): pieces
-  of `span_corruption.raw_length(max_length)` tokens (no EOS: each side gets its own), 15% of
+- "span_corruption": T5's denoising objective, encoder-decoder (`span_corruption.py`): the
+  documents of a batch joined into one stream with no separator and cut into pieces of
+  `span_corruption.raw_length(max_length)` tokens, as T5's `reduce_concat_tokens` and
+  `split_tokens` do (no EOS: each side gets its own), 15% of
   each piece's tokens in spans of mean length 3 replaced by sentinels in `inputs`, the spans
   listed after their sentinels in `targets`; the pairs packed as translation pairs are, with
   segment ids on both sides. The vocabulary reserves `data.num_sentinels` (default 100)
@@ -21,8 +23,9 @@ Objectives (`data.objective`):
 Documents: document d is text feature `keys[d % F]` of record `d // F` (F text features per
 record). Training batch `index` is a pure function of (seed, index): epoch e is a seeded
 permutation of the training documents cut into runs of `docs_per_batch`; a run is tokenized
-(EOS appended), each document cut into pieces of at most `data.max_length` tokens (each piece
-its own segment: positions restart and no token attends across pieces), and the pieces placed
+(EOS appended), each document cut into pieces of at most `data.max_length` tokens (span
+corruption: the stream cut as above), each piece its own segment (positions restart and no
+token attends across pieces), and the pieces placed
 first-fit (`batching.first_fit`) into the update's rows. A piece that finds no room is dropped:
 `docs_per_batch` is the update's capacity in tokens over the mean document length of a seeded
 sample, so a few percent are. Masks and prefixes are drawn from generators seeded by
@@ -267,17 +270,18 @@ class LanguageModelSource:
         mixture: each source's share of the capacity over its own mean)."""
         row_tokens = self.span_length or self.max_length  # span corruption: before corrupting
         capacity = self.rows_per_batch * self.grad_accum_steps * row_tokens
+        eos = 0 if self.span_length else 1  # span corruption joins documents without EOS
         train = self.files and self.files["train"]
         if isinstance(train, Mixture):
             means = []
             for k, source in enumerate(train.sources):
                 sample = np.sort(Permutation(len(source), (self.seed, 11, k))(
                     np.arange(min(LENGTH_SAMPLE, len(source)))))
-                means.append(np.mean([len(ids) + 1 for ids in self.tokenizer.encode(
+                means.append(np.mean([len(ids) + eos for ids in self.tokenizer.encode(
                     source.texts(sample))]))
             return max(1, round(train.set_rates(capacity, means)))
         sample = self._sample(11, LENGTH_SAMPLE)
-        lengths = [len(ids) + 1 for ids in self.tokenizer.encode(self._texts("train", sample))]
+        lengths = [len(ids) + eos for ids in self.tokenizer.encode(self._texts("train", sample))]
         return max(1, round(capacity / float(np.mean(lengths))))
 
     def _row_rngs(self, stream: int, index: int, rows: range) -> list[np.random.Generator]:
@@ -313,8 +317,10 @@ class LanguageModelSource:
 
     def _cut(self, texts: list[str]) -> list[np.ndarray]:
         ids = self.tokenizer.encode(texts)
-        if self.span_length:  # corruption needs two tokens; each side gets its own EOS
-            return [p for p in cut_pieces(ids, self.span_length, eos=None) if len(p) >= 2]
+        if self.span_length:  # T5's reduce_concat_tokens: one stream, cut to whole pieces
+            stream = np.concatenate([np.asarray(seq, np.int32) for seq in ids] or
+                                    [np.zeros(0, np.int32)])
+            return [p for p in cut_pieces([stream], self.span_length, eos=None) if len(p) >= 2]
         return cut_pieces(ids, self.max_length, eos=self.tokenizer.eos_id)
 
     def _lengths(self, pieces) -> tuple[np.ndarray, np.ndarray]:
