@@ -4,9 +4,10 @@
 
 The data, block and cadence of `configs/lm_default.py` (pre-RMSNorm, RoPE, SwiGLU, grouped-query
 attention, no biases, untied output, as T5.1.1 unties it), as an encoder-decoder of 3 + 3
-layers at d_model 256: each document of the offline corpus is cut into pieces of 142 tokens,
-15% of each piece's tokens in spans of mean length 3 become sentinels in the inputs (at most
-128 tokens), and the targets list each sentinel and its span (T5 section 3.1.4;
+layers at d_model 256: the documents of each update (sentences of the offline corpus, about 17
+tokens each) are joined into one stream and cut into pieces of 141 tokens, as T5 does; 15% of
+each piece's tokens (21) in spans of mean length 3 (7 spans) become sentinels in the inputs
+(128 tokens), and the targets list each sentinel and its span (T5 section 3.1.4;
 `transformer/data/span_corruption.py`). The vocabulary (8,000 pieces) reserves 100 sentinels
 after [MASK]. Eval perplexity is per target token of the corrupted validation documents.
 
