@@ -103,6 +103,29 @@ def test_dropless_matches_numpy(activation, bias, k):
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
 
 
+
+@pytest.mark.parametrize("activation,bias", [("swiglu", False), ("relu", True)])
+def test_few_tokens_gather_their_experts_and_run_under_vmap(activation, bias):
+    """N*K <= E takes the gathered path: the numpy reference's outputs, token by token under
+    `jax.vmap` (as the generator decodes), which the grouped path cannot run."""
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(B * T, 1, D)).astype(np.float32)
+    logits = rng.normal(size=(B * T, 1, E)).astype(np.float32)
+    w = params(5, activation, bias)
+
+    def one(x_row, logits_row):
+        routing = moe.route(logits_row, 2)
+        return moe.dropless(x_row, routing, experts_of(w), activation=activation)
+
+    y = jax.vmap(one)(jnp.asarray(x), jnp.asarray(logits))[:, 0]
+    weights, experts = np_route(logits[:, 0], 2, "softmax", True)
+    expected = np.stack([
+        sum(wt * np_ffn(x[i, 0], *(w.get(n, [None] * E)[e] for n in (
+            "ff_in", "ff_out", "ff_gate", "bias_in", "bias_out")), activation=activation)
+            for wt, e in zip(weights[i], experts[i], strict=True))
+        for i in range(B * T)])
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
+
 def np_capacity(x, weights, experts, w, factor):
     """Row by row: first choices of all tokens in order take the slots first, then the second."""
     b, t, _ = x.shape

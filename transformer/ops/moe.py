@@ -8,12 +8,13 @@ load-balancing loss, the router z-loss (ST-MoE) and each expert's share of the a
 
 `dropless` sorts the N*K (token, expert) assignments by expert and runs each expert on its
 contiguous rows with `jax.lax.ragged_dot` (grouped matrix products): no token is dropped and the
-shapes stay static (N*K rows). `capacity` gives every expert C = ceil(factor * T * K / E) slots
-per row of the batch (GShard's groups), fills them in priority order (every token's first
-choice, then its second, ...) and drops what does not fit; a dropped assignment adds nothing
-(the residual connection carries the token), and the count of dropped ones is returned. Its
-steps are `dispatch` (tokens into [B, E, C, D] buffers), `expert_ffn` and `combine`; over an
-`expert` mesh axis `ops/expert_parallel.py` runs them per device with an all-to-all between.
+shapes stay static (N*K rows); for N*K <= E (decoding) it gathers each assignment's weights.
+`capacity` gives every expert C = ceil(factor * T * K / E) slots per row of the batch (GShard's
+groups), fills them in priority order (every token's first choice, then its second, ...) and
+drops what does not fit; a dropped assignment adds nothing (the residual connection carries the
+token), and the count of dropped ones is returned. Its steps are `dispatch` (tokens into
+[B, E, C, D] buffers), `expert_ffn` and `combine`; over an `expert` mesh axis
+`ops/expert_parallel.py` runs them per device with an all-to-all between.
 """
 
 from __future__ import annotations
@@ -103,10 +104,27 @@ def dropless(x: jax.Array, routing: Routing, experts: Experts, *, activation: st
              gelu_approximate: bool = True, dropout_rate: float = 0.0,
              dropout_rng: jax.Array | None = None) -> jax.Array:
     """sum_k weight_k * FFN_{expert_k}(x) for x [N, D]: the N*K assignments sorted by expert,
-    each expert's rows multiplied by its weights with `jax.lax.ragged_dot`, then put back."""
+    each expert's rows multiplied by its weights with `jax.lax.ragged_dot`, then put back.
+    Where N*K <= E (decoding a token or a few) each assignment gathers its expert's weights
+    instead: no more weight reads than one pass over the experts, and it runs under
+    `jax.vmap` (the generator decodes row by row), which jax 0.12's `ragged_dot` does not."""
     n, k = routing.experts.shape
+    ffn = dict(activation=activation, gelu_approximate=gelu_approximate,
+               dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+    if n * k <= experts.ff_in.shape[0]:
+        out = _gathered(x, routing.experts, experts, **ffn)
+    else:
+        out = _grouped(x, routing.experts, experts, **ffn)
+    return jnp.einsum("NKD,NK->ND", out, routing.weights.astype(out.dtype))
+
+
+def _grouped(x: jax.Array, chosen: jax.Array, experts: Experts, *, activation: str,
+             gelu_approximate: bool, dropout_rate: float,
+             dropout_rng: jax.Array | None) -> jax.Array:
+    """Each assignment's expert output [N, K, D] by grouped products (`ragged_dot`)."""
+    n, k = chosen.shape
     num_experts = experts.ff_in.shape[0]
-    flat = routing.experts.reshape(-1)  # [N*K], token i's choices at rows i*K .. i*K+K-1
+    flat = chosen.reshape(-1)  # [N*K], token i's choices at rows i*K .. i*K+K-1
     order = jnp.argsort(flat, stable=True)
     sorted_experts = flat[order]
     rows = x[order // k]  # [N*K, D]
@@ -122,8 +140,25 @@ def dropless(x: jax.Array, routing: Routing, experts: Experts, *, activation: st
     out = jax.lax.ragged_dot(hidden, experts.ff_out, group_sizes)
     if experts.bias_out is not None:
         out = out + experts.bias_out[sorted_experts]
-    unsorted = jnp.zeros_like(out).at[order].set(out).reshape(n, k, -1)
-    return jnp.einsum("NKD,NK->ND", unsorted, routing.weights.astype(out.dtype))
+    return jnp.zeros_like(out).at[order].set(out).reshape(n, k, -1)
+
+
+def _gathered(x: jax.Array, chosen: jax.Array, experts: Experts, *, activation: str,
+              gelu_approximate: bool, dropout_rate: float,
+              dropout_rng: jax.Array | None) -> jax.Array:
+    """Each assignment's expert output [N, K, D], its expert's weights gathered [N, K, ...]."""
+    hidden = jnp.einsum("ND,NKDF->NKF", x, experts.ff_in[chosen])
+    if experts.bias_in is not None:
+        hidden = hidden + experts.bias_in[chosen]
+    gate = None
+    if experts.ff_gate is not None:
+        gate = jnp.einsum("ND,NKDF->NKF", x, experts.ff_gate[chosen])
+    hidden = layers.dropout(activate(hidden, gate, activation, gelu_approximate),
+                            dropout_rate, dropout_rng)
+    out = jnp.einsum("NKF,NKFD->NKD", hidden, experts.ff_out[chosen])
+    if experts.bias_out is not None:
+        out = out + experts.bias_out[chosen]
+    return out
 
 
 def capacity(length: int, k: int, num_experts: int, factor: float) -> int:
