@@ -174,3 +174,20 @@ def test_missing_wmt_files_is_one_line_naming_them(tmp_path):
     for name in ("training-parallel-europarl-v7.tgz", "training-parallel-commoncrawl.tgz",
                  "training-parallel-nc-v9.tgz", "dev.tgz"):
         assert name in message
+
+
+def test_pairs_end_in_the_tokenizers_own_eos():
+    """A tokenizer whose EOS is not id 3 (an imported T5's is 1): pairs end in its EOS, also
+    where an evaluation pair is truncated."""
+
+    class Letters:  # id = letter's position + 2; EOS 1
+        eos_id = 1
+
+        def encode(self, texts, num_threads=1):
+            return [[ord(c) - ord("a") + 2 for c in text] for text in texts]
+
+    data = translation.TokenizedSplit.build([[("ab", "cde"), ("f", "gh")]], Letters(), np.int32)
+    assert [list(map(list, data.pair(i))) for i in range(2)] == [[[2, 3, 1], [4, 5, 6, 1]],
+                                                                  [[7, 1], [8, 9, 1]]]
+    cut = translation._truncate(data, 3, Letters.eos_id)
+    assert list(cut.pair(0)[1]) == [4, 5, 1] and list(cut.pair(1)[1]) == [8, 9, 1]

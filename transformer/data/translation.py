@@ -88,7 +88,7 @@ class TokenizedSplit:
             for side, texts in zip(("source", "target"), zip(*pairs, strict=True), strict=True):
                 seqs = tokenizer.encode(texts, num_threads=os.cpu_count() or 1)
                 n = np.fromiter((len(q) + 1 for q in seqs), np.int64, len(seqs))
-                flat = np.full(int(n.sum()), tokenizer_lib.EOS_ID, dtype)
+                flat = np.full(int(n.sum()), tokenizer.eos_id, dtype)
                 ends = np.cumsum(n) - 1  # each sequence's EOS slot
                 for seq, end in zip(seqs, ends.tolist(), strict=True):
                     flat[end - len(seq):end] = seq
@@ -302,7 +302,7 @@ class TranslationSource:
         """The split tokenized (truncated to max_length, EOS kept last) and its batch cuts."""
         if split not in self._eval:
             data = self._tokenized(split)
-            data = _truncate(data, self.max_length)
+            data = _truncate(data, self.max_length, self.tokenizer.eos_id)
             starts = batching.plan_epoch(data.source_lengths, data.target_lengths,
                                          np.arange(len(data)), self.eval_rows_per_batch,
                                          self.max_length)
@@ -355,7 +355,7 @@ def _counted(chunks, bar):
         bar.update(len(pairs))
 
 
-def _truncate(data: TokenizedSplit, length: int) -> TokenizedSplit:
+def _truncate(data: TokenizedSplit, length: int, eos_id: int) -> TokenizedSplit:
     src_len, tgt_len = data.source_lengths, data.target_lengths
     if max(src_len.max(initial=0), tgt_len.max(initial=0)) <= length:
         return data
@@ -364,7 +364,7 @@ def _truncate(data: TokenizedSplit, length: int) -> TokenizedSplit:
     arrays = {}
     for side in ("source", "target"):
         seqs = [data.pair(i)[0 if side == "source" else 1] for i in range(len(data))]
-        seqs = [np.append(s[:length - 1], tokenizer_lib.EOS_ID) if len(s) > length else s
+        seqs = [np.append(s[:length - 1], eos_id) if len(s) > length else s
                 for s in seqs]
         starts = np.zeros(len(seqs) + 1, np.int64)
         np.cumsum([len(s) for s in seqs], out=starts[1:])
