@@ -79,6 +79,12 @@ BAD_CONFIGS = {
     "TFDS name with a typo": ({"data.dataset": "offline_de_eng"},
                               "data.dataset='offline_de_eng': Dataset offline_de_eng not found.; "
                               "did you mean 'offline_de_en'?"),
+    "path to no file": ({"data.dataset": "no/such/dir/part-*"},
+                        "data.dataset='no/such/dir/part-*' is not a TFDS name and no file "
+                        "matches"),
+    "path of TFDS's name shape to no file": ({"data.dataset": "no_such_dir/train"},
+                                             "data.dataset='no_such_dir/train': Dataset "
+                                             "no_such_dir not found."),
     "local layers without a window": ({"model.attention_pattern": "local,global"},
                                       "model.attention_pattern='local,global' has local layers: "
                                       "set model.attention_window (e.g. 256)"),

@@ -105,8 +105,36 @@ def test_the_format_is_inferred_from_the_extension_and_tfds_names_stay_tfds():
     assert files.parse_spec("gs://b/c4/en/*.json.gz") == ("jsonl", "gs://b/c4/en/*.json.gz")
     assert files.parse_spec("data/*.parquet") == ("parquet", "data/*.parquet")
     assert files.parse_spec("text:/d/books/*") == ("text", "/d/books/*")
-    assert files.parse_spec("c4/en:3.0.1") is None
-    assert files.parse_spec("offline_de_en") is None
+    for name in ("c4/en", "c4/en:3.0.1", "c4/en.noblocklist:3.*.*", "wmt14_translate/de-en",
+                 "huggingface:mnist/mnist", "offline_de_en"):
+        assert files.parse_spec(name) is None, name
+
+
+def test_a_path_that_is_no_file_and_no_tfds_name_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for spec in ("some/dir/data", "some/dir/*", "corpus/*.jsonl.bz2", "~/no-such-dir-x/*",
+                 "/no/such/dir/*.bin", "shards/"):
+        with pytest.raises(files.BadData) as e:
+            files.parse_spec(spec)
+        where = str(pathlib.Path(spec.replace("~", str(pathlib.Path.home()))).absolute())
+        assert str(e.value) == (
+            f"data.dataset={spec!r} is not a TFDS name and no file matches {where!r}; check "
+            f"the path, or write it as <format>:<glob> with format one of jsonl, parquet, "
+            f"text, text_paragraphs, arrayrecord")
+    (tmp_path / "some/dir").mkdir(parents=True)
+    (tmp_path / "some/dir/data").write_text("a\n")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine/train").write_text("a\n")  # TFDS's name shape, but a file here
+    for spec in ("some/dir/data", "some/dir/*", "mine/train"):
+        with pytest.raises(files.BadData, match=r"cannot tell the format.*<format>:<glob>"):
+            files.parse_spec(spec)
+    with pytest.raises(files.BadData, match=r"data.eval_dataset='some/dir/\*': cannot tell"):
+        files.FileDocuments("some/dir/*", setting="data.eval_dataset")
+    assert files.parse_spec("text:some/dir/*") == ("text", "some/dir/*")
+    with pytest.raises(files.BadData) as e:
+        files.FileDocuments("some/dir/*.jsonl")
+    assert str(e.value) == (f"data.dataset='some/dir/*.jsonl' matches no file "
+                            f"({str(tmp_path / 'some/dir/*.jsonl')!r}); check the path")
 
 
 # --------------------------------------------------------------------------- order
@@ -166,7 +194,8 @@ def test_bad_inputs_are_one_line_naming_the_file(tmp_path):
     refused(str(tmp_path / "ints.parquet"), r"ints.parquet: column 'text' is int64, not a string")
     pq.write_table(pa.table({"body": ["a"]}), tmp_path / "body.parquet")
     refused(str(tmp_path / "body.parquet"), r"no column 'text' \(it has \['body'\]\)")
-    refused("/data/corpus/*.bin", "cannot tell the format")
+    (tmp_path / "corpus.bin").write_bytes(b"x")
+    refused(f"{tmp_path}/*.bin", "cannot tell the format")
     refused("gs://no-such-bucket-for-tests/*.jsonl", r"gs://no-such-bucket-for-tests/\*.jsonl")
 
 

@@ -85,6 +85,9 @@ def prepare_dataset(name: str, data_dir: str | None = None, manual_dir: str | No
         close = difflib.get_close_matches(name.split("/")[0],
                                           tfds.list_builders() + ["offline_de_en"], n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
+        if "/" in name:  # `c4/en` is TFDS's; `mydata/train` may be meant as a path
+            hint += (f" (as a path: nothing exists at {os.path.abspath(name)!r}; check it, or "
+                     f"write <format>:<glob>)")
         raise DataUnavailable(f"data.dataset={name!r}: {str(e).splitlines()[0]}{hint}") from None
     with _tfds_quietly():
         prepared = builder.is_prepared()

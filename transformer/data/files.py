@@ -21,9 +21,12 @@ bytes, an unreachable remote path.
 from __future__ import annotations
 
 import collections
+import glob
 import io
 import json
 import logging
+import os
+import re
 import threading
 
 import numpy as np
@@ -38,15 +41,21 @@ _EXTENSIONS = ((".jsonl", "jsonl"), (".json", "jsonl"), (".jsonl.gz", "jsonl"),
                (".txt.zst", "text"), (".array_record", "arrayrecord"),
                (".arrayrecord", "arrayrecord"))
 CACHED_SHARDS = 2  # decoded shards kept per process when data.shuffle_window is smaller
+# What TFDS accepts as a dataset name, [namespace:]name[/config][:x.y.z][/key=value,...]
+# (`_NAME_REG` of tensorflow_datasets/core/naming.py); a spec outside it names files.
+_TFDS_NAME = re.compile(r"^([\w\-]+:)?[a-zA-Z]\w*(/[\w+\-.]+)?(:(\d+|\*)(\.(\d+|\*)){2})?"
+                        r"(/(\w+=[^,]+,?)+)?$")
 
 
 class BadData(ValueError):
     """A file the source cannot use; the message names it and the fix (one line)."""
 
 
-def parse_spec(spec: str) -> tuple[str, str] | None:
-    """(format, glob) when `spec` names files (`<format>:<glob>`, or a path with a known
-    extension, or a remote/absolute path), else None (a TFDS name such as `c4/en:3.0.1`)."""
+def parse_spec(spec: str, setting: str = "data.dataset") -> tuple[str, str] | None:
+    """(format, glob) when `spec` names files (`<format>:<glob>`, a path with a known
+    extension, or a hub-layout directory), else None (a TFDS name such as `c4/en:3.0.1`).
+    A path that is neither (remote, absolute, or not of TFDS's name grammar) is one line:
+    the path matches nothing, or its format needs the `<format>:` prefix."""
     head, sep, rest = spec.partition(":")
     if sep and head in FORMATS:
         return head, rest
@@ -55,8 +64,13 @@ def parse_spec(spec: str) -> tuple[str, str] | None:
     inferred = infer_format(spec)
     if inferred:
         return inferred, spec
-    if "://" in spec or spec.startswith(("/", "./", "~")):
-        raise BadData(f"data.dataset={spec!r}: cannot tell the format from the extension; "
+    if ("://" in spec or spec.startswith(("/", "./", "~")) or not _TFDS_NAME.match(spec)
+            or ("/" in spec and os.path.exists(spec))):
+        if "://" not in spec and not glob.glob(os.path.expanduser(spec)):
+            raise BadData(f"{setting}={spec!r} is not a TFDS name and no file matches "
+                          f"{os.path.abspath(os.path.expanduser(spec))!r}; check the path, or "
+                          f"write it as <format>:<glob> with format one of {', '.join(FORMATS)}")
+        raise BadData(f"{setting}={spec!r}: cannot tell the format from the extension; "
                       f"write it as <format>:<glob> with format one of {', '.join(FORMATS)}")
     return None
 
@@ -110,7 +124,8 @@ def expand(pattern: str, setting: str = "data.dataset") -> list[str]:
     prefix = "" if protocol in ("file", "local") else f"{protocol}://"
     paths = sorted(p if "://" in p or not prefix else prefix + p for p in paths)
     if not paths:
-        raise BadData(f"{setting}={pattern!r} matches no file")
+        where = "" if prefix else f" ({os.path.abspath(os.path.expanduser(pattern))!r})"
+        raise BadData(f"{setting}={pattern!r} matches no file{where}; check the path")
     return paths
 
 
@@ -271,7 +286,7 @@ class FileDocuments:
     def __init__(self, spec: str, *, fields: tuple[str, ...] = ("text",), seed: int = 0,
                  shuffle_window: int = 8, skip_bad_lines: bool = False,
                  setting: str = "data.dataset", label_field: str | None = None):
-        parsed = parse_spec(spec)
+        parsed = parse_spec(spec, setting)
         if parsed is None:
             raise BadData(f"{setting}={spec!r} names no files; write <format>:<glob>")
         self.format, self.pattern = parsed
