@@ -84,9 +84,10 @@ def test_tiny_encoder_decoder_flops_by_hand():
     assert per_token == pytest.approx(3 * forward / t)
 
 
-def test_tiny_decoder_only_and_encoder_only_flops():
+@pytest.mark.parametrize("gated", ["swiglu", "geglu"])  # three FFN matmuls each
+def test_tiny_decoder_only_and_encoder_only_flops(gated):
     s, t, d, f, v = 5, 7, 8, 12, 11
-    decoder = TransformerConfig(**TINY, architecture="decoder", activation="swiglu")
+    decoder = TransformerConfig(**TINY, architecture="decoder", activation=gated)
     layer = 2 * t * d * d * 4 + 2 * t * t * d * 2 + 2 * t * d * f * 3
     forward = 3 * layer + 2 * t * d * v
     assert flops.train_flops_per_token(decoder, source_length=s, target_length=t) == (

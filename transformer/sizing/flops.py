@@ -7,7 +7,8 @@ learned positions, SwiGLU gates included).
 FLOPs count matrix multiplications only, 2 FLOPs per multiply-add; embedding lookups, biases,
 norms, activations, softmax and dropout are free. Shape legend as in transformer/__init__.py: S
 source length, T target length, N query heads, K kv heads, H = d_k, Hv = d_v, D d_model, F d_ff,
-V vocab, A = 2 for relu/gelu and 3 for swiglu (FFN matmuls). Forward FLOPs of one sequence pair:
+V vocab, A = 2 for relu/gelu/silu and 3 for swiglu/geglu (FFN matmuls). Forward FLOPs of one
+sequence pair:
 
     attention projections over L tokens (queries from L_q, keys/values from L_kv):
         proj(L_q, L_kv) = 2·L_q·D·N·H + 2·L_kv·D·K·(H + Hv) + 2·L_q·N·Hv·D
@@ -68,7 +69,7 @@ import numpy as np
 
 from transformer.model import vit
 from transformer.model.transformer import Transformer, TransformerConfig
-from transformer.ops import linear_attention
+from transformer.ops import layers, linear_attention
 
 PARAM_GROUPS = ("embedding", "source_embedding", "position_embedding", "encoder", "decoder",
                 "logits")
@@ -128,7 +129,7 @@ def active_params(config: TransformerConfig) -> int:
 
 
 def _ffn_matmuls(config: TransformerConfig) -> int:
-    return 3 if config.activation == "swiglu" else 2
+    return 3 if config.activation in layers.GATED else 2
 
 
 def ffn_flops_per_token(config: TransformerConfig, layer: int) -> float:
