@@ -10,6 +10,11 @@ Checkpoint layouts (`torch.nn.Linear` stores weight [out, in]; GPT-2's `Conv1D` 
     Llama  q_proj [N*H, D], k_proj/v_proj [K*H, D], o_proj [D, N*H], gate/up_proj [F, D],
            down_proj [D, F], RMSNorm weights, lm_head [V, D] (absent when tied); Mistral the
            same; Qwen2 adds q_proj/k_proj/v_proj biases [N*H], [K*H]
+    Mixtral  Mistral's tensors but the feed-forward: per layer block_sparse_moe.gate [E, D]
+           (the router) and block_sparse_moe.experts.{j}.w1 (gate), w3 (up) [F, D] and w2
+           (down) [D, F] for each expert j, as `save_pretrained` writes them and the Hub's
+           checkpoints hold them (in memory `transformers` 5 fuses them into
+           mlp.experts.gate_up_proj [E, 2F, D] and down_proj [E, D, F])
     GPT-2  c_attn [D, 3*D] (q, k, v side by side), c_proj [D, D], c_fc [D, F], mlp c_proj
            [F, D], LayerNorms, wte [V, D] (tied output), wpe [max_len, D]
     ViT    patch projection: a convolution [D, C, P, P]; cls_token [1, 1, D],
@@ -170,6 +175,71 @@ class Llama:
         return out
 
 
+def _experts(hf: str, num_experts: int, weight: str, ours: str) -> Tensors:
+    """One weight of every expert (a Linear [out, in] each) <-> our stacked kernel
+    [E, in, out]."""
+    return Tensors(tuple(f"{hf}.experts.{j}.{weight}.weight" for j in range(num_experts)),
+                   (ours,), lambda a: [np.stack([w.T for w in a])],
+                   lambda a: [w.T for w in a[0]])
+
+
+class Mixtral:
+    """`MixtralForCausalLM`: Mistral's decoder (its window in every layer or none) with every
+    feed-forward layer routed (docs/moe.md): the softmax (float32) of a router picks the top
+    `num_experts_per_tok` of `num_local_experts` SwiGLU experts, their weights renormalised to
+    sum to 1 (`moe_router_scores="softmax"`, `moe_renormalize`), no shared expert; dropless."""
+
+    model_types = ("mixtral",)
+
+    @staticmethod
+    def config(hf: dict) -> dict:
+        require(hf, "mixtral", "router_jitter_noise", (0.0, None), "our router has no jitter, "
+                "which only perturbs training: set it to 0 to import the weights")
+        return Llama.config(hf) | dict(
+            num_experts=hf["num_local_experts"], experts_per_token=hf["num_experts_per_tok"],
+            moe_layer_interval=1, moe_router_scores="softmax", moe_renormalize=True,
+            moe_shared_expert=False, moe_capacity_factor=0.0,
+            moe_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)), moe_z_loss_coef=0.0)
+
+    @staticmethod
+    def hf_config(cfg: TransformerConfig) -> dict:
+        out = {key: value for key, value in Llama.hf_config(cfg).items()
+               if key not in ("attention_bias", "mlp_bias")}
+        return out | dict(
+            model_type="mixtral", architectures=["MixtralForCausalLM"],
+            sliding_window=None if cfg.attention_window is None else cfg.attention_window + 1,
+            num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+            router_aux_loss_coef=cfg.moe_aux_loss_coef, router_jitter_noise=0.0,
+            output_router_logits=False)
+
+    @staticmethod
+    def matches(cfg: TransformerConfig) -> list[str]:
+        out = mismatches(cfg, windows=True, rope_scaling=cfg.rope_scaling,
+                          architecture="decoder", positional="rope", norm="rms_norm",
+                          norm_position="pre", activation="swiglu", use_bias=False,
+                          scale_embeddings=False, num_experts=cfg.num_experts,
+                          moe_layer_interval=1, moe_router_scores="softmax",
+                          moe_renormalize=True, moe_shared_expert=False)
+        if not cfg.num_experts:
+            out.append("model.num_experts=0 (wants routed layers)")
+        if len({cfg.layer_window(i) for i in range(cfg.num_decoder_layers)}) > 1:
+            out.append(f"model.attention_pattern={cfg.attention_pattern!r} (Mixtral's window "
+                       f"is in every layer)")
+        return out
+
+    @staticmethod
+    def tensors(cfg: TransformerConfig) -> list[Tensors]:
+        """Llama's groups but the dense feed-forward's, and each layer's router and experts."""
+        out = [group for group in Llama.tensors(cfg) if "/ffn/" not in group.ours[0]]
+        for i in range(cfg.num_decoder_layers):
+            hf, ours = f"model.layers.{i}.block_sparse_moe", f"decoder/layers_{i}/moe"
+            out += [transposed(f"{hf}.gate.weight", f"{ours}/router"),
+                    _experts(hf, cfg.num_experts, "w1", f"{ours}/ff_gate"),
+                    _experts(hf, cfg.num_experts, "w3", f"{ours}/ff_in"),
+                    _experts(hf, cfg.num_experts, "w2", f"{ours}/ff_out")]
+        return out
+
+
 GPT2_UNSUPPORTED = ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn",
                     "add_cross_attention")
 GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
@@ -323,7 +393,8 @@ class ViT:
             transposed("classifier.weight", "head/kernel"), same("classifier.bias", "head/bias")]
 
 
-FAMILIES = (Llama, Gemma2, GPT2, ViT, Marian, T5)
+# Mixtral before Llama: a routed model one option away from it is closest to Mixtral.
+FAMILIES = (Mixtral, Llama, Gemma2, GPT2, ViT, Marian, T5)
 BY_MODEL_TYPE = {kind: family for family in FAMILIES for kind in family.model_types}
 
 
