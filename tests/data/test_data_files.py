@@ -4,6 +4,7 @@ batch drawing from one window of shards, every bad input is one line naming the 
 language model's batches from a glob of jsonl.zst shards are a pure function of (seed, index)."""
 
 import gzip
+import hashlib
 import json
 import pathlib
 import runpy
@@ -295,6 +296,101 @@ def test_data_vocab_path_uses_an_existing_sentencepiece_model_as_is(lm_files_con
     lm_files_config.data.vocab_path = str(tmp_path / "missing.model")
     with pytest.raises(ValueError, match=r"data.vocab_path=.*missing.model.*not a readable"):
         from_config(lm_files_config, str(tmp_path / "other"))
+
+
+def train_tokenizer_json(path, special_tokens, texts):
+    """A byte-level BPE tokenizer.json (GPT-2's kind) trained by the `tokenizers` library."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    model = Tokenizer(models.BPE())
+    model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    model.decoder = decoders.ByteLevel()
+    model.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=special_tokens,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    model.save(str(path))
+    return model
+
+
+def test_data_vocab_path_uses_a_hugging_face_tokenizer_json_as_is(lm_files_config, tmp_path):
+    from transformer.data import tokenizer as tokenizer_lib
+    from transformer.data.language_model import LanguageModelSource, from_config
+
+    texts = documents(300, seed=4)
+    library = train_tokenizer_json(tmp_path / "mine/tokenizer.json",
+                                   ["<pad>", "<unk>", "<s>", "</s>"], texts)
+    lm_files_config.data.vocab_path = str(tmp_path / "mine/tokenizer.json")
+    size = library.get_vocab_size()
+    lm_files_config.data.vocab_size = lm_files_config.model.vocab_size = size
+    source = from_config(lm_files_config, str(tmp_path / "run"))
+    special = source.tokenizer.bos_id, source.tokenizer.eos_id, source.tokenizer.pad_id
+    assert special == (2, 3, 0)
+    sample = documents(20, seed=7) + ["Straße, 東京 — ünïcode"]
+    expected = [e.ids for e in library.encode_batch(sample, add_special_tokens=False)]
+    assert source.tokenizer.encode(sample) == expected
+    assert [source.tokenizer.decode(ids + [3, 9]) for ids in expected] == sample  # stops at eos
+    batch = source.train_batch(0, (0, 8))
+    first = batch["targets"][0, 0][batch["targets_segmentation"][0, 0] == 1]  # accum 0, row 0
+    pieces = [e.ids + [3] for e in library.encode_batch(
+        source._texts("train", source.batch_documents(0)), add_special_tokens=False)]
+    assert first.tolist() in [p[i:i + 32] for p in pieces for i in range(0, len(p), 32)]
+    kept = tokenizer_lib.load(str(tmp_path / "run/vocab"))  # the run's copy, for resume
+    assert kept.sha256 == source.tokenizer.sha256 and kept.eos_id == 3
+    other = train_tokenizer_json(tmp_path / "other/tokenizer.json",
+                                 ["<pad>", "<unk>", "<s>", "</s>", "<x>"], texts)
+    lm_files_config.data.vocab_path = str(tmp_path / "other/tokenizer.json")
+    lm_files_config.data.vocab_size = lm_files_config.model.vocab_size = other.get_vocab_size()
+    with pytest.raises(tokenizer_lib.VocabularyMismatch, match=r"not the vocabulary this run "
+                       r"started with"):
+        from_config(lm_files_config, str(tmp_path / "run"))
+    data = lm_files_config.data
+    with pytest.raises(ValueError, match=r"data.objective='masked' needs a \[MASK\] piece"):
+        LanguageModelSource(data.dataset, objective="masked", vocab_size=data.vocab_size,
+                            max_length=32, batch_size=8, text_field="meta.text",
+                            eval_dataset=data.eval_dataset, vocab_path=data.vocab_path)
+
+
+@pytest.mark.slow
+def test_a_run_trains_and_evaluates_with_a_given_tokenizer_json(lm_files_config, tmp_path):
+    from transformer.training.loop import train_and_evaluate
+
+    library = train_tokenizer_json(tmp_path / "mine/tokenizer.json",
+                                   ["<pad>", "<unk>", "<s>", "</s>"], documents(300, seed=4))
+    lm_files_config.data.vocab_path = str(tmp_path / "mine/tokenizer.json")
+    lm_files_config.data.vocab_size = lm_files_config.model.vocab_size = library.get_vocab_size()
+    lm_files_config.update(dict(num_train_steps=2, eval_every_steps=2, checkpoint_every_steps=2))
+    lm_files_config.optimizer.warmup_steps = 1
+    train_and_evaluate(lm_files_config, str(tmp_path / "run"))
+    metrics = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").open()]
+    losses = {(m["step"], m["split"]): m["loss"] for m in metrics if "loss" in m}
+    assert sorted(losses) == [(1, "train"), (2, "train"), (2, "validation")]
+    # the first loss is about that of a uniform guess over the vocabulary
+    np.testing.assert_allclose(losses[1, "train"], np.log(library.get_vocab_size()), rtol=0.1)
+    config = json.loads((tmp_path / "run/config.json").read_text())
+    digest = hashlib.sha256((tmp_path / "mine/tokenizer.json").read_bytes()).hexdigest()
+    assert config["provenance"]["vocabulary"].startswith("tokenizer.json")
+    assert config["provenance"]["vocabulary"].endswith(f"sha256={digest}")
+
+
+def test_a_tokenizer_json_needs_an_eos_token_and_keeps_gpt2s_ids(tmp_path):
+    from transformer.data import tokenizer as tokenizer_lib
+
+    texts = documents(50)
+    train_tokenizer_json(tmp_path / "gpt2/tokenizer.json", ["<|endoftext|>"], texts)
+    gpt2 = tokenizer_lib.read_given(str(tmp_path / "gpt2/tokenizer.json"))
+    assert (gpt2.bos_id, gpt2.eos_id, gpt2.pad_id) == (0, 0, None)  # id 0 an ordinary token
+    train_tokenizer_json(tmp_path / "bare/tokenizer.json", ["<unk>", "<s>"], texts)
+    with pytest.raises(tokenizer_lib.VocabularyMismatch) as e:
+        tokenizer_lib.read_given(str(tmp_path / "bare/tokenizer.json"))
+    assert str(e.value) == (
+        f"data.vocab_path={str(tmp_path / 'bare/tokenizer.json')!r} has no end-of-sequence "
+        f"token: add one of </s>, <|endoftext|>, <|end_of_text|>, <eos>, [SEP] as a special "
+        f"token (it has ['<s>', '<unk>'])")
+    (tmp_path / "broken.json").write_text('{"version": "1.0", "model": 3}')
+    with pytest.raises(ValueError, match=r"broken.json' is not a readable tokenizer.json "
+                       r"\(Exception\); give a SentencePiece model or a Hugging Face"):
+        tokenizer_lib.read_given(str(tmp_path / "broken.json"))
 
 
 # --------------------------------------------------------------------------- classification

@@ -192,6 +192,10 @@ class LanguageModelSource:
             raise tokenizer_lib.VocabularyMismatch(
                 f"the tokenizer has {self.tokenizer.vocab_size} pieces but "
                 f"data.vocab_size={vocab_size}")
+        if objective == "masked" and self.tokenizer.mask_id is None:
+            raise ValueError("data.objective='masked' needs a [MASK] piece and the vocabulary "
+                             "(data.vocab_path) has none: leave data.vocab_path empty to train "
+                             "one, or choose another objective")
         if self.span_length:
             spans = span_corruption.span_counts(self.span_length, span_corruption.NOISE_DENSITY,
                                                 span_corruption.MEAN_SPAN_LENGTH)[1]
@@ -246,12 +250,9 @@ class LanguageModelSource:
 
         info = {"dataset": self.name, "sample_documents": int(len(sample)),
                 "features": self.keys}
+        given = None
         if self.vocab_path:  # used as is; a run keeps a copy in <workdir>/vocab/
-            try:
-                given = tokenizer_lib.Tokenizer.load(self.vocab_path)
-            except (OSError, RuntimeError) as e:
-                raise ValueError(f"data.vocab_path={self.vocab_path!r} is not a readable "
-                                 f"SentencePiece model ({type(e).__name__})") from None
+            given = tokenizer_lib.read_given(self.vocab_path)
             if self.workdir is None:
                 return given
             directory = workdir_lib.path(self.workdir, workdir_lib.VOCAB)
@@ -260,10 +261,16 @@ class LanguageModelSource:
         if self.workdir is None:
             return tokenizer_lib.train(sentences(), vocab_size, seed=self.seed,
                                        num_sentinels=self.num_sentinels)
-        return tokenizer_lib.load_or_train(
+        tokenizer = tokenizer_lib.load_or_train(
             workdir_lib.path(self.workdir, workdir_lib.VOCAB), vocab_size, seed=self.seed,
             sentences=sentences, expected_sha256=workdir_lib.recorded_vocabulary(self.workdir),
             info=info, num_sentinels=self.num_sentinels)
+        if given and given.sha256 != tokenizer.sha256:
+            raise tokenizer_lib.VocabularyMismatch(
+                f"data.vocab_path={self.vocab_path!r} is not the vocabulary this run started "
+                f"with (its vocab/): resume with the path it was started with or use a new "
+                f"--workdir")
+        return tokenizer
 
     def _docs_per_batch(self) -> int:
         """Documents per update: its capacity in tokens over the mean tokens of a document (a

@@ -1,5 +1,6 @@
 """Vocabularies: SentencePiece, one vocabulary shared by source and target, trained (seeded)
-on first use; or an imported checkpoint's own (`HuggingFaceTokenizer`).
+on first use; or an imported checkpoint's own, or one given as `data.vocab_path` (a
+SentencePiece model or a Hugging Face `tokenizer.json`, `read_given`).
 
 Ids follow docs/architecture.md: pad 0, unk 1, bos 2 (the decoder's start), eos 3, then the
 user-defined `[MASK]` (4): the ids are defined here, once, and imported everywhere (the model
@@ -32,6 +33,10 @@ SENTINEL_PIECE = "<extra_id_{}>"  # T5's span-corruption sentinels: user-defined
 MODEL_FILE = "sentencepiece.model"
 JSON_FILE = "tokenizer.json"  # the `tokenizers` library's file, as save_pretrained writes it
 SPECIAL_IDS_FILE = "special_ids.json"  # beside JSON_FILE: its bos_id, eos_id and pad_id
+# A tokenizer.json given as data.vocab_path: its special tokens by their usual spellings.
+EOS_TOKENS = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "[SEP]")
+BOS_TOKENS = ("<s>", "<|begin_of_text|>", "<bos>", "[CLS]")
+PAD_TOKENS = ("<pad>", "[PAD]")
 
 
 class VocabularyMismatch(ValueError):
@@ -120,6 +125,25 @@ class HuggingFaceTokenizer:
         self.mask_id, self.sentinel_ids = None, []
 
     @classmethod
+    def from_special_tokens(cls, json_bytes: bytes, where: str) -> HuggingFaceTokenizer:
+        """A tokenizer.json used as is, its ids found among its special tokens: eos the first
+        of `EOS_TOKENS` (required), bos the first of `BOS_TOKENS` (else the eos, as GPT-2's
+        `<|endoftext|>` both starts and ends), pad a `PAD_TOKENS` token at id 0 (else none)."""
+        from tokenizers import Tokenizer as JsonModel
+
+        model = JsonModel.from_str(json_bytes.decode("utf-8"))
+        special = {t.content: i for i, t in model.get_added_tokens_decoder().items()
+                   if t.special}
+        eos = next((special[t] for t in EOS_TOKENS if t in special), None)
+        if eos is None:
+            raise VocabularyMismatch(
+                f"{where} has no end-of-sequence token: add one of {', '.join(EOS_TOKENS)} as "
+                f"a special token (it has {sorted(special) or 'none'})")
+        bos = next((special[t] for t in BOS_TOKENS if t in special), eos)
+        pad = PAD_ID if any(special.get(t) == PAD_ID for t in PAD_TOKENS) else None
+        return cls(json_bytes, bos_id=bos, eos_id=eos, pad_id=pad)
+
+    @classmethod
     def load(cls, directory: str) -> HuggingFaceTokenizer:
         """From `<directory>/tokenizer.json` and `special_ids.json` (as `save` writes them)."""
         with open(os.path.join(directory, SPECIAL_IDS_FILE)) as f:
@@ -178,6 +202,29 @@ def load(directory: str) -> Tokenizer | HuggingFaceTokenizer:
     if os.path.exists(os.path.join(directory, JSON_FILE)):
         return HuggingFaceTokenizer.load(directory)
     return Tokenizer.load(os.path.join(directory, MODEL_FILE))
+
+
+def read_given(path: str, setting: str = "data.vocab_path") -> Tokenizer | HuggingFaceTokenizer:
+    """A vocabulary used as is: a Hugging Face `tokenizer.json` (a path ending in `.json`; the
+    ids of a `special_ids.json` beside it, else `HuggingFaceTokenizer.from_special_tokens`), or
+    a SentencePiece model. One line naming `setting` when it cannot be read."""
+    kind = "tokenizer.json" if path.endswith(".json") else "SentencePiece model"
+    try:
+        if kind == "SentencePiece model":
+            return Tokenizer.load(path)
+        with open(path, "rb") as f:
+            data = f.read()
+        beside = os.path.join(os.path.dirname(path), SPECIAL_IDS_FILE)
+        if os.path.exists(beside):  # a run's own vocab/ (HuggingFaceTokenizer.save)
+            with open(beside) as f:
+                return HuggingFaceTokenizer(data, **json.load(f))
+        return HuggingFaceTokenizer.from_special_tokens(data, f"{setting}={path!r}")
+    except VocabularyMismatch:
+        raise
+    except Exception as e:  # OSError; RuntimeError (sentencepiece); the tokenizers' parse error
+        raise ValueError(f"{setting}={path!r} is not a readable {kind} ({type(e).__name__}); "
+                         f"give a SentencePiece model or a Hugging Face tokenizer.json"
+                         ) from None
 
 
 def vocabulary_file(directory: str) -> str:
