@@ -9,11 +9,13 @@ import re
 import numpy as np
 import pytest
 from test_huggingface import (
+    ATOL,
     SPECIAL,
     TOKENS,
     _check_language_model,
     _check_round_trip,
     _hf_logits,
+    _prefill_logits,
     _save,
 )
 
@@ -98,3 +100,39 @@ def test_routing_mixtral_does_not_compute_is_refused_on_export(change, message):
     assert families.for_model(dense, "w") is families.Llama
     with pytest.raises(ValueError, match=re.escape(message)):
         families.for_model(TransformerConfig(**fields | change), "--workdir=w")
+
+
+def test_routed_language_model_trained_here_exports_to_mixtral(tmp_path, load_config):
+    """An lm_default run with 4 experts, top-2 (embedding scaled by sqrt(D), untied, scanned
+    layers) exports as a Mixtral whose logits are ours."""
+    import flax.linen as nn
+    import jax
+
+    from transformer.checkpoint import averaging
+    from transformer.checkpoint import workdir as workdir_lib
+    from transformer.config import resolve
+    from transformer.model.transformer import Transformer
+
+    cfg = load_config("lm_default.py", **{
+        "data.vocab_size": 128, "model.num_decoder_layers": 2, "model.d_model": 32,
+        "model.d_ff": 48, "model.num_heads": 4, "model.num_kv_heads": 2, "model.max_len": 64,
+        "model.scan_layers": True, "model.num_experts": 4, "model.experts_per_token": 2})
+    run = resolve(cfg)
+    model = Transformer(run.model)
+    tokens = jax.numpy.ones((1, 1), jax.numpy.int32)
+    params = nn.unbox(model.init(jax.random.key(0), tokens, tokens)["params"])
+    params["decoder"]["layers"]["moe"]["router"] *= 4.0  # choices that differ between tokens
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    workdir_lib.write_config(str(workdir), cfg.to_dict(), {})
+    series = averaging.ParamsSeries(str(workdir), every_minutes=1.0, keep=1, use_async=False)
+    series.save(1, params)
+    series.close()
+    convert.export_workdir(str(workdir), str(tmp_path / "hf"))
+    hf_model = transformers.MixtralForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    chosen = _routed_experts(hf_model, TOKENS)
+    assert len({tuple(sorted(pair)) for pair in chosen.reshape(-1, 2).tolist()}) > 2
+    valid = TOKENS != 0
+    np.testing.assert_allclose(_hf_logits(hf_model, TOKENS)[valid],
+                               np.asarray(_prefill_logits(model, params, TOKENS))[valid],
+                               atol=ATOL, rtol=0)
