@@ -77,3 +77,50 @@ def test_the_model_reads_the_special_ids_of_its_vocabulary(tokenizer):
     with pytest.raises(tk.VocabularyMismatch, match=r"^model.eos_id=2 but the vocabulary's "
                        r"eos_id is 3: set --config.model.eos_id=3$"):
         tk.check_special_ids(tokenizer, {"bos_id": 2, "eos_id": 2, "pad_id": 0})
+
+
+@pytest.fixture
+def bucket(monkeypatch):
+    """`gs://` served from memory: etils.epath's fsspec backend given an in-memory filesystem
+    (what gcsfs would be against a real bucket)."""
+    from etils.epath import backend, gpath
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    class Bucket(MemoryFileSystem):
+        protocol = ("gs", "gcs")
+        store, pseudo_dirs = {}, [""]
+
+    monkeypatch.setattr(gpath, "_is_tf_installed", lambda: False)  # else tf.io.gfile serves gs://
+    monkeypatch.setattr(backend.fsspec_backend, "_get_filesystem", lambda name: Bucket())
+    return Bucket.store
+
+
+@pytest.mark.parametrize("remote", [False, True])
+def test_a_workdirs_vocabulary_may_be_remote(remote, bucket, sentences, tokenizer, tmp_path,
+                                             monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a remote path must create nothing here
+    root = "gs://bucket/run" if remote else str(tmp_path / "run")
+
+    def files():  # what was written, local paths named as the bucket's
+        local = sorted(str(p.relative_to(tmp_path)).replace("run", "gs://bucket/run", 1)
+                       for p in tmp_path.rglob("*") if p.is_file())
+        return sorted(bucket) + local if remote else local
+
+    first = tk.load_or_train(f"{root}/vocab", 300, seed=0, sentences=lambda: iter(sentences))
+    assert first.sha256 == tokenizer.sha256
+    assert files() == [f"gs://bucket/run/vocab/{name}" for name in
+                       ("info.json", "sentencepiece.model", "sentencepiece.vocab")]
+    assert tk.vocabulary_file(f"{root}/vocab") == f"{root}/vocab/{tk.MODEL_FILE}"
+    again = tk.load_or_train(f"{root}/vocab", 300, seed=0, sentences=lambda: 1 / 0,
+                             expected_sha256=first.sha256)  # read back, not retrained
+    assert again.sha256 == first.sha256
+    imported = tk.HuggingFaceTokenizer(b'{"version": "1.0", "model": {"type": "WordLevel", '
+                                       b'"vocab": {"<pad>": 0, "a": 1, "</s>": 2}, '
+                                       b'"unk_token": "a"}}', bos_id=2, eos_id=2, pad_id=0)
+    imported.save(f"{root}/imported")
+    assert files()[:2] == ["gs://bucket/run/imported/special_ids.json",
+                           "gs://bucket/run/imported/tokenizer.json"]
+    for loaded in (tk.load(f"{root}/imported"),
+                   tk.read_given(f"{root}/imported/tokenizer.json")):
+        assert loaded.sha256 == imported.sha256 and (loaded.bos_id, loaded.pad_id) == (2, 0)
+    assert tk.read_given(f"{root}/vocab/{tk.MODEL_FILE}").sha256 == first.sha256

@@ -41,10 +41,10 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
 
 import numpy as np
+from etils import epath
 
 from transformer.checkpoint import workdir as workdir_lib
 from transformer.data import batching, files, span_corruption
@@ -256,7 +256,7 @@ class LanguageModelSource:
             if self.workdir is None:
                 return given
             directory = workdir_lib.path(self.workdir, workdir_lib.VOCAB)
-            if not os.path.exists(tokenizer_lib.vocabulary_file(directory)):
+            if not epath.Path(tokenizer_lib.vocabulary_file(directory)).exists():
                 given.save(directory)
         if self.workdir is None:
             return tokenizer_lib.train(sentences(), vocab_size, seed=self.seed,

@@ -8,7 +8,8 @@ and decoding included: this module imports SentencePiece only when a model is lo
 so it needs no data extra). An imported checkpoint's vocabulary keeps its own ids: each
 tokenizer says its `bos_id`, `eos_id` and `pad_id` (0, or None where id 0 is an ordinary token),
 and the run's `model.*` fields of the same names agree with them. A run keeps its vocabulary in
-`<workdir>/vocab/` (`load` reads either kind) and reuses it on resume; a model whose size
+`<workdir>/vocab/` (`load` reads either kind; the workdir may be remote, e.g. gs://: every path
+goes through etils.epath) and reuses it on resume; a model whose size
 differs from `data.vocab_size`, or whose sha256 differs from the one the run recorded in
 `config.json`, is an error rather than a silent retrain.
 """
@@ -21,6 +22,8 @@ import json
 import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
+
+from etils import epath
 
 from transformer.util import progress
 
@@ -62,8 +65,7 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path: str) -> Tokenizer:
-        with open(path, "rb") as f:
-            return cls(f.read())
+        return cls(epath.Path(path).read_bytes())
 
     @property
     def vocab_size(self) -> int:
@@ -102,13 +104,13 @@ class Tokenizer:
 
     def save(self, directory: str) -> str:
         """Writes `<directory>/sentencepiece.model` atomically (and a readable `.vocab`)."""
-        os.makedirs(directory, exist_ok=True)
-        path = os.path.join(directory, MODEL_FILE)
-        _atomic_write(path, self.model_proto)
+        directory = epath.Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        _atomic_write(directory / MODEL_FILE, self.model_proto)
         pieces = "".join(f"{self._sp.id_to_piece(i)}\t{self._sp.get_score(i)}\n"
                          for i in range(self.vocab_size))
-        _atomic_write(os.path.join(directory, "sentencepiece.vocab"), pieces.encode("utf-8"))
-        return path
+        _atomic_write(directory / "sentencepiece.vocab", pieces.encode("utf-8"))
+        return os.fspath(directory / MODEL_FILE)
 
 
 class HuggingFaceTokenizer:
@@ -146,10 +148,9 @@ class HuggingFaceTokenizer:
     @classmethod
     def load(cls, directory: str) -> HuggingFaceTokenizer:
         """From `<directory>/tokenizer.json` and `special_ids.json` (as `save` writes them)."""
-        with open(os.path.join(directory, SPECIAL_IDS_FILE)) as f:
-            special = json.load(f)
-        with open(os.path.join(directory, JSON_FILE), "rb") as f:
-            return cls(f.read(), **special)
+        directory = epath.Path(directory)
+        special = json.loads((directory / SPECIAL_IDS_FILE).read_text())
+        return cls((directory / JSON_FILE).read_bytes(), **special)
 
     @property
     def vocab_size(self) -> int:
@@ -176,12 +177,12 @@ class HuggingFaceTokenizer:
 
     def save(self, directory: str) -> str:
         """Writes `<directory>/tokenizer.json` and its special ids, atomically."""
-        os.makedirs(directory, exist_ok=True)
+        directory = epath.Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
         special = {"bos_id": self.bos_id, "eos_id": self.eos_id, "pad_id": self.pad_id}
-        _atomic_write(os.path.join(directory, SPECIAL_IDS_FILE), json.dumps(special).encode())
-        path = os.path.join(directory, JSON_FILE)
-        _atomic_write(path, self.json_bytes)
-        return path
+        _atomic_write(directory / SPECIAL_IDS_FILE, json.dumps(special).encode())
+        _atomic_write(directory / JSON_FILE, self.json_bytes)
+        return os.fspath(directory / JSON_FILE)
 
 
 def _content(ids: Iterable[int], tokenizer) -> list[int]:
@@ -199,9 +200,9 @@ def load(directory: str) -> Tokenizer | HuggingFaceTokenizer:
     """The vocabulary a run keeps in `directory` (`<workdir>/vocab/`): its SentencePiece model,
     or an imported `tokenizer.json`. Raises FileNotFoundError naming the SentencePiece file
     when there is neither, RuntimeError or ValueError when the file is damaged."""
-    if os.path.exists(os.path.join(directory, JSON_FILE)):
+    if (epath.Path(directory) / JSON_FILE).exists():
         return HuggingFaceTokenizer.load(directory)
-    return Tokenizer.load(os.path.join(directory, MODEL_FILE))
+    return Tokenizer.load(os.fspath(epath.Path(directory) / MODEL_FILE))
 
 
 def read_given(path: str, setting: str = "data.vocab_path") -> Tokenizer | HuggingFaceTokenizer:
@@ -212,12 +213,10 @@ def read_given(path: str, setting: str = "data.vocab_path") -> Tokenizer | Huggi
     try:
         if kind == "SentencePiece model":
             return Tokenizer.load(path)
-        with open(path, "rb") as f:
-            data = f.read()
-        beside = os.path.join(os.path.dirname(path), SPECIAL_IDS_FILE)
-        if os.path.exists(beside):  # a run's own vocab/ (HuggingFaceTokenizer.save)
-            with open(beside) as f:
-                return HuggingFaceTokenizer(data, **json.load(f))
+        data = epath.Path(path).read_bytes()
+        beside = epath.Path(path).parent / SPECIAL_IDS_FILE
+        if beside.exists():  # a run's own vocab/ (HuggingFaceTokenizer.save)
+            return HuggingFaceTokenizer(data, **json.loads(beside.read_text()))
         return HuggingFaceTokenizer.from_special_tokens(data, f"{setting}={path!r}")
     except VocabularyMismatch:
         raise
@@ -230,8 +229,8 @@ def read_given(path: str, setting: str = "data.vocab_path") -> Tokenizer | Huggi
 def vocabulary_file(directory: str) -> str:
     """The file of the vocabulary in `directory`: tokenizer.json if there is one, else the
     SentencePiece model (which may not exist yet)."""
-    json_path = os.path.join(directory, JSON_FILE)
-    return json_path if os.path.exists(json_path) else os.path.join(directory, MODEL_FILE)
+    json_path = epath.Path(directory) / JSON_FILE
+    return os.fspath(json_path if json_path.exists() else epath.Path(directory) / MODEL_FILE)
 
 
 def check_special_ids(tokenizer, model) -> None:
@@ -244,11 +243,11 @@ def check_special_ids(tokenizer, model) -> None:
                                      f"{theirs}: set --config.model.{field}={theirs}")
 
 
-def _atomic_write(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+def _atomic_write(path: epath.Path, data: bytes) -> None:
+    """Writes `data` to `path` (local, or remote such as gs://) through a temporary file."""
+    tmp = path.parent / f"{path.name}.tmp{os.getpid()}"
+    tmp.write_bytes(data)
+    tmp.replace(path)
 
 
 def _counted(sentences: Iterable[str]) -> Iterator[str]:
@@ -296,7 +295,7 @@ def load_or_train(directory: str, vocab_size: int, *, seed: int,
     config.json); a model that differs raises `VocabularyMismatch`, as does one whose size is
     not `vocab_size`."""
     path = vocabulary_file(directory)
-    if os.path.exists(path):
+    if epath.Path(path).exists():
         tokenizer = load(directory)
         if tokenizer.vocab_size != vocab_size:
             raise VocabularyMismatch(
@@ -305,13 +304,13 @@ def load_or_train(directory: str, vocab_size: int, *, seed: int,
     else:
         log.info("training a %d-piece SentencePiece vocabulary into %s", vocab_size, directory)
         tokenizer = train(sentences(), vocab_size, seed=seed, num_sentinels=num_sentinels)
-        if os.path.exists(path):  # another process of this run got there first
+        if epath.Path(path).exists():  # another process of this run got there first
             tokenizer = Tokenizer.load(path)
         else:
             tokenizer.save(directory)
             record = dict(info or {}, vocab_size=vocab_size, seed=seed, model_type="bpe",
                           num_sentinels=num_sentinels, sha256=tokenizer.sha256)
-            _atomic_write(os.path.join(directory, "info.json"),
+            _atomic_write(epath.Path(directory) / "info.json",
                           json.dumps(record, indent=1).encode())
     if len(tokenizer.sentinel_ids) < num_sentinels:
         raise VocabularyMismatch(
