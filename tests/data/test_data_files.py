@@ -132,10 +132,12 @@ def test_a_path_that_is_no_file_and_no_tfds_name_is_one_line(tmp_path, monkeypat
     with pytest.raises(files.BadData, match=r"data.eval_dataset='some/dir/\*': cannot tell"):
         files.FileDocuments("some/dir/*", setting="data.eval_dataset")
     assert files.parse_spec("text:some/dir/*") == ("text", "some/dir/*")
-    with pytest.raises(files.BadData) as e:
-        files.FileDocuments("some/dir/*.jsonl")
-    assert str(e.value) == (f"data.dataset='some/dir/*.jsonl' matches no file "
-                            f"({str(tmp_path / 'some/dir/*.jsonl')!r}); check the path")
+    for spec in ("some/dir/*.jsonl", "some/dir/file.jsonl", "jsonl:some/dir"):
+        with pytest.raises(files.BadData) as e:
+            files.FileDocuments(spec)
+        path = spec.removeprefix("jsonl:")
+        assert str(e.value) == (f"data.dataset={path!r} matches no file "
+                                f"({str(tmp_path / path)!r}); check the path")
 
 
 # --------------------------------------------------------------------------- order

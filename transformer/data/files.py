@@ -113,6 +113,8 @@ def expand(pattern: str, setting: str = "data.dataset") -> list[str]:
 
     try:
         fs, _, paths = fsspec.core.get_fs_token_paths(pattern)
+        if not any(c in pattern for c in "*?["):  # a literal path is returned unchecked
+            paths = [p for p in paths if fs.isfile(p)]
     except ImportError as e:
         raise BadData(f"{setting}={pattern!r}: reading it needs {e.name or 'an fsspec backend'} "
                       f"(e.g. pip install gcsfs for gs://)") from None
