@@ -1,7 +1,7 @@
 """Does an encoder-decoder read its source? Perplexity with the true sources against random ones.
 
     python benchmarks/source_probe.py --workdir=runs/t5_translate [--step=N] [--batches=5] \
-        [--out=probe.json]
+        [--unigram_batches=1000] [--out=probe.json]
 
 For a trained encoder-decoder run (translation or span corruption), the unsmoothed validation
 perplexity of its first `--batches` eval batches twice: as they are, and with every source
@@ -10,7 +10,11 @@ vocabulary (seeded), segment ids and positions unchanged. A model that reads its
 much with random sources (a translation model trained from scratch here: 22.7 -> 213.5); one
 that leans on its decoder's language model loses little. Also printed: the root mean square of
 each parameter group's weights (output projection, embeddings, attention, feed-forward), where
-a pretrained model that differs from a scratch one shows it.
+a pretrained model that differs from a scratch one shows it. And a floor to read them against:
+the perplexity of a unigram model on the same targets, each ordinary token at its frequency
+among the ordinary target tokens of the first `--unigram_batches` training batches (add-one),
+sentinels and EOS free (probability 1): what knowing only token frequencies and the layout of
+the targets buys. A model near it has learned little else.
 
 Prints one line per figure and writes them as JSON to `--out` (the record a results page cites).
 Used for docs/results/2026-12-04-span-corruption-transfer.md.
@@ -67,8 +71,29 @@ def weight_rms(params) -> dict[str, float]:
     return {name: (total / count) ** 0.5 for name, (total, count) in sums.items() if count}
 
 
-def probe(workdir: str, batches: int, seed: int = 0, step: int | None = None) -> dict:
-    """{"step", "perplexity_true_sources", "perplexity_random_sources", "weight_rms"}."""
+def unigram_perplexity(train_batches, eval_batches, vocab_size: int, free_ids) -> float:
+    """Perplexity over every non-padding target token of `eval_batches` of a unigram model
+    counted (add-one) on the ordinary target tokens of `train_batches`; `free_ids` (sentinels,
+    EOS) cost nothing."""
+    counts = np.ones(vocab_size)
+    free = np.zeros(vocab_size, bool)
+    free[list(free_ids)] = True
+    for batch in train_batches:
+        ids = batch["targets"][batch["targets_segmentation"] > 0]
+        counts += np.bincount(ids[~free[ids]], minlength=vocab_size)
+    counts[free] = 0
+    nll = np.where(free, 0.0, -np.log(np.maximum(counts, 1) / counts.sum()))
+    total, tokens = 0.0, 0
+    for batch in eval_batches:
+        ids = batch["targets"][batch["targets_segmentation"] > 0]
+        total, tokens = total + float(nll[ids].sum()), tokens + ids.size
+    return float(np.exp(total / tokens))
+
+
+def probe(workdir: str, batches: int, seed: int = 0, step: int | None = None,
+          unigram_batches: int = 1000) -> dict:
+    """{"step", "perplexity_true_sources", "perplexity_random_sources",
+    "perplexity_unigram", "weight_rms"}."""
     run = resolve(workdir_lib.load_config(workdir))
     if run.model.architecture != "encoder_decoder":
         raise SystemExit(f"--workdir={workdir}: model.architecture="
@@ -84,10 +109,12 @@ def probe(workdir: str, batches: int, seed: int = 0, step: int | None = None) ->
     tokenizer = workdir_lib.load_tokenizer(workdir, run.model.vocab_size)
     first_piece = FIRST_ORDINARY_ID + len(tokenizer.sentinel_ids)
     totals = {"true": {}, "random": {}}
+    probed = []
     for index, local in enumerate(source.eval_batches("validation",
                                                       (0, source.eval_rows_per_batch))):
         if index == batches:
             break
+        probed.append(local)
         for kind, batch in (("true", local), ("random", randomize_sources(
                 local, run.model.vocab_size, first_piece, rng))):
             sums = jax.device_get(eval_step(params, step_lib.global_batch(trainer.mesh, batch)))
@@ -95,7 +122,11 @@ def probe(workdir: str, batches: int, seed: int = 0, step: int | None = None) ->
     return {"workdir": workdir, "step": params_step(workdir, step=step), "batches": batches,
             "perplexity_true_sources": step_lib.eval_metrics(totals["true"])["perplexity"],
             "perplexity_random_sources": step_lib.eval_metrics(totals["random"])["perplexity"],
-            "weight_rms": weight_rms(params)}
+            "perplexity_unigram": unigram_perplexity(
+                (source.train_batch(i, (0, source.rows_per_batch))
+                 for i in range(unigram_batches)), probed, run.model.vocab_size,
+                [*tokenizer.sentinel_ids, tokenizer.eos_id]),
+            "unigram_batches": unigram_batches, "weight_rms": weight_rms(params)}
 
 
 def main():
@@ -104,12 +135,15 @@ def main():
     parser.add_argument("--step", type=int, help="a checkpoint's step (default: the latest)")
     parser.add_argument("--batches", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--unigram_batches", type=int, default=1000,
+                        help="training batches the unigram floor is counted on")
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args()
-    figures = probe(args.workdir, args.batches, args.seed, args.step)
+    figures = probe(args.workdir, args.batches, args.seed, args.step, args.unigram_batches)
     print(f"{args.workdir} (step {figures['step']}): validation perplexity "
           f"{figures['perplexity_true_sources']:.1f} with the true sources, "
-          f"{figures['perplexity_random_sources']:.1f} with random ones")
+          f"{figures['perplexity_random_sources']:.1f} with random ones; a unigram model "
+          f"{figures['perplexity_unigram']:.1f}")
     for name, rms in figures["weight_rms"].items():
         print(f"  weight RMS {name}: {rms:.4f}")
     if args.out:

@@ -68,3 +68,20 @@ def test_sweep_writes_a_point_per_length_and_batch_and_a_plot(tmp_path):
     assert [(p["length"], p["rows"]) for p in points] == [(8, 4), (16, 4)]
     assert all(p["tokens_per_sec"] > 0 and p["peak_bytes"] > 0 for p in points)
     assert out.read_bytes().startswith(b"\x89PNG")
+
+
+def test_source_probe_unigram_floor_by_hand():
+    """Counts (add-one) 5 once and 7 twice among ordinary tokens; EOS (3) is free: over 12
+    counts p(7) = 3/12, so targets [7, EOS] have perplexity exp(ln 4 / 2) = 2."""
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.source_probe import unigram_perplexity
+
+    def batch(ids, padding=0):
+        targets = np.array([ids + [0] * padding])
+        return {"targets": targets, "targets_segmentation": (targets > 0).astype(np.int32)}
+
+    floor = unigram_perplexity([batch([5, 7, 7, 3], padding=2)], [batch([7, 3], padding=3)],
+                               10, [3])
+    assert floor == pytest.approx(2.0)
