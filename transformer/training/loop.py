@@ -35,15 +35,32 @@ PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "tran
 
 
 DATA_PREPARED_KEY = "transformer/data_prepared"
+DATA_READY_KEY = "transformer/data_ready/{}"  # process p has its source
 DATA_WAIT_LOG_S = 60  # the others say they are waiting once a minute
+
+
+def _await_key(client, key: str, what: str) -> None:
+    """Waits for `key` in the coordination service's key-value store, saying so each
+    DATA_WAIT_LOG_S (no timeout: a failing peer stops this one, `distributed.FailureNotices`)."""
+    waited = 0
+    while True:
+        try:
+            client.blocking_key_value_get(key, DATA_WAIT_LOG_S * 1000)
+            return
+        except Exception as error:  # the deadline: go on waiting, saying so
+            if "DEADLINE_EXCEEDED" not in str(error):
+                raise
+            waited += DATA_WAIT_LOG_S
+            log.info("process %d: waiting %d s for %s", jax.process_index(), waited, what)
 
 
 def _prepared_source(cfg, workdir: str, *, batch_shards: int):
     """The data source; with several processes, process 0 prepares the dataset and vocabulary
-    first and the others then reuse them. They wait on a key of the coordination service's
-    key-value store, not in a collective: a long preparation hits no barrier timeout, and a
-    failure in process 0 still stops them (`distributed.FailureNotices`). Its batch rows must
-    split over data x fsdp."""
+    first and the others then reuse them, and none goes on (to the collectives of restoring
+    and compiling) before all have their source. They wait on keys of the coordination
+    service's key-value store, not in a collective: a long preparation hits no barrier timeout,
+    and a failure still stops them (`distributed.FailureNotices`). Its batch rows must split
+    over data x fsdp."""
     client = None
     if jax.process_count() > 1:
         from jax._src import distributed as jax_distributed  # no public handle to the client
@@ -54,18 +71,12 @@ def _prepared_source(cfg, workdir: str, *, batch_shards: int):
         if client is not None:
             client.key_value_set(DATA_PREPARED_KEY, "1")
     else:
-        waited = 0
-        while True:
-            try:
-                client.blocking_key_value_get(DATA_PREPARED_KEY, DATA_WAIT_LOG_S * 1000)
-                break
-            except Exception as error:  # the deadline: go on waiting, saying so
-                if "DEADLINE_EXCEEDED" not in str(error):
-                    raise
-                waited += DATA_WAIT_LOG_S
-                log.info("process %d: waiting %d s for process 0 to prepare the data",
-                         jax.process_index(), waited)
+        _await_key(client, DATA_PREPARED_KEY, "process 0 to prepare the data")
         source = make_source(cfg, workdir)
+    if client is not None:  # the others may still be reading their files (counting rows)
+        client.key_value_set(DATA_READY_KEY.format(jax.process_index()), "1")
+        for p in range(jax.process_count()):
+            _await_key(client, DATA_READY_KEY.format(p), f"process {p} to open its data")
     for key, rows in (("data.batch_size", source.rows_per_batch),
                       ("data.eval_batch_size", source.eval_rows_per_batch)):
         if rows % batch_shards:
