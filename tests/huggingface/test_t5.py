@@ -4,8 +4,11 @@ encoder layers, random norm weights and bias tables, sequences past the bias's m
 nothing downloaded) imported gives its logits and its greedy and beam outputs (our cached
 decoding with the decoder's relative bias at each step); export gives its tensors back; what
 T5 cannot express is refused in one line; the original T5's ReLU feed-forward is read; the
-tied, unscaled head that transformers 5 saves is read and written back."""
+tied, unscaled head that transformers 5 saves is read and written back; an embedding padded
+past the tokenizer keeps the tokenizer, and a `spiece.model` alone is read as T5Tokenizer
+reads it."""
 
+import io
 import json
 import re
 
@@ -15,7 +18,9 @@ import numpy as np
 import pytest
 from test_huggingface import ATOL, _check_round_trip, _import
 
-from transformer.huggingface import convert, families
+from transformer.checkpoint import workdir as workdir_lib
+from transformer.data import tokenizer as tokenizer_lib
+from transformer.huggingface import convert, families, t5
 from transformer.inference import decoding
 from transformer.inference import translator as translator_lib
 from transformer.model.transformer import Transformer, init_cache
@@ -30,6 +35,7 @@ T5 = dict(vocab_size=V, d_model=D, d_kv=12, d_ff=48, num_layers=2, num_decoder_l
           feed_forward_proj="gated-gelu", dropout_rate=0.0, initializer_factor=1.0,
           pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
 EXTRA = 30  # output tokens allowed beyond the source's length (ours end before: EOS likelier)
+PADDED = 8  # embedding rows past the tokenizer's pieces (Flan-T5: 32128 rows, 32100 pieces)
 
 
 def _t5_dir(path, **changes):
@@ -45,7 +51,8 @@ def _t5_dir(path, **changes):
                 value.normal_(0.0, 2.0)
     model.eval().save_pretrained(path)
     tensors = load_file(str(path / convert.SINGLE_FILE))
-    head = np.random.default_rng(0).normal(0.0, 0.5, (V, D)).astype(np.float32)
+    rows = changes.get("vocab_size", V)
+    head = np.random.default_rng(0).normal(0.0, 0.5, (rows, D)).astype(np.float32)
     head[1] *= 2.0  # EOS: outputs of 18 to 33 tokens here, each ending before the limit
     tensors["lm_head.weight"] = head
     save_file(tensors, str(path / convert.SINGLE_FILE), metadata={"format": "pt"})
@@ -175,11 +182,12 @@ def test_a_tied_unscaled_head_as_transformers_5_saves_t5(tmp_path):
                                   _hf_logits(hf_model, inputs, targets))
 
 
-def _tokenizer_json(hf_dir):
-    """A word-level `tokenizer.json` with T5's special ids (pad 0, EOS 1 appended, unk 2)."""
+def _tokenizer_json(hf_dir, pieces=V):
+    """A word-level `tokenizer.json` of `pieces` with T5's special ids (pad 0, EOS 1 appended,
+    unk 2)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2} | {f"w{i}": i for i in range(3, V)}
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2} | {f"w{i}": i for i in range(3, pieces)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.post_processor = processors.TemplateProcessing(
@@ -209,6 +217,100 @@ def test_an_imported_t5_translates_text_as_transformers(tmp_path):
         theirs = [hf_tokenizer.decode(_theirs(hf_model, ids, beams), skip_special_tokens=True)
                   for ids in hf_tokenizer(sentences)["input_ids"]]
         assert ours == theirs and all(ours), beams
+
+
+def test_an_embedding_padded_past_the_tokenizer_keeps_it(tmp_path):
+    """Published T5 and Flan-T5 have more embedding rows than tokenizer pieces: the
+    tokenizer.json is the run's vocabulary all the same, its vocab_size the model's rows (the
+    data's vocab_size and the workdir's check agree), the padding's ids decode to nothing, as
+    transformers' decode gives them, and the export writes the rows and the file back."""
+    hf_dir = tmp_path / "t5"
+    _t5_dir(hf_dir)
+    pieces = V - PADDED
+    hf_tokenizer = _tokenizer_json(hf_dir, pieces)
+    workdir, run, params = _import(tmp_path, hf_dir)
+    assert params["embedding"]["embedding"].shape == (V, D)
+    tokenizer = workdir_lib.load_tokenizer(workdir, run.config.data.vocab_size)
+    assert (tokenizer.vocab_size, tokenizer.pieces, run.model.vocab_size) == (V, pieces, V)
+    sentences = ["w5 w87 w3", "w40 w12"]
+    assert [ids + [1] for ids in tokenizer.encode(sentences)] == hf_tokenizer(
+        sentences)["input_ids"]
+    ids = [5, pieces, 87, V - 1, 3, 1, 7]
+    assert tokenizer.decode(ids) == hf_tokenizer.decode(ids[:5]) == "w5 w87 w3"
+    _check_round_trip(tmp_path, workdir, hf_dir, transformers.T5ForConditionalGeneration)
+    exported = tmp_path / "exported" / tokenizer_lib.JSON_FILE
+    assert exported.read_bytes() == (hf_dir / tokenizer_lib.JSON_FILE).read_bytes()
+    with pytest.raises(tokenizer_lib.VocabularyMismatch, match="more than the model's"):
+        tokenizer_lib.HuggingFaceTokenizer(exported.read_bytes(), bos_id=0, eos_id=1, pad_id=0,
+                                           vocab_size=pieces - 1)
+
+
+SPIECE_PIECES = 40  # a tiny SentencePiece model; T5's has 32000
+WORDS = ("the quick brown fox jumps over a lazy dog house cat tree water running jumped "
+         "under nothing something").split()
+
+
+def _spiece_dir(path):
+    """A T5 v1.1 checkpoint as google/t5-v1_1-* ship it: config.json, the weights and a
+    `spiece.model` (unigram, T5's ids: pad 0, EOS 1, unk 2, no BOS), no tokenizer.json; the
+    embedding has rows for the pieces, T5Tokenizer's 100 extra ids and padding."""
+    import sentencepiece as spm
+
+    rng = np.random.default_rng(0)
+    sentences = [" ".join(rng.choice(WORDS, 8)) + "." for _ in range(300)]
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(sentences), model_writer=model, vocab_size=SPIECE_PIECES,
+        model_type="unigram", pad_id=0, eos_id=1, unk_id=2, bos_id=-1, pad_piece="<pad>",
+        eos_piece="</s>", unk_piece="<unk>", num_threads=1, minloglevel=2)
+    rows = SPIECE_PIECES + t5.EXTRA_IDS + PADDED
+    hf_model = _t5_dir(path, vocab_size=rows)
+    (path / t5.SPIECE_FILE).write_bytes(model.getvalue())
+    return hf_model, transformers.AutoTokenizer.from_pretrained(str(path)), rows
+
+
+SPIECE_SENTENCES = ["the quick brown fox.", "a cat <extra_id_0> jumped over<extra_id_1>the  dog",
+                    "  Ünïcode ﬁsh\thouse  "]
+
+
+def test_a_spiece_model_alone_is_read_as_t5tokenizer_reads_it(tmp_path):
+    """google/t5-v1_1-* hold `spiece.model` only: it becomes the run's vocabulary with T5's
+    100 extra ids counting down from the last (`<extra_id_0>`), encoding and decoding as
+    transformers' T5Tokenizer (sentinels, the charsmap normaliser, repeated whitespace); the
+    export writes the spiece.model back and a tokenizer.json that encodes the same."""
+    hf_dir = tmp_path / "t5"
+    _, hf_tokenizer, rows = _spiece_dir(hf_dir)
+    assert type(hf_tokenizer).__name__ == "T5Tokenizer" and not (hf_dir / "tokenizer.json"
+                                                                  ).exists()
+    workdir, run, _ = _import(tmp_path, hf_dir)
+    tokenizer = workdir_lib.load_tokenizer(workdir, run.config.data.vocab_size)
+    assert (tokenizer.vocab_size, tokenizer.pieces) == (rows, len(hf_tokenizer))
+    expected = hf_tokenizer(SPIECE_SENTENCES)["input_ids"]
+    assert [ids + [1] for ids in tokenizer.encode(SPIECE_SENTENCES)] == expected
+    extra_0 = SPIECE_PIECES + t5.EXTRA_IDS - 1
+    assert expected[1].count(extra_0) == 1 and 2 in expected[2]  # a sentinel, an unknown
+    for ids in expected:
+        assert tokenizer.decode(ids) == hf_tokenizer.decode(ids[:-1])
+    _check_round_trip(tmp_path, workdir, hf_dir, transformers.T5ForConditionalGeneration)
+    out = tmp_path / "exported"
+    assert (out / t5.SPIECE_FILE).read_bytes() == (hf_dir / t5.SPIECE_FILE).read_bytes()
+    exported = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert exported(SPIECE_SENTENCES)["input_ids"] == expected
+
+
+@pytest.mark.slow
+def test_an_imported_spiece_t5_translates_as_transformers(tmp_path):
+    """Greedy text from `Translator` on the spiece.model run equals generate's, decoded by
+    T5Tokenizer (sentinels kept, as ours keeps them; padding rows dropped by both)."""
+    hf_dir = tmp_path / "t5"
+    hf_model, hf_tokenizer, _ = _spiece_dir(hf_dir)
+    workdir, _, _ = _import(tmp_path, hf_dir)
+    translator = translator_lib.load(workdir)
+    ours = translator.translate(SPIECE_SENTENCES[:2], beam_size=1, max_extra_length=EXTRA,
+                                batch_size=1)
+    theirs = [hf_tokenizer.decode(_theirs(hf_model, ids, 1)[:-1])
+              for ids in hf_tokenizer(SPIECE_SENTENCES[:2])["input_ids"]]
+    assert ours == theirs and all(ours)
 
 
 def test_without_the_relative_bias_the_logits_differ(tmp_path):

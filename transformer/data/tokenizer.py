@@ -35,7 +35,7 @@ FIRST_ORDINARY_ID = MASK_ID + 1  # ids below are special (sentinels, when reserv
 SENTINEL_PIECE = "<extra_id_{}>"  # T5's span-corruption sentinels: user-defined, after [MASK]
 MODEL_FILE = "sentencepiece.model"
 JSON_FILE = "tokenizer.json"  # the `tokenizers` library's file, as save_pretrained writes it
-SPECIAL_IDS_FILE = "special_ids.json"  # beside JSON_FILE: its bos_id, eos_id and pad_id
+SPECIAL_IDS_FILE = "special_ids.json"  # beside JSON_FILE: its bos, eos, pad ids (rows if padded)
 # A tokenizer.json given as data.vocab_path: its special tokens by their usual spellings.
 EOS_TOKENS = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "[SEP]")
 BOS_TOKENS = ("<s>", "<|begin_of_text|>", "<bos>", "[CLS]")
@@ -116,15 +116,25 @@ class Tokenizer:
 class HuggingFaceTokenizer:
     """An imported checkpoint's `tokenizer.json` (the `tokenizers` library: GPT-2's byte-level
     BPE, Llama 3's, ...) with the special ids of its model's config; the same methods as
-    `Tokenizer` (no [MASK] or sentinels)."""
+    `Tokenizer` (no [MASK] or sentinels).
 
-    def __init__(self, json_bytes: bytes, *, bos_id: int, eos_id: int, pad_id: int | None):
+    `vocab_size` is the model's embedding rows where the checkpoint pads them past the
+    tokenizer's pieces (T5 and Flan-T5: 32128 rows, 32100 pieces): ids from `pieces` on are
+    never encoded and `decode` drops them, as transformers' decode does."""
+
+    def __init__(self, json_bytes: bytes, *, bos_id: int, eos_id: int, pad_id: int | None,
+                 vocab_size: int | None = None):
         from tokenizers import Tokenizer as JsonModel
 
         self.json_bytes = bytes(json_bytes)
         self._model = JsonModel.from_str(self.json_bytes.decode("utf-8"))
         self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
         self.mask_id, self.sentinel_ids = None, []
+        self.pieces = self._model.get_vocab_size(with_added_tokens=True)
+        self.rows = self.pieces if vocab_size is None else int(vocab_size)
+        if self.rows < self.pieces:
+            raise VocabularyMismatch(f"the tokenizer.json has {self.pieces} pieces, more than "
+                                     f"the model's {self.rows} embedding rows")
 
     @classmethod
     def from_special_tokens(cls, json_bytes: bytes, where: str) -> HuggingFaceTokenizer:
@@ -154,7 +164,8 @@ class HuggingFaceTokenizer:
 
     @property
     def vocab_size(self) -> int:
-        return self._model.get_vocab_size(with_added_tokens=True)
+        """The model's rows: the pieces, and the padding past them if any."""
+        return self.rows
 
     @property
     def sha256(self) -> str:
@@ -169,17 +180,22 @@ class HuggingFaceTokenizer:
         return [e.ids for e in self._model.encode_batch(list(texts), add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int]) -> str:
-        """Text of `ids` up to the first EOS; padding (if any) and BOS are dropped."""
-        return self._model.decode(_content(ids, self), skip_special_tokens=False)
+        """Text of `ids` up to the first EOS; padding (the pad id and rows past the pieces) and
+        BOS are dropped."""
+        kept = [i for i in _content(ids, self) if i < self.pieces]
+        return self._model.decode(kept, skip_special_tokens=False)
 
     def id_to_piece(self, i: int) -> str:
         return self._model.id_to_token(int(i))
 
     def save(self, directory: str) -> str:
-        """Writes `<directory>/tokenizer.json` and its special ids, atomically."""
+        """Writes `<directory>/tokenizer.json` and its special ids (and the model's rows where
+        they exceed the pieces), atomically."""
         directory = epath.Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         special = {"bos_id": self.bos_id, "eos_id": self.eos_id, "pad_id": self.pad_id}
+        if self.rows != self.pieces:
+            special["vocab_size"] = self.rows
         _atomic_write(directory / SPECIAL_IDS_FILE, json.dumps(special).encode())
         _atomic_write(directory / JSON_FILE, self.json_bytes)
         return os.fspath(directory / JSON_FILE)

@@ -9,12 +9,16 @@ given), and places each tensor group straight into its mesh sharding as it is re
 of the params-only series `params/0/`, which `generate`, `evaluate` and `init_from` read as
 any run's. The checkpoint's tokenizer becomes the run's `vocab/` with its own special ids
 (`model.bos_id`, `eos_id`, `pad_id` from config.json): `tokenizer.json` through the
-`tokenizers` library, else a SentencePiece `tokenizer.model`.
+`tokenizers` library, else T5's `spiece.model` (as T5Tokenizer reads it, `t5.read_spiece`),
+else a SentencePiece `tokenizer.model`; where the model's embedding has rows past the
+tokenizer's pieces (T5's 32128 for 32100), the vocabulary counts them (`data.vocab_size` is
+the model's) and its decode drops their ids.
 
 `export_workdir(workdir, out_dir)` writes a run's parameters back as `config.json` and
 `model.safetensors` (float32; shards of at most `max_shard_bytes` and their index beyond that,
 as `save_pretrained` writes them) that `transformers`' `from_pretrained` loads, and its
-vocabulary as `tokenizer.json` or `tokenizer.model`.
+vocabulary as `tokenizer.json` or `tokenizer.model` (and T5's `spiece.model` where the import
+read one).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from transformer.checkpoint import workdir as workdir_lib
 from transformer.config import resolve
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.data.tokenizer import MODEL_FILE
-from transformer.huggingface import families, marian
+from transformer.huggingface import families, marian, t5
 from transformer.model.config import TransformerConfig
 from transformer.training import sharding
 
@@ -192,7 +196,11 @@ def import_checkpoint(hf_dir: str, workdir: str, *, config_file: str | None = No
     series.close()
     if jax.process_index() == 0:
         if tokenizer is not None:
-            tokenizer.save(workdir_lib.path(workdir, workdir_lib.VOCAB))
+            vocab_dir = workdir_lib.path(workdir, workdir_lib.VOCAB)
+            tokenizer.save(vocab_dir)
+            if family is families.T5 and os.path.isfile(os.path.join(hf_dir, t5.SPIECE_FILE)):
+                shutil.copyfile(os.path.join(hf_dir, t5.SPIECE_FILE),  # exported back as is
+                                os.path.join(vocab_dir, t5.SPIECE_FILE))
         provenance = {"huggingface": {"source": os.path.abspath(hf_dir),
                                       "model_type": hf_config["model_type"],
                                       "config": hf_config}, "mesh": dict(mesh.shape)}
@@ -226,30 +234,41 @@ def read_params(reader: TensorReader, family, model_cfg: TransformerConfig, mesh
 
 def _vocabulary(hf_dir: str, model_cfg: TransformerConfig, hf_config: dict):
     """The checkpoint's own tokenizer as the run's vocabulary: its `tokenizer.json` (with the
-    special ids of its config.json), else its SentencePiece `tokenizer.model`; None, with a
-    warning saying what the run then lacks, where there is neither or it does not fit the
-    model (another size or other special ids)."""
+    special ids of its config.json), else T5's `spiece.model` (`t5.read_spiece`), else its
+    SentencePiece `tokenizer.model`; None, with a warning saying what the run then lacks, where
+    there is neither or it does not fit the model (more pieces than embedding rows, or other
+    special ids). A tokenizer.json or spiece.model with fewer pieces than the model has rows
+    (T5 and Flan-T5: 32100 pieces, 32128 rows) counts the padding rows in its `vocab_size`."""
     if model_cfg.architecture == "vision":
         return None
     lacks = ("the run gets no vocab/: generate, evaluate and init_from need one; "
              "the Python API takes token ids")
     json_path = os.path.join(hf_dir, tokenizer_lib.JSON_FILE)
-    path = json_path if os.path.isfile(json_path) else os.path.join(hf_dir, TOKENIZER_MODEL)
+    spiece = os.path.join(hf_dir, t5.SPIECE_FILE)
     is_marian = hf_config["model_type"] in families.Marian.model_types
+    is_t5 = hf_config["model_type"] in families.T5.model_types
     if is_marian:  # MarianTokenizer's files
         path = os.path.join(hf_dir, marian.VOCAB_JSON)
+    elif os.path.isfile(json_path):
+        path = json_path
+    elif is_t5:
+        path = spiece
+    else:
+        path = os.path.join(hf_dir, TOKENIZER_MODEL)
     if not os.path.isfile(path):
-        log.warning("%s has no %s or %s: %s", hf_dir, tokenizer_lib.JSON_FILE, TOKENIZER_MODEL,
-                    lacks)
+        log.warning("%s has no %s or %s: %s", hf_dir, tokenizer_lib.JSON_FILE,
+                    os.path.basename(path), lacks)
         return None
+    ids = dict(bos_id=model_cfg.bos_id, eos_id=model_cfg.eos_id, pad_id=model_cfg.pad_id)
     try:
         if is_marian:
             tokenizer = marian.read_vocabulary(hf_dir, hf_config)
         elif path == json_path:
             with open(path, "rb") as f:
                 tokenizer = tokenizer_lib.HuggingFaceTokenizer(
-                    f.read(), bos_id=model_cfg.bos_id, eos_id=model_cfg.eos_id,
-                    pad_id=model_cfg.pad_id)
+                    f.read(), vocab_size=model_cfg.vocab_size, **ids)
+        elif path == spiece:
+            tokenizer = t5.read_spiece(path, vocab_size=model_cfg.vocab_size, **ids)
         else:
             tokenizer = tokenizer_lib.Tokenizer.load(path)
         if tokenizer.vocab_size != model_cfg.vocab_size:
@@ -303,12 +322,16 @@ def export_workdir(workdir: str, out_dir: str, *, step: int | None = None,
     hf_config = family.hf_config(model_cfg) | {"dtype": "float32"}
     with open(os.path.join(out_dir, HF_CONFIG), "w") as f:
         json.dump(hf_config, f, indent=2)
-    vocab = tokenizer_lib.vocabulary_file(workdir_lib.path(workdir, workdir_lib.VOCAB))
+    vocab_dir = workdir_lib.path(workdir, workdir_lib.VOCAB)
+    vocab = tokenizer_lib.vocabulary_file(vocab_dir)
     if os.path.isfile(vocab) and family is families.Marian:
         marian.write_vocabulary(vocab, out_dir, model_cfg)
     elif os.path.isfile(vocab):
         name = TOKENIZER_MODEL if vocab.endswith(MODEL_FILE) else tokenizer_lib.JSON_FILE
         shutil.copyfile(vocab, os.path.join(out_dir, name))
+    if family is families.T5 and os.path.isfile(os.path.join(vocab_dir, t5.SPIECE_FILE)):
+        shutil.copyfile(os.path.join(vocab_dir, t5.SPIECE_FILE),
+                        os.path.join(out_dir, t5.SPIECE_FILE))
     return writer.path
 
 

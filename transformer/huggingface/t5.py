@@ -37,6 +37,7 @@ dropout (an import sets ours to it; an export writes `model.dropout_rate`).
 
 from __future__ import annotations
 
+from transformer.data.tokenizer import SENTINEL_PIECE, HuggingFaceTokenizer
 from transformer.huggingface.mapping import (
     Tensors,
     heads_in,
@@ -53,6 +54,9 @@ ACTIVATIONS = {"relu": ("relu", True), "gelu": ("gelu", False), "gelu_new": ("ge
                "gelu_pytorch_tanh": ("gelu", True), "silu": ("silu", True),
                "swish": ("silu", True)}
 GATED = {"gelu": "geglu", "silu": "swiglu"}  # ours, gated
+SPIECE_FILE = "spiece.model"  # T5Tokenizer's SentencePiece model (google/t5-v1_1-* hold no other)
+EXTRA_IDS = 100  # T5Tokenizer's extra_ids: <extra_id_99> .. <extra_id_0> after the pieces
+SPECIAL_TYPES = (2, 3)  # SentencePiece's unknown and control pieces: <unk>, <pad>, </s>
 
 
 def _activation(hf: dict) -> dict:
@@ -178,3 +182,39 @@ class T5:
                     out.append(same(f"{hf}.1.layer_norm.weight", f"{ours}/norm_cross/scale"))
                 out += _feed_forward(f"{hf}.{2 if stack == 'decoder' else 1}", ours, gated)
         return out
+
+
+def read_spiece(path: str, *, vocab_size: int, pad_id: int, eos_id: int,
+                bos_id: int) -> HuggingFaceTokenizer:
+    """A `spiece.model` as the tokenizer `T5Tokenizer.from_pretrained` builds from it
+    (transformers 5): its pieces and scores, then the `EXTRA_IDS` sentinels counting down
+    (`<extra_id_0>` is the last id), its normaliser (the precompiled charsmap), split at
+    whitespace with "▁" before each word, `</s>` appended by the post-processor (which our
+    encode leaves out). ValueError where its pad or EOS is not the model's."""
+    from sentencepiece import sentencepiece_model_pb2
+    from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokenizers, processors
+    from tokenizers.models import Unigram
+
+    with open(path, "rb") as f:
+        proto = sentencepiece_model_pb2.ModelProto.FromString(f.read())
+    spec = proto.trainer_spec
+    if (spec.pad_id, spec.eos_id) != (pad_id, eos_id):
+        raise ValueError(f"pad {spec.pad_id} and EOS {spec.eos_id}, the model's are {pad_id} "
+                         f"and {eos_id}")
+    extras = [SENTINEL_PIECE.format(i) for i in reversed(range(EXTRA_IDS))]
+    vocab = [(p.piece, p.score) for p in proto.pieces] + [(e, 0.0) for e in extras]
+    tokenizer = Tokenizer(Unigram(vocab, unk_id=spec.unk_id, byte_fallback=False))
+    if proto.normalizer_spec.precompiled_charsmap:
+        tokenizer.normalizer = normalizers.Precompiled(proto.normalizer_spec.precompiled_charsmap)
+    metaspace = dict(replacement="\u2581", prepend_scheme="always", split=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Metaspace(**metaspace)])
+    tokenizer.decoder = decoders.Metaspace(**metaspace)
+    special = [p.piece for p in proto.pieces if p.type in SPECIAL_TYPES] + extras
+    tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                                  for t in special])
+    eos = proto.pieces[eos_id].piece
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"$A {eos}", pair=f"$A {eos} $B {eos}", special_tokens=[(eos, eos_id)])
+    return HuggingFaceTokenizer(tokenizer.to_str().encode("utf-8"), bos_id=bos_id,
+                                eos_id=eos_id, pad_id=pad_id, vocab_size=vocab_size)
