@@ -167,6 +167,30 @@ def test_each_epoch_visits_every_document_once_a_window_at_a_time(tmp_path):
     np.testing.assert_array_equal(again.order(0, np.arange(n)), first)
 
 
+def test_a_record_of_the_shards_rows_spares_later_readers_the_count(tmp_path, monkeypatch):
+    write_shards(tmp_path / "train", documents(230), shards=5)
+    (tmp_path / "train/part-002.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(
+        b'{"text": "a b"}\n{"text": oops}\n{"text": "c d"}\n'))
+    spec, record = f"{tmp_path}/train/*.jsonl.zst", str(tmp_path / "vocab")
+    plain = files.FileDocuments(spec, seed=3, skip_bad_lines=True)
+    first = files.FileDocuments(spec, seed=3, skip_bad_lines=True, record_dir=record)
+    np.testing.assert_array_equal(first.counts, plain.counts)
+    assert len(list((tmp_path / "vocab").glob("rows-*.json"))) == 1
+    reads = []
+    read = files._Reader.read
+    monkeypatch.setattr(files._Reader, "read", lambda self, path: reads.append(path) or
+                        read(self, path))
+    again = files.FileDocuments(spec, seed=3, skip_bad_lines=True, record_dir=record)
+    assert reads == [] and again.skipped_lines == plain.skipped_lines == 1
+    n = len(plain)
+    np.testing.assert_array_equal(again.order(0, np.arange(n)), plain.order(0, np.arange(n)))
+    write_jsonl(tmp_path / "train/part-004.jsonl.zst", [{"text": "e f"}] * 3, "zst")
+    changed = files.FileDocuments(spec, seed=3, skip_bad_lines=True, record_dir=record)
+    assert len(reads) == 5  # a shard changed: every shard counted again
+    assert changed.counts.tolist() == plain.counts.tolist()[:4] + [3]
+    assert len(list((tmp_path / "vocab").glob("rows-*.json"))) == 1
+
+
 # --------------------------------------------------------------------------- bad input
 
 
@@ -226,6 +250,7 @@ def test_language_model_batches_from_files_are_a_function_of_the_index(lm_files_
 
     source = from_config(lm_files_config, str(tmp_path / "run"))
     again = from_config(lm_files_config, str(tmp_path / "run"))  # a restart: the saved vocab
+    assert len(list((tmp_path / "run/vocab").glob("rows-*.json"))) == 2  # train, validation
     assert source.num_train_documents == 600
     whole = source.train_batch(7, (0, 8))
     halves = [again.train_batch(7, rows) for rows in ((0, 4), (4, 8))]

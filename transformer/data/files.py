@@ -12,6 +12,9 @@ materialising anything per document: a seeded permutation of the shards, cut int
 its rows (`permutation.Permutation`), so a batch reads from at most a window's shards and a
 host holds at most that many shards decoded.
 
+Rows per shard: parquet's metadata, else a read of the shard; with `record_dir` (a run's
+`<workdir>/vocab/`) the counts are recorded there and reused while the shards are unchanged.
+
 Bad input is one line naming the file: a glob matching nothing, a missing field (with the
 fields the file has), a malformed jsonl line (file:line; `data.skip_bad_lines=True` skips and
 counts them instead), a parquet column that is not text, a file without documents, non-UTF-8
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import glob
+import hashlib
 import io
 import json
 import logging
@@ -30,6 +34,7 @@ import re
 import threading
 
 import numpy as np
+from etils import epath
 
 from transformer.data.permutation import Permutation
 
@@ -287,7 +292,8 @@ class FileDocuments:
 
     def __init__(self, spec: str, *, fields: tuple[str, ...] = ("text",), seed: int = 0,
                  shuffle_window: int = 8, skip_bad_lines: bool = False,
-                 setting: str = "data.dataset", label_field: str | None = None):
+                 setting: str = "data.dataset", label_field: str | None = None,
+                 record_dir: str | None = None):
         parsed = parse_spec(spec, setting)
         if parsed is None:
             raise BadData(f"{setting}={spec!r} names no files; write <format>:<glob>")
@@ -300,7 +306,7 @@ class FileDocuments:
         self._reader = _Reader(self.format, self.fields, skip_bad_lines, label_field)
         self._cache: collections.OrderedDict[int, list] = collections.OrderedDict()
         self._lock = threading.Lock()
-        self.counts = np.array([self._count(k) for k in range(len(self.paths))], np.int64)
+        self.counts = self._counts(record_dir)
         self.offsets = np.concatenate([[0], np.cumsum(self.counts)])
         self.name = f"{self.format}:{self.pattern}"
         if self._reader.skipped:
@@ -312,6 +318,39 @@ class FileDocuments:
     @property
     def skipped_lines(self) -> int:
         return self._reader.skipped
+
+    def _counts(self, record_dir: str | None) -> np.ndarray:
+        """Rows of every shard. With `record_dir` (a run's `<workdir>/vocab/`), the record of
+        an earlier count there is used while the shards' paths, sizes and modification times
+        are unchanged: the processes that follow process 0, and a resumed run, read no shard
+        to count."""
+        if record_dir is None:
+            return np.array([self._count(k) for k in range(len(self.paths))], np.int64)
+        import fsspec
+
+        fs = fsspec.core.url_to_fs(self.paths[0])[0]
+        stamps = []
+        for path in self.paths:
+            info = fs.info(path)
+            stamps.append([info.get("size"), str(info.get("mtime") or info.get("updated")
+                                                 or info.get("LastModified") or "")])
+        reader = self._reader
+        key = json.dumps([self.format, self.pattern, self.fields, reader.skip_bad_lines,
+                          reader.label_field])
+        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+        record = epath.Path(record_dir) / f"rows-{digest}.json"
+        if record.exists():
+            kept = json.loads(record.read_text())
+            if kept["paths"] == self.paths and kept["stamps"] == stamps:
+                reader.skipped = kept["skipped"]
+                return np.array(kept["counts"], np.int64)
+        counts = np.array([self._count(k) for k in range(len(self.paths))], np.int64)
+        record.parent.mkdir(parents=True, exist_ok=True)
+        tmp = record.parent / f"{record.name}.tmp{os.getpid()}"
+        tmp.write_text(json.dumps({"spec": key, "paths": self.paths, "stamps": stamps,
+                                   "counts": counts.tolist(), "skipped": reader.skipped}))
+        tmp.replace(record)
+        return counts
 
     def _count(self, k: int) -> int:
         """Rows of shard k: parquet's metadata, else a read of the shard (not kept: memory

@@ -163,8 +163,9 @@ class LanguageModelSource:
             if not eval_dataset:
                 raise ValueError(f"data.dataset={dataset!r} is files: set data.eval_dataset "
                                  f"to the files to evaluate on (<format>:<glob>)")
+            record = workdir_lib.path(workdir, workdir_lib.VOCAB) if workdir else None
             opts = dict(fields=(text_field,), seed=self.seed, shuffle_window=shuffle_window,
-                        skip_bad_lines=skip_bad_lines)
+                        skip_bad_lines=skip_bad_lines, record_dir=record)
             train = (_mixture(sources, opts) if sources else
                      files.FileDocuments(dataset, **opts))
             self.files = {"train": train,
