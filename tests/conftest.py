@@ -82,6 +82,20 @@ TRANSLATION_SENTENCES = [
 ] * 20
 
 
+def params_run(workdir: pathlib.Path, cfg, params) -> pathlib.Path:
+    """`workdir` (created) as a run holding `params` at step 1 as its params series, with
+    config.json from `cfg`: what the Hugging Face export reads."""
+    from transformer.checkpoint import averaging
+    from transformer.checkpoint import workdir as workdir_lib
+
+    workdir.mkdir()
+    workdir_lib.write_config(str(workdir), cfg.to_dict(), {})
+    series = averaging.ParamsSeries(str(workdir), every_minutes=1.0, keep=1, use_async=False)
+    series.save(1, params)
+    series.close()
+    return workdir
+
+
 def _untrained_run(path: pathlib.Path, **overrides) -> pathlib.Path:
     """config.json, vocab/ and one checkpoint of an untrained tiny model (configs/tiny.py with
     a 96-piece vocabulary, max_len 24, and `overrides`) in `path`: what the CLIs read."""

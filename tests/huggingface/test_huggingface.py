@@ -9,7 +9,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 import pytest
-from conftest import TRANSLATION_SENTENCES
+from conftest import TRANSLATION_SENTENCES, params_run
 from safetensors.numpy import load_file
 
 from transformer.checkpoint import averaging
@@ -231,12 +231,7 @@ def test_language_model_trained_here_exports_to_llama(tmp_path, load_config):
     model = Transformer(run.model)
     tokens = jax.numpy.ones((1, 1), jax.numpy.int32)
     params = nn.unbox(model.init(jax.random.key(0), tokens, tokens)["params"])
-    workdir = tmp_path / "run"
-    workdir.mkdir()
-    workdir_lib.write_config(str(workdir), cfg.to_dict(), {})
-    series = averaging.ParamsSeries(str(workdir), every_minutes=1.0, keep=1, use_async=False)
-    series.save(1, params)
-    series.close()
+    workdir = params_run(tmp_path / "run", cfg, params)
     convert.export_workdir(str(workdir), str(tmp_path / "hf"))
     hf_model = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
     valid = TOKENS != 0

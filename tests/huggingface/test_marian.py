@@ -11,11 +11,10 @@ import flax.linen as nn
 import jax
 import numpy as np
 import pytest
-from conftest import TRANSLATION_SENTENCES
+from conftest import TRANSLATION_SENTENCES, params_run
 from test_huggingface import ATOL, _check_round_trip, _import, _save
 
 from transformer.checkpoint import averaging
-from transformer.checkpoint import workdir as workdir_lib
 from transformer.config import resolve
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.huggingface import convert, marian
@@ -118,13 +117,8 @@ def _papers_run(tmp_path, load_config):
     tokens = jax.numpy.ones((1, 1), jax.numpy.int32)
     params = nn.unbox(model.init(jax.random.key(0), tokens, tokens)["params"])
     params = jax.tree.map(lambda x: x * 4.0 if x.ndim > 1 else x, params)
-    workdir = tmp_path / "run"
-    workdir.mkdir()
-    workdir_lib.write_config(str(workdir), cfg.to_dict(), {})
+    workdir = params_run(tmp_path / "run", cfg, params)
     tokenizer_lib.train(TRANSLATION_SENTENCES, V, seed=0).save(str(workdir / "vocab"))
-    series = averaging.ParamsSeries(str(workdir), every_minutes=1.0, keep=1, use_async=False)
-    series.save(1, params)
-    series.close()
     return workdir, model, params
 
 

@@ -8,6 +8,7 @@ import re
 
 import numpy as np
 import pytest
+from conftest import params_run
 from test_huggingface import (
     ATOL,
     SPECIAL,
@@ -108,8 +109,6 @@ def test_routed_language_model_trained_here_exports_to_mixtral(tmp_path, load_co
     import flax.linen as nn
     import jax
 
-    from transformer.checkpoint import averaging
-    from transformer.checkpoint import workdir as workdir_lib
     from transformer.config import resolve
     from transformer.model.transformer import Transformer
 
@@ -122,12 +121,7 @@ def test_routed_language_model_trained_here_exports_to_mixtral(tmp_path, load_co
     tokens = jax.numpy.ones((1, 1), jax.numpy.int32)
     params = nn.unbox(model.init(jax.random.key(0), tokens, tokens)["params"])
     params["decoder"]["layers"]["moe"]["router"] *= 4.0  # choices that differ between tokens
-    workdir = tmp_path / "run"
-    workdir.mkdir()
-    workdir_lib.write_config(str(workdir), cfg.to_dict(), {})
-    series = averaging.ParamsSeries(str(workdir), every_minutes=1.0, keep=1, use_async=False)
-    series.save(1, params)
-    series.close()
+    workdir = params_run(tmp_path / "run", cfg, params)
     convert.export_workdir(str(workdir), str(tmp_path / "hf"))
     hf_model = transformers.MixtralForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
     chosen = _routed_experts(hf_model, TOKENS)
