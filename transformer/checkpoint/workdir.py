@@ -12,6 +12,8 @@ vocabulary. The layout (docs/architecture.md, "The workdir"):
     eval/                 what `evaluate` scored, one sentence a line
     plots/                what `visualize` draws
     profile/              a jax.profiler trace, when asked for
+
+The workdir may be remote (gs://...): config.json and metrics.jsonl go through etils.epath.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import json
 import os
 import re
 
+from etils import epath
 from ml_collections import ConfigDict
 
 CONFIG = "config.json"
@@ -40,25 +43,29 @@ def path(workdir: str, *parts: str) -> str:
     return os.path.join(workdir, *parts)
 
 
+def is_remote(workdir: str) -> bool:
+    """Whether `workdir` is a URL (gs://bucket/run) rather than a local directory."""
+    return "://" in os.fspath(workdir)
+
+
 def write_config(workdir: str, values: dict, provenance: dict) -> None:
     """config.json, atomically (other processes may be reading it): `values` (the resolved
     config as a dict) and `provenance`."""
-    target = path(workdir, CONFIG)
-    with open(f"{target}.tmp", "w") as f:
-        json.dump(values | {"provenance": provenance}, f, indent=2)
-    os.replace(f"{target}.tmp", target)
+    target = epath.Path(path(workdir, CONFIG))
+    tmp = target.parent / f"{target.name}.tmp"
+    tmp.write_text(json.dumps(values | {"provenance": provenance}, indent=2))
+    tmp.replace(target)
 
 
 def read_config_file(workdir: str) -> dict | None:
     """config.json as written (provenance included), or None when there is none."""
     target = path(workdir, CONFIG)
-    if not os.path.exists(target):
+    if not epath.Path(target).exists():
         return None
-    if not os.path.isfile(target):
+    if not epath.Path(target).is_file():
         raise ValueError(f"{target} is not a file: remove it or use another --workdir")
     try:
-        with open(target) as f:
-            return json.load(f)
+        return json.loads(epath.Path(target).read_text())
     except json.JSONDecodeError as error:
         raise ValueError(f"{target} is damaged ({error.msg} at line {error.lineno}): restore it "
                          f"from a copy or use a new --workdir") from None
@@ -66,7 +73,7 @@ def read_config_file(workdir: str) -> dict | None:
 
 def load_config(workdir: str) -> ConfigDict:
     """The resolved config a run recorded in `<workdir>/config.json` (without provenance)."""
-    if not os.path.isdir(workdir):
+    if not epath.Path(workdir).is_dir():
         raise ValueError(f"--workdir={workdir} is not a directory: give a training run's workdir")
     values = read_config_file(workdir)
     if values is None:
@@ -94,10 +101,10 @@ def load_tokenizer(workdir: str, vocab_size: int):
 
     directory = path(workdir, VOCAB)
     vocab = tokenizer_lib.vocabulary_file(directory)
-    if not os.path.exists(vocab):
+    if not epath.Path(vocab).exists():
         raise ValueError(f"{vocab} is missing: this run has no vocabulary (was it trained on "
                          f"text, not the synthetic task?)")
-    if not os.path.isfile(vocab):
+    if not epath.Path(vocab).is_file():
         raise ValueError(f"{vocab} is not a file: restore the run's vocab/ directory")
     kind = ("a tokenizer.json" if vocab.endswith(tokenizer_lib.JSON_FILE)
             else "a SentencePiece model")
@@ -145,10 +152,10 @@ def check(workdir: str) -> list[str]:
             problems.append(f"{CONFIG} lacks the keys {missing}")
         if missing := sorted(MESH_AXES - set(config.get("mesh", {}))):
             problems.append(f"{CONFIG}'s mesh lacks the axes {missing}")
-    metrics = path(workdir, METRICS)
-    if not os.path.isfile(metrics):
+    metrics = epath.Path(path(workdir, METRICS))
+    if not metrics.is_file():
         return problems + [f"{METRICS} is missing"]
-    with open(metrics) as f:
+    with metrics.open() as f:
         for number, line in enumerate(f, 1):
             where = f"{METRICS}:{number}"
             try:
@@ -169,9 +176,9 @@ def check(workdir: str) -> list[str]:
                 problems.append(f"{where}: an eval loss without perplexity")
             if "bleu" in record and (missing := sorted(BLEU_METRICS - set(record))):
                 problems.append(f"{where}: bleu without {missing}")
-    checkpoints = path(workdir, CHECKPOINTS)
-    if os.path.isdir(checkpoints):
-        strays = sorted(name for name in os.listdir(checkpoints)
+    checkpoints = epath.Path(path(workdir, CHECKPOINTS))
+    if checkpoints.is_dir():
+        strays = sorted(name for name in (entry.name for entry in checkpoints.iterdir())
                         if not name.isdigit() and not name.startswith(".")
                         and "orbax-checkpoint-tmp" not in name)
         if strays:

@@ -17,6 +17,7 @@ from importlib import metadata
 
 import jax
 import numpy as np
+from etils import epath
 from jax.experimental import multihost_utils
 
 from transformer.checkpoint import faults
@@ -189,7 +190,7 @@ def _train(cfg, workdir: str, config_file: str | None,
     cfg = run.config
     starting = not list_steps(workdir_lib.path(workdir, workdir_lib.CHECKPOINTS))
     init = transfer.parse(cfg.init_from) if cfg.init_from and starting else None
-    os.makedirs(workdir, exist_ok=True)
+    epath.Path(workdir).mkdir(parents=True, exist_ok=True)
     if init is not None and cfg.data.dataset != "synthetic":  # before the data pipeline
         transfer.copy_vocabulary(init, workdir, int(cfg.data.vocab_size))  # trains its own
     source = _prepared_source(cfg, workdir, batch_shards=sharding.batch_shards(run.mesh_shape))

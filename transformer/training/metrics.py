@@ -8,12 +8,15 @@ No line is lost to a kill: the loop calls `MetricWriter.sync` (flush and fsync o
 and the TensorBoard events) before it starts a checkpoint save, so every step a checkpoint
 covers has its lines on disk before the checkpoint exists; a resumed run recomputes, and logs
 again, only steps after it. A line torn by a kill mid-write (always of a step after the latest
-checkpoint) is cut off when the next run opens the file.
+checkpoint) is cut off when the next run opens the file. In a remote workdir (gs://, through
+etils.epath; objects there cannot be appended to) the writer keeps the file's text and `sync`
+uploads it whole, so the same holds: the object has every line a checkpoint covers.
 """
 
 from __future__ import annotations
 
 import glob
+import io
 import json
 import logging
 import math
@@ -21,6 +24,7 @@ import os
 import time
 
 import jax
+from etils import epath
 
 from transformer.checkpoint import workdir as workdir_lib
 
@@ -50,18 +54,26 @@ def peak_flops_per_device(device: jax.Device | None = None) -> float | None:
 
 class MetricWriter:
     """Appends to metrics.jsonl and TensorBoard (process 0 only); each line is handed to the
-    operating system as it is written, `sync` makes them durable."""
+    operating system as it is written (kept in memory in a remote workdir), `sync` makes them
+    durable. TensorBoard events go where tensorboardX puts them (gs:// needs
+    google-cloud-storage)."""
 
     def __init__(self, workdir: str):
         self.active = jax.process_index() == 0
         self._path = workdir_lib.path(workdir, workdir_lib.METRICS)
         self._tb_dir = workdir_lib.path(workdir, workdir_lib.TENSORBOARD)
         self._tb = self._file = None
+        self._remote = workdir_lib.is_remote(workdir)
         if self.active:
             from tensorboardX import SummaryWriter
 
-            cut_torn_line(self._path)
-            self._file = open(self._path, "a")
+            if self._remote:
+                target = epath.Path(self._path)
+                self._file = io.StringIO(target.read_text() if target.exists() else "")
+                self._file.seek(0, io.SEEK_END)
+            else:
+                cut_torn_line(self._path)
+                self._file = open(self._path, "a")
             self._tb = SummaryWriter(self._tb_dir)
 
     def write(self, step: int, split: str, values: dict) -> None:
@@ -81,6 +93,10 @@ class MetricWriter:
         directories): call before a checkpoint save starts."""
         if not self.active:
             return
+        if self._remote:
+            epath.Path(self._path).write_text(self._file.getvalue())
+            self._tb.flush()
+            return
         self._file.flush()
         os.fsync(self._file.fileno())
         self._tb.flush()
@@ -91,6 +107,8 @@ class MetricWriter:
 
     def close(self) -> None:
         if self._tb is not None:
+            if self._remote:
+                self.sync()
             self._tb.close()
             self._file.close()
 
