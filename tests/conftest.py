@@ -96,6 +96,41 @@ def params_run(workdir: pathlib.Path, cfg, params) -> pathlib.Path:
     return workdir
 
 
+@pytest.fixture
+def bucket(monkeypatch):
+    """`gs://` served from memory: etils.epath's fsspec backend given an in-memory filesystem
+    (what gcsfs would be against a real bucket), and tensorboardX's gs:// event writer (which
+    needs google-cloud-storage) replaced by one that uploads through epath as it does."""
+    import types
+
+    from etils import epath
+    from etils.epath import backend, gpath
+    from fsspec.implementations.memory import MemoryFileSystem
+    from tensorboardX import record_writer
+
+    class Bucket(MemoryFileSystem):
+        protocol = ("gs", "gcs")
+        store, pseudo_dirs = {}, [""]
+
+    class Events:  # tensorboardX's GCSRecordWriter: the whole file uploaded on each flush
+        def __init__(self, path):
+            self.path, self.data = epath.Path(path), b""
+
+        def write(self, data):
+            self.data += data
+
+        def flush(self):
+            self.path.write_bytes(self.data)
+
+        close = flush
+
+    monkeypatch.setattr(gpath, "_is_tf_installed", lambda: False)  # else tf.io.gfile serves gs://
+    monkeypatch.setattr(backend.fsspec_backend, "_get_filesystem", lambda name: Bucket())
+    monkeypatch.setitem(record_writer.REGISTERED_FACTORIES, "gs",
+                        types.SimpleNamespace(open=Events, directory_check=lambda path: None))
+    return Bucket.store
+
+
 def _untrained_run(path: pathlib.Path, **overrides) -> pathlib.Path:
     """config.json, vocab/ and one checkpoint of an untrained tiny model (configs/tiny.py with
     a 96-piece vocabulary, max_len 24, and `overrides`) in `path`: what the CLIs read."""

@@ -2,7 +2,6 @@
 and nothing under a local `gs:` folder; the same calls on a local workdir give the same files."""
 
 import json
-import types
 
 import numpy as np
 import pytest
@@ -10,38 +9,6 @@ from etils import epath
 
 from transformer.checkpoint import workdir as workdir_lib
 from transformer.training import metrics
-
-
-@pytest.fixture
-def bucket(monkeypatch):
-    """`gs://` served from memory: etils.epath's fsspec backend given an in-memory filesystem
-    (what gcsfs would be against a real bucket), and tensorboardX's gs:// event writer (which
-    needs google-cloud-storage) replaced by one that uploads through epath as it does."""
-    from etils.epath import backend, gpath
-    from fsspec.implementations.memory import MemoryFileSystem
-    from tensorboardX import record_writer
-
-    class Bucket(MemoryFileSystem):
-        protocol = ("gs", "gcs")
-        store, pseudo_dirs = {}, [""]
-
-    class Events:  # tensorboardX's GCSRecordWriter: the whole file uploaded on each flush
-        def __init__(self, path):
-            self.path, self.data = epath.Path(path), b""
-
-        def write(self, data):
-            self.data += data
-
-        def flush(self):
-            self.path.write_bytes(self.data)
-
-        close = flush
-
-    monkeypatch.setattr(gpath, "_is_tf_installed", lambda: False)  # else tf.io.gfile serves gs://
-    monkeypatch.setattr(backend.fsspec_backend, "_get_filesystem", lambda name: Bucket())
-    monkeypatch.setitem(record_writer.REGISTERED_FACTORIES, "gs",
-                        types.SimpleNamespace(open=Events, directory_check=lambda path: None))
-    return Bucket.store
 
 
 def _train_line(step):

@@ -79,22 +79,6 @@ def test_the_model_reads_the_special_ids_of_its_vocabulary(tokenizer):
         tk.check_special_ids(tokenizer, {"bos_id": 2, "eos_id": 2, "pad_id": 0})
 
 
-@pytest.fixture
-def bucket(monkeypatch):
-    """`gs://` served from memory: etils.epath's fsspec backend given an in-memory filesystem
-    (what gcsfs would be against a real bucket)."""
-    from etils.epath import backend, gpath
-    from fsspec.implementations.memory import MemoryFileSystem
-
-    class Bucket(MemoryFileSystem):
-        protocol = ("gs", "gcs")
-        store, pseudo_dirs = {}, [""]
-
-    monkeypatch.setattr(gpath, "_is_tf_installed", lambda: False)  # else tf.io.gfile serves gs://
-    monkeypatch.setattr(backend.fsspec_backend, "_get_filesystem", lambda name: Bucket())
-    return Bucket.store
-
-
 @pytest.mark.parametrize("remote", [False, True])
 def test_a_workdirs_vocabulary_may_be_remote(remote, bucket, sentences, tokenizer, tmp_path,
                                              monkeypatch):
