@@ -112,6 +112,10 @@ def main(argv=None) -> None:
                         help="Length penalty of both (default: the run's decode.alpha).")
     parser.add_argument("--rounds", type=int, default=2, help="The first compiles ours.")
     args = parser.parse_args(argv)
+    # First: MarianMTModel's import loads torch's triton, whose libtriton.so segfaults when it
+    # loads after jaxlib has initialised (seen here: dmesg, faulthandler in triton/knobs.py).
+    from transformers import MarianMTModel  # noqa: F401
+
     from transformer.checkpoint import workdir as workdir_lib
     from transformer.config import resolve
     from transformer.data import make_source
