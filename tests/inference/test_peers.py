@@ -29,7 +29,7 @@ def test_the_peer_computes_our_logits_and_loss(load_config, norm_position):
     peer.load_params(theirs, jax.tree.map(np.asarray, params["params"]))
     assert sum(p.numel() for p in theirs.parameters()) == sum(
         x.size for x in jax.tree.leaves(params))
-    decoder_inputs = torch.from_numpy(np.asarray(shift_right(jnp.asarray(targets))))
+    decoder_inputs = torch.from_numpy(np.array(shift_right(jnp.asarray(targets))))
     with torch.no_grad():
         their_logits = theirs(torch.from_numpy(inputs), decoder_inputs).numpy()
         loss = float(theirs.loss(torch.from_numpy(inputs), torch.from_numpy(targets), 0.1))
