@@ -48,20 +48,13 @@ def is_remote(workdir: str) -> bool:
     return "://" in os.fspath(workdir)
 
 
-def write_atomically(target: str | epath.Path, data: bytes) -> None:
-    """Writes `data` to `target` (local, or remote such as gs://) through a temporary file
-    beside it, so a reader sees the old file or the new one, never part of either."""
-    target = epath.Path(target)
-    tmp = target.parent / f"{target.name}.tmp{os.getpid()}"
-    tmp.write_bytes(data)
-    tmp.replace(target)
-
-
 def write_config(workdir: str, values: dict, provenance: dict) -> None:
     """config.json, atomically (other processes may be reading it): `values` (the resolved
     config as a dict) and `provenance`."""
-    write_atomically(path(workdir, CONFIG),
-                     json.dumps(values | {"provenance": provenance}, indent=2).encode())
+    target = epath.Path(path(workdir, CONFIG))
+    tmp = target.parent / f"{target.name}.tmp"
+    tmp.write_text(json.dumps(values | {"provenance": provenance}, indent=2))
+    tmp.replace(target)
 
 
 def read_config_file(workdir: str) -> dict | None:

@@ -36,7 +36,6 @@ import threading
 import numpy as np
 from etils import epath
 
-from transformer.checkpoint import workdir as workdir_lib
 from transformer.data.permutation import Permutation
 
 log = logging.getLogger("transformer")
@@ -347,9 +346,10 @@ class FileDocuments:
                 return np.array(kept["counts"], np.int64)
         counts = np.array([self._count(k) for k in range(len(self.paths))], np.int64)
         record.parent.mkdir(parents=True, exist_ok=True)
-        workdir_lib.write_atomically(record, json.dumps(
-            {"spec": key, "paths": self.paths, "stamps": stamps, "counts": counts.tolist(),
-             "skipped": reader.skipped}).encode())
+        tmp = record.parent / f"{record.name}.tmp{os.getpid()}"
+        tmp.write_text(json.dumps({"spec": key, "paths": self.paths, "stamps": stamps,
+                                   "counts": counts.tolist(), "skipped": reader.skipped}))
+        tmp.replace(record)
         return counts
 
     def _count(self, k: int) -> int:
