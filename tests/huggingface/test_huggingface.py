@@ -312,8 +312,10 @@ def test_the_checkpoint_tokenizer_and_its_special_ids_become_the_run_vocabulary(
     np.testing.assert_allclose(np.asarray(forced), expected, atol=ATOL, rtol=0)
     # Greedy generation from text, as `generate --temperature=0` runs it: Llama's
     # SentencePiece tokenizer puts BOS first, GPT-2's tokenizer.json nothing.
-    _check_greedy_text(hf_model, workdir, tokenizer, [bos] if family == "llama" else [])
-    # Export writes the vocabulary and the special ids back unchanged.
+    start = [bos] if family == "llama" else []
+    _check_greedy_text(hf_model, workdir, tokenizer, start)
+    # Export writes the vocabulary and the special ids back unchanged, and AutoTokenizer reads
+    # the text as our generate does (after BOS where the vocabulary is SentencePiece).
     out = tmp_path / "exported"
     convert.export_workdir(workdir, str(out))
     name = tokenizer_lib.JSON_FILE if family == "gpt2" else convert.TOKENIZER_MODEL
@@ -321,6 +323,10 @@ def test_the_checkpoint_tokenizer_and_its_special_ids_become_the_run_vocabulary(
     exported = convert.read_json(str(out / "config.json"), "")
     assert {k: exported[k] for k in special} == special
     assert exported["pad_token_id"] is None
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(out), local_files_only=True)
+    assert hf_tokenizer(text)["input_ids"] == start + ids
+    assert (hf_tokenizer.bos_token_id, hf_tokenizer.eos_token_id,
+            hf_tokenizer.pad_token_id) == (bos, eos, None)
 
 
 def _check_greedy_text(hf_model, workdir, tokenizer, start, text="Opens a dialog"):

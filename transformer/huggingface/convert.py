@@ -18,7 +18,7 @@ the model's) and its decode drops their ids.
 `model.safetensors` (float32; shards of at most `max_shard_bytes` and their index beyond that,
 as `save_pretrained` writes them) that `transformers`' `from_pretrained` loads, and its
 vocabulary as `tokenizer.json` or `tokenizer.model` (and T5's `spiece.model` where the import
-read one).
+read one) with a `tokenizer_config.json` that `AutoTokenizer` reads it by.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ HF_CONFIG = "config.json"
 SINGLE_FILE = "model.safetensors"
 TOKENIZER_MODEL = "tokenizer.model"  # a SentencePiece model, as Llama's checkpoints hold it
 INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"  # AutoTokenizer's class and special tokens
 CONFIGS_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
 DEFAULT_CONFIG = {"decoder": "lm_default.py", "vision": "vit_b16_imagenet.py",
                   "encoder_decoder": "default.py"}
@@ -329,10 +330,30 @@ def export_workdir(workdir: str, out_dir: str, *, step: int | None = None,
     elif os.path.isfile(vocab):
         name = TOKENIZER_MODEL if vocab.endswith(MODEL_FILE) else tokenizer_lib.JSON_FILE
         shutil.copyfile(vocab, os.path.join(out_dir, name))
+        write_tokenizer_config(tokenizer_lib.load(vocab_dir), out_dir, model_cfg)
     if family is families.T5 and os.path.isfile(os.path.join(vocab_dir, t5.SPIECE_FILE)):
         shutil.copyfile(os.path.join(vocab_dir, t5.SPIECE_FILE),
                         os.path.join(out_dir, t5.SPIECE_FILE))
     return writer.path
+
+
+def write_tokenizer_config(tokenizer, out_dir: str, model_cfg: TransformerConfig) -> None:
+    """`tokenizer_config.json`, so that `AutoTokenizer.from_pretrained(out_dir)` reads the
+    exported file as we do: the generic `TokenizersBackend` (a family's own class may rebuild
+    the vocabulary on its assumptions: Gemma's adds pieces), the special tokens by their
+    pieces (no BOS where the decoder starts from pad, as T5's), and for a SentencePiece model
+    what ours put around a text: BOS before a prompt (decoder), EOS after a source
+    (encoder-decoder). A tokenizer.json's own post-processor decides for it."""
+    special = {"eos_token": tokenizer.eos_id, "pad_token": tokenizer.pad_id}
+    if tokenizer.bos_id != tokenizer.pad_id:
+        special["bos_token"] = tokenizer.bos_id
+    config = {"tokenizer_class": "TokenizersBackend"} | {
+        name: tokenizer.id_to_piece(i) for name, i in special.items() if i is not None}
+    if isinstance(tokenizer, tokenizer_lib.Tokenizer):
+        decoder = model_cfg.architecture == "decoder"
+        config |= dict(add_bos_token=decoder, add_eos_token=not decoder)
+    with open(os.path.join(out_dir, TOKENIZER_CONFIG), "w") as f:
+        json.dump(config, f, ensure_ascii=False, indent=2)
 
 
 class ShardWriter:
