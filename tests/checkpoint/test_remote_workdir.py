@@ -1,5 +1,6 @@
-"""config.json and metrics.jsonl in a workdir on gs:// (served from memory) land in the bucket,
-and nothing under a local `gs:` folder; the same calls on a local workdir give the same files."""
+"""config.json, metrics.jsonl and the eval texts in a workdir on gs:// (served from memory) land
+in the bucket, and nothing under a local `gs:` folder; the same calls on a local workdir give the
+same files."""
 
 import json
 
@@ -8,7 +9,7 @@ import pytest
 from etils import epath
 
 from transformer.checkpoint import workdir as workdir_lib
-from transformer.training import metrics
+from transformer.training import evaluation, metrics
 
 
 def _train_line(step):
@@ -59,3 +60,21 @@ def test_config_and_metrics_land_in_the_workdir_whatever_its_scheme(remote, buck
     assert events  # one event file per writer (named by the second it was opened)
     assert [name for name in written if name not in events] == [
         "gs://bucket/run/config.json", "gs://bucket/run/metrics.jsonl"]
+
+
+@pytest.mark.parametrize("remote", [False, True])
+def test_eval_texts_land_in_the_workdir_whatever_its_scheme(remote, bucket, tmp_path,
+                                                           monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a remote workdir must create nothing here
+    workdir = "gs://bucket/run" if remote else str(tmp_path / "run")
+    texts = {"source": ["Guten Morgen.", "Grüß Gott!"], "translation": ["Good morning.", ""]}
+    evaluation.save_texts(workdir, "test.step4", texts)
+    evaluation.save_texts(workdir, "test.step4", texts)  # again: the same files, replaced
+    eval_dir = epath.Path(workdir_lib.path(workdir, workdir_lib.EVAL))
+    assert sorted(path.name for path in eval_dir.iterdir()) == [
+        "test.step4.source.txt", "test.step4.translation.txt"]
+    source = (eval_dir / "test.step4.source.txt").read_bytes()
+    assert source == "Guten Morgen.\nGrüß Gott!\n".encode()  # UTF-8 whatever the locale
+    assert (eval_dir / "test.step4.translation.txt").read_text() == "Good morning.\n\n"
+    if remote:
+        assert list(tmp_path.iterdir()) == []

@@ -8,6 +8,7 @@ import shutil
 import jax
 import numpy as np
 import pytest
+from etils import epath
 
 from transformer.checkpoint import averaging
 from transformer.checkpoint import checkpointer as checkpoint
@@ -118,15 +119,45 @@ def test_the_vocabulary_is_carried_over_and_guarded(untrained_translation_workdi
         transfer.copy_vocabulary(source, str(tmp_path / "new"), 500)
     assert not os.path.exists(tmp_path / "new")  # nothing written before the check
     transfer.copy_vocabulary(source, str(tmp_path / "new"), size)
-    copied = tmp_path / "new" / "vocab" / "sentencepiece.model"
-    assert copied.read_bytes() == (untrained_translation_workdir / "vocab" /
-                                   "sentencepiece.model").read_bytes()
+    assert _files(tmp_path / "new" / "vocab") == _files(untrained_translation_workdir / "vocab")
     transfer.copy_vocabulary(source, str(tmp_path / "new"), size)  # again: unchanged, fine
     other = tokenizer_lib.train([f"other words {i} here" for i in range(300)], size, seed=1)
     shutil.rmtree(tmp_path / "new" / "vocab")
     other.save(str(tmp_path / "new" / "vocab"))
     with pytest.raises(ValueError, match="is not init_from's vocabulary"):
         transfer.copy_vocabulary(source, str(tmp_path / "new"), size)
+
+
+def _files(directory) -> dict[str, bytes]:
+    """{name: bytes} of each file in `directory` (local or gs://)."""
+    return {path.name: path.read_bytes() for path in epath.Path(directory).iterdir()}
+
+
+@pytest.mark.parametrize("remote", ["pretrained", "new"])
+def test_the_vocabulary_is_copied_from_or_to_gs(remote, untrained_translation_workdir, bucket,
+                                                tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a remote workdir must create nothing here
+    vocab = untrained_translation_workdir / "vocab"
+    size = tokenizer_lib.load(str(vocab)).vocab_size
+    if remote == "pretrained":
+        for name, data in _files(vocab).items():
+            epath.Path(f"gs://bucket/pretrained/vocab/{name}").write_bytes(data)
+        source, workdir = transfer.InitSource("gs://bucket/pretrained"), str(tmp_path / "new")
+    else:
+        source, workdir = transfer.parse(str(untrained_translation_workdir)), "gs://bucket/new"
+    written = []  # the names in the order they were written
+    write = transfer.atomic.write_atomically
+    monkeypatch.setattr(transfer.atomic, "write_atomically",
+                        lambda path, data: written.append(path.name) or write(path, data))
+    transfer.copy_vocabulary(source, workdir, size)
+    assert _files(f"{workdir}/vocab") == _files(vocab)
+    assert written == ["sentencepiece.vocab", "sentencepiece.model"]  # the model last
+    transfer.copy_vocabulary(source, workdir, size)  # again: found, checked, not rewritten
+    assert len(written) == 2
+    if remote == "new":
+        assert sorted(bucket) == ["gs://bucket/new/vocab/sentencepiece.model",
+                                  "gs://bucket/new/vocab/sentencepiece.vocab"]
+        assert list(tmp_path.iterdir()) == []
 
 
 def _tiny(**overrides):

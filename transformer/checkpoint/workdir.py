@@ -25,6 +25,8 @@ import re
 from etils import epath
 from ml_collections import ConfigDict
 
+from transformer.util import atomic
+
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
 TENSORBOARD = "tensorboard"
@@ -51,10 +53,8 @@ def is_remote(workdir: str) -> bool:
 def write_config(workdir: str, values: dict, provenance: dict) -> None:
     """config.json, atomically (other processes may be reading it): `values` (the resolved
     config as a dict) and `provenance`."""
-    target = epath.Path(path(workdir, CONFIG))
-    tmp = target.parent / f"{target.name}.tmp"
-    tmp.write_text(json.dumps(values | {"provenance": provenance}, indent=2))
-    tmp.replace(target)
+    atomic.write_atomically(path(workdir, CONFIG),
+                            json.dumps(values | {"provenance": provenance}, indent=2))
 
 
 def read_config_file(workdir: str) -> dict | None:

@@ -37,6 +37,7 @@ import numpy as np
 from etils import epath
 
 from transformer.data.permutation import Permutation
+from transformer.util import atomic
 
 log = logging.getLogger("transformer")
 FORMATS = ("jsonl", "parquet", "text", "text_paragraphs", "arrayrecord")
@@ -346,10 +347,9 @@ class FileDocuments:
                 return np.array(kept["counts"], np.int64)
         counts = np.array([self._count(k) for k in range(len(self.paths))], np.int64)
         record.parent.mkdir(parents=True, exist_ok=True)
-        tmp = record.parent / f"{record.name}.tmp{os.getpid()}"
-        tmp.write_text(json.dumps({"spec": key, "paths": self.paths, "stamps": stamps,
-                                   "counts": counts.tolist(), "skipped": reader.skipped}))
-        tmp.replace(record)
+        atomic.write_atomically(record, json.dumps(
+            {"spec": key, "paths": self.paths, "stamps": stamps, "counts": counts.tolist(),
+             "skipped": reader.skipped}))
         return counts
 
     def _count(self, k: int) -> int:

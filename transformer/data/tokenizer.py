@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 
 from etils import epath
 
-from transformer.util import progress
+from transformer.util import atomic, progress
 
 log = logging.getLogger("transformer")
 
@@ -106,10 +106,10 @@ class Tokenizer:
         """Writes `<directory>/sentencepiece.model` atomically (and a readable `.vocab`)."""
         directory = epath.Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        _atomic_write(directory / MODEL_FILE, self.model_proto)
+        atomic.write_atomically(directory / MODEL_FILE, self.model_proto)
         pieces = "".join(f"{self._sp.id_to_piece(i)}\t{self._sp.get_score(i)}\n"
                          for i in range(self.vocab_size))
-        _atomic_write(directory / "sentencepiece.vocab", pieces.encode("utf-8"))
+        atomic.write_atomically(directory / "sentencepiece.vocab", pieces)
         return os.fspath(directory / MODEL_FILE)
 
 
@@ -196,8 +196,8 @@ class HuggingFaceTokenizer:
         special = {"bos_id": self.bos_id, "eos_id": self.eos_id, "pad_id": self.pad_id}
         if self.rows != self.pieces:
             special["vocab_size"] = self.rows
-        _atomic_write(directory / SPECIAL_IDS_FILE, json.dumps(special).encode())
-        _atomic_write(directory / JSON_FILE, self.json_bytes)
+        atomic.write_atomically(directory / SPECIAL_IDS_FILE, json.dumps(special))
+        atomic.write_atomically(directory / JSON_FILE, self.json_bytes)
         return os.fspath(directory / JSON_FILE)
 
 
@@ -257,13 +257,6 @@ def check_special_ids(tokenizer, model) -> None:
         if ours != theirs:
             raise VocabularyMismatch(f"model.{field}={ours} but the vocabulary's {field} is "
                                      f"{theirs}: set --config.model.{field}={theirs}")
-
-
-def _atomic_write(path: epath.Path, data: bytes) -> None:
-    """Writes `data` to `path` (local, or remote such as gs://) through a temporary file."""
-    tmp = path.parent / f"{path.name}.tmp{os.getpid()}"
-    tmp.write_bytes(data)
-    tmp.replace(path)
 
 
 def _counted(sentences: Iterable[str]) -> Iterator[str]:
@@ -326,8 +319,8 @@ def load_or_train(directory: str, vocab_size: int, *, seed: int,
             tokenizer.save(directory)
             record = dict(info or {}, vocab_size=vocab_size, seed=seed, model_type="bpe",
                           num_sentinels=num_sentinels, sha256=tokenizer.sha256)
-            _atomic_write(epath.Path(directory) / "info.json",
-                          json.dumps(record, indent=1).encode())
+            atomic.write_atomically(epath.Path(directory) / "info.json",
+                                    json.dumps(record, indent=1))
     if len(tokenizer.sentinel_ids) < num_sentinels:
         raise VocabularyMismatch(
             f"{path} reserves {len(tokenizer.sentinel_ids)} sentinels but "

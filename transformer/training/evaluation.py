@@ -15,6 +15,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
 
 from transformer.checkpoint import workdir as workdir_lib
 from transformer.checkpoint.averaging import load_params, params_step
@@ -76,18 +77,24 @@ def evaluate_translation(workdir: str, split: str, *, step=None, average=None,
     figures["bleu_num_truncated"] = translator.num_too_long(sources)
 
     label = f"average{average}" if average else f"step{step}" if step else "latest"
-    out_dir = workdir_lib.path(workdir, workdir_lib.EVAL)
-    os.makedirs(out_dir, exist_ok=True)
-    for kind, lines in (("source", sources), ("reference", references),
-                        ("translation", hypotheses)):
-        with open(os.path.join(out_dir, f"{split}.{label}.{kind}.txt"), "w") as f:
-            f.writelines(line + "\n" for line in lines)
+    save_texts(workdir, f"{split}.{label}", {"source": sources, "reference": references,
+                                              "translation": hypotheses})
     at_step = params_step(workdir, step=step, average=average)  # the params scored
     figures["checkpoint"] = label
     writer = MetricWriter(workdir)
     writer.write(at_step, split, figures)
     writer.close()
     return figures
+
+
+def save_texts(workdir: str, stem: str, texts: dict[str, list[str]]) -> None:
+    """`<workdir>/eval/<stem>.<kind>.txt` for each kind in `texts`, a line per sentence, in
+    UTF-8 (the workdir may be remote: gs://)."""
+    out_dir = epath.Path(workdir_lib.path(workdir, workdir_lib.EVAL))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for kind, lines in texts.items():
+        (out_dir / f"{stem}.{kind}.txt").write_text("".join(line + "\n" for line in lines),
+                                                     encoding="utf-8")
 
 
 def _scoring_step(trainer):

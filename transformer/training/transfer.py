@@ -28,15 +28,16 @@ import logging
 import math
 import os
 import re
-import shutil
 
 import jax
 import numpy as np
+from etils import epath
 
 from transformer.checkpoint import averaging
 from transformer.checkpoint import checkpointer as checkpoint
 from transformer.checkpoint import workdir as workdir_lib
 from transformer.data import tokenizer as tokenizer_lib
+from transformer.util import atomic
 
 log = logging.getLogger("transformer")
 POSITION_EMBEDDING = "position_embedding"  # a ViT's learned table: resized, not refused
@@ -93,10 +94,10 @@ def parse(spec: str) -> InitSource:
 
 def copy_vocabulary(source: InitSource, workdir: str, vocab_size: int) -> None:
     """Puts the pretrained run's vocabulary (its SentencePiece model, or an imported
-    tokenizer.json) into `<workdir>/vocab/` (once)."""
+    tokenizer.json) into `<workdir>/vocab/` (once). Either workdir may be remote (gs://)."""
     src_dir = workdir_lib.path(source.workdir, workdir_lib.VOCAB)
     src = tokenizer_lib.vocabulary_file(src_dir)
-    if not os.path.isfile(src):
+    if not epath.Path(src).is_file():
         raise ValueError(f"init_from={source.describe()}: {src} is missing; the pretrained "
                          f"run's vocabulary is needed to fine-tune it")
     pretrained = tokenizer_lib.load(src_dir)
@@ -106,17 +107,16 @@ def copy_vocabulary(source: InitSource, workdir: str, vocab_size: int) -> None:
                          f"--config.data.vocab_size={pretrained.vocab_size}")
     target_dir = workdir_lib.path(workdir, workdir_lib.VOCAB)
     target = tokenizer_lib.vocabulary_file(target_dir)
-    if os.path.isfile(target):
+    if epath.Path(target).is_file():
         if tokenizer_lib.load(target_dir).sha256 != pretrained.sha256:
             raise ValueError(f"{target} is not init_from's vocabulary ({src}): fine-tune in a "
                              f"new --workdir")
         return
-    os.makedirs(target_dir, exist_ok=True)
+    epath.Path(target_dir).mkdir(parents=True, exist_ok=True)
     main_file = os.path.basename(src)
-    for name in sorted(os.listdir(src_dir), key=lambda n: n == main_file):  # the model last
-        destination = os.path.join(target_dir, name)
-        shutil.copyfile(os.path.join(src_dir, name), f"{destination}.tmp")
-        os.replace(f"{destination}.tmp", destination)  # other processes may copy it too
+    # the model last, so that a process that finds it finds the rest (others may copy at once)
+    for file in sorted(epath.Path(src_dir).iterdir(), key=lambda f: f.name == main_file):
+        atomic.write_atomically(epath.Path(target_dir) / file.name, file.read_bytes())
 
 
 def _read(source: InitSource) -> dict:

@@ -1,0 +1,37 @@
+"""transformer.util.atomic.write_atomically: the target is replaced whole from `<name>.tmp<pid>`
+beside it (a reader sees the old file until then), locally and on gs:// (served from memory)."""
+
+import os
+
+import pytest
+from etils import epath
+from etils.epath import gpath
+
+from transformer.util import atomic
+
+
+@pytest.mark.parametrize("remote", [False, True])
+def test_a_file_is_replaced_whole_through_a_temporary_file_named_by_the_pid(
+        remote, bucket, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a remote path must create nothing here
+    directory = epath.Path("gs://bucket/dir" if remote else tmp_path / "dir")
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / "record.json"
+    target.write_text("old")
+    seen = []  # (temporary file's name, its bytes, the target's bytes) at the replace
+    replace = gpath.PosixGPath.replace
+
+    def spy(self, destination):
+        seen.append((self.name, self.read_bytes(), epath.Path(destination).read_bytes()))
+        return replace(self, destination)
+
+    monkeypatch.setattr(gpath.PosixGPath, "replace", spy)
+    atomic.write_atomically(os.fspath(target), "naïve ✓")
+    assert seen == [(f"record.json.tmp{os.getpid()}", "naïve ✓".encode(), b"old")]
+    assert target.read_bytes() == "naïve ✓".encode()
+    atomic.write_atomically(target, b"\x00\xff")  # bytes as given; an epath.Path target
+    assert target.read_bytes() == b"\x00\xff"
+    assert [p.name for p in directory.iterdir()] == ["record.json"]  # no temporary file left
+    if remote:
+        assert not any(tmp_path.iterdir())  # nothing under a local `gs:` folder
+        assert sorted(bucket) == ["gs://bucket/dir/record.json"]
