@@ -11,6 +11,7 @@ reads it."""
 import io
 import json
 import re
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -311,6 +312,42 @@ def test_an_imported_spiece_t5_translates_as_transformers(tmp_path):
     theirs = [hf_tokenizer.decode(_theirs(hf_model, ids, 1)[:-1])
               for ids in hf_tokenizer(SPIECE_SENTENCES[:2])["input_ids"]]
     assert ours == theirs and all(ours)
+
+
+def test_an_imported_t5_vocabulary_gives_span_corruption_t5s_sentinels(tmp_path):
+    """T5's 100 extra ids are the imported vocabulary's sentinels in T5's order
+    (`<extra_id_0>` the last piece), so span corruption on it (the fine-tuning run's copy, as
+    `init_from` makes one) puts T5's sentinels in both sides and ends each with T5's EOS (1)."""
+    from transformer.data.language_model import LanguageModelSource
+
+    hf_dir = tmp_path / "t5"
+    _, hf_tokenizer, rows = _spiece_dir(hf_dir)
+    workdir, _, _ = _import(tmp_path, hf_dir)
+    sentinels = workdir_lib.load_tokenizer(workdir, rows).sentinel_ids
+    assert sentinels == hf_tokenizer.convert_tokens_to_ids(
+        [tokenizer_lib.SENTINEL_PIECE.format(k) for k in range(t5.EXTRA_IDS)])
+    assert sentinels[0] == SPIECE_PIECES + t5.EXTRA_IDS - 1
+    finetuned = tmp_path / "finetuned"
+    shutil.copytree(tmp_path / "run" / "vocab", finetuned / "vocab")
+    rng = np.random.default_rng(1)
+    for split, count in (("train", 64), ("validation", 8)):
+        (tmp_path / f"{split}.jsonl").write_text("".join(
+            json.dumps({"text": " ".join(rng.choice(WORDS, 12)) + "."}) + "\n"
+            for _ in range(count)))
+    source = LanguageModelSource(
+        f"jsonl:{tmp_path}/train.jsonl", objective="span_corruption", vocab_size=rows,
+        max_length=32, batch_size=4, eval_dataset=f"jsonl:{tmp_path}/validation.jsonl",
+        workdir=str(finetuned), num_sentinels=t5.EXTRA_IDS)
+    batch = source.train_batch(0, (0, 4))
+    pieces = 0
+    for side in ("inputs", "targets"):
+        for row, segments in zip(batch[side][0], batch[f"{side}_segmentation"][0], strict=True):
+            for segment in set(segments.tolist()) - {0}:
+                piece = row[segments == segment].tolist()
+                assert sentinels[0] in piece and piece[-1] == 1, (side, piece)
+                assert set(piece) - set(sentinels) <= set(range(SPIECE_PIECES)), piece
+                pieces += 1
+    assert pieces >= 8
 
 
 def test_without_the_relative_bias_the_logits_differ(tmp_path):

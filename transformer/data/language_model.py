@@ -360,7 +360,8 @@ class LanguageModelSource:
         if self.span_length:
             sentinels = np.asarray(self.tokenizer.sentinel_ids, np.int32)
             pairs = [span_corruption.corrupt(p, span_corruption.noise_mask(
-                len(p), np.random.default_rng([self.seed, stream, index, i])), sentinels)
+                len(p), np.random.default_rng([self.seed, stream, index, i])), sentinels,
+                self.tokenizer.eos_id)
                 if keep else None for i, (p, keep) in enumerate(zip(pieces, inside, strict=True))]
             return batching.pack(pairs, placement, rows, self.source_length, self.target_length)
         empty = np.zeros(0, np.int32)

@@ -18,7 +18,8 @@ then span k's tokens, for every span; both end in EOS.
 
 Sentinels are user-defined SentencePiece symbols right after [MASK] (docs/architecture.md,
 special tokens): `tokenizer.train(..., num_sentinels=k)` reserves them and
-`Tokenizer.sentinel_ids` lists them.
+`Tokenizer.sentinel_ids` lists them; an imported T5's are its `<extra_id_k>`
+(`HuggingFaceTokenizer.sentinel_ids`), and both sides then end in its EOS.
 """
 
 from __future__ import annotations
@@ -65,9 +66,10 @@ def noise_mask(length: int, rng: np.random.Generator, *, noise_density: float = 
     return np.repeat([(k % 2 == 0) == noise_first for k in range(len(lengths))], lengths)
 
 
-def corrupt(tokens: np.ndarray, mask: np.ndarray,
-            sentinel_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(inputs, targets) of `tokens` [n] with noise `mask` [n]; span k becomes sentinel_ids[k]."""
+def corrupt(tokens: np.ndarray, mask: np.ndarray, sentinel_ids: np.ndarray,
+            eos_id: int = EOS_ID) -> tuple[np.ndarray, np.ndarray]:
+    """(inputs, targets) of `tokens` [n] with noise `mask` [n]; span k becomes sentinel_ids[k];
+    both end in `eos_id` (the vocabulary's: an imported T5's is 1)."""
     starts = mask & ~np.concatenate([[False], mask[:-1]])  # the first token of each span
     spans = int(starts.sum())
     if spans > len(sentinel_ids):
@@ -80,7 +82,7 @@ def corrupt(tokens: np.ndarray, mask: np.ndarray,
     targets = np.empty(len(noise) + spans, np.int32)
     targets[np.arange(len(noise)) + span_of[noise] + 1] = tokens[noise]  # after spans + 1 sentinels
     targets[np.flatnonzero(starts[noise]) + np.arange(spans)] = sentinel_ids[:spans]
-    eos = np.array([EOS_ID], np.int32)
+    eos = np.array([eos_id], np.int32)
     return np.concatenate([inputs.astype(np.int32), eos]), np.concatenate([targets, eos])
 
 

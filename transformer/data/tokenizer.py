@@ -116,7 +116,8 @@ class Tokenizer:
 class HuggingFaceTokenizer:
     """An imported checkpoint's `tokenizer.json` (the `tokenizers` library: GPT-2's byte-level
     BPE, Llama 3's, ...) with the special ids of its model's config; the same methods as
-    `Tokenizer` (no [MASK] or sentinels).
+    `Tokenizer` (no [MASK]; its sentinels are T5's `<extra_id_k>` special tokens, where it
+    has them: span corruption on an imported T5 uses them).
 
     `vocab_size` is the model's embedding rows where the checkpoint pads them past the
     tokenizer's pieces (T5 and Flan-T5: 32128 rows, 32100 pieces): ids from `pieces` on are
@@ -130,6 +131,10 @@ class HuggingFaceTokenizer:
         self._model = JsonModel.from_str(self.json_bytes.decode("utf-8"))
         self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
         self.mask_id, self.sentinel_ids = None, []
+        special = {token.content: i for i, token in
+                   self._model.get_added_tokens_decoder().items() if token.special}
+        while (i := special.get(SENTINEL_PIECE.format(len(self.sentinel_ids)))) is not None:
+            self.sentinel_ids.append(i)
         self.pieces = self._model.get_vocab_size(with_added_tokens=True)
         self.rows = self.pieces if vocab_size is None else int(vocab_size)
         if self.rows < self.pieces:
