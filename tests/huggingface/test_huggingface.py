@@ -329,6 +329,32 @@ def test_the_checkpoint_tokenizer_and_its_special_ids_become_the_run_vocabulary(
             hf_tokenizer.pad_token_id) == (bos, eos, None)
 
 
+def test_a_sentencepiece_model_padded_past_its_pieces_keeps_it(tmp_path):
+    """A Llama whose embedding has rows past its tokenizer.model's pieces (no tokenizer.json):
+    the SentencePiece model is the run's vocabulary, its vocab_size the model's rows
+    (special_ids.json records them), padding ids decode to nothing, and the export writes the
+    model and the padded tensors back."""
+    hf_dir = tmp_path / "llama"
+    _llama(hf_dir, vocab_size=136, special=dict(bos_token_id=1, eos_token_id=2))
+    pieces, _ = _llama_sentencepiece(hf_dir)
+    workdir, run, _ = _import(tmp_path, hf_dir)
+    assert run.config.data.vocab_size == run.model.vocab_size == 136
+    tokenizer = workdir_lib.load_tokenizer(workdir, 136)
+    assert (tokenizer.vocab_size, tokenizer.pieces) == (136, pieces)
+    assert json.loads((tmp_path / "run/vocab" / tokenizer_lib.SPECIAL_IDS_FILE).read_text()
+                      ) == {"vocab_size": 136}
+    given = tokenizer_lib.read_given(str(tmp_path / "run/vocab" / tokenizer_lib.MODEL_FILE))
+    assert given.vocab_size == 136  # the run's vocab/ as data.vocab_path
+    text = "Opens a dialog where you can choose"
+    ids = tokenizer.encode([text])[0]
+    assert ids == tokenizer_lib.Tokenizer.load(str(hf_dir / convert.TOKENIZER_MODEL)).encode(
+        [text])[0]
+    assert tokenizer.decode(ids[:2] + [pieces, 135] + ids[2:]) == text
+    _check_round_trip(tmp_path, workdir, hf_dir, transformers.LlamaForCausalLM)
+    assert (tmp_path / "exported" / convert.TOKENIZER_MODEL).read_bytes() == (
+        hf_dir / convert.TOKENIZER_MODEL).read_bytes()
+
+
 def _check_greedy_text(hf_model, workdir, tokenizer, start, text="Opens a dialog"):
     """`generate --temperature=0` on `text` gives what `transformers`' greedy `generate` gives
     on the same text read after `start` (what its tokenizer puts before a text)."""

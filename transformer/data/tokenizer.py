@@ -36,6 +36,7 @@ SENTINEL_PIECE = "<extra_id_{}>"  # T5's span-corruption sentinels: user-defined
 MODEL_FILE = "sentencepiece.model"
 JSON_FILE = "tokenizer.json"  # the `tokenizers` library's file, as save_pretrained writes it
 SPECIAL_IDS_FILE = "special_ids.json"  # beside JSON_FILE: its bos, eos, pad ids (rows if padded)
+# (beside a padded MODEL_FILE: its rows only)
 # A tokenizer.json given as data.vocab_path: its special tokens by their usual spellings.
 EOS_TOKENS = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "[SEP]")
 BOS_TOKENS = ("<s>", "<|begin_of_text|>", "<bos>", "[CLS]")
@@ -49,13 +50,20 @@ class VocabularyMismatch(ValueError):
 class Tokenizer:
     """A SentencePiece model: text <-> ids (no EOS added by `encode`; `decode` stops at EOS).
     Ours (`train`) has pad 0, unk 1, bos 2, eos 3; an imported one (Llama's `tokenizer.model`:
-    unk 0, bos 1, eos 2, no pad) keeps its own."""
+    unk 0, bos 1, eos 2, no pad) keeps its own. `vocab_size` is the model's embedding rows
+    where a checkpoint pads them past the pieces (as `HuggingFaceTokenizer`'s; `save` records
+    them in special_ids.json): ids from `pieces` on are never encoded and `decode` drops them."""
 
-    def __init__(self, model_proto: bytes):
+    def __init__(self, model_proto: bytes, vocab_size: int | None = None):
         import sentencepiece as spm
 
         self.model_proto = bytes(model_proto)
         self._sp = spm.SentencePieceProcessor(model_proto=self.model_proto)
+        self.pieces = self._sp.get_piece_size()
+        self.rows = self.pieces if vocab_size is None else int(vocab_size)
+        if self.rows < self.pieces:
+            raise VocabularyMismatch(f"the SentencePiece model has {self.pieces} pieces, more "
+                                     f"than the model's {self.rows} embedding rows")
         self.bos_id, self.eos_id = self._sp.bos_id(), self._sp.eos_id()
         self.pad_id = None if self._sp.pad_id() < 0 else self._sp.pad_id()
         if self.pad_id not in (PAD_ID, None) or min(self.bos_id, self.eos_id) < 0:
@@ -64,12 +72,13 @@ class Tokenizer:
                 f"{self.eos_id}: it needs a bos and an eos piece, and pad {PAD_ID} or none")
 
     @classmethod
-    def load(cls, path: str) -> Tokenizer:
-        return cls(epath.Path(path).read_bytes())
+    def load(cls, path: str, vocab_size: int | None = None) -> Tokenizer:
+        return cls(epath.Path(path).read_bytes(), vocab_size)
 
     @property
     def vocab_size(self) -> int:
-        return self._sp.get_piece_size()
+        """The model's rows: the pieces, and the padding past them if any."""
+        return self.rows
 
     @property
     def mask_id(self) -> int:
@@ -96,19 +105,24 @@ class Tokenizer:
         return self._sp.encode(list(texts), out_type=int, num_threads=num_threads)
 
     def decode(self, ids: Iterable[int]) -> str:
-        """Text of `ids` up to the first EOS; padding and BOS are dropped."""
-        return self._sp.decode(_content(ids, self))
+        """Text of `ids` up to the first EOS; padding (the pad id and rows past the pieces)
+        and BOS are dropped."""
+        return self._sp.decode([i for i in _content(ids, self) if i < self.pieces])
 
     def id_to_piece(self, i: int) -> str:
         return self._sp.id_to_piece(int(i))
 
     def save(self, directory: str) -> str:
-        """Writes `<directory>/sentencepiece.model` atomically (and a readable `.vocab`)."""
+        """Writes `<directory>/sentencepiece.model` atomically (and a readable `.vocab`; and
+        the model's rows in special_ids.json where they exceed the pieces)."""
         directory = epath.Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
+        if self.rows != self.pieces:
+            atomic.write_atomically(directory / SPECIAL_IDS_FILE,
+                                    json.dumps({"vocab_size": self.rows}))
         atomic.write_atomically(directory / MODEL_FILE, self.model_proto)
         pieces = "".join(f"{self._sp.id_to_piece(i)}\t{self._sp.get_score(i)}\n"
-                         for i in range(self.vocab_size))
+                         for i in range(self.pieces))
         atomic.write_atomically(directory / "sentencepiece.vocab", pieces)
         return os.fspath(directory / MODEL_FILE)
 
@@ -223,7 +237,14 @@ def load(directory: str) -> Tokenizer | HuggingFaceTokenizer:
     when there is neither, RuntimeError or ValueError when the file is damaged."""
     if (epath.Path(directory) / JSON_FILE).exists():
         return HuggingFaceTokenizer.load(directory)
-    return Tokenizer.load(os.fspath(epath.Path(directory) / MODEL_FILE))
+    return Tokenizer.load(os.fspath(epath.Path(directory) / MODEL_FILE),
+                          _recorded_rows(directory))
+
+
+def _recorded_rows(directory) -> int | None:
+    """The embedding rows a padded SentencePiece model's special_ids.json records (`save`)."""
+    special = epath.Path(directory) / SPECIAL_IDS_FILE
+    return json.loads(special.read_text()).get("vocab_size") if special.exists() else None
 
 
 def read_given(path: str, setting: str = "data.vocab_path") -> Tokenizer | HuggingFaceTokenizer:
@@ -232,8 +253,8 @@ def read_given(path: str, setting: str = "data.vocab_path") -> Tokenizer | Huggi
     a SentencePiece model. One line naming `setting` when it cannot be read."""
     kind = "tokenizer.json" if path.endswith(".json") else "SentencePiece model"
     try:
-        if kind == "SentencePiece model":
-            return Tokenizer.load(path)
+        if kind == "SentencePiece model":  # the rows of a run's padded one (`save`)
+            return Tokenizer.load(path, _recorded_rows(epath.Path(path).parent))
         data = epath.Path(path).read_bytes()
         beside = epath.Path(path).parent / SPECIAL_IDS_FILE
         if beside.exists():  # a run's own vocab/ (HuggingFaceTokenizer.save)

@@ -12,7 +12,7 @@ any run's. The checkpoint's tokenizer becomes the run's `vocab/` with its own sp
 `tokenizers` library, else T5's `spiece.model` (as T5Tokenizer reads it, `t5.read_spiece`),
 else a SentencePiece `tokenizer.model`; where the model's embedding has rows past the
 tokenizer's pieces (T5's 32128 for 32100), the vocabulary counts them (`data.vocab_size` is
-the model's) and its decode drops their ids.
+the model's; `vocab/special_ids.json` records them) and its decode drops their ids.
 
 `export_workdir(workdir, out_dir)` writes a run's parameters back as `config.json` and
 `model.safetensors` (float32; shards of at most `max_shard_bytes` and their index beyond that,
@@ -238,8 +238,8 @@ def _vocabulary(hf_dir: str, model_cfg: TransformerConfig, hf_config: dict):
     special ids of its config.json), else T5's `spiece.model` (`t5.read_spiece`), else its
     SentencePiece `tokenizer.model`; None, with a warning saying what the run then lacks, where
     there is neither or it does not fit the model (more pieces than embedding rows, or other
-    special ids). A tokenizer.json or spiece.model with fewer pieces than the model has rows
-    (T5 and Flan-T5: 32100 pieces, 32128 rows) counts the padding rows in its `vocab_size`."""
+    special ids). A tokenizer with fewer pieces than the model has rows (T5 and Flan-T5: 32100
+    pieces, 32128 rows) counts the padding rows in its `vocab_size`."""
     if model_cfg.architecture == "vision":
         return None
     lacks = ("the run gets no vocab/: generate, evaluate and init_from need one; "
@@ -271,7 +271,7 @@ def _vocabulary(hf_dir: str, model_cfg: TransformerConfig, hf_config: dict):
         elif path == spiece:
             tokenizer = t5.read_spiece(path, vocab_size=model_cfg.vocab_size, **ids)
         else:
-            tokenizer = tokenizer_lib.Tokenizer.load(path)
+            tokenizer = tokenizer_lib.Tokenizer.load(path, vocab_size=model_cfg.vocab_size)
         if tokenizer.vocab_size != model_cfg.vocab_size:
             raise ValueError(f"{tokenizer.vocab_size} pieces, the model {model_cfg.vocab_size}")
         tokenizer_lib.check_special_ids(tokenizer, dataclasses.asdict(model_cfg))
