@@ -460,3 +460,23 @@ def test_text_classification_reads_labelled_files(tmp_path):
         TextClassificationSource(
             str(tmp_path / "train.jsonl"), eval_dataset=str(tmp_path / "odd.jsonl"),
             vocab_size=48, max_length=16, batch_size=8, text_feature="body.text")
+
+
+def test_masked_replacements_are_pieces_never_padding_rows(lm_files_config):
+    """A vocabulary padded past its pieces (an imported checkpoint's): BERT's random
+    replacements are real pieces, never one of the padding rows."""
+    from transformer.data import tokenizer as tokenizer_lib
+    from transformer.data.language_model import LanguageModelSource
+
+    trained = tokenizer_lib.train(documents(300, seed=4), 64, seed=0)
+    padded = tokenizer_lib.Tokenizer(trained.model_proto, vocab_size=128)
+    data = lm_files_config.data
+    source = LanguageModelSource(data.dataset, objective="masked", vocab_size=128,
+                                 max_length=32, batch_size=8, text_field="meta.text",
+                                 eval_dataset=data.eval_dataset, tokenizer=padded, mask_rate=0.5)
+    batches = [source.train_batch(i, (0, 8)) for i in range(20)]
+    inputs = np.concatenate([b["inputs"].ravel() for b in batches])
+    replaced = np.concatenate([(b["targets"] != 0) & (b["inputs"] != b["targets"])
+                               & (b["inputs"] != padded.mask_id) for b in batches], None)
+    assert replaced.sum() > 100  # ~13 random pieces a batch; half were >= 64 when drawn from rows
+    assert inputs.max() < 64

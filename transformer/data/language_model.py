@@ -85,7 +85,9 @@ def cut_pieces(sequences, length: int, *,
 def apply_objective(packed: dict[str, np.ndarray], objective: str, rngs, *, mask_id: int,
                     vocab_size: int, mask_rate: float) -> dict[str, np.ndarray]:
     """The batch keys of `objective` from packed rows (`targets`, `targets_segmentation`,
-    `targets_positions`, [R, L]); `rngs[r]` draws row r's mask or prefixes."""
+    `targets_positions`, [R, L]); `rngs[r]` draws row r's mask or prefixes. BERT's random
+    replacements are ids in (mask_id, vocab_size): pass the vocabulary's pieces, not the rows
+    of a padded embedding."""
     tokens = packed["targets"]
     segments, positions = packed["targets_segmentation"], packed["targets_positions"]
     if objective == "causal":
@@ -298,7 +300,7 @@ class LanguageModelSource:
     def _objective(self, packed, stream: int, index: int, rows: range):
         return apply_objective(packed, self.objective, self._row_rngs(stream, index, rows),
                                mask_id=self.tokenizer.mask_id,
-                               vocab_size=self.tokenizer.vocab_size, mask_rate=self.mask_rate)
+                               vocab_size=self.tokenizer.pieces, mask_rate=self.mask_rate)
 
     def fingerprint(self) -> str:
         return (f"{self.name} {self.objective} features={','.join(self.keys)}"
