@@ -5,7 +5,8 @@ params.
 `<workdir>/averaged/<name>/` averaged params: one orbax PyTree, never resumed from or pruned
 
 Everything here reads into host memory as numpy arrays, so it works whatever mesh or device
-count wrote the checkpoints, and from a process with a single CPU device.
+count wrote the checkpoints, and from a process with a single CPU device. The workdir may be
+remote (gs://): orbax reads and writes it natively, and the rest goes through etils.epath.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 from jax.experimental import multihost_utils
 
 from transformer.checkpoint import faults
 from transformer.checkpoint.checkpointer import list_steps, one_line
-from transformer.checkpoint.workdir import AVERAGED, CHECKPOINTS, PARAMS_SERIES
+from transformer.checkpoint.workdir import AVERAGED, CHECKPOINTS, PARAMS_SERIES, absolute
 from transformer.util import progress
 
 
@@ -40,7 +42,7 @@ class ParamsSeries:
         if every_minutes <= 0 or keep < 1:
             raise ValueError(f"ParamsSeries needs every_minutes > 0 and keep >= 1, got "
                              f"every_minutes={every_minutes}, keep={keep}")
-        self.directory = os.path.join(os.path.abspath(workdir), PARAMS_SERIES)
+        self.directory = os.path.join(absolute(workdir), PARAMS_SERIES)
         self.every_seconds, self._clock = 60.0 * every_minutes, clock
         self._last_time = clock()
         faults.install_log_filters()
@@ -147,7 +149,7 @@ def average_checkpoints(workdir: str, *, last: int, name: str | None = None) -> 
     custom metadata records the source and steps); `name` defaults to `last{N}_step{latest}`.
     Returns the directory written.
     """
-    workdir = os.path.abspath(workdir)
+    workdir = absolute(workdir)
     if last < 1:
         raise ValueError(f"last={last}: average at least one checkpoint")
     source, steps = _average_source(workdir)
@@ -213,13 +215,13 @@ def load_params(workdir: str, *, step: int | None = None, average: int | None = 
     latest step. `average=N`: the average of the last N (`averaged/last{N}_step{latest}`,
     computed by `average_checkpoints` when missing).
     """
-    workdir = os.path.abspath(workdir)
+    workdir = absolute(workdir)
     if step is not None and average is not None:
         raise ValueError("give step= or average=, not both")
     if average is not None:
         _, steps = _average_source(workdir)
         path = os.path.join(workdir, AVERAGED, _default_name(average, steps))
-        if not os.path.isdir(path) or not ocp.utils.is_checkpoint_finalized(path):
+        if not epath.Path(path).is_dir() or not ocp.utils.is_checkpoint_finalized(path):
             path = average_checkpoints(workdir, last=average)
         return load_averaged(path)
     step = params_step(workdir, step=step)

@@ -34,10 +34,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 from jax.experimental import multihost_utils
 
 from transformer.checkpoint import faults
-from transformer.checkpoint.workdir import CHECKPOINTS, SKIPPED_CHECKPOINTS
+from transformer.checkpoint.workdir import CHECKPOINTS, SKIPPED_CHECKPOINTS, absolute
 
 _LAYER = re.compile(r"^layers_(\d+)$")
 CHECKSUMS = "state_checksums"  # key of the data item: `checksums` of the saved state
@@ -93,7 +94,7 @@ class Checkpointer:
     """Async saves of (state, data) under `<workdir>/checkpoints`, keeping the last `keep`."""
 
     def __init__(self, workdir: str, *, keep: int, use_async: bool = True):
-        self.directory = os.path.join(os.path.abspath(workdir), CHECKPOINTS)
+        self.directory = os.path.join(absolute(workdir), CHECKPOINTS)  # local or gs://
         faults.install_log_filters()
         options = ocp.CheckpointManagerOptions(
             preservation_policy=ocp.checkpoint_managers.LatestN(keep),
@@ -282,6 +283,6 @@ def stack_layers(params: dict) -> dict:
 
 def list_steps(directory: str) -> list[int]:
     """The finished orbax steps under `directory` (temporary, unfinished saves excluded)."""
-    if not os.path.isdir(directory):
+    if not epath.Path(directory).is_dir():  # local or remote (gs://)
         return []
     return sorted(ocp.utils.checkpoint_steps(directory))

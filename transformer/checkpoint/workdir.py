@@ -50,6 +50,12 @@ def is_remote(workdir: str) -> bool:
     return "://" in os.fspath(workdir)
 
 
+def absolute(workdir: str) -> str:
+    """A local `workdir` made absolute (as orbax wants it); a URL (gs://bucket/run) as given,
+    less a trailing slash."""
+    return workdir.rstrip("/") if is_remote(workdir) else os.path.abspath(workdir)
+
+
 def write_config(workdir: str, values: dict, provenance: dict) -> None:
     """config.json, atomically (other processes may be reading it): `values` (the resolved
     config as a dict) and `provenance`."""

@@ -8,8 +8,8 @@ Shapes: B rows, C classes.
 
 from __future__ import annotations
 
+import io
 import logging
-import os
 import time
 
 import jax
@@ -25,7 +25,7 @@ from transformer.inference.translator import load
 from transformer.training import metrics, scores, sharding
 from transformer.training import step as step_lib
 from transformer.training.metrics import MetricWriter
-from transformer.util import progress
+from transformer.util import atomic, progress
 from transformer.util.plotting import pyplot
 
 log = logging.getLogger("transformer")
@@ -134,7 +134,8 @@ def evaluate_split(trainer, params, source, rows: tuple[int, int],
 
 def plot_confusion_matrix(confusion: np.ndarray, class_names, path: str, title: str) -> str:
     """A heatmap of `confusion` [C, C] (rows: true class, columns: predicted), coloured by the
-    fraction of each true class, with the counts written in (up to 20 classes)."""
+    fraction of each true class, with the counts written in (up to 20 classes). A PNG at
+    `path`, local or remote (gs://: through etils.epath)."""
     plt = pyplot()
     classes = len(class_names)
     fractions = confusion / np.maximum(confusion.sum(1, keepdims=True), 1)
@@ -154,9 +155,11 @@ def plot_confusion_matrix(confusion: np.ndarray, class_names, path: str, title: 
     ax.set_title(title)
     fig.colorbar(image, ax=ax, fraction=0.046, label="fraction of the true class")
     fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=100)
+    image_bytes = io.BytesIO()
+    fig.savefig(image_bytes, format="png", dpi=100)
     plt.close(fig)
+    epath.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    atomic.write_atomically(path, image_bytes.getvalue())
     return path
 
 

@@ -2,9 +2,10 @@
 
 `init_from` names a training workdir (its latest step), `workdir:step`, or a params directory
 inside one (`<workdir>/averaged/<name>`, `<workdir>/checkpoints/<step>`,
-`<workdir>/params/<step>`). Only parameters are read: the new run's optimizer state and data
-position start fresh. Parameters are matched by path;
-those the new model has and the old does not (a classification head, say) keep their fresh
+`<workdir>/params/<step>`), local or remote (gs://, through etils.epath and orbax). A workdir
+that has saved no step is an error before any work. Only parameters are read: the new run's
+optimizer state and data position start fresh. Parameters are matched by path; those the new
+model has and the old does not (a classification head, say) keep their fresh
 initialisation and are listed in one log line; a shape that differs is an error naming the
 parameter and both shapes, except a ViT's `position_embedding`, which is interpolated to the
 new patch grid. Per-layer and scanned layouts convert either way. `init_from_exclude`, a regular
@@ -58,35 +59,51 @@ class InitSource:
 
 
 def _run_root(path: str) -> str | None:
-    """The training workdir at or above `path` (the first directory holding config.json)."""
-    path = os.path.abspath(path)
+    """The training workdir at or above `path` (the first directory holding config.json; in a
+    bucket, up to the bucket)."""
+    path = workdir_lib.absolute(path)
     while True:
-        if os.path.isfile(workdir_lib.path(path, workdir_lib.CONFIG)):
+        if epath.Path(workdir_lib.path(path, workdir_lib.CONFIG)).is_file():
             return path
         parent = os.path.dirname(path)
-        if parent == path:
+        if parent == path or (workdir_lib.is_remote(path) and not workdir_lib.is_remote(parent)):
             return None
         path = parent
+
+
+def _check_saved(spec: str, source: InitSource) -> InitSource:
+    """`source`, once its run is known to hold its step (or any step: the latest)."""
+    saved = sorted({step for kind in (workdir_lib.CHECKPOINTS, workdir_lib.PARAMS_SERIES)
+                    for step in checkpoint.list_steps(workdir_lib.path(source.workdir, kind))})
+    if not saved:
+        raise ValueError(f"init_from={spec!r}: {source.workdir} holds no checkpoint (no finished "
+                         f"step in {workdir_lib.CHECKPOINTS}/ or {workdir_lib.PARAMS_SERIES}/): "
+                         f"give a run that has saved one, or train it first")
+    if source.step is not None and source.step not in saved:
+        raise ValueError(f"init_from={spec!r}: step {source.step} is not saved in "
+                         f"{source.workdir} (it holds {', '.join(map(str, saved))}): give one "
+                         f"of those")
+    return source
 
 
 def parse(spec: str) -> InitSource:
     """`init_from` -> InitSource; a path that is none of the three forms is a one-line error."""
     path, step = spec, None
     match = re.fullmatch(r"(.+):(\d+)", spec)
-    if match and not os.path.exists(spec):
+    if match and not epath.Path(spec).exists():
         path, step = match.group(1), int(match.group(2))
-    root = _run_root(path) if os.path.isdir(path) else None
+    root = _run_root(path) if epath.Path(path).is_dir() else None
     if root is None:
         raise ValueError(f"init_from={spec!r} is not a training workdir (one with "
                          f"{workdir_lib.CONFIG}), workdir:step, or a params directory inside one")
-    relative = os.path.relpath(os.path.abspath(path), root).split(os.sep)
+    relative = os.path.relpath(workdir_lib.absolute(path), root).split(os.sep)
     if relative == ["."]:
-        return InitSource(root, step)
+        return _check_saved(spec, InitSource(root, step))
     if step is None and len(relative) == 2 and relative[0] == workdir_lib.AVERAGED:
-        return InitSource(root, params_dir=os.path.abspath(path))
+        return InitSource(root, params_dir=workdir_lib.absolute(path))
     if step is None and len(relative) == 2 and relative[1].isdigit() and relative[0] in (
             workdir_lib.CHECKPOINTS, workdir_lib.PARAMS_SERIES):
-        return InitSource(root, int(relative[1]))
+        return _check_saved(spec, InitSource(root, int(relative[1])))
     raise ValueError(f"init_from={spec!r}: give the workdir {root}, {root}:<step>, or a "
                      f"directory of its {workdir_lib.AVERAGED}/, {workdir_lib.CHECKPOINTS}/ or "
                      f"{workdir_lib.PARAMS_SERIES}/")
