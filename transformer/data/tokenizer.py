@@ -47,6 +47,16 @@ class VocabularyMismatch(ValueError):
     """The vocabulary on disk does not fit the config or the checkpoints."""
 
 
+def _embedding_rows(pieces: int, vocab_size: int | None, what: str) -> int:
+    """The model's embedding rows: `vocab_size` where a checkpoint pads them past the
+    vocabulary's `pieces`, else the pieces; fewer rows than pieces is an error."""
+    rows = pieces if vocab_size is None else int(vocab_size)
+    if rows < pieces:
+        raise VocabularyMismatch(f"{what} has {pieces} pieces, more than the model's {rows} "
+                                 f"embedding rows")
+    return rows
+
+
 class Tokenizer:
     """A SentencePiece model: text <-> ids (no EOS added by `encode`; `decode` stops at EOS).
     Ours (`train`) has pad 0, unk 1, bos 2, eos 3; an imported one (Llama's `tokenizer.model`:
@@ -60,10 +70,7 @@ class Tokenizer:
         self.model_proto = bytes(model_proto)
         self._sp = spm.SentencePieceProcessor(model_proto=self.model_proto)
         self.pieces = self._sp.get_piece_size()
-        self.rows = self.pieces if vocab_size is None else int(vocab_size)
-        if self.rows < self.pieces:
-            raise VocabularyMismatch(f"the SentencePiece model has {self.pieces} pieces, more "
-                                     f"than the model's {self.rows} embedding rows")
+        self.rows = _embedding_rows(self.pieces, vocab_size, "the SentencePiece model")
         self.bos_id, self.eos_id = self._sp.bos_id(), self._sp.eos_id()
         self.pad_id = None if self._sp.pad_id() < 0 else self._sp.pad_id()
         if self.pad_id not in (PAD_ID, None) or min(self.bos_id, self.eos_id) < 0:
@@ -150,10 +157,7 @@ class HuggingFaceTokenizer:
         while (i := special.get(SENTINEL_PIECE.format(len(self.sentinel_ids)))) is not None:
             self.sentinel_ids.append(i)
         self.pieces = self._model.get_vocab_size(with_added_tokens=True)
-        self.rows = self.pieces if vocab_size is None else int(vocab_size)
-        if self.rows < self.pieces:
-            raise VocabularyMismatch(f"the tokenizer.json has {self.pieces} pieces, more than "
-                                     f"the model's {self.rows} embedding rows")
+        self.rows = _embedding_rows(self.pieces, vocab_size, "the tokenizer.json")
 
     @classmethod
     def from_special_tokens(cls, json_bytes: bytes, where: str) -> HuggingFaceTokenizer:
