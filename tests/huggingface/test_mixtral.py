@@ -68,6 +68,24 @@ def test_mixtral_logits_generation_and_round_trip(tmp_path, window):
     np.testing.assert_array_equal(_hf_logits(reloaded, TOKENS), _hf_logits(hf_model, TOKENS))
 
 
+def test_mixtral_with_fused_experts_imports_and_exports_per_expert(tmp_path):
+    """A checkpoint holding `transformers` 5's in-memory layout (its `state_dict` saved as it
+    is: mlp.experts.gate_up_proj [E, 2F, D], down_proj [E, D, F], mlp.gate), which
+    `from_pretrained` reads too, imports with transformers' logits and greedy tokens; export
+    writes the Hub's per-expert layout, tensors equal to `save_pretrained`'s."""
+    from safetensors.torch import save_file
+
+    hf_dir, fused_dir = tmp_path / "mixtral", tmp_path / "fused"
+    hf_model = _mixtral(hf_dir)
+    fused_dir.mkdir()
+    (fused_dir / convert.HF_CONFIG).write_text((hf_dir / convert.HF_CONFIG).read_text())
+    state = {name: value.contiguous() for name, value in hf_model.state_dict().items()}
+    assert "model.layers.1.mlp.experts.gate_up_proj" in state
+    save_file(state, str(fused_dir / convert.SINGLE_FILE), metadata={"format": "pt"})
+    workdir = _check_language_model(tmp_path, hf_model, fused_dir)
+    _check_round_trip(tmp_path, workdir, hf_dir, transformers.MixtralForCausalLM)
+
+
 @pytest.mark.parametrize("change, message", [
     ({"router_jitter_noise": 0.01}, "mixtral option router_jitter_noise=0.01"),
     ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic'"),

@@ -132,11 +132,13 @@ def abstract_params(model_cfg: TransformerConfig):
     return jax.eval_shape(lambda: model.init(jax.random.key(0), tokens, tokens))["params"]
 
 
-def _import_groups(family, model_cfg: TransformerConfig, hf_config: dict) -> list:
-    """The family's tensor groups as this checkpoint holds them (`import_tensors` where its
-    ids are numbered otherwise than ours: Marian's OPUS-MT layout)."""
+def _import_groups(family, model_cfg: TransformerConfig, hf_config: dict,
+                   names: set[str]) -> list:
+    """The family's tensor groups as this checkpoint holds them (`import_tensors`, given its
+    tensor names, where a family reads more than one layout: Marian's OPUS-MT ids, Mixtral's
+    fused experts)."""
     if hasattr(family, "import_tensors"):
-        return family.import_tensors(model_cfg, hf_config)
+        return family.import_tensors(model_cfg, hf_config, names)
     return family.tensors(model_cfg)
 
 
@@ -181,7 +183,7 @@ def import_checkpoint(hf_dir: str, workdir: str, *, config_file: str | None = No
     if fields["architecture"] != "vision":
         cfg.data.vocab_size = fields["vocab_size"]
     run = resolve(cfg, config_file=config_path)
-    groups = _import_groups(family, run.model, hf_config)
+    groups = _import_groups(family, run.model, hf_config, reader.names())
     _check_tensors(family, groups, reader, hf_dir)
     tokenizer = _vocabulary(hf_dir, run.model, hf_config)
     if workdir_lib.read_config_file(workdir) is not None or checkpoint.list_steps(

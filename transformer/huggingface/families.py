@@ -13,8 +13,9 @@ Checkpoint layouts (`torch.nn.Linear` stores weight [out, in]; GPT-2's `Conv1D` 
     Mixtral  Mistral's tensors but the feed-forward: per layer block_sparse_moe.gate [E, D]
            (the router) and block_sparse_moe.experts.{j}.w1 (gate), w3 (up) [F, D] and w2
            (down) [D, F] for each expert j, as `save_pretrained` writes them and the Hub's
-           checkpoints hold them (in memory `transformers` 5 fuses them into
-           mlp.experts.gate_up_proj [E, 2F, D] and down_proj [E, D, F])
+           checkpoints hold them; or, as `transformers` 5 holds them in memory (its
+           `state_dict` saved as it is), mlp.gate [E, D], mlp.experts.gate_up_proj [E, 2F, D]
+           (each expert's gate rows, then its up rows) and mlp.experts.down_proj [E, D, F]
     GPT-2  c_attn [D, 3*D] (q, k, v side by side), c_proj [D, D], c_fc [D, F], mlp c_proj
            [F, D], LayerNorms, wte [V, D] (tied output), wpe [max_len, D]
     ViT    patch projection: a convolution [D, C, P, P]; cls_token [1, 1, D],
@@ -183,6 +184,16 @@ def _experts(hf: str, num_experts: int, weight: str, ours: str) -> Tensors:
                    lambda a: [w.T for w in a[0]])
 
 
+def _fused_experts(hf: str, ours: str) -> list[Tensors]:
+    """Every expert's gate and up weights fused, gate_up_proj [E, 2F, D], and its down_proj
+    [E, D, F] <-> our stacked kernels [E, D, F] and [E, F, D]."""
+    return [Tensors((f"{hf}.experts.gate_up_proj",), (f"{ours}/ff_gate", f"{ours}/ff_in"),
+                    lambda a: [w.transpose(0, 2, 1) for w in np.split(a[0], 2, axis=1)],
+                    lambda a: [np.concatenate([w.transpose(0, 2, 1) for w in a], axis=1)]),
+            Tensors((f"{hf}.experts.down_proj",), (f"{ours}/ff_out",),
+                    lambda a: [a[0].transpose(0, 2, 1)], lambda a: [a[0].transpose(0, 2, 1)])]
+
+
 class Mixtral:
     """`MixtralForCausalLM`: Mistral's decoder (its window in every layer or none) with every
     feed-forward layer routed (docs/moe.md): the softmax (float32) of a router picks the top
@@ -228,8 +239,22 @@ class Mixtral:
         return out
 
     @staticmethod
+    def import_tensors(cfg: TransformerConfig, hf: dict, names: set[str]) -> list[Tensors]:
+        """`tensors`, or where the checkpoint holds `transformers`' fused experts
+        (mlp.experts.gate_up_proj: a `state_dict` saved as it is), those."""
+        if "model.layers.0.mlp.experts.gate_up_proj" not in names:
+            return Mixtral.tensors(cfg)
+        out = [group for group in Llama.tensors(cfg) if "/ffn/" not in group.ours[0]]
+        for i in range(cfg.num_decoder_layers):
+            hf_moe, ours = f"model.layers.{i}.mlp", f"decoder/layers_{i}/moe"
+            out += [transposed(f"{hf_moe}.gate.weight", f"{ours}/router"),
+                    *_fused_experts(hf_moe, ours)]
+        return out
+
+    @staticmethod
     def tensors(cfg: TransformerConfig) -> list[Tensors]:
-        """Llama's groups but the dense feed-forward's, and each layer's router and experts."""
+        """Llama's groups but the dense feed-forward's, and each layer's router and experts
+        (per expert, as the Hub's checkpoints and `save_pretrained` hold them)."""
         out = [group for group in Llama.tensors(cfg) if "/ffn/" not in group.ours[0]]
         for i in range(cfg.num_decoder_layers):
             hf, ours = f"model.layers.{i}.block_sparse_moe", f"decoder/layers_{i}/moe"

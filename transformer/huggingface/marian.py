@@ -199,7 +199,7 @@ class Marian:
         return out
 
     @staticmethod
-    def import_tensors(cfg: TransformerConfig, hf: dict) -> list[Tensors]:
+    def import_tensors(cfg: TransformerConfig, hf: dict, names: set[str]) -> list[Tensors]:
         """`tensors` of a checkpoint with OPUS-MT's ids, its vocabulary rows renumbered
         (`opus_order`); OPUS-MT's `bad_words_ids` (its pad) becomes a logits bias that our
         BOS never wins."""
