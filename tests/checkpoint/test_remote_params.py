@@ -9,6 +9,7 @@ tensorstore's kvstore for gs://.
 """
 
 import json
+import logging
 import shutil
 import types
 
@@ -136,6 +137,42 @@ def test_training_checkpoints_are_saved_to_and_restored_from_gs(disk_bucket, tmp
     checkpointer.close()
     assert step == 4 and data == {"next_batch_index": 5}
     _equal(restored, state)
+    assert list((tmp_path / "cwd").iterdir()) == []
+
+
+def test_a_damaged_checkpoint_on_gs_is_moved_aside_and_the_one_before_restores(disk_bucket,
+                                                                              tmp_path, caplog):
+    def state(step):
+        return {"w": jnp.arange(6.0).reshape(2, 3) + step, "step": jnp.array(step)}
+
+    checkpointer = Checkpointer(REMOTE, keep=5)
+    for step in (1, 2):
+        checkpointer.save(step, state(step), {"next_batch_index": step})
+    checkpointer.close()
+    manifest = disk_bucket / "run/checkpoints/2/state/manifest.ocdbt"
+    manifest.write_bytes(manifest.read_bytes()[:manifest.stat().st_size // 2])
+
+    def files(directory):
+        return {str(p.relative_to(directory)): p.read_bytes()
+                for p in sorted(directory.rglob("*")) if p.is_file()}
+
+    damaged = files(disk_bucket / "run/checkpoints/2")
+    checkpointer = Checkpointer(REMOTE, keep=5)
+    with caplog.at_level(logging.WARNING, logger="transformer"):
+        step, restored, data = checkpointer.restore_latest(
+            jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state(0)))
+    assert (step, data) == (1, {"next_batch_index": 1})
+    _equal(restored, state(1))
+    (warning,) = [r.getMessage() for r in caplog.records
+                  if r.levelno == logging.WARNING and r.name == "transformer"]
+    assert warning.startswith("checkpoint 2 does not restore (")
+    assert warning.endswith(f"moved to {REMOTE}/skipped_checkpoints/2; trying the previous one")
+    # kept byte for byte in the bucket, gone from checkpoints/
+    assert files(disk_bucket / "run/skipped_checkpoints/2") == damaged
+    assert not (disk_bucket / "run/checkpoints/2").exists() and checkpointer.all_steps() == [1]
+    checkpointer.save(2, state(2), {"next_batch_index": 2})  # training goes on past it
+    checkpointer.close()
+    assert list_steps(f"{REMOTE}/checkpoints") == [1, 2]
     assert list((tmp_path / "cwd").iterdir()) == []
 
 

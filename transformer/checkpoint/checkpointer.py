@@ -26,7 +26,6 @@ import errno
 import logging
 import os
 import re
-import shutil
 import time
 from typing import Any
 
@@ -38,7 +37,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from transformer.checkpoint import faults
-from transformer.checkpoint.workdir import CHECKPOINTS, SKIPPED_CHECKPOINTS, absolute
+from transformer.checkpoint.workdir import CHECKPOINTS, SKIPPED_CHECKPOINTS, absolute, is_remote
 
 _LAYER = re.compile(r"^layers_(\d+)$")
 CHECKSUMS = "state_checksums"  # key of the data item: `checksums` of the saved state
@@ -194,16 +193,16 @@ class Checkpointer:
 
     def _move_aside(self, step: int) -> str:
         """Moves checkpoint `step` to `skipped_checkpoints/` (process 0; all processes wait)."""
-        target, suffix = os.path.join(self._skipped_dir(), str(step)), 1
-        while os.path.exists(target):
-            target, suffix = os.path.join(self._skipped_dir(), f"{step}.{suffix}"), suffix + 1
+        skipped = epath.Path(self._skipped_dir())  # local or gs://
+        target, suffix = skipped / str(step), 1
+        while target.exists():
+            target, suffix = skipped / f"{step}.{suffix}", suffix + 1
         if jax.process_index() == 0:
-            os.makedirs(self._skipped_dir(), exist_ok=True)
-            shutil.move(os.path.join(self.directory, str(step)), target)
+            _move_tree(epath.Path(self.directory) / str(step), target)
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices(f"checkpoint {step} moved aside")
         self._manager.reload()
-        return target
+        return os.fspath(target)
 
     @contextlib.contextmanager
     def _save_errors(self):
@@ -279,6 +278,27 @@ def stack_layers(params: dict) -> dict:
         ordered = [layers[i] for i in range(len(layers))]
         out["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *ordered)
     return out
+
+
+def _move_tree(source: epath.Path, target: epath.Path) -> None:
+    """Moves directory `source` to `target`: a rename on a local disk; in a bucket (gs://),
+    which has no directories to rename, its files copied and then the source removed (a move cut
+    short leaves the source whole)."""
+    if is_remote(os.fspath(source)):
+        _copy_tree(source, target)
+        source.rmtree()
+    else:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        source.rename(target)
+
+
+def _copy_tree(source: epath.Path, target: epath.Path) -> None:
+    target.mkdir(parents=True, exist_ok=True)
+    for entry in source.iterdir():
+        if entry.is_dir():
+            _copy_tree(entry, target / entry.name)
+        else:
+            entry.copy(target / entry.name)
 
 
 def list_steps(directory: str) -> list[int]:
