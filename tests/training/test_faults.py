@@ -140,6 +140,23 @@ def test_when_no_checkpoint_restores_the_error_lists_each_and_why(tmp_path):
     assert sorted(os.listdir(tmp_path / "skipped_checkpoints")) == ["1", "2"]
 
 
+@pytest.mark.parametrize("directory", ["gs://bucket/run/checkpoints", "run/checkpoints"])
+def test_the_stray_reads_of_a_failed_restore_are_dropped_whatever_the_scheme(directory):
+    # Tensorstore's reads name the checkpoint as orbax gave it: a gs:// URL, or an absolute path.
+    read = directory if "://" in directory else os.path.abspath(directory)
+    faults.quiet_failed_restores(directory)
+    asyncio_log = logging.getLogger("asyncio")
+
+    def kept(under):
+        return asyncio_log.filter(asyncio_log.makeRecord(
+            "asyncio", logging.ERROR, __file__, 1, "Task exception was never retrieved\nfuture: "
+            "<Task finished exception=ValueError('Error reading \"%s/2/state/d/0\"')>",
+            (under,), None))
+
+    assert not kept(read)
+    assert kept(read.replace("run", "another_run"))
+
+
 def test_a_checkpoint_with_other_shapes_names_the_parameter_and_both_shapes(tmp_path):
     save_steps(tmp_path, [1])
     before = files_of(tmp_path)

@@ -20,6 +20,8 @@ import sys
 
 import orbax.checkpoint as ocp
 
+from transformer.checkpoint.workdir import absolute
+
 FAULT_ENV = "TRANSFORMER_FAULT_INJECT"
 FAULTS = ("kill", "enospc", "killafter", "error")
 
@@ -103,7 +105,7 @@ class _DropOrphanedReads(logging.Filter):
 
     def __init__(self, directory: str):
         super().__init__()
-        self.directory = os.path.abspath(directory)
+        self.directory = absolute(directory)  # as the reads name it: a path, or gs://...
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
@@ -137,4 +139,4 @@ def quiet_failed_restores(directory: str) -> None:
     sys.unraisablehook = _drop_closed_loop_callbacks
     _add_once(logging.getLogger("asyncio"), _DropOrphanedReads(directory),
               lambda f: isinstance(f, _DropOrphanedReads)
-              and f.directory == os.path.abspath(directory))
+              and f.directory == absolute(directory))
