@@ -216,3 +216,29 @@ def test_curves_against_hours_of_training(tmp_path, monkeypatch):
     (run / "metrics.jsonl").write_text(json.dumps(lines[-1]) + "\n")
     with pytest.raises(ValueError, match="no train lines with their throughput.*--x=step"):
         curves.plot_curves([str(run)], str(tmp_path / "curves.png"), x="hours")
+
+
+def test_every_figure_lands_in_a_gs_workdir(maps, bucket, tmp_path, monkeypatch):
+    from etils import epath
+
+    monkeypatch.chdir(tmp_path)  # a remote workdir must create nothing here
+    run = "gs://bucket/run"
+    lines = [{"step": s, "split": "train", "loss": 5 / s, "learning_rate": 1e-3} for s in (1, 2)]
+    epath.Path(run).mkdir(parents=True)
+    epath.Path(f"{run}/metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert curves.read_metrics(run)["train"]["loss"] == [(1, 5.0), (2, 2.5)]
+    written = [curves.plot_curves([run], f"{run}/plots/curves.png"),
+               plotting.plot_positions(8, 10, f"{run}/plots/positions.png")]
+    written += attention_maps.plot_attention(maps, f"{run}/plots/attention")
+    rng = np.random.default_rng(0)
+    weights = rng.random((2, 2, 5, 5))
+    found = attention_maps.ImageAttention(
+        rng.integers(0, 255, (8, 8, 1), np.uint8), weights / weights.sum(-1, keepdims=True),
+        grid=2, has_class_token=True, predicted="a", probability=0.5)
+    written += attention_maps.plot_image_attention(found, f"{run}/plots/image_attention/x")
+    layers, heads = maps.weights["cross_attention"].shape[:2]
+    assert len(written) == 2 + 3 * (layers * heads + 1) + 2
+    assert sorted(bucket) == sorted([f"{run}/metrics.jsonl", *written])  # no temporary left
+    for path in written:
+        assert path.startswith(f"{run}/plots/") and bucket[path].getvalue().startswith(PNG)
+    assert list(tmp_path.iterdir()) == []

@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 
-from transformer.util.plotting import heatmap, overlay, pyplot
+from transformer.util.plotting import heatmap, overlay, pyplot, save
 
 KINDS = ("encoder_self_attention", "decoder_self_attention", "cross_attention")
 
@@ -81,7 +81,8 @@ def attention_maps(translator, source: str, target: str | None = None) -> Attent
 
 
 def plot_attention(maps: AttentionMaps, out_dir: str) -> list[str]:
-    """One PNG per kind, layer and head, and one overview grid per kind; returns the paths."""
+    """One PNG per kind, layer and head, and one overview grid per kind, in `out_dir` (local or
+    gs://); returns the paths."""
     plt = pyplot()
     written = []
     for kind in KINDS:
@@ -89,7 +90,6 @@ def plot_attention(maps: AttentionMaps, out_dir: str) -> list[str]:
         queries, keys = maps.axes(kind)
         num_layers, num_heads = weights.shape[:2]
         title = kind.replace("_", " ")
-        os.makedirs(os.path.join(out_dir, kind), exist_ok=True)
         size = (max(4.0, 0.25 * len(keys) + 2), max(3.5, 0.25 * len(queries) + 1.5))
         for layer in range(num_layers):
             for head in range(num_heads):
@@ -97,10 +97,8 @@ def plot_attention(maps: AttentionMaps, out_dir: str) -> list[str]:
                 image = heatmap(ax, weights[layer, head], queries, keys,
                                  f"{title}, layer {layer + 1}, head {head + 1}")
                 fig.colorbar(image, ax=ax, label="attention weight")
-                path = os.path.join(out_dir, kind, f"layer{layer + 1}_head{head + 1}.png")
-                fig.savefig(path, dpi=100)
-                plt.close(fig)
-                written.append(path)
+                written.append(save(fig, os.path.join(
+                    out_dir, kind, f"layer{layer + 1}_head{head + 1}.png")))
         fig, axes = plt.subplots(num_layers, num_heads, squeeze=False, layout="constrained",
                                  figsize=(2.2 * num_heads + 1, 2.2 * num_layers + 0.6))
         for layer in range(num_layers):
@@ -110,10 +108,7 @@ def plot_attention(maps: AttentionMaps, out_dir: str) -> list[str]:
         fig.suptitle(f"{title}: rows are queries, columns keys ({len(queries)} x {len(keys)} "
                      f"pieces)")
         fig.colorbar(image, ax=axes, label="attention weight", shrink=0.8)
-        path = os.path.join(out_dir, f"{kind}.png")
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
+        written.append(save(fig, os.path.join(out_dir, f"{kind}.png")))
     return written
 
 
@@ -191,7 +186,6 @@ def plot_image_attention(found: ImageAttention, out_dir: str) -> list[str]:
     """`heads.png` (a grid: rows layers, columns heads) and `rollout.png` (the image, and the
     rollout over it); returns their paths."""
     plt = pyplot()
-    os.makedirs(out_dir, exist_ok=True)
     token = "class token" if found.has_class_token else "mean patch"
     heads = found.per_head()
     num_layers, num_heads = heads.shape[:2]
@@ -203,13 +197,9 @@ def plot_image_attention(found: ImageAttention, out_dir: str) -> list[str]:
                      f"layer {layer + 1}, head {head + 1}")
     fig.suptitle(f"{token}'s attention over the patches (each map scaled to its maximum); "
                  f"predicted {found.predicted} {100 * found.probability:.1f}%", fontsize=9)
-    paths = [os.path.join(out_dir, "heads.png"), os.path.join(out_dir, "rollout.png")]
-    fig.savefig(paths[0], dpi=100)
-    plt.close(fig)
+    paths = [save(fig, os.path.join(out_dir, "heads.png"))]
     fig, (left, right) = plt.subplots(1, 2, figsize=(6.4, 3.6), layout="constrained")
     overlay(left, found.image, np.zeros((found.grid, found.grid)), "input")
     overlay(right, found.image, found.rollout(), f"attention rollout over {num_layers} layers")
     fig.suptitle(f"predicted {found.predicted} {100 * found.probability:.1f}%", fontsize=9)
-    fig.savefig(paths[1], dpi=100)
-    plt.close(fig)
-    return paths
+    return paths + [save(fig, os.path.join(out_dir, "rollout.png"))]

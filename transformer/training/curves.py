@@ -7,9 +7,10 @@ import json
 import os
 
 import numpy as np
+from etils import epath
 
 from transformer.checkpoint import workdir as workdir_lib
-from transformer.util.plotting import pyplot
+from transformer.util.plotting import pyplot, save
 
 CURVES = (("loss", "loss (NLL per target token)"), ("perplexity", "perplexity"),
           ("learning_rate", "learning rate"), ("bleu", "sacreBLEU"),
@@ -19,14 +20,14 @@ CURVES = (("loss", "loss (NLL per target token)"), ("perplexity", "perplexity"),
 
 def read_metrics(workdir: str) -> dict[str, dict[str, list[tuple[int, float]]]]:
     """`{split: {metric: [(step, value), ...]}}` from `<workdir>/metrics.jsonl`, the last line
-    per (step, split) winning, steps ascending."""
-    if not os.path.isdir(workdir):
+    per (step, split) winning, steps ascending; `workdir` local or remote (gs://)."""
+    if not epath.Path(workdir).is_dir():
         raise ValueError(f"--workdir={workdir} is not a directory: give a training run's workdir")
     path = workdir_lib.path(workdir, workdir_lib.METRICS)
-    if not os.path.exists(path):
+    if not epath.Path(path).exists():
         raise ValueError(f"{path} does not exist: is {workdir} a training workdir?")
     last: dict[tuple[int, str], dict] = {}
-    with open(path) as f:
+    with epath.Path(path).open() as f:
         for number, line in enumerate(f, 1):
             try:
                 record = json.loads(line)
@@ -102,7 +103,4 @@ def plot_curves(workdirs: list[str], out: str, x: str = "step") -> str:
         else:
             ax.text(0.5, 0.5, "not recorded", ha="center", va="center",
                     transform=ax.transAxes)
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return save(fig, out)

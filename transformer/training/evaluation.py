@@ -8,7 +8,6 @@ Shapes: B rows, C classes.
 
 from __future__ import annotations
 
-import io
 import logging
 import time
 
@@ -25,8 +24,8 @@ from transformer.inference.translator import load
 from transformer.training import metrics, scores, sharding
 from transformer.training import step as step_lib
 from transformer.training.metrics import MetricWriter
-from transformer.util import atomic, progress
-from transformer.util.plotting import pyplot
+from transformer.util import progress
+from transformer.util.plotting import pyplot, save
 
 log = logging.getLogger("transformer")
 
@@ -155,12 +154,7 @@ def plot_confusion_matrix(confusion: np.ndarray, class_names, path: str, title: 
     ax.set_title(title)
     fig.colorbar(image, ax=ax, fraction=0.046, label="fraction of the true class")
     fig.tight_layout()
-    image_bytes = io.BytesIO()
-    fig.savefig(image_bytes, format="png", dpi=100)
-    plt.close(fig)
-    epath.Path(path).parent.mkdir(parents=True, exist_ok=True)
-    atomic.write_atomically(path, image_bytes.getvalue())
-    return path
+    return save(fig, path)
 
 
 def evaluate_test_split(trainer, params, source, rows: tuple[int, int], step: int, writer,

@@ -1,11 +1,15 @@
 """Drawing with matplotlib (Agg backend: no display needed): the shared heatmap and overlay,
-and the sinusoidal positional encoding's figure."""
+saving a figure to a local or remote path, and the sinusoidal positional encoding's figure."""
 
 from __future__ import annotations
 
+import io
 import os
 
 import numpy as np
+from etils import epath
+
+from transformer.util import atomic
 
 MAX_POSITIONS = 4096  # `positions` draws a [length, length] matrix
 MAX_D_MODEL = 8192
@@ -19,6 +23,17 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save(fig, path: str) -> str:
+    """Writes `fig` to `path` (its format from the extension; PNG without one), local or remote
+    (gs://: rendered in memory, then written whole through `atomic`), and closes it."""
+    image = io.BytesIO()
+    fig.savefig(image, format=os.path.splitext(path)[1][1:] or None, dpi=100)
+    pyplot().close(fig)
+    epath.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    atomic.write_atomically(path, image.getvalue())
+    return path
 
 
 def heatmap(ax, weights: np.ndarray, queries: list[str], keys: list[str], title: str,
@@ -71,7 +86,4 @@ def plot_positions(d_model: int, length: int, out: str) -> str:
     right.set_xlabel("position pos'")
     right.set_ylabel("position pos")
     fig.colorbar(image, ax=right)
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return save(fig, out)
