@@ -75,7 +75,7 @@ def test_tiny_encoder_decoder_flops_by_hand():
     cfg = TransformerConfig(**TINY)
     s, t, d, f, v = 5, 7, 8, 12, 11
     encoder_layer = 2 * s * d * d * 4 + 2 * s * s * d * 2 + 2 * s * d * f * 2
-    decoder_self = 2 * t * d * d * 4 + 2 * t * t * d * 2
+    decoder_self = 2 * t * d * d * 4 + 2 * t * t * d * 2 / 2  # causal: half the scores
     decoder_cross = 2 * t * d * d * 2 + 2 * s * d * d * 2 + 2 * t * s * d * 2
     decoder_layer = decoder_self + decoder_cross + 2 * t * d * f * 2
     forward = 2 * encoder_layer + 3 * decoder_layer + 2 * t * d * v
@@ -88,7 +88,7 @@ def test_tiny_encoder_decoder_flops_by_hand():
 def test_tiny_decoder_only_and_encoder_only_flops(gated):
     s, t, d, f, v = 5, 7, 8, 12, 11
     decoder = TransformerConfig(**TINY, architecture="decoder", activation=gated)
-    layer = 2 * t * d * d * 4 + 2 * t * t * d * 2 + 2 * t * d * f * 3
+    layer = 2 * t * d * d * 4 + 2 * t * t * d * 2 / 2 + 2 * t * d * f * 3
     forward = 3 * layer + 2 * t * d * v
     assert flops.train_flops_per_token(decoder, source_length=s, target_length=t) == (
         pytest.approx(3 * forward / t))
@@ -103,14 +103,15 @@ def test_tiny_gqa_flops_count_fewer_kv_projections():
     cfg = TransformerConfig(**dict(TINY, num_heads=4, num_kv_heads=1), d_k=4,
                             architecture="decoder")
     t, d, f, v = 7, 8, 12, 11
-    attention = 2 * t * d * 16 + 2 * t * d * 8 + 2 * t * 16 * d + 2 * t * t * 16 * 2
+    attention = 2 * t * d * 16 + 2 * t * d * 8 + 2 * t * 16 * d + 2 * t * t * 16 * 2 / 2
     forward = 3 * (attention + 2 * t * d * f * 2) + 2 * t * d * v
     assert flops.forward_flops(cfg, source_length=1, target_length=t)["total"] == forward
 
 
 def test_base_flops_exact_and_near_six_n():
     per_token = flops.train_flops_per_token(BASE, source_length=64, target_length=64)
-    assert per_token == 384_983_040
+    # 384,983,040 with the decoder's causal T x T whole: its 6 layers' 2·64·64·512·2 halved
+    assert per_token == 384_983_040 - 3 * 6 * (2 * 64 * 64 * 512 * 2 / 2) / 64
     counts = flops.param_counts(BASE)
     non_embedding = counts["total"] - counts["embedding"]
     attention_terms = 3 * 6 * (2 * 2 * 64 * 512) * 3  # encoder self, decoder self and cross
@@ -164,7 +165,7 @@ def test_local_global_and_linear_attention_flops_by_hand():
     """configs/lm_default.py's attention at T = 128 over 2 layers (N = 4, K = 2, H = Hv = 64)."""
     t, n, h = 128, 4, 64
     dense = TransformerConfig(**LM_DIMS)
-    dense_core = 2 * t * t * n * (h + h)
+    dense_core = 2 * t * t * n * (h + h) / 2  # causal: half the T x T scores
     assert flops.forward_flops(dense, source_length=1, target_length=t)[
         "attention_scores_values"] == 2 * dense_core
     # local,global with w = 32: the local layer's queries see 1 .. 32 keys, then 33.

@@ -55,31 +55,136 @@ def test_ring_algorithm_bytes_and_times():
     assert permute.seconds("TPU v5 lite") == pytest.approx(3 * 5000 / 50e9)
 
 
+# A TPU program's shapes (as `compiled.as_text()` prints them): an outer loop of 3 trips (its
+# condition `3 > i`) around an inner one of 4 (`i <= 3`, the compare in a fusion the condition
+# calls); a loop of 5 trips the compiler states (`known_trip_count`); a fusion called from the
+# entry and from the inner loop; an async pair naming one wrapped computation; an all-gather
+# chain (channel 7, chain 2: start and done in the outer body, a continuation in the inner);
+# an all-reduce in an AllReduceScatterFusion; and the splash kernel's attribute of several
+# lines ahead of a collective.
+NESTED = """\
+HloModule jit_train_step, is_scheduled=true
+
+%outer_cond (p: (s32[])) -> pred[] {
+  %n = s32[]{:T(128)} constant(3)
+  %i = s32[]{:T(128)} get-tuple-element(%p), index=0
+  ROOT %gt = pred[]{:T(512)} compare(%n, %i), direction=GT
+}
+
+%le_fusion (x: s32[]) -> pred[] {
+  %x = s32[] parameter(0)
+  %three = s32[] constant(3)
+  ROOT %le = pred[] compare(%x, %three), direction=LE
+}
+
+%inner_cond (p: (s32[])) -> pred[] {
+  %i = s32[]{:T(128)} get-tuple-element(%p), index=0
+  ROOT %f = pred[]{:T(512)} fusion(%i), kind=kLoop, calls=%le_fusion
+}
+
+%shared (x: f32[16]) -> f32[64] {
+  %ag = f32[64]{0} all-gather(%x), channel_id=3, replica_groups=[1,4]<=[4], dimensions={0}
+}
+
+%chain_start (x: bf16[8]) -> bf16[32] {
+  %c1 = bf16[32] all-gather(%x), channel_id=7, replica_groups=[1,4]<=[4], CHAIN
+}
+
+%chain_more (x: bf16[8]) -> bf16[32] {
+  %c2 = bf16[32] all-gather(%x), channel_id=7, replica_groups=[1,4]<=[4], CHAIN
+}
+
+%chain_done (x: bf16[8]) -> bf16[32] {
+  %c3 = bf16[32] all-gather(%x), channel_id=7, replica_groups=[1,4]<=[4], CHAIN
+}
+
+%inner_body (p: (s32[])) -> (s32[]) {
+  %k = bf16[4,8] custom-call(%q), custom_call_target="tpu", frontend_attributes={kernel_metadata={
+"xprof_metadata":"{\\"block_q\\": 128}"
+}}, metadata={op_name="splash"}
+  %cp = bf16[4,8]{1,0} collective-permute(%k), channel_id=9, source_target_pairs={{0,1},{1,0}}
+  %s = f32[64]{0} fusion(%y), kind=kCustom, calls=%shared
+  %more = bf16[32]{0} fusion(%z), kind=kCustom, calls=%chain_more
+}
+
+%outer_body (p: (s32[])) -> (s32[]) {
+  %start = bf16[32]{0} fusion(%z), kind=kCustom, calls=%chain_start
+  %w = (s32[]) while(%t), condition=%inner_cond, body=%inner_body
+  %done = bf16[32]{0} fusion(%start), kind=kCustom, calls=%chain_done
+}
+
+%kcond (p: (s32[])) -> pred[] {
+  %i = s32[]{:T(128)} get-tuple-element(%p), index=0
+  %m = s32[]{:T(128)} get-tuple-element(%p), index=1
+  ROOT %lt = pred[]{:T(512)} compare(%i, %m), direction=LT
+}
+
+%kbody (p: (s32[])) -> (s32[]) {
+  %ar = f32[256]{0} all-reduce(%g), channel_id=11, replica_groups={{0,1,2,3}}, to_apply=%add
+}
+
+%wrapped (x: f32[32]) -> f32[32] {
+  %a2a = f32[32]{0} all-to-all(%x), channel_id=12, replica_groups={{0,1}}, dimensions={0}
+}
+
+%scatter (a: f32[128]) -> f32[32] {
+  %sum = f32[128]{0} all-reduce(%a), channel_id=1, replica_groups={{0,1,2,3}}, to_apply=%add
+  ROOT %slice = f32[32]{0} dynamic-slice(%sum, %o), dynamic_slice_sizes={32}
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %s0 = f32[64]{0} fusion(%y), kind=kCustom, calls=%shared
+  %w0 = (s32[]) while(%t), condition=%outer_cond, body=%outer_body
+  %k = s32[] while(%t), condition=%kcond, body=%kbody, backend_config={"known_trip_count":{"n":"5"}}
+  %as = ((f32[32]), f32[32]) async-start(%v), calls=%wrapped
+  %ad = f32[32]{0} async-done(%as), calls=%wrapped
+  %rs = f32[32] fusion(%g), calls=%scatter, backend_config={"emitter":"AllReduceScatterFusion"}
+}
+""".replace("CHAIN", 'frontend_attributes={chain_id="2"}')
+
+
+def test_collectives_counted_by_hand_through_nested_and_shared_computations():
+    """Each collective of NESTED as many times as a step runs it, by hand: the inner body
+    3 x 4 = 12 times; the shared fusion once from the entry and 12 times from the inner body;
+    the chain once per outer trip (3), not per piece or per inner trip; the async pair's
+    all-to-all once; the all-reduce-scatter as a reduce-scatter of a quarter of its bytes."""
+    found = sorted((c.kind, c.result_bytes, c.group, c.count)
+                   for c in step_time.collectives(NESTED))
+    assert found == sorted([
+        ("collective-permute", 2 * 4 * 8, 2, 12),
+        ("all-gather", 4 * 64, 4, 13),  # the shared fusion: 1 + 12
+        ("all-gather", 2 * 32, 4, 3),  # the chain
+        ("all-reduce", 4 * 256, 4, 5),  # known_trip_count
+        ("all-to-all", 4 * 32, 2, 1),
+        ("reduce-scatter", 4 * 32, 4, 1),
+    ])
+
+
 def test_extrapolation_over_layers_and_microbatches():
-    one = step_time.ProgramCost(optimal_seconds=3.0, flops=30.0, communication_seconds=1.0,
-                                communication_bytes=100.0, num_collectives=5)
-    two = step_time.ProgramCost(optimal_seconds=5.0, flops=50.0, communication_seconds=1.5,
-                                communication_bytes=150.0, num_collectives=8)
-    e = step_time.extrapolate(one, two, layers=12, microbatches=4, optimizer_seconds=0.5,
-                              analytic_flops=1000.0, peak_flops=100.0)
+    one = step_time.ProgramCost(optimal_seconds=3.0, flops=30.0)
+    two = step_time.ProgramCost(optimal_seconds=5.0, flops=50.0)
+    found = [step_time.Collective("all-gather", 8000, 4, count=24),
+             step_time.Collective("collective-permute", 5000, 2, count=3)]
+    e = step_time.extrapolate(one, two, found, "TPU v5 lite", layers=12, microbatches=4,
+                              optimizer_seconds=0.5, analytic_flops=1000.0, peak_flops=100.0)
     assert e.compute == pytest.approx(4 * (3 + 11 * 2) - 3 * 0.5)  # the update counted once
     assert e.compiler_flops == pytest.approx(4 * (30 + 11 * 20))
     assert e.unseen == pytest.approx((1000 - 4 * 250) / 100)  # none unseen
-    assert e.communication == pytest.approx(4 * (1 + 11 * 0.5))
-    assert e.num_collectives == 4 * (5 + 11 * 3)
+    # the communication is the step program's own collectives, as counted there
+    assert e.communication == pytest.approx(24 * 6000 / 100e9 + 3 * 5000 / 50e9)
+    assert e.communication_bytes == 24 * 6000 + 3 * 5000
+    assert e.num_collectives == 27
     assert e.seconds == pytest.approx(e.compute + e.communication)
     assert e.overlapped_seconds == pytest.approx(max(e.compute, e.communication))
-    assert step_time.extrapolate(one, two, layers=1, microbatches=1, optimizer_seconds=0.0,
-                                 analytic_flops=130.0, peak_flops=10.0).unseen == 10.0
+    assert step_time.extrapolate(one, two, [], "TPU v5 lite", layers=1, microbatches=1,
+                                 optimizer_seconds=0.0, analytic_flops=130.0,
+                                 peak_flops=10.0).unseen == 10.0
     assert step_time.optimizer_seconds(4_000, 1e9) == pytest.approx(7 * 4e-6)
 
 
 def test_program_cost_falls_back_on_the_compilers_roofline():
-    found = [step_time.Collective("all-gather", 8000, 4, count=2)]
-    given = step_time.program_cost({"optimal_seconds": 0.5, "flops": 10.0}, found,
-                                   "TPU v5 lite", 100.0, 1000.0)
-    assert given.optimal_seconds == 0.5 and given.communication_bytes == 12000
-    assert given.num_collectives == 2
+    given = step_time.program_cost({"optimal_seconds": 0.5, "flops": 10.0}, 100.0, 1000.0)
+    assert given == step_time.ProgramCost(0.5, 10.0)
     none = step_time.program_cost({"optimal_seconds": -1.0, "flops": 300.0,
-                                   "bytes accessed": 2000.0}, [], "TPU v5 lite", 100.0, 1000.0)
+                                   "bytes accessed": 2000.0}, 100.0, 1000.0)
     assert none.optimal_seconds == 3.0  # FLOPs / peak > bytes / bandwidth

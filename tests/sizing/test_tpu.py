@@ -4,6 +4,7 @@ meshes, splash attention, and float32 logits under bfloat16. The compile tests n
 skip, saying why). In-process TPU compiles keep out of JAX's persistent cache
 (`_tpu_compile`); subprocesses compile through `train.py`, as a user does."""
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -361,3 +362,36 @@ def test_sweep_ranks_what_fits_and_says_why_the_rest_was_dropped(libtpu, load_co
                          "make the product 4 or set one axis to -1"]
     assert tpu.sweep_points(8)[-1] == {"mesh.data": 1, "mesh.fsdp": 1, "mesh.context": 8,
                                        "mesh.tensor": 1, "model.remat_policy": "dots_no_batch"}
+
+
+def test_collectives_of_a_context_split_step_counted_by_hand(libtpu, load_config):
+    """A causal LM (lm_default's block at d_model 128, d_ff 256, 4 heads of 32, 2 kv heads, 2
+    layers, vocabulary 384) over rows of 256 tokens split 4 ways (`context` 4, "all_gather"),
+    2 microbatches, remat full, compiled for v5e:2x2. By hand, per layer and microbatch (4 in
+    all): its 7 weight matrices (params sharded over fsdp x context) gathered in the forward
+    pass and again in the recomputation (q and out 32 KiB, k and v 16 KiB, the three
+    feed-forward 64 KiB, bfloat16), the keys and values ([4, 256, 2, 32], 128 KiB) gathered
+    in both and their gradients reduce-scattered. The TPU compiler splits an async gather into
+    a chain of 3-4 fusions, some inside the attention's loop over blocks: counted per piece
+    this read 124 feed-forward gathers for 24."""
+    cfg = load_config("lm_default.py", **{
+        "data.vocab_size": 384, "data.max_length": 256, "model.max_len": 256,
+        "model.num_decoder_layers": 2, "model.d_model": 128, "model.d_ff": 256,
+        "model.num_heads": 4, "model.num_kv_heads": 2, "model.scan_layers": True,
+        "model.dtype": "bfloat16", "model.remat_policy": "full",
+        "model.context_parallel_strategy": "all_gather", "mesh.data": 1, "mesh.fsdp": 1,
+        "mesh.context": 4, "mesh.tensor": 1, "data.batch_size": 8, "grad_accum_steps": 2,
+        "data.max_rows_per_device": 0})
+    with _tpu_compile():
+        topology = tpu.parse_topology("v5e:2x2")
+        devices = tpu.abstract_devices(topology)
+        run = resolve(cfg, len(devices))
+        plan = tpu._plan(run, sharding.make_mesh(run.config.mesh, devices), topology)
+    counts = collections.Counter()
+    for c in plan.collectives:
+        counts[c.kind, c.result_bytes, c.group] += c.count
+    assert counts["all-gather", 2 * 128 * 4 * 32, 4] == 2 * 2 * 4  # q, out
+    assert counts["all-gather", 2 * 128 * 2 * 32, 4] == 2 * 2 * 4  # k, v
+    assert counts["all-gather", 2 * 128 * 256, 4] == 3 * 2 * 4  # feed-forward
+    assert counts["all-gather", 2 * 4 * 256 * 2 * 32, 4] == 2 * 2 * 4  # keys and values
+    assert counts["reduce-scatter", 2 * 4 * 64 * 2 * 32, 4] == 2 * 4  # their gradients

@@ -14,11 +14,12 @@ sequence pair:
         proj(L_q, L_kv) = 2·L_q·D·N·H + 2·L_kv·D·K·(H + Hv) + 2·L_q·N·Hv·D
     scores and values:
         core(L_q, L_kv) = 2·L_q·L_kv·N·H   (Q K^T)   + 2·L_q·L_kv·N·Hv   (A V)
+        causal self-attention over L: core(L, L) / 2
     feed-forward over L tokens:      ffn(L) = 2·L·D·F·A
     encoder layer (self-attention over S):
         proj(S, S) + core(S, S) + ffn(S)
     decoder layer (causal self-attention, then cross-attention to S):
-        proj(T, T) + core(T, T) + proj(T, S) + core(T, S) + ffn(T)
+        proj(T, T) + core(T, T) / 2 + proj(T, S) + core(T, S) + ffn(T)
     output projection:               logits(L) = 2·L·D·V
 
 A routed layer (`model.num_experts` E > 0, `experts_per_token` k, docs/moe.md) replaces
@@ -27,9 +28,12 @@ capacity dispatch computes every slot, c·k·ffn(L) for capacity factor c), plus
 shared expert. (On CPU, `jax.lax.ragged_dot` lowers to a masked product over all E experts: E
 times the experts' figure is computed there; the count is the model's, not that lowering's.)
 
-The decoder's causal self-attention is counted over the full T×T score matrix, as most accounts
-(and the "xla" implementation, which computes the masked entries) do; a causal-aware kernel skips
-about half of it.
+The decoder's causal self-attention counts half the T×T score matrix, the entries its mask keeps
+(T²/2, the field's convention for MFU: MaxText's `calculate_tflops_training_per_device` and
+Megatron-LM divide causal attention by 2; a prefix LM's bidirectional prefix is counted causal
+too). Encoder and cross-attention count the whole matrix. The "xla" implementation computes the
+masked entries as well (twice these FLOPs); a causal-aware kernel (splash, chunked) skips the
+masked blocks.
 
 Efficient self-attention (`attention_pattern`, `attention_kind`):
     a local layer of window w counts the (query, key) pairs its pattern allows, P, in place of
@@ -186,6 +190,8 @@ def _self_attention_flops(config: TransformerConfig, length: int, layer: int,
         pairs = window_pairs(length, (window, 0 if causal else window),
                              config.attention_global_tokens, causal=causal)
         flops_["scores_values"] = 2.0 * pairs * n * (h + hv)
+    elif causal:
+        flops_["scores_values"] /= 2
     return flops_
 
 

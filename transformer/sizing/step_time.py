@@ -11,12 +11,18 @@ base (embeddings, loss, optimizer), and
 for L layers and A microbatches, the optimizer's update (elementwise over the device's params
 and Adam moments: read and written once a step, at the chip's HBM bandwidth) counted once.
 
-Communication is read from the compiled programs' HLO: every all-gather, reduce-scatter,
-all-reduce, all-to-all and collective-permute, with its bytes, its group (replica groups) and
-how many times it runs (the trip counts of the loops around it, read from their conditions),
-timed at the chip's ICI bandwidth along one torus axis (ring algorithms: an all-gather or
-reduce-scatter moves (n-1)/n of the bytes through each chip, an all-reduce twice that),
-extrapolated over layers and microbatches like the compute.
+Communication is read from the HLO of the step's own program (the config as it trains: scanned
+layers and the microbatch loop included), not from the 1- and 2-layer ones, whose collectives XLA
+combines differently (their difference can be below zero): every all-gather, reduce-scatter,
+all-reduce, all-to-all and collective-permute, with its bytes, its group (replica groups) and how
+many times a step runs it (the trip counts of the loops around it, `_trip_count`), timed at the
+chip's ICI bandwidth along one torus axis (ring algorithms: an all-gather or reduce-scatter moves
+(n-1)/n of the bytes through each chip, an all-reduce twice that). The TPU compiler splits an
+async collective into a chain of fusions (start, continuations, done; the continuations often
+inside a neighbouring loop), each holding the whole collective and sharing its `channel_id` and
+`chain_id`: a chain is one collective, run as often as its least-run piece. An all-reduce in an
+`AllReduceScatterFusion` (an all-reduce whose result each chip slices) is timed as the
+reduce-scatter it runs as.
 
 Where the cost model gives no figure (a negative one, as for programs with the splash kernel),
 a program's compute is its roofline from the compiler's counts: max(FLOPs / peak, bytes
@@ -28,7 +34,8 @@ latency-hiding scheduler hides part of the communication: the truth lies between
 figures), a custom kernel's time (the splash kernel's FLOPs are added at the chip's peak, as
 `flops.py` counts them; its memory traffic is not), the loops left inside a layer (the loss's
 chunks, ring attention's steps, the chunked kernel's blocks: their compute counted once, their
-missing FLOPs added at peak), data-center links (collectives across slices are timed at ICI
+missing FLOPs added at peak), loops whose trip count the HLO does not state (their collectives
+counted once), data-center links (collectives across slices are timed at ICI
 bandwidth), and everything off the device (input pipeline, host, launch overhead).
 """
 
@@ -97,38 +104,68 @@ def _group_size(line: str) -> int:
 
 
 def _computations(hlo: str) -> dict[str, list[str]]:
-    """Computation name -> its instruction lines (the entry's name is "ENTRY")."""
+    """Computation name -> its instruction lines (the entry's name is "ENTRY"). A computation
+    opens at the start of a line and closes with a "}" line; its instructions are indented,
+    and an attribute of several lines (the splash kernel's `kernel_metadata={`) stays in it."""
     out, name = {}, None
     for line in hlo.splitlines():
-        if match := re.match(r"\s*(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line):
+        if match := re.match(r"(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line):
             name = "ENTRY" if match.group(1) else match.group(2)
             out[name] = []
-        elif line.strip() == "}":
+        elif line.rstrip() == "}":
             name = None
         elif name is not None:
             out[name].append(line)
     return out
 
 
-def _trip_count(condition: list[str]) -> int:
-    """A while loop's trips from its condition `i < N` (JAX's loops count from 0 by 1): the
-    one integer constant there, else 1 (unknown)."""
-    constants = re.findall(r"= [su]32\[\][^ ]* constant\((\d+)\)", "\n".join(condition))
-    return int(constants[0]) if len(constants) == 1 else 1
+_CONSTANT = re.compile(r"%([\w.\-]+) = [su](?:8|16|32|64)\[\]\S* constant\((-?\d+)\)")
+_CALLEE = re.compile(r"\b(body|condition|calls|to_apply|branch_computations)="
+                     r"(\{[^}]*\}|%?[\w.\-]+)")
+_FLIPPED = {"GT": "LT", "GE": "LE", "LT": "GT", "LE": "GE"}
+
+
+def _trip_count(loop: str, computations: dict[str, list[str]]) -> int:
+    """A while loop's trips: the compiler's `known_trip_count` where the `loop` line has one,
+    else from its condition `i < N` or `i <= N` (either operand order, the compare in the
+    condition or a fusion it calls; JAX's loops count from 0 by 1), else 1 (unknown)."""
+    if known := re.search(r'"known_trip_count":\{"n":"(\d+)"', loop):
+        return int(known.group(1))
+    condition = re.search(r"\bcondition=%?([\w.\-]+)", loop)
+    lines = list(computations.get(condition.group(1), [])) if condition else []
+    for line in list(lines):
+        for callee in re.findall(r"\bcalls=%?([\w.\-]+)", line):
+            lines += computations.get(callee, [])
+    constants = dict(_CONSTANT.findall("\n".join(lines)))
+    compares = [m for line in lines
+                if (m := re.search(r"compare\(([^)]*)\).*direction=(\w+)", line))]
+    if len(compares) != 1:
+        return 1
+    operands = re.findall(r"%([\w.\-]+)", compares[0].group(1))
+    direction = compares[0].group(2)
+    if len(operands) != 2 or (operands[0] in constants) == (operands[1] in constants):
+        return 1
+    if operands[0] in constants:
+        bound, direction = int(constants[operands[0]]), _FLIPPED.get(direction, direction)
+    else:
+        bound = int(constants[operands[1]])
+    return {"LT": bound, "LE": bound + 1}.get(direction, 1)
 
 
 def _counts(computations: dict[str, list[str]]) -> dict[str, int]:
     """How many times a step runs each computation: 1 for the entry, times a while loop's
-    trip count (`_trip_count`) for its body, summed over its callers."""
+    trip count (`_trip_count`) for its body, summed over its call sites (an async op's
+    computation once, from its start: its update and done name it too)."""
     calls: dict[str, list[tuple[str, int]]] = {name: [] for name in computations}
     for caller, lines in computations.items():
         for line in lines:
-            condition = re.search(r"\bcondition=%?([\w.\-]+)", line)
-            trips = _trip_count(computations.get(condition.group(1), [])) if condition else 1
-            for key, callee in re.findall(r"\b(body|condition|calls|to_apply|"
-                                          r"branch_computations)=\{?%?([\w.\-]+)", line):
-                if callee in calls:
-                    calls[callee].append((caller, trips if key == "body" else 1))
+            if re.search(r"\sasync-(update|done)\(", line):
+                continue
+            trips = _trip_count(line, computations) if " while(" in line else 1
+            for key, callees in _CALLEE.findall(line):
+                for callee in re.findall(r"[\w.\-]+", callees.replace("%", "")):
+                    if callee in calls:
+                        calls[callee].append((caller, trips if key == "body" else 1))
     counts: dict[str, int] = {}
 
     def count(name: str, seen=()) -> int:
@@ -144,20 +181,30 @@ def _counts(computations: dict[str, list[str]]) -> dict[str, int]:
 
 def collectives(hlo: str) -> list[Collective]:
     """The collectives of a compiled program's HLO text (`compiled.as_text()`), each with the
-    number of times a step runs it."""
+    number of times a step runs it; the pieces of a chain (one `channel_id` and `chain_id`)
+    as one collective, run as often as its least-run piece (module docstring)."""
     computations = _computations(hlo)
     counts = _counts(computations)
-    found = []
+    scattering = {callee for lines in computations.values() for line in lines
+                  if re.search(r'"emitter":"\w*AllReduceScatterFusion"', line)
+                  for callee in re.findall(r"\bcalls=%?([\w.\-]+)", line)}
+    found: dict[object, Collective] = {}
     for name, lines in computations.items():
-        for line in lines:
-            if (match := _OP.search(line)) and counts.get(name, 0):
-                shape = match.group(1)
-                if match.group(3):  # an async start's tuple holds its operand and result
-                    arrays = _ARRAY.findall(shape)
-                    shape = " ".join(f"{d}[{s}]" for d, s in arrays[1:2] or arrays[:1])
-                found.append(Collective(match.group(2), _array_bytes(shape), _group_size(line),
-                                        counts[name]))
-    return found
+        for index, line in enumerate(lines):
+            if not ((match := _OP.search(line)) and counts.get(name, 0)):
+                continue
+            shape, kind, group = match.group(1), match.group(2), _group_size(line)
+            if match.group(3):  # an async start's tuple holds its operand and result
+                arrays = _ARRAY.findall(shape)
+                shape = " ".join(f"{d}[{s}]" for d, s in arrays[1:2] or arrays[:1])
+            result = _array_bytes(shape)
+            if kind == "all-reduce" and name in scattering:
+                kind, result = "reduce-scatter", result // group
+            chain = re.search(r'channel_id=(\d+).*chain_id="(\d+)"', line)
+            key = chain.groups() if chain else (name, index)
+            count = min(counts[name], found[key].count) if key in found else counts[name]
+            found[key] = Collective(kind, result, group, count)
+    return list(found.values())
 
 
 def communication_seconds(found: list[Collective], device_kind: str) -> float:
@@ -166,17 +213,14 @@ def communication_seconds(found: list[Collective], device_kind: str) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class ProgramCost:
-    """Per-device figures of one compiled program."""
+    """Per-device compute figures of one compiled program."""
 
     optimal_seconds: float
     flops: float
-    communication_seconds: float
-    communication_bytes: float
-    num_collectives: int
 
 
-def program_cost(cost: dict[str, float], found: list[Collective], device_kind: str,
-                 peak_flops: float, hbm_bytes_per_s: float) -> ProgramCost:
+def program_cost(cost: dict[str, float], peak_flops: float,
+                 hbm_bytes_per_s: float) -> ProgramCost:
     """A compiled program's figures: the cost model's `optimal_seconds` where it gives one,
     else (it gives a negative figure for some TPU programs) the program's roofline from the
     compiler's own counts, max(FLOPs / peak, bytes accessed / HBM bandwidth)."""
@@ -184,9 +228,7 @@ def program_cost(cost: dict[str, float], found: list[Collective], device_kind: s
     seconds = cost.get("optimal_seconds", 0.0)
     if seconds <= 0:
         seconds = max(flops_ / peak_flops, cost.get("bytes accessed", 0.0) / hbm_bytes_per_s)
-    return ProgramCost(seconds, flops_, communication_seconds(found, device_kind),
-                       sum(c.count * c.bytes_per_device() for c in found),
-                       sum(c.count for c in found))
+    return ProgramCost(seconds, flops_)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,12 +255,13 @@ class StepEstimate:
         return max(self.compute + self.unseen, self.communication)
 
 
-def extrapolate(one: ProgramCost, two: ProgramCost, *, layers: int, microbatches: int,
-                optimizer_seconds: float, analytic_flops: float,
-                peak_flops: float) -> StepEstimate:
-    """The step's estimate from the programs with 1 and 2 layers per stack and one microbatch:
-    `layers` per stack, `microbatches` A, the optimizer's update counted once, flops.py's
-    `analytic_flops` per device for the FLOPs the cost model leaves out."""
+def extrapolate(one: ProgramCost, two: ProgramCost, found: list[Collective], device_kind: str,
+                *, layers: int, microbatches: int, optimizer_seconds: float,
+                analytic_flops: float, peak_flops: float) -> StepEstimate:
+    """The step's estimate: its compute from the programs with 1 and 2 layers per stack and
+    one microbatch, `layers` per stack, `microbatches` A, the optimizer's update counted once,
+    flops.py's `analytic_flops` per device for the FLOPs the cost model leaves out; its
+    communication from `found`, the collectives of the step's own program (`collectives`)."""
 
     def whole(field: str) -> float:
         a, b = getattr(one, field), getattr(two, field)
@@ -227,8 +270,9 @@ def extrapolate(one: ProgramCost, two: ProgramCost, *, layers: int, microbatches
     compute = whole("optimal_seconds") - (microbatches - 1) * optimizer_seconds
     flops_ = whole("flops")
     return StepEstimate(compute, max(0.0, analytic_flops - flops_) / peak_flops,
-                        whole("communication_seconds"), whole("communication_bytes"),
-                        whole("num_collectives"), flops_, layers, microbatches)
+                        communication_seconds(found, device_kind),
+                        sum(c.count * c.bytes_per_device() for c in found),
+                        sum(c.count for c in found), flops_, layers, microbatches)
 
 
 def optimizer_seconds(param_bytes_per_device: int, hbm_bytes_per_s: float) -> float:

@@ -177,9 +177,10 @@ def layer_variant(run: Resolved, layers: int, num_devices: int, num_slices: int)
 
 def step_estimate(run: Resolved, topology: Topology, devices,
                   memory_plan: memory.MemoryPlan) -> step_time.StepEstimate:
-    """`step_time`'s estimate of `run`'s train step on `devices`: the programs with 1 and 2
-    layers per stack (one microbatch, unrolled) compiled for them, extrapolated to the
-    config's layers (the deeper stack) and microbatches."""
+    """`step_time`'s estimate of `run`'s train step on `devices`: the compute of the programs
+    with 1 and 2 layers per stack (one microbatch, unrolled) compiled for them, extrapolated
+    to the config's layers (the deeper stack) and microbatches; the communication of the
+    step's own program (`memory_plan`'s collectives)."""
     model, device = run.model, topology.chip.device
     layers = max(model.num_decoder_layers if model.architecture in ("decoder", "encoder_decoder")
                  else 0, model.num_encoder_layers if model.architecture != "decoder" else 0)
@@ -188,11 +189,11 @@ def step_estimate(run: Resolved, topology: Topology, devices,
     for depth in (1, 2):
         variant = layer_variant(run, depth, len(devices), topology.num_slices)
         variant_plan = _plan(variant, mesh, topology)
-        costs.append(step_time.program_cost(variant_plan.cost, list(variant_plan.collectives),
-                                            device.name, device.peak_flops,
+        costs.append(step_time.program_cost(variant_plan.cost, device.peak_flops,
                                             device.memory_bytes_per_s))
     return step_time.extrapolate(
-        *costs, layers=layers, microbatches=int(run.config.grad_accum_steps),
+        *costs, list(memory_plan.collectives), device.name, layers=layers,
+        microbatches=int(run.config.grad_accum_steps),
         optimizer_seconds=step_time.optimizer_seconds(memory_plan.analytic["params"],
                                                       device.memory_bytes_per_s),
         analytic_flops=memory.step_flops_per_device(model, memory_plan),
