@@ -103,12 +103,13 @@ def test_marian_logits_translations_and_round_trip(tmp_path):
         assert (tmp_path / "exported" / name).read_bytes() == (hf_dir / name).read_bytes()
 
 
-def _papers_run(tmp_path, load_config):
+def _papers_run(tmp_path, load_config, rows=V):
     """A post-LN run of our paper's recipe (configs/default.py's model, post-LN; interleaved
-    sinusoids, ReLU, LayerNorm eps 1e-6), random weights scaled for sharper logits: its
-    workdir, model and parameters."""
+    sinusoids, ReLU, LayerNorm eps 1e-6), random weights scaled for sharper logits, its V-piece
+    vocabulary padded to `rows` embedding rows where more: its workdir, model and
+    parameters."""
     cfg = load_config("default.py", **{
-        "data.vocab_size": V, "model.num_encoder_layers": 2, "model.num_decoder_layers": 2,
+        "data.vocab_size": rows, "model.num_encoder_layers": 2, "model.num_decoder_layers": 2,
         "model.d_model": 32, "model.d_ff": 64, "model.num_heads": 4, "model.max_len": 64,
         "model.norm_position": "post"})
     run = resolve(cfg)
@@ -118,7 +119,8 @@ def _papers_run(tmp_path, load_config):
     params = nn.unbox(model.init(jax.random.key(0), tokens, tokens)["params"])
     params = jax.tree.map(lambda x: x * 4.0 if x.ndim > 1 else x, params)
     workdir = params_run(tmp_path / "run", cfg, params)
-    tokenizer_lib.train(TRANSLATION_SENTENCES, V, seed=0).save(str(workdir / "vocab"))
+    tokenizer = tokenizer_lib.train(TRANSLATION_SENTENCES, V, seed=0)
+    tokenizer_lib.Tokenizer(tokenizer.model_proto, rows).save(str(workdir / "vocab"))
     return workdir, model, params
 
 
@@ -140,6 +142,39 @@ def test_the_papers_model_trained_here_exports_to_marian(tmp_path, load_config):
     theirs = _hf_translations(hf_model, tmp_path / "hf", SOURCES, 1, extra=5)
     assert translator.translate(SOURCES, beam_size=1, alpha=0.0, max_extra_length=5,
                                 batch_size=1) == theirs
+
+
+def test_a_padded_run_exports_to_marian_and_back(tmp_path, load_config):
+    """A run whose V-piece vocabulary is padded to V + 8 embedding rows (vocab/special_ids.json)
+    exports as a Marian of V + 8 rows whose vocab.json lists the V pieces: `from_pretrained`
+    and `MarianTokenizer` load it, its logits are ours and its greedy translations are ours
+    (with padding rows made likely, so that both decoders meet them); the export imports back
+    with the padded vocabulary and the same tensors."""
+    rows = V + 8
+    workdir, model, params = _papers_run(tmp_path, load_config, rows)
+    out = tmp_path / "hf"
+    convert.export_workdir(str(workdir), str(out))
+    config = json.loads((out / convert.HF_CONFIG).read_text())
+    vocab = json.loads((out / marian.VOCAB_JSON).read_text())
+    assert (config["vocab_size"], len(vocab), max(vocab.values())) == (rows, V, V - 1)
+    hf_model = transformers.MarianMTModel.from_pretrained(str(out)).eval()
+    rng = np.random.default_rng(1)
+    inputs = rng.integers(4, V, (2, 9)).astype(np.int64)
+    inputs[:, -1], inputs[1, 5:] = 3, 0
+    targets = rng.integers(4, rows, (2, 7)).astype(np.int64)
+    ours = model.apply({"params": params}, inputs.astype(np.int32), targets.astype(np.int32))
+    np.testing.assert_allclose(_hf_logits(hf_model, inputs, targets), np.asarray(ours),
+                               atol=2e-4, rtol=0)  # LayerNorm eps 1e-6 -> 1e-5
+    translator = translator_lib.load(str(workdir))
+    theirs = _hf_translations(hf_model, out, SOURCES, 1, extra=5)
+    assert translator.translate(SOURCES, beam_size=1, alpha=0.0, max_extra_length=5,
+                                batch_size=1) == theirs
+    back = tmp_path / "back"
+    convert.import_checkpoint(str(out), str(back))
+    vocabulary = tokenizer_lib.load(str(back / "vocab"))
+    assert (vocabulary.vocab_size, vocabulary.pieces) == (rows, V)
+    assert translator_lib.load(str(back)).translate(
+        SOURCES, beam_size=1, alpha=0.0, max_extra_length=5, batch_size=1) == theirs
 
 
 def test_the_decoding_peer_benchmark_translates_as_transformers(tmp_path, load_config):

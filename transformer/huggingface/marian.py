@@ -166,6 +166,12 @@ class Marian:
             scale_embeddings=bool(hf.get("scale_embedding", False)), **extra)
 
     @staticmethod
+    def tensor_fields(names: set[str]) -> dict:
+        """A logits bias where the checkpoint holds `final_logits_bias` (`save_pretrained`
+        always writes one; an export of a run without one writes none)."""
+        return dict(logits_bias="final_logits_bias" in names)
+
+    @staticmethod
     def hf_config(cfg: TransformerConfig) -> dict:
         activation = {"relu": "relu", "silu": "swish"}.get(cfg.activation) or (
             "gelu_new" if cfg.gelu_approximate else "gelu")
@@ -239,7 +245,9 @@ class Marian:
 
 def write_vocabulary(spm_path: str, out_dir: str, cfg: TransformerConfig) -> None:
     """`MarianTokenizer`'s files from our SentencePiece model: it as `source.spm` and
-    `target.spm`, `vocab.json` mapping each piece to its id, and `tokenizer_config.json`."""
+    `target.spm`, `vocab.json` mapping each piece to its id, and `tokenizer_config.json`.
+    A padded vocabulary's rows past the pieces get no entry (config.json's `vocab_size`
+    counts them)."""
     from transformer.data.tokenizer import Tokenizer
 
     if not spm_path.endswith(".model"):
@@ -260,7 +268,9 @@ def write_vocabulary(spm_path: str, out_dir: str, cfg: TransformerConfig) -> Non
 
 def read_vocabulary(hf_dir: str, hf: dict):
     """The run's vocabulary from `MarianTokenizer`'s files: where they are one SentencePiece
-    model whose own ids `vocab.json` lists (as `write_vocabulary` writes them), that model;
+    model whose own ids `vocab.json` lists (as `write_vocabulary` writes them), that model
+    with config.json's `vocab_size` rows (more where a padded run's export counts rows past
+    the pieces);
     with OPUS-MT's ids, `source.spm` as a `tokenizer.json` with our ids (`opus_vocabulary`);
     ValueError naming the file otherwise."""
     from transformer.data.tokenizer import Tokenizer
@@ -275,11 +285,11 @@ def read_vocabulary(hf_dir: str, hf: dict):
     with open(source, "rb") as f, open(target, "rb") as g:
         if f.read() != g.read():
             raise ValueError(f"{source} and {target} differ: one shared vocabulary only")
-    tokenizer = Tokenizer.load(source)
+    tokenizer = Tokenizer.load(source, vocab_size=hf["vocab_size"])
     with open(vocab) as f:
         ids = json.load(f)
     if any(tokenizer.id_to_piece(i) != piece for piece, i in ids.items()) or (
-            len(ids) != tokenizer.vocab_size):
+            len(ids) != tokenizer.pieces):
         raise ValueError(f"{vocab} numbers the pieces otherwise than {source}")
     return tokenizer
 
