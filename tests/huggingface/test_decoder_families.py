@@ -8,9 +8,11 @@ import json
 
 import numpy as np
 import pytest
+from conftest import TRANSLATION_SENTENCES
 from test_huggingface import (
     SPECIAL,
     TOKENS,
+    _check_greedy_text,
     _check_language_model,
     _check_round_trip,
     _hf_logits,
@@ -112,6 +114,53 @@ def test_qwen2_biases_and_windows_logits_generation_and_round_trip(tmp_path, win
     reloaded = _check_round_trip(tmp_path, workdir, hf_dir, transformers.Qwen2ForCausalLM)
     assert reloaded.config.layer_types == hf_model.config.layer_types
     np.testing.assert_array_equal(_hf_logits(reloaded, TOKENS), _hf_logits(hf_model, TOKENS))
+
+
+def test_qwen2_tokenizer_pads_with_its_end_token_and_exports_so(tmp_path):
+    """Qwen2's tokenizer (byte-level BPE in a tokenizer.json, <|endoftext|> both config.json's
+    bos and eos, no pad_token_id; its tokenizer_config.json has no BOS and pads with
+    <|endoftext|>): the run keeps no pad id (transformers' pad only fills batches), generates
+    transformers' greedy text from text, and the export's AutoTokenizer reads and pads text as
+    the original's."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from transformer.data import tokenizer as tokenizer_lib
+
+    hf_dir = tmp_path / "qwen2"
+    hf_dir.mkdir()
+    json_tokenizer = Tokenizer(models.BPE())
+    json_tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    json_tokenizer.decoder = decoders.ByteLevel()
+    json_tokenizer.train_from_iterator(TRANSLATION_SENTENCES, trainers.BpeTrainer(
+        vocab_size=320, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    json_tokenizer.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    json_tokenizer.save(str(hf_dir / tokenizer_lib.JSON_FILE))
+    end = json_tokenizer.token_to_id("<|endoftext|>")
+    (hf_dir / convert.TOKENIZER_CONFIG).write_text(json.dumps(dict(
+        tokenizer_class="Qwen2Tokenizer", bos_token=None, eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>", unk_token=None, add_prefix_space=False)))
+    sizes = SIZES | dict(vocab_size=json_tokenizer.get_vocab_size(), bos_token_id=end,
+                         eos_token_id=end, pad_token_id=None)
+    torch.manual_seed(0)
+    hf_model = _save(transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**sizes)), hf_dir)
+    original = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
+    assert (original.bos_token_id, original.eos_token_id, original.pad_token_id) == (
+        None, end, end)
+    workdir = str(tmp_path / "run")
+    convert.import_checkpoint(str(hf_dir), workdir, overrides={"model.dtype": "float32"})
+    special = json.loads((tmp_path / "run/vocab" / tokenizer_lib.SPECIAL_IDS_FILE).read_text())
+    assert special == {"bos_id": end, "eos_id": end, "pad_id": None}
+    tokenizer = tokenizer_lib.load(str(tmp_path / "run/vocab"))
+    texts = ["Opens a dialog where you can choose", "Click"]
+    assert tokenizer.encode(texts) == original(texts)["input_ids"]  # no BOS put before
+    _check_greedy_text(hf_model, workdir, tokenizer, [])
+    out = tmp_path / "exported"
+    convert.export_workdir(workdir, str(out))
+    exported = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert (exported.eos_token_id, exported.pad_token_id) == (end, end)
+    padded = original(texts, padding=True)["input_ids"]
+    assert padded[1][-1] == end and exported(texts, padding=True)["input_ids"] == padded
 
 
 @pytest.mark.parametrize("model_type, change, message", [
