@@ -111,6 +111,30 @@ def test_same_batch_on_one_or_two_processes_and_after_a_restart(source, pairs, t
         np.testing.assert_array_equal(again.train_batch(5, (0, ROWS))[key], value)
 
 
+def test_a_gs_workdir_keeps_the_tokenized_split_in_the_bucket(source, pairs, bucket, tmp_path,
+                                                               monkeypatch):
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")  # a remote workdir must create nothing here
+    built = []  # the sizes of the splits tokenized (train, validation, test)
+    build = translation.TokenizedSplit.build
+    monkeypatch.setattr(translation.TokenizedSplit, "build", lambda *args: built.append(
+        len(data := build(*args))) or data)
+    remote = _wmt_source(pairs, tmp_path, "gs://bucket/run")
+    assert built == [len(source.train), len(pairs["validation"]), len(pairs["test"])]
+    cache = "gs://bucket/run/vocab/tokens/wmt14_translate-de-en-1.0.0-train"
+    assert sorted(name for name in bucket if name.startswith("gs://bucket/run/vocab/tokens/")) \
+        == [f"{cache}/{name}" for name in ("meta.json", "source_ids.npy", "source_starts.npy",
+                                           "target_ids.npy", "target_starts.npy")]  # no .tmp
+    again = _wmt_source(pairs, tmp_path, "gs://bucket/run")
+    assert built[3:] == built[1:3]  # the training split read from the bucket, not tokenized
+    for name in translation.TokenizedSplit.FILES:
+        np.testing.assert_array_equal(getattr(again.train, name), getattr(source.train, name))
+    for key, value in source.train_batch(5, (0, ROWS)).items():
+        np.testing.assert_array_equal(remote.train_batch(5, (0, ROWS))[key], value)
+        np.testing.assert_array_equal(again.train_batch(5, (0, ROWS))[key], value)
+    assert list((tmp_path / "cwd").iterdir()) == []
+
+
 def test_eval_covers_the_split_once(source, pairs):
     batches = list(source.eval_batches("test", (0, 4)))
     segments = sum(len(np.unique(b["targets_segmentation"][0, r][b["targets"][0, r] != 0]))

@@ -35,3 +35,22 @@ def test_a_file_is_replaced_whole_through_a_temporary_file_named_by_the_pid(
     if remote:
         assert not any(tmp_path.iterdir())  # nothing under a local `gs:` folder
         assert sorted(bucket) == ["gs://bucket/dir/record.json"]
+
+
+@pytest.mark.parametrize("remote", [False, True])
+def test_a_streamed_file_replaces_the_target_when_done_and_not_if_it_fails(
+        remote, bucket, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    directory = epath.Path("gs://bucket/dir" if remote else tmp_path / "dir")
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / "ids.npy"
+    target.write_bytes(b"old")
+    with atomic.replacing(os.fspath(target)) as f:
+        f.write(b"new ")
+        f.write(b"bytes")
+        assert target.read_bytes() == b"old"  # until the block ends
+    assert target.read_bytes() == b"new bytes"
+    with pytest.raises(RuntimeError), atomic.replacing(target) as f:
+        f.write(b"half")
+        raise RuntimeError("the writer failed")
+    assert target.read_bytes() == b"new bytes"

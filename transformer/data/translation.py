@@ -9,7 +9,8 @@ What happens on first use (each step is skipped when its result exists):
 2. SentencePiece is trained on a seeded sample of the training split (`tokenizer`), saved in
    `<workdir>/vocab/`.
 3. The training split is tokenized once (`TokenizedSplit`), read through `tfds.data_source`
-   (random access), and kept as flat id arrays in `<workdir>/vocab/tokens/` (memory-mapped).
+   (random access), and kept as flat id arrays in `<workdir>/vocab/tokens/` (memory-mapped;
+   read whole into memory from a gs:// workdir).
 
 Batches are packed rows (`batching`): global batch `index` maps to its examples and their
 placement by a pure function of (seed, index), so the checkpointed iterator state is the index;
@@ -32,6 +33,7 @@ import threading
 
 import jax
 import numpy as np
+from etils import epath
 
 from transformer.checkpoint import workdir as workdir_lib
 from transformer.data import batching, files
@@ -43,7 +45,7 @@ from transformer.data.datasets import (
     prepare_dataset,
     read_pairs,
 )
-from transformer.util import progress
+from transformer.util import atomic, progress
 
 log = logging.getLogger("transformer")
 
@@ -105,26 +107,32 @@ class TokenizedSplit:
         return cls(**arrays)
 
     def save(self, directory: str, meta: dict) -> None:
-        os.makedirs(directory, exist_ok=True)
+        """The arrays as `<name>.npy` in `directory` (local or gs://), then `meta.json` (what
+        they were built from, which `load` checks), each file replaced whole."""
+        epath.Path(directory).mkdir(parents=True, exist_ok=True)
         for name in self.FILES:
-            tmp = os.path.join(directory, f"{name}.tmp{os.getpid()}.npy")
-            np.save(tmp, getattr(self, name))
-            os.replace(tmp, os.path.join(directory, f"{name}.npy"))
-        tmp = os.path.join(directory, f"meta.json.tmp{os.getpid()}")
-        with open(tmp, "w") as f:
-            json.dump(meta, f, indent=1)
-        os.replace(tmp, os.path.join(directory, "meta.json"))
+            with atomic.replacing(os.path.join(directory, f"{name}.npy")) as f:
+                np.save(f, getattr(self, name))
+        atomic.write_atomically(os.path.join(directory, "meta.json"), json.dumps(meta, indent=1))
 
     @classmethod
     def load(cls, directory: str, meta: dict) -> TokenizedSplit | None:
+        """The arrays `save` wrote for `meta` (memory-mapped from a local disk, read whole from
+        gs://); None when there are none, or they were built from something else."""
         try:
-            with open(os.path.join(directory, "meta.json")) as f:
-                if json.load(f) != meta:
-                    return None
-            return cls(**{n: np.asarray(np.load(os.path.join(directory, f"{n}.npy"), mmap_mode="r"))
-                          for n in cls.FILES})
+            if json.loads(epath.Path(directory, "meta.json").read_text()) != meta:
+                return None
+            return cls(**{name: _read_array(os.path.join(directory, f"{name}.npy"))
+                          for name in cls.FILES})
         except (OSError, ValueError):
             return None
+
+
+def _read_array(path: str) -> np.ndarray:
+    if workdir_lib.is_remote(path):
+        with epath.Path(path).open("rb") as f:
+            return np.load(f)
+    return np.asarray(np.load(path, mmap_mode="r"))
 
 
 # --------------------------------------------------------------------------- the source
