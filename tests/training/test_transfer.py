@@ -160,6 +160,24 @@ def test_the_vocabulary_is_copied_from_or_to_gs(remote, untrained_translation_wo
         assert list(tmp_path.iterdir()) == []
 
 
+def test_only_the_vocabularys_own_files_are_copied(untrained_translation_workdir, tmp_path):
+    pretrained = tmp_path / "pretrained"
+    shutil.copytree(untrained_translation_workdir, pretrained)
+    vocab = pretrained / "vocab"
+    own = _files(vocab) | {"info.json": b'{"seed": 0}'}  # a vocabulary trained here records how
+    (vocab / "info.json").write_bytes(own["info.json"])
+    # what else a run's vocab/ holds: its data's records, and what a crashed writer left
+    (vocab / "rows-0123abcd.json").write_text('{"rows": [3, 4]}')
+    (vocab / "tokens" / "wmt14_translate-de-en-train").mkdir(parents=True)
+    (vocab / "tokens" / "wmt14_translate-de-en-train" / "meta.json").write_text("{}")
+    (vocab / "sentencepiece.model.tmp4242").write_bytes(b"half a model")
+    (vocab / "info.json.tmp4242").write_bytes(b"{")
+    size = tokenizer_lib.load(str(vocab)).vocab_size
+    transfer.copy_vocabulary(transfer.parse(str(pretrained)), str(tmp_path / "new"), size)
+    assert _files(tmp_path / "new" / "vocab") == own
+    assert sorted(own) == ["info.json", "sentencepiece.model", "sentencepiece.vocab"]
+
+
 def _tiny(**overrides):
     from conftest import _load_config
 

@@ -37,6 +37,10 @@ MODEL_FILE = "sentencepiece.model"
 JSON_FILE = "tokenizer.json"  # the `tokenizers` library's file, as save_pretrained writes it
 SPECIAL_IDS_FILE = "special_ids.json"  # beside JSON_FILE: its bos, eos, pad ids (rows if padded)
 # (beside a padded MODEL_FILE: its rows only)
+PIECES_FILE = "sentencepiece.vocab"  # beside MODEL_FILE: its pieces and scores, readable
+INFO_FILE = "info.json"  # beside a MODEL_FILE trained here: how (`load_or_train`)
+# The files of the vocabulary in a run's vocab/ (which also keeps records of its data).
+FILES = (MODEL_FILE, PIECES_FILE, JSON_FILE, SPECIAL_IDS_FILE, INFO_FILE)
 # A tokenizer.json given as data.vocab_path: its special tokens by their usual spellings.
 EOS_TOKENS = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "[SEP]")
 BOS_TOKENS = ("<s>", "<|begin_of_text|>", "<bos>", "[CLS]")
@@ -130,7 +134,7 @@ class Tokenizer:
         atomic.write_atomically(directory / MODEL_FILE, self.model_proto)
         pieces = "".join(f"{self._sp.id_to_piece(i)}\t{self._sp.get_score(i)}\n"
                          for i in range(self.pieces))
-        atomic.write_atomically(directory / "sentencepiece.vocab", pieces)
+        atomic.write_atomically(directory / PIECES_FILE, pieces)
         return os.fspath(directory / MODEL_FILE)
 
 
@@ -349,7 +353,7 @@ def load_or_train(directory: str, vocab_size: int, *, seed: int,
             tokenizer.save(directory)
             record = dict(info or {}, vocab_size=vocab_size, seed=seed, model_type="bpe",
                           num_sentinels=num_sentinels, sha256=tokenizer.sha256)
-            atomic.write_atomically(epath.Path(directory) / "info.json",
+            atomic.write_atomically(epath.Path(directory) / INFO_FILE,
                                     json.dumps(record, indent=1))
     if len(tokenizer.sentinel_ids) < num_sentinels:
         raise VocabularyMismatch(

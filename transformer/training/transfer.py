@@ -111,7 +111,9 @@ def parse(spec: str) -> InitSource:
 
 def copy_vocabulary(source: InitSource, workdir: str, vocab_size: int) -> None:
     """Puts the pretrained run's vocabulary (its SentencePiece model, or an imported
-    tokenizer.json) into `<workdir>/vocab/` (once). Either workdir may be remote (gs://)."""
+    tokenizer.json, and the files beside it: `tokenizer.FILES`) into `<workdir>/vocab/` (once);
+    not the records of its data kept there, nor a crashed writer's temporary files. Either
+    workdir may be remote (gs://)."""
     src_dir = workdir_lib.path(source.workdir, workdir_lib.VOCAB)
     src = tokenizer_lib.vocabulary_file(src_dir)
     if not epath.Path(src).is_file():
@@ -132,8 +134,9 @@ def copy_vocabulary(source: InitSource, workdir: str, vocab_size: int) -> None:
     epath.Path(target_dir).mkdir(parents=True, exist_ok=True)
     main_file = os.path.basename(src)
     # the model last, so that a process that finds it finds the rest (others may copy at once)
-    for file in sorted(epath.Path(src_dir).iterdir(), key=lambda f: f.name == main_file):
-        atomic.write_atomically(epath.Path(target_dir) / file.name, file.read_bytes())
+    for name in sorted(tokenizer_lib.FILES, key=lambda name: name == main_file):
+        if (file := epath.Path(src_dir) / name).exists():
+            atomic.write_atomically(epath.Path(target_dir) / name, file.read_bytes())
 
 
 def _read(source: InitSource) -> dict:
