@@ -78,3 +78,66 @@ def test_eval_texts_land_in_the_workdir_whatever_its_scheme(remote, bucket, tmp_
     assert (eval_dir / "test.step4.translation.txt").read_text() == "Good morning.\n\n"
     if remote:
         assert list(tmp_path.iterdir()) == []
+
+
+def test_tensorboard_is_uploaded_on_a_cadence_and_at_sync_not_per_line(bucket, tmp_path,
+                                                                      monkeypatch):
+    """A flush of a gs:// event file uploads the whole file (tensorboardX's GCSRecordWriter):
+    not once per metrics line, but every TENSORBOARD_FLUSH_SECS, at `sync` and at close."""
+    import time
+    import types
+
+    from tensorboardX import record_writer
+
+    monkeypatch.chdir(tmp_path)
+    uploads = []  # the number of records in the event file at each upload
+    factory = record_writer.REGISTERED_FACTORIES["gs"]
+
+    class Counted:
+        def __init__(self, path):
+            self.events = factory.open(path)
+
+        def write(self, data):
+            self.events.write(data)
+
+        def flush(self):
+            uploads.append(_records(self.events.data))
+            self.events.flush()
+
+        close = flush
+
+    monkeypatch.setitem(record_writer.REGISTERED_FACTORIES, "gs", types.SimpleNamespace(
+        open=Counted, directory_check=lambda path: None))
+    monkeypatch.setattr(metrics, "TENSORBOARD_FLUSH_SECS", 3600)
+    writer = metrics.MetricWriter("gs://bucket/run")
+    for step in range(1, 41):
+        writer.write(step, "train", _train_line(step))
+    time.sleep(0.5)  # tensorboardX's thread writes what it was given
+    assert len(uploads) <= 1  # its first event only; was 40, one per line
+    writer.sync()
+    writer.close()
+    assert uploads[-1] == 1 + 40 * len(workdir_lib.TRAIN_METRICS)  # file version + scalars
+    text = epath.Path("gs://bucket/run/metrics.jsonl").read_text()
+    assert [json.loads(line)["step"] for line in text.splitlines()] == list(range(1, 41))
+
+    uploads.clear()  # and on the cadence, without a sync
+    monkeypatch.setattr(metrics, "TENSORBOARD_FLUSH_SECS", 0.2)
+    writer = metrics.MetricWriter("gs://bucket/run")
+    writer.write(41, "train", _train_line(41))
+    time.sleep(0.4)
+    writer.write(42, "train", _train_line(42))
+    deadline = time.monotonic() + 10
+    while (not uploads or uploads[-1] < 1 + 2 * len(workdir_lib.TRAIN_METRICS)) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert uploads[-1] == 1 + 2 * len(workdir_lib.TRAIN_METRICS)
+    writer.close()
+
+
+def _records(data: bytes) -> int:
+    """The records of a TFRecord file's bytes (length, its crc, data, its crc)."""
+    count = offset = 0
+    while offset < len(data):
+        offset += 16 + int.from_bytes(data[offset:offset + 8], "little")
+        count += 1
+    return count

@@ -7,7 +7,9 @@ appear twice, and readers keep the last line per (step, split).
 No line is lost to a kill: the loop calls `MetricWriter.sync` (flush and fsync of metrics.jsonl
 and the TensorBoard events) before it starts a checkpoint save, so every step a checkpoint
 covers has its lines on disk before the checkpoint exists; a resumed run recomputes, and logs
-again, only steps after it. A line torn by a kill mid-write (always of a step after the latest
+again, only steps after it. TensorBoard's events are otherwise flushed by tensorboardX's own
+thread every TENSORBOARD_FLUSH_SECS, not per line (a flush is an fsync, and on gs:// an upload
+of the whole event file). A line torn by a kill mid-write (always of a step after the latest
 checkpoint) is cut off when the next run opens the file. In a remote workdir (gs://, through
 etils.epath; objects there cannot be appended to) the writer keeps the file's text and `sync`
 uploads it whole, so the same holds: the object has every line a checkpoint covers.
@@ -29,6 +31,7 @@ from etils import epath
 from transformer.checkpoint import workdir as workdir_lib
 
 log = logging.getLogger("transformer")
+TENSORBOARD_FLUSH_SECS = 30  # between the flushes of the event file, besides `sync` and close
 
 # Dense bf16 peak FLOP/s per device, by a substring of `device.device_kind`.
 PEAK_FLOPS = {
@@ -56,7 +59,7 @@ class MetricWriter:
     """Appends to metrics.jsonl and TensorBoard (process 0 only); each line is handed to the
     operating system as it is written (kept in memory in a remote workdir), `sync` makes them
     durable. TensorBoard events go where tensorboardX puts them (gs:// needs
-    google-cloud-storage)."""
+    google-cloud-storage), flushed every TENSORBOARD_FLUSH_SECS, at `sync` and at close."""
 
     def __init__(self, workdir: str):
         self.active = jax.process_index() == 0
@@ -74,7 +77,7 @@ class MetricWriter:
             else:
                 cut_torn_line(self._path)
                 self._file = open(self._path, "a")
-            self._tb = SummaryWriter(self._tb_dir)
+            self._tb = SummaryWriter(self._tb_dir, flush_secs=TENSORBOARD_FLUSH_SECS)
 
     def write(self, step: int, split: str, values: dict) -> None:
         if not self.active:
@@ -86,7 +89,6 @@ class MetricWriter:
         for key, value in record.items():
             if key not in ("step", "split") and isinstance(value, int | float):
                 self._tb.add_scalar(f"{split}/{key}", value, step)
-        self._tb.flush()
 
     def sync(self) -> None:
         """Every line written so far on disk (fsync of metrics.jsonl, the event files and their
