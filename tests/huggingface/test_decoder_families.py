@@ -116,17 +116,13 @@ def test_qwen2_biases_and_windows_logits_generation_and_round_trip(tmp_path, win
     np.testing.assert_array_equal(_hf_logits(reloaded, TOKENS), _hf_logits(hf_model, TOKENS))
 
 
-def test_qwen2_tokenizer_pads_with_its_end_token_and_exports_so(tmp_path):
-    """Qwen2's tokenizer (byte-level BPE in a tokenizer.json, <|endoftext|> both config.json's
-    bos and eos, no pad_token_id; its tokenizer_config.json has no BOS and pads with
-    <|endoftext|>): the run keeps no pad id (transformers' pad only fills batches), generates
-    transformers' greedy text from text, and the export's AutoTokenizer reads and pads text as
-    the original's."""
+def _qwen2_tokenizer(hf_dir):
+    """Qwen2's kind of tokenizer.json in `hf_dir`: byte-level BPE (no BOS put before a text)
+    with its <|endoftext|>, <|im_start|> and <|im_end|> special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from transformer.data import tokenizer as tokenizer_lib
 
-    hf_dir = tmp_path / "qwen2"
     hf_dir.mkdir()
     json_tokenizer = Tokenizer(models.BPE())
     json_tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -136,6 +132,19 @@ def test_qwen2_tokenizer_pads_with_its_end_token_and_exports_so(tmp_path):
         show_progress=False))
     json_tokenizer.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     json_tokenizer.save(str(hf_dir / tokenizer_lib.JSON_FILE))
+    return json_tokenizer
+
+
+def test_qwen2_tokenizer_pads_with_its_end_token_and_exports_so(tmp_path):
+    """Qwen2's tokenizer (byte-level BPE in a tokenizer.json, <|endoftext|> both config.json's
+    bos and eos, no pad_token_id; its tokenizer_config.json has no BOS and pads with
+    <|endoftext|>): the run keeps no pad id (transformers' pad only fills batches), generates
+    transformers' greedy text from text, and the export's AutoTokenizer reads and pads text as
+    the original's."""
+    from transformer.data import tokenizer as tokenizer_lib
+
+    hf_dir = tmp_path / "qwen2"
+    json_tokenizer = _qwen2_tokenizer(hf_dir)
     end = json_tokenizer.token_to_id("<|endoftext|>")
     (hf_dir / convert.TOKENIZER_CONFIG).write_text(json.dumps(dict(
         tokenizer_class="Qwen2Tokenizer", bos_token=None, eos_token="<|endoftext|>",
@@ -161,6 +170,70 @@ def test_qwen2_tokenizer_pads_with_its_end_token_and_exports_so(tmp_path):
     assert (exported.eos_token_id, exported.pad_token_id) == (end, end)
     padded = original(texts, padding=True)["input_ids"]
     assert padded[1][-1] == end and exported(texts, padding=True)["input_ids"] == padded
+
+
+@pytest.mark.parametrize("listed_in", ["generation_config", "config"])
+def test_greedy_decoding_stops_at_every_end_id_the_checkpoint_lists(tmp_path, listed_in):
+    """Qwen2-Instruct's two ends, <|im_end|> (config.json's eos) and <|endoftext|>, listed in
+    generation_config.json or, without one, in config.json's eos_token_id (as Llama 3.1's):
+    the import records both, a greedy continuation that writes the second stops there with
+    `transformers`' tokens and text, and the export lists both again."""
+    from transformer.data import tokenizer as tokenizer_lib
+    from transformer.inference.generator import load_generator
+
+    hf_dir = tmp_path / "qwen2"
+    json_tokenizer = _qwen2_tokenizer(hf_dir)
+    end, im_end = map(json_tokenizer.token_to_id, ("<|endoftext|>", "<|im_end|>"))
+    sizes = SIZES | dict(vocab_size=json_tokenizer.get_vocab_size(), bos_token_id=end,
+                         eos_token_id=im_end, pad_token_id=None, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf_model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**sizes)).eval()
+    text = "Opens a dialog"
+    prompt = json_tokenizer.encode(text).ids
+    with torch.no_grad():
+        free = hf_model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                                 pad_token_id=end)[0, len(prompt):].tolist()
+    # The first new token not written before becomes <|endoftext|> (their output rows swap).
+    k = next(i for i in range(1, len(free)) if free[i] not in free[:i])
+    assert not {end, im_end} & set(free[:k + 1])
+    with torch.no_grad():
+        hf_model.lm_head.weight[[free[k], end]] = hf_model.lm_head.weight[[end, free[k]]]
+    _save(hf_model, hf_dir)
+    if listed_in == "generation_config":
+        generation = json.loads((hf_dir / "generation_config.json").read_text())
+        (hf_dir / "generation_config.json").write_text(json.dumps(
+            generation | {"eos_token_id": [im_end, end]}))
+    else:
+        (hf_dir / "generation_config.json").unlink()
+        config = json.loads((hf_dir / convert.HF_CONFIG).read_text())
+        (hf_dir / convert.HF_CONFIG).write_text(json.dumps(
+            config | {"eos_token_id": [im_end, end]}))
+    with torch.no_grad():
+        theirs = transformers.Qwen2ForCausalLM.from_pretrained(str(hf_dir)).eval().generate(
+            torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+            pad_token_id=end)[0, len(prompt):].tolist()
+    assert theirs == free[:k] + [end]  # transformers stops at the second end
+    workdir = str(tmp_path / "run")
+    convert.import_checkpoint(str(hf_dir), workdir, overrides={"model.dtype": "float32"})
+    special = json.loads((tmp_path / "run/vocab" / tokenizer_lib.SPECIAL_IDS_FILE).read_text())
+    assert special == {"bos_id": end, "eos_id": im_end, "pad_id": None,
+                       "eos_ids": [im_end, end]}
+    generator = load_generator(workdir)
+    ours = generator.generate_ids([prompt], prompt_indices=[0], seed=0, max_new_tokens=8,
+                                  temperature=0.0, top_k=0, top_p=1.0)[0]
+    np.testing.assert_array_equal(ours, theirs + [0] * (8 - len(theirs)))
+    tokenizer = tokenizer_lib.load(str(tmp_path / "run/vocab"))
+    assert generator.generate([text], max_new_tokens=8, temperature=0.0) == [
+        tokenizer.decode(prompt + theirs[:-1])]
+    out = tmp_path / "exported"
+    convert.export_workdir(workdir, str(out))
+    assert _exported_config(tmp_path)["eos_token_id"] == im_end
+    assert transformers.GenerationConfig.from_pretrained(str(out)).eos_token_id == [im_end, end]
+    with torch.no_grad():
+        again = transformers.Qwen2ForCausalLM.from_pretrained(str(out)).eval().generate(
+            torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+            pad_token_id=end)[0, len(prompt):].tolist()
+    assert again == theirs
 
 
 @pytest.mark.parametrize("model_type, change, message", [

@@ -7,10 +7,12 @@ user-defined `[MASK]` (4): the ids are defined here, once, and imported everywhe
 and decoding included: this module imports SentencePiece only when a model is loaded or trained,
 so it needs no data extra). An imported checkpoint's vocabulary keeps its own ids: each
 tokenizer says its `bos_id`, `eos_id` and `pad_id` (0, or None where id 0 is an ordinary token),
-and the run's `model.*` fields of the same names agree with them. A run keeps its vocabulary in
-`<workdir>/vocab/` (`load` reads either kind; the workdir may be remote, e.g. gs://: every path
-goes through etils.epath) and reuses it on resume; a model whose size
-differs from `data.vocab_size`, or whose sha256 differs from the one the run recorded in
+and the run's `model.*` fields of the same names agree with them; its `eos_ids` are every id
+that ends a generated text (`eos_id` first, then the further ends a checkpoint's generation
+config lists, as Qwen2-Instruct's and Llama 3.1's; `(eos_id,)` for runs trained here).
+A run keeps its vocabulary in `<workdir>/vocab/` (`load` reads either kind; the workdir may
+be remote, e.g. gs://: every path goes through etils.epath) and reuses it on resume; a model
+whose size differs from `data.vocab_size`, or whose sha256 differs from the one the run recorded in
 `config.json`, is an error rather than a silent retrain.
 """
 
@@ -36,7 +38,7 @@ SENTINEL_PIECE = "<extra_id_{}>"  # T5's span-corruption sentinels: user-defined
 MODEL_FILE = "sentencepiece.model"
 JSON_FILE = "tokenizer.json"  # the `tokenizers` library's file, as save_pretrained writes it
 SPECIAL_IDS_FILE = "special_ids.json"  # beside JSON_FILE: its bos, eos, pad ids (rows if padded)
-# (beside a padded MODEL_FILE: its rows only)
+# (beside a padded MODEL_FILE: its rows); both: eos_ids where there are more ends than eos_id
 PIECES_FILE = "sentencepiece.vocab"  # beside MODEL_FILE: its pieces and scores, readable
 INFO_FILE = "info.json"  # beside a MODEL_FILE trained here: how (`load_or_train`)
 # The files of the vocabulary in a run's vocab/ (which also keeps records of its data).
@@ -49,6 +51,16 @@ PAD_TOKENS = ("<pad>", "[PAD]")
 
 class VocabularyMismatch(ValueError):
     """The vocabulary on disk does not fit the config or the checkpoints."""
+
+
+def _end_ids(eos_id: int, eos_ids) -> tuple[int, ...]:
+    """`eos_id` and then the other ids of `eos_ids` (None: only `eos_id`)."""
+    return tuple(dict.fromkeys([int(eos_id), *map(int, eos_ids or ())]))
+
+
+def _recorded_ends(special: dict, eos_ids: tuple[int, ...]) -> dict:
+    """`special` (a special_ids.json) with `eos_ids` where there are more than one."""
+    return special | ({"eos_ids": list(eos_ids)} if len(eos_ids) > 1 else {})
 
 
 def _embedding_rows(pieces: int, vocab_size: int | None, what: str) -> int:
@@ -66,9 +78,11 @@ class Tokenizer:
     Ours (`train`) has pad 0, unk 1, bos 2, eos 3; an imported one (Llama's `tokenizer.model`:
     unk 0, bos 1, eos 2, no pad) keeps its own. `vocab_size` is the model's embedding rows
     where a checkpoint pads them past the pieces (as `HuggingFaceTokenizer`'s; `save` records
-    them in special_ids.json): ids from `pieces` on are never encoded and `decode` drops them."""
+    them in special_ids.json, as its `eos_ids` beyond EOS): ids from `pieces` on are never
+    encoded and `decode` drops them."""
 
-    def __init__(self, model_proto: bytes, vocab_size: int | None = None):
+    def __init__(self, model_proto: bytes, vocab_size: int | None = None,
+                 eos_ids: Sequence[int] | None = None):
         import sentencepiece as spm
 
         self.model_proto = bytes(model_proto)
@@ -81,10 +95,12 @@ class Tokenizer:
             raise VocabularyMismatch(
                 f"the SentencePiece model has pad {self._sp.pad_id()}, bos {self.bos_id}, eos "
                 f"{self.eos_id}: it needs a bos and an eos piece, and pad {PAD_ID} or none")
+        self.eos_ids = _end_ids(self.eos_id, eos_ids)
 
     @classmethod
-    def load(cls, path: str, vocab_size: int | None = None) -> Tokenizer:
-        return cls(epath.Path(path).read_bytes(), vocab_size)
+    def load(cls, path: str, vocab_size: int | None = None,
+             eos_ids: Sequence[int] | None = None) -> Tokenizer:
+        return cls(epath.Path(path).read_bytes(), vocab_size, eos_ids)
 
     @property
     def vocab_size(self) -> int:
@@ -125,12 +141,14 @@ class Tokenizer:
 
     def save(self, directory: str) -> str:
         """Writes `<directory>/sentencepiece.model` atomically (and a readable `.vocab`; and
-        the model's rows in special_ids.json where they exceed the pieces)."""
+        the model's rows where they exceed the pieces and its further ends in
+        special_ids.json)."""
         directory = epath.Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        if self.rows != self.pieces:
-            atomic.write_atomically(directory / SPECIAL_IDS_FILE,
-                                    json.dumps({"vocab_size": self.rows}))
+        special = _recorded_ends({"vocab_size": self.rows} if self.rows != self.pieces else {},
+                                 self.eos_ids)
+        if special:
+            atomic.write_atomically(directory / SPECIAL_IDS_FILE, json.dumps(special))
         atomic.write_atomically(directory / MODEL_FILE, self.model_proto)
         pieces = "".join(f"{self._sp.id_to_piece(i)}\t{self._sp.get_score(i)}\n"
                          for i in range(self.pieces))
@@ -149,12 +167,13 @@ class HuggingFaceTokenizer:
     never encoded and `decode` drops them, as transformers' decode does."""
 
     def __init__(self, json_bytes: bytes, *, bos_id: int, eos_id: int, pad_id: int | None,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, eos_ids: Sequence[int] | None = None):
         from tokenizers import Tokenizer as JsonModel
 
         self.json_bytes = bytes(json_bytes)
         self._model = JsonModel.from_str(self.json_bytes.decode("utf-8"))
         self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
+        self.eos_ids = _end_ids(eos_id, eos_ids)
         self.mask_id, self.sentinel_ids = None, []
         special = {token.content: i for i, token in
                    self._model.get_added_tokens_decoder().items() if token.special}
@@ -217,13 +236,14 @@ class HuggingFaceTokenizer:
 
     def save(self, directory: str) -> str:
         """Writes `<directory>/tokenizer.json` and its special ids (and the model's rows where
-        they exceed the pieces), atomically."""
+        they exceed the pieces, and its further ends), atomically."""
         directory = epath.Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         special = {"bos_id": self.bos_id, "eos_id": self.eos_id, "pad_id": self.pad_id}
         if self.rows != self.pieces:
             special["vocab_size"] = self.rows
-        atomic.write_atomically(directory / SPECIAL_IDS_FILE, json.dumps(special))
+        atomic.write_atomically(directory / SPECIAL_IDS_FILE,
+                                json.dumps(_recorded_ends(special, self.eos_ids)))
         atomic.write_atomically(directory / JSON_FILE, self.json_bytes)
         return os.fspath(directory / JSON_FILE)
 
@@ -246,13 +266,14 @@ def load(directory: str) -> Tokenizer | HuggingFaceTokenizer:
     if (epath.Path(directory) / JSON_FILE).exists():
         return HuggingFaceTokenizer.load(directory)
     return Tokenizer.load(os.fspath(epath.Path(directory) / MODEL_FILE),
-                          _recorded_rows(directory))
+                          **_recorded(directory))
 
 
-def _recorded_rows(directory) -> int | None:
-    """The embedding rows a padded SentencePiece model's special_ids.json records (`save`)."""
+def _recorded(directory) -> dict:
+    """The embedding rows and further ends a SentencePiece model's special_ids.json records
+    (`Tokenizer.save`), as `Tokenizer.load`'s arguments."""
     special = epath.Path(directory) / SPECIAL_IDS_FILE
-    return json.loads(special.read_text()).get("vocab_size") if special.exists() else None
+    return json.loads(special.read_text()) if special.exists() else {}
 
 
 def read_given(path: str, setting: str = "data.vocab_path") -> Tokenizer | HuggingFaceTokenizer:
@@ -262,7 +283,7 @@ def read_given(path: str, setting: str = "data.vocab_path") -> Tokenizer | Huggi
     kind = "tokenizer.json" if path.endswith(".json") else "SentencePiece model"
     try:
         if kind == "SentencePiece model":  # the rows of a run's padded one (`save`)
-            return Tokenizer.load(path, _recorded_rows(epath.Path(path).parent))
+            return Tokenizer.load(path, **_recorded(epath.Path(path).parent))
         data = epath.Path(path).read_bytes()
         beside = epath.Path(path).parent / SPECIAL_IDS_FILE
         if beside.exists():  # a run's own vocab/ (HuggingFaceTokenizer.save)

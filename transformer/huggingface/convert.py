@@ -12,13 +12,17 @@ any run's. The checkpoint's tokenizer becomes the run's `vocab/` with its own sp
 `tokenizers` library, else T5's `spiece.model` (as T5Tokenizer reads it, `t5.read_spiece`),
 else a SentencePiece `tokenizer.model`; where the model's embedding has rows past the
 tokenizer's pieces (T5's 32128 for 32100), the vocabulary counts them (`data.vocab_size` is
-the model's; `vocab/special_ids.json` records them) and its decode drops their ids.
+the model's; `vocab/special_ids.json` records them) and its decode drops their ids. A language
+model's ends are every id `transformers`' `generate` stops at (`generation_config.json`'s
+`eos_token_id`, else config.json's: `mapping.end_ids`); `model.eos_id` is config.json's first
+and special_ids.json's `eos_ids` records the others after it.
 
 `export_workdir(workdir, out_dir)` writes a run's parameters back as `config.json` and
 `model.safetensors` (float32; shards of at most `max_shard_bytes` and their index beyond that,
 as `save_pretrained` writes them) that `transformers`' `from_pretrained` loads, and its
 vocabulary as `tokenizer.json` or `tokenizer.model` (and T5's `spiece.model` where the import
-read one) with a `tokenizer_config.json` that `AutoTokenizer` reads it by.
+read one) with a `tokenizer_config.json` that `AutoTokenizer` reads it by, and a
+`generation_config.json` listing the vocabulary's ends where it has more than `model.eos_id`.
 """
 
 from __future__ import annotations
@@ -44,11 +48,13 @@ from transformer.config import resolve
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.data.tokenizer import MODEL_FILE
 from transformer.huggingface import families, marian, t5
+from transformer.huggingface.mapping import end_ids, generation_config
 from transformer.model.config import TransformerConfig
 from transformer.training import sharding
 
 log = logging.getLogger("transformer")
 HF_CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"  # generate's defaults: its eos_token_id(s)
 SINGLE_FILE = "model.safetensors"
 TOKENIZER_MODEL = "tokenizer.model"  # a SentencePiece model, as Llama's checkpoints hold it
 INDEX_FILE = "model.safetensors.index.json"
@@ -263,17 +269,23 @@ def _vocabulary(hf_dir: str, model_cfg: TransformerConfig, hf_config: dict):
                     os.path.basename(path), lacks)
         return None
     ids = dict(bos_id=model_cfg.bos_id, eos_id=model_cfg.eos_id, pad_id=model_cfg.pad_id)
+    ends = {}
+    if model_cfg.architecture == "decoder":  # generate's ends (the translator stops at EOS)
+        generation = os.path.join(hf_dir, GENERATION_CONFIG)
+        ends["eos_ids"] = end_ids(hf_config, read_json(generation, "") if os.path.isfile(
+            generation) else None, model_cfg.eos_id)
     try:
         if is_marian:
             tokenizer = marian.read_vocabulary(hf_dir, hf_config)
         elif path == json_path:
             with open(path, "rb") as f:
                 tokenizer = tokenizer_lib.HuggingFaceTokenizer(
-                    f.read(), vocab_size=model_cfg.vocab_size, **ids)
+                    f.read(), vocab_size=model_cfg.vocab_size, **ids, **ends)
         elif path == spiece:
             tokenizer = t5.read_spiece(path, vocab_size=model_cfg.vocab_size, **ids)
         else:
-            tokenizer = tokenizer_lib.Tokenizer.load(path, vocab_size=model_cfg.vocab_size)
+            tokenizer = tokenizer_lib.Tokenizer.load(path, vocab_size=model_cfg.vocab_size,
+                                                     **ends)
         if tokenizer.vocab_size != model_cfg.vocab_size:
             raise ValueError(f"{tokenizer.vocab_size} pieces, the model {model_cfg.vocab_size}")
         tokenizer_lib.check_special_ids(tokenizer, dataclasses.asdict(model_cfg))
@@ -332,7 +344,11 @@ def export_workdir(workdir: str, out_dir: str, *, step: int | None = None,
     elif os.path.isfile(vocab):
         name = TOKENIZER_MODEL if vocab.endswith(MODEL_FILE) else tokenizer_lib.JSON_FILE
         shutil.copyfile(vocab, os.path.join(out_dir, name))
-        write_tokenizer_config(tokenizer_lib.load(vocab_dir), out_dir, model_cfg)
+        tokenizer = tokenizer_lib.load(vocab_dir)
+        write_tokenizer_config(tokenizer, out_dir, model_cfg)
+        if tokenizer.eos_ids != (model_cfg.eos_id,):  # transformers' generate stops at each
+            with open(os.path.join(out_dir, GENERATION_CONFIG), "w") as f:
+                json.dump(generation_config(model_cfg, tokenizer.eos_ids), f, indent=2)
     if family is families.T5 and os.path.isfile(os.path.join(vocab_dir, t5.SPIECE_FILE)):
         shutil.copyfile(os.path.join(vocab_dir, t5.SPIECE_FILE),
                         os.path.join(out_dir, t5.SPIECE_FILE))

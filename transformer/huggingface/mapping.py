@@ -81,6 +81,22 @@ def token_ids(hf: dict) -> dict:
                 else None)
 
 
+def end_ids(hf: dict, generation: dict | None, eos_id: int) -> tuple[int, ...]:
+    """Every id `transformers`' `generate` ends a text at: generation_config.json's
+    `eos_token_id` (an int or a list) where `generation` gives one, else config.json's; our
+    `eos_id` (`token_ids`) first."""
+    listed = (generation or {}).get("eos_token_id")
+    listed = hf.get("eos_token_id") if listed is None else listed
+    listed = listed if isinstance(listed, list) else [listed]
+    return tuple(dict.fromkeys([eos_id, *(int(i) for i in listed if i is not None)]))
+
+
+def generation_config(cfg: TransformerConfig, eos_ids: tuple[int, ...]) -> dict:
+    """generation_config.json of our model `cfg` whose vocabulary ends texts at `eos_ids`
+    (`end_ids` read back)."""
+    return dict(bos_token_id=cfg.bos_id, eos_token_id=list(eos_ids), pad_token_id=cfg.pad_id)
+
+
 def token_ids_config(cfg: TransformerConfig) -> dict:
     """config.json's special token ids of our model `cfg` (`token_ids` read back)."""
     return dict(bos_token_id=cfg.bos_id, eos_token_id=cfg.eos_id, pad_token_id=cfg.pad_id)

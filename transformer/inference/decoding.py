@@ -118,24 +118,25 @@ def greedy_search(decode_fn: DecodeFn, cache: Any, *, bos: jax.Array, max_length
         return jnp.argmax(logprobs, axis=-1).astype(jnp.int32)
 
     return _token_by_token(decode_fn, cache, logits, choose, max_length=max_length,
-                           eos_id=eos_id, cache_lengths=cache_lengths, grow_cache=grow_cache)
+                           eos_ids=(eos_id,), cache_lengths=cache_lengths, grow_cache=grow_cache)
 
 
 def _token_by_token(decode_fn: DecodeFn, cache: Any, logits: jax.Array,
                     choose: Callable[[jax.Array, jax.Array], jax.Array], *, max_length: int,
-                    eos_id: int, cache_lengths: Sequence[int] = (),
+                    eos_ids: Sequence[int], cache_lengths: Sequence[int] = (),
                     grow_cache: GrowFn | None = None) -> jax.Array:
     """Tokens [B, T]: `choose(logits [B, 1, V], step) -> [B]` picks each row's next token from
-    the last logits, `decode_fn` feeds it back; a row stops at its first EOS (zeros after), the
-    loop when every row has or at T tokens."""
+    the last logits, `decode_fn` feeds it back; a row stops at its first id of `eos_ids` (zeros
+    after), the loop when every row has or at T tokens."""
     batch = logits.shape[0]
+    ends = jnp.asarray(tuple(eos_ids), jnp.int32)  # a few static ids
 
     def body(state):
         step, finished = state["step"], state["finished"]
         token = jnp.where(finished, 0, choose(state["logits"], step))
         logits, cache = decode_fn(token[:, None], state["cache"])
         return {"step": step + 1, "tokens": state["tokens"].at[:, step].set(token),
-                "finished": finished | (token == eos_id), "logits": logits, "cache": cache}
+                "finished": finished | jnp.isin(token, ends), "logits": logits, "cache": cache}
 
     def cond(state):
         return (state["step"] < max_length) & ~state["finished"].all()
@@ -321,9 +322,10 @@ def filter_logits(logits: jax.Array, *, temperature: float, top_k: int = 0,
 
 def sample(decode_fn: DecodeFn, cache: Any, logits: jax.Array, *, keys: jax.Array,
            max_length: int, eos_id: int, temperature: float = 1.0, top_k: int = 0,
-           top_p: float = 1.0, pad_id: int | None = PAD_ID) -> jax.Array:
-    """Tokens [B, T] (T = max_length) drawn after a prompt, each row ending at its first EOS,
-    zeros after.
+           top_p: float = 1.0, pad_id: int | None = PAD_ID,
+           stop_ids: Sequence[int] = ()) -> jax.Array:
+    """Tokens [B, T] (T = max_length) drawn after a prompt, each row ending at its first EOS
+    or id of `stop_ids` (the further ends an imported checkpoint lists), zeros after.
 
     `logits` [B, 1, V] are the prompt's last (from the call that filled the cache), `keys` [B]
     one PRNG key per row; token i of a row is drawn with `fold_in(key, i)`. Temperature 0 is
@@ -341,4 +343,4 @@ def sample(decode_fn: DecodeFn, cache: Any, logits: jax.Array, *, keys: jax.Arra
         return jax.vmap(jax.random.categorical)(step_keys, filtered).astype(jnp.int32)
 
     return _token_by_token(decode_fn, cache, logits, choose, max_length=max_length,
-                           eos_id=eos_id)
+                           eos_ids=(eos_id, *stop_ids))

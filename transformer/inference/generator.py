@@ -9,7 +9,10 @@ A prompt is encoded with the run's vocabulary, read after the tokens the vocabul
 a text (`prompt_start`: BOS, or nothing where an imported `tokenizer.json`'s post-processor adds
 none, as `transformers` reads it) in one decoder call that fills the KV cache (a prefix LM reads
 it in both directions, as in training), then tokens are drawn one at a time
-(`decoding.sample`) until EOS or `max_new_tokens`.
+(`decoding.sample`) until EOS or `max_new_tokens`. An imported checkpoint's vocabulary may
+list further ends (`eos_ids`: those of its generation_config.json, as `transformers`' `generate`
+stops at each): a row stops at the first of any, on the device (no host round trip per token),
+and its text ends before it.
 
 Prompts are padded at the end into length buckets (`translator.bucket_length`, as translation
 sources) and batches to a power of two rows, so a stream of prompts compiles one program per
@@ -55,6 +58,7 @@ class Generator:
     def __post_init__(self):
         _require_decoder(self.model_config.architecture)
         self.start = prompt_start(self.tokenizer, self.model_config.bos_id)
+        self.eos_ids = tuple(getattr(self.tokenizer, "eos_ids", (self.model_config.eos_id,)))
         self.model = Transformer(self.model_config)
         self.prefix_lm = self.config.data.get("objective") == "prefix"
         self.params = jax.tree.map(
@@ -117,7 +121,8 @@ class Generator:
                                                rows=min(_power_of_two(len(chunk)), batch_size),
                                                **options)
                     for i, row in zip(chunk, tokens, strict=True):
-                        out[i] = self.tokenizer.decode(encoded[i] + row.tolist())
+                        out[i] = self.tokenizer.decode(encoded[i] + _before_end(row,
+                                                                                self.eos_ids))
                     bar.update(len(chunk))
         return out
 
@@ -132,7 +137,8 @@ class Generator:
                      max_new_tokens: int, temperature: float, top_k: int, top_p: float,
                      length: int | None = None, rows: int | None = None) -> np.ndarray:
         """New tokens [len(prompts), max_new_tokens] after prompts (piece ids, any lengths);
-        zeros after EOS. Prompt `prompt_indices[i]` draws with `fold_in(key(seed), index)`.
+        zeros after a row's end (its first id of `eos_ids`). Prompt `prompt_indices[i]` draws
+        with `fold_in(key(seed), index)`.
 
         The prompts are read after `prompt_start`, padded to `length` (default: the bucket of
         the longest), and the batch to `rows` (default: the next power of two) with copies of
@@ -159,7 +165,9 @@ class Generator:
         indices = np.asarray(prompt_indices, np.uint32)[order]
         keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(
             jax.random.key(seed), jnp.asarray(indices))
-        run = _sample_fn(self.model, self.prefix_lm, max_new_tokens, temperature, top_k, top_p)
+        stops = tuple(i for i in self.eos_ids if i != self.model_config.eos_id)
+        run = _sample_fn(self.model, self.prefix_lm, max_new_tokens, temperature, top_k, top_p,
+                         stops)
         return np.asarray(run(self.params, inputs, lengths, keys))[:len(prompts)]
 
 
@@ -197,6 +205,12 @@ def _check_options(*, max_new_tokens, temperature, top_k, top_p) -> None:
             raise ValueError(f"{name}={value} must be {want}")
 
 
+def _before_end(row: np.ndarray, eos_ids: tuple[int, ...]) -> list[int]:
+    """The tokens of `row` before its first id of `eos_ids` (all of them without one)."""
+    ends = np.flatnonzero(np.isin(row, eos_ids))
+    return row[:ends[0] if ends.size else len(row)].tolist()
+
+
 def _power_of_two(n: int) -> int:
     """The smallest power of two >= n."""
     return 1 << max(n - 1, 0).bit_length()
@@ -210,9 +224,10 @@ def _map_layers(fn, cache: dict) -> dict:
 
 @functools.lru_cache(maxsize=32)
 def _sample_fn(model: Transformer, prefix_lm: bool, max_new_tokens: int, temperature: float,
-               top_k: int, top_p: float):
+               top_k: int, top_p: float, stop_ids: tuple[int, ...]):
     """A jitted `(params, inputs [B, P], lengths [B], keys [B]) -> tokens [B, max_new_tokens]`:
-    row b's decoder input is `inputs[b, :lengths[b]]` (its start and prompt), then padding."""
+    row b's decoder input is `inputs[b, :lengths[b]]` (its start and prompt), then padding; a
+    row ends at EOS or an id of `stop_ids`."""
     batch_axis = 1 if model.config.scan_layers else 0  # of the cache's layer leaves
 
     def run(params, inputs, lengths, keys):
@@ -239,7 +254,8 @@ def _sample_fn(model: Transformer, prefix_lm: bool, max_new_tokens: int, tempera
         decode_fn = jax.vmap(decode_row, in_axes=(0, axes), out_axes=(0, axes))
         return decoding.sample(decode_fn, cache, last, keys=keys, max_length=max_new_tokens,
                                eos_id=model.config.eos_id, temperature=temperature,
-                               top_k=top_k, top_p=top_p, pad_id=model.config.pad_id)
+                               top_k=top_k, top_p=top_p, pad_id=model.config.pad_id,
+                               stop_ids=stop_ids)
 
     return jax.jit(run)
 
