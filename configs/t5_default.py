@@ -13,8 +13,10 @@ after [MASK]. Eval perplexity is per target token of the corrupted validation do
 
 Learning rate 1e-3, not `lm_default.py`'s 3e-3: at 3e-3 the decoder settles on a language model
 of the spans and never learns to read the encoder, even on a few hundred documents it could
-memorise; at 1e-3 it reads its input after 4,000 updates (about 20 minutes on a 2-core CPU),
-measured in docs/results/2026-12-04-span-corruption-transfer.md, sections 6-8.
+memorise; at 1e-3 it reads its input. 12,000 updates (about an hour on a 2-core CPU): fine-tuned
+on translation, this pretraining leads the same model from scratch in validation perplexity at
+every point of `t5_translate.py`'s 2,000 updates, where 4,000 updates fell behind it; measured in
+docs/results/2026-12-04-span-corruption-transfer.md, sections 6-9.
 
 A run of this config is the starting point for fine-tuning the encoder-decoder on translation
 (`init_from`, docs/language-models.md).
@@ -29,7 +31,7 @@ lm_config = runpy.run_path(str(pathlib.Path(__file__).with_name("lm_common.py"))
 def get_config():
     cfg = lm_config(objective="span_corruption", dataset="offline_de_en", vocab_size=8000,
                     max_length=128, batch_size=16, num_layers=3, d_model=256, d_ff=704,
-                    num_heads=4, num_kv_heads=2, num_train_steps=4000, learning_rate=1e-3,
+                    num_heads=4, num_kv_heads=2, num_train_steps=12000, learning_rate=1e-3,
                     warmup_steps=100, mesh=dict(data=-1, fsdp=1, tensor=1), dtype="float32",
                     scan_layers=False)
     cfg.log_every_steps = 25
