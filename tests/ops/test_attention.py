@@ -580,19 +580,82 @@ def test_cudnn_wrapper_masks_like_xla(monkeypatch, mask_name):
     np.testing.assert_allclose(out, reference_attention(q, k, v, mask), atol=2e-6, rtol=1e-5)
 
 
+def _strict_cudnn_stand_in(monkeypatch):
+    """jax.nn's "xla" attention standing in for cuDNN on CPU, refusing what jax's cuDNN path
+    refuses: odd lengths with a mask or bias (`check_is_flash_attention`, for the backward), a
+    mask or bias not spanning T and S whole (`check_layout`)."""
+    real = jax.nn.dot_product_attention
+
+    def stand_in(q, k, v, bias=None, mask=None, *, implementation=None, **kwargs):
+        assert implementation == "cudnn"
+        if (bias is not None or mask is not None) and (q.shape[1] % 2 or k.shape[1] % 2):
+            raise NotImplementedError(f"Unsupported sequence length Q {q.shape[1]}, "
+                                      f"KV {k.shape[1]}.")
+        for x in (bias, mask):
+            if x is not None and x.shape[2:] != (q.shape[1], k.shape[1]):
+                raise ValueError(f"Bias must have same seq length as QKV, got "
+                                 f"{x.shape[2]} and {x.shape[3]}")
+        return real(q, k, v, bias, mask, implementation="xla", **kwargs)
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax.nn, "dot_product_attention", stand_in)
+
+
+@pytest.mark.parametrize("t, s", [(7, 7), (7, 6), (6, 5), (1, 5), (6, 4)])
+@pytest.mark.parametrize("masking", ["padding", "causal", "bias", "bias+per_head"])
+def test_cudnn_wrapper_takes_odd_lengths_and_broadcast_masks(monkeypatch, t, s, masking):
+    """A 255-token source (a batch of 256-token rows) with its [B, 1, 1, S] padding mask: jax's
+    cuDNN path refuses odd lengths with a mask or bias and a mask not spanning T and S, so the
+    wrapper pads T and S to even and broadcasts. Outputs and gradients equal the float64
+    formula, fully masked rows zero."""
+    _strict_cudnn_stand_in(monkeypatch)
+    q, k, v = qkv(26, t=t, s=s, kh=2)
+    rng = np.random.default_rng(3)
+    kv_valid = np.arange(s)[None] < np.array([[s], [s - 2]])
+    mask = jnp.asarray(kv_valid[:, None, None, :])  # [B, 1, 1, S]
+    bias = None
+    if masking == "causal":
+        mask = jnp.asarray(np.tril(np.ones((t, s), bool), k=s - t)[None, None])
+    if masking.startswith("bias"):
+        bias = jnp.asarray(rng.normal(size=(1, N, t, s)), jnp.float32)
+        mask = (jnp.asarray(rng.random((B, N, t, s)) < 0.6) if masking == "bias+per_head"
+                else None)
+    weights = jnp.asarray(rng.normal(size=(B, t, N, H)), jnp.float32)
+
+    def loss(implementation, q, k, v):
+        out = attention.dot_product_attention(q, k, v, mask=mask, bias=bias,
+                                              implementation=implementation)
+        return jnp.sum(out * weights), out
+
+    (_, out), grads = jax.value_and_grad(loss, argnums=(1, 2, 3), has_aux=True)(
+        "cudnn", q, k, v)
+    assert out.shape == (B, t, N, H)
+    np.testing.assert_allclose(out, reference_attention(q, k, v, mask, bias), atol=2e-6,
+                               rtol=1e-5)
+    (_, _), expected = jax.value_and_grad(loss, argnums=(1, 2, 3), has_aux=True)("xla", q, k, v)
+    for got, want in zip(grads, expected, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_cudnn_matches_xla_on_gpu():
     if jax.default_backend() != "gpu":
         pytest.skip("cuDNN needs an NVIDIA GPU")
-    t = 128
-    q, k, v = qkv(25, t=t, s=t, kh=2, h=64, dtype=jnp.bfloat16)
-    valid = jnp.asarray(np.arange(t)[None] < np.array([[t], [100]]))
-    mask = attention.combine_masks(attention.make_causal_mask(t),
-                                   attention.make_padding_mask(valid, valid))
-    out = attend(q, k, v, mask, implementation="cudnn")
-    expected = attend(q, k, v, mask, implementation="xla")
-    assert out.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32),
-                               atol=2e-2, rtol=2e-2)
+    for t in (128, 255):  # 255: a 256-token row's source, odd (padded to even for cuDNN)
+        q, k, v = qkv(25, t=t, s=t, kh=2, h=64, dtype=jnp.bfloat16)
+        valid = jnp.asarray(np.arange(t)[None] < np.array([[t], [100]]))
+        mask = attention.combine_masks(attention.make_causal_mask(t),
+                                       attention.make_padding_mask(valid, valid))
+        out = attend(q, k, v, mask, implementation="cudnn")
+        expected = attend(q, k, v, mask, implementation="xla")
+        assert out.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(out, np.float32),
+                                   np.asarray(expected, np.float32), atol=2e-2, rtol=2e-2)
+        grads = [jax.grad(lambda q, k, v, mask=mask, impl=impl: jnp.sum(
+            attend(q, k, v, mask, implementation=impl).astype(jnp.float32) ** 2),
+            argnums=(0, 1, 2))(q, k, v) for impl in ("cudnn", "xla")]
+        for got, want in zip(*grads, strict=True):
+            np.testing.assert_allclose(np.asarray(got, np.float32),
+                                       np.asarray(want, np.float32), atol=6e-2, rtol=6e-2)
 
 
 class _FakeDevice:

@@ -156,6 +156,35 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     return jnp.moveaxis(out, 3, 1).reshape(rows, t, q.shape[2], v.shape[-1]).astype(v.dtype)
 
 
+def _cudnn_operands(q, k, v, mask, bias):
+    """(q, k, v, bias, mask) as cuDNN takes them: `mask` and `bias` spanning T and S whole
+    ([B|1, N|1, T, S]: jax's `check_layout`), and T and S made even where either is given (its
+    backward refuses odd lengths with a mask or bias, `check_is_flash_attention`; a batch of
+    256-token rows gives 255-token sources). An added key is masked out; an added query row is
+    computed and dropped by the caller (`[:, :T]`)."""
+    t, s = q.shape[1], k.shape[1]
+    if mask is None and bias is None:
+        return q, k, v, bias, mask
+    pad_t, pad_s = t % 2, s % 2
+    q = jnp.pad(q, ((0, 0), (0, pad_t), (0, 0), (0, 0)))
+    k, v = (jnp.pad(x, ((0, 0), (0, pad_s), (0, 0), (0, 0))) for x in (k, v))
+    if mask is None and pad_s:
+        mask = jnp.ones((1, 1, 1, s), jnp.bool_)
+    if mask is not None:
+        mask = _whole_logit_axes(jnp.asarray(mask, jnp.bool_), t, s, pad_t, pad_s, False)
+    return q, k, v, _whole_logit_axes(bias, t, s, pad_t, pad_s, 0), mask
+
+
+def _whole_logit_axes(x, t: int, s: int, pad_t: int, pad_s: int, value):
+    """`x`, broadcastable to [B, N, T, S], as [B|1, N|1, T+pad_t, S+pad_s] with `value` in
+    the added places (None stays None)."""
+    if x is None:
+        return None
+    x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+    x = jnp.broadcast_to(x, (*x.shape[:2], t, s))
+    return jnp.pad(x, ((0, 0), (0, 0), (0, pad_t), (0, pad_s)), constant_values=value)
+
+
 def _cudnn_attention(q, k, v, mask, bias, scale, dropout_rate, local_window_size,
                      global_tokens):
     if global_tokens:
@@ -170,9 +199,10 @@ def _cudnn_attention(q, k, v, mask, bias, scale, dropout_rate, local_window_size
     if local_window_size is not None and local_window_size[1] > 0:
         raise ValueError(f"implementation='cudnn' takes sliding windows that look back only, "
                          f"(w, 0); got local_window_size={local_window_size}: use 'chunked'")
-    out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=scale,
+    t = q.shape[1]
+    out = jax.nn.dot_product_attention(*_cudnn_operands(q, k, v, mask, bias), scale=scale,
                                        local_window_size=local_window_size,
-                                       implementation="cudnn")
+                                       implementation="cudnn")[:, :t]
     if mask is None:
         return out  # every row has a key: itself, or with a window its band
     # jax.nn returns the mean of V on rows with nothing to attend to; we return zeros there.
