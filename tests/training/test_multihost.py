@@ -186,6 +186,59 @@ def test_a_peer_that_exits_with_an_error_stops_the_others_naming_it(tmp_path):
     assert "Traceback" not in failed + survivor
 
 
+class _FakeKeyValueStore:
+    """The coordination service's key-value store in memory, its calls recorded; a key not
+    set times out at once."""
+
+    def __init__(self, keys=()):
+        self.values, self.calls = dict.fromkeys(keys, "1"), []
+
+    def key_value_set(self, key, value):
+        self.calls.append(("set", key))
+        self.values[key] = value
+
+    def blocking_key_value_get(self, key, timeout_ms):
+        self.calls.append(("get", key))
+        if key not in self.values:
+            raise RuntimeError(f"DEADLINE_EXCEEDED: {key}")
+        return self.values[key]
+
+
+class _Exited(Exception):
+    pass
+
+
+@pytest.mark.parametrize("index, marked, calls", [
+    (0, (1, 2), [("get", 1), ("get", 2)]),  # host of the service: after both peers' marks
+    (0, (2,), [("get", 1)]),  # a peer that never marks its end: no longer than the grace
+    (1, (), [("set", 1)]),  # a peer: marks its end, waits for nobody
+])
+def test_the_process_hosting_the_coordination_service_exits_after_its_peers(
+        monkeypatch, index, marked, calls):
+    """The CI failure this prevents: process 0 ended on process 1's notice at once, so the
+    service it hosts vanished under process 1 (still posting), which JAX then aborted (SIGABRT,
+    return code -6) before it printed its error."""
+    from transformer.training import distributed
+
+    monkeypatch.setattr(distributed.jax, "process_index", lambda: index)
+    monkeypatch.setattr(distributed.jax, "process_count", lambda: 3)
+
+    def exit_(status):
+        raise _Exited(status)
+
+    monkeypatch.setattr(distributed.os, "_exit", exit_)
+    monkeypatch.setattr(distributed.FailureNotices, "GRACE_S", 0.2)
+    notices = distributed.FailureNotices()
+    stopped = distributed.FailureNotices.STOPPED_KEY
+    notices._client = store = _FakeKeyValueStore(f"{stopped}/{peer}" for peer in marked)
+    started = time.monotonic()
+    with pytest.raises(_Exited) as exited:
+        notices._exit()
+    assert exited.value.args == (1,)
+    assert store.calls == [(kind, f"{stopped}/{peer}") for kind, peer in calls]
+    assert time.monotonic() - started < 1.0
+
+
 @pytest.mark.slow
 def test_two_processes_decode_validation_bleu(offline_fixture_data_dir, tmp_path):
     """Beam search over params sharded across two processes, long enough (64 positions) for the

@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import traceback
 
 import jax
@@ -64,10 +65,17 @@ class FailureNotices:
     blocked in a collective). The failing process, once it has cleaned up, prints its error as
     train.py would and ends the same way, skipping JAX's shutdown barrier (which would wait for
     the peers that are gone).
+
+    Process 0 hosts the coordination service, and a process whose service vanishes is aborted
+    by JAX (SIGABRT, its error line unprinted). So every other process marks its end
+    (`STOPPED_KEY/<index>`) just before it exits, and process 0 waits for those marks, at most
+    `GRACE_S`, before it exits itself.
     """
 
     KEY = "transformer/failed_process"
+    STOPPED_KEY = "transformer/stopped"
     POLL_MS = 1000
+    GRACE_S = 10.0
 
     def __init__(self, *, one_line_errors: tuple[type[BaseException], ...] = (ValueError,)):
         self._one_line_errors = one_line_errors  # printed as `error: <line>`, others in full
@@ -97,7 +105,7 @@ class FailureNotices:
             else:
                 traceback.print_exception(error)
                 sys.stderr.flush()
-            os._exit(1)
+            self._exit()
 
     def post(self, error: BaseException) -> None:
         """Tells the other processes that this one stops on `error` (once)."""
@@ -126,4 +134,22 @@ class FailureNotices:
                       jax.process_index())
             for handler in log.handlers:
                 handler.flush()
-            os._exit(1)
+            self._exit()
+
+    def _exit(self) -> None:
+        """Ends this process with status 1: process 0, which hosts the coordination service,
+        after the others have marked their end (or `GRACE_S`); the others at once, marked."""
+        index = jax.process_index()
+        try:
+            if index != 0:
+                self._client.key_value_set(f"{self.STOPPED_KEY}/{index}", "1")
+            else:
+                deadline = time.monotonic() + self.GRACE_S
+                for peer in range(1, jax.process_count()):
+                    left_ms = int(1000 * (deadline - time.monotonic()))
+                    if left_ms <= 0:
+                        break
+                    self._client.blocking_key_value_get(f"{self.STOPPED_KEY}/{peer}", left_ms)
+        except Exception:  # a peer that cannot mark its end (or a service already gone)
+            pass
+        os._exit(1)
