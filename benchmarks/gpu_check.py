@@ -1,6 +1,6 @@
 """One-GPU check: attention parity, train-step throughput and MFU in bfloat16, decode speed.
 
-    bash benchmarks/gpu_check.sh [--dry-run] [--out=gpu_check.json]
+    bash benchmarks/gpu_check.sh [--dry-run] [--out=gpu_check.json] [--checks=train_step,...]
 
 Needs jax (with CUDA), flax, optax, orbax and ml-collections; no TensorFlow, no SentencePiece, no
 network: every batch is synthetic (the copy task) and every model randomly initialised, since
@@ -24,7 +24,7 @@ only speed and numerical agreement are measured here.
    size the accelerator default.
 
 Prints one line per result and writes them all as JSON, rewritten after each check so that
-the 5-minute limit of gpu_check.sh keeps whatever finished. `--dry-run` shrinks every size so the
+the time limit of gpu_check.sh keeps whatever finished. `--dry-run` shrinks every size so the
 whole script runs in a minute or two on a CPU (the test suite runs it that way).
 """
 
@@ -52,6 +52,7 @@ from transformer.ops import attention  # noqa: E402
 PAPER = {"base": dict(layers=6, d_model=512, d_ff=2048, num_heads=8, dropout=0.1),
          "big": dict(layers=6, d_model=1024, d_ff=4096, num_heads=16, dropout=0.3)}
 DRY = dict(layers=1, d_model=64, d_ff=128, num_heads=4)
+CHECKS = ("attention", "decode", "lm_train_step", "train_step", "loss_chunks")  # run in this order
 
 
 def _median_ms(fn, runs: int) -> float:
@@ -199,18 +200,24 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--dry-run", action="store_true", help="tiny sizes (runs on a CPU)")
     parser.add_argument("--out", default="gpu_check.json", help="where the JSON goes")
     parser.add_argument("--steps", type=int, default=10, help="timed train steps per setting")
+    parser.add_argument("--checks", default=",".join(CHECKS),
+                        help=f"comma-separated subset of {','.join(CHECKS)} (all by default)")
     args = parser.parse_args(argv)
+    chosen = args.checks.split(",")
+    if unknown := sorted(set(chosen) - set(CHECKS)):
+        parser.error(f"--checks: unknown {', '.join(unknown)}; choose from {', '.join(CHECKS)}")
     device = jax.devices()[0]
     header = {"check": "device", "backend": jax.default_backend(), "device": str(device),
               "device_kind": device.device_kind, "jax": jax.__version__,
               "dry_run": args.dry_run}
     print(json.dumps(header))
     results, failed = [header], []
-    for name, check in (("attention", lambda: attention_parity(args.dry_run)),
-                        ("decode", lambda: decode_speed(args.dry_run)),
-                        ("lm_train_step", lambda: lm_throughput(args.dry_run, args.steps)),
-                        ("train_step", lambda: train_throughput(args.dry_run, args.steps)),
-                        ("loss_chunks", lambda: loss_chunks(args.dry_run, args.steps))):
+    checks = {"attention": lambda: attention_parity(args.dry_run),
+              "decode": lambda: decode_speed(args.dry_run),
+              "lm_train_step": lambda: lm_throughput(args.dry_run, args.steps),
+              "train_step": lambda: train_throughput(args.dry_run, args.steps),
+              "loss_chunks": lambda: loss_chunks(args.dry_run, args.steps)}
+    for name, check in ((name, checks[name]) for name in CHECKS if name in chosen):
         started = time.perf_counter()
         try:
             rows = check()

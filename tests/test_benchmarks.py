@@ -53,6 +53,23 @@ def test_gpu_check_dry_run_writes_every_result(tmp_path):
     assert all(r["sentences_per_sec"] > 0 for r in by_check["decode"])
 
 
+def test_gpu_check_runs_the_checks_asked_for_and_refuses_unknown_ones(tmp_path):
+    """--checks picks a subset (a device call's 10 minutes hold the whole check on an H200 only
+    in two parts: docs/benchmarks.md)."""
+    out = tmp_path / "gpu_check.json"
+    script = [sys.executable, "benchmarks/gpu_check.py", "--dry-run", f"--out={out}"]
+    result = subprocess.run([*script, "--checks=attention"], cwd=ROOT, env=one_cpu_device_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [r["check"] for r in rows] == ["device"] + ["attention"] * 3
+    result = subprocess.run([*script, "--checks=attention,train_steps"], cwd=ROOT,
+                            env=one_cpu_device_env(), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 2
+    assert "--checks: unknown train_steps; choose from attention," in result.stderr
+
+
 @pytest.mark.slow
 def test_sweep_writes_a_point_per_length_and_batch_and_a_plot(tmp_path):
     out = tmp_path / "sweep.png"
