@@ -137,3 +137,16 @@ def test_defaults_fill_a_locked_config(tiny_config):
     assert "init_from_exclude" not in cfg
     cfg.lock()
     assert resolve(cfg, 8).config.init_from_exclude == TOP_LEVEL["init_from_exclude"][1] == ""
+
+
+@pytest.mark.parametrize("path", ["configs/lm_default.py", "configs/mlm_default.py",
+                                  "configs/lm_125m.py"])
+def test_language_model_configs_take_the_expert_keys_from_the_command_line(path, load_config):
+    """`--config.model.num_experts=8` routes any language model: the flags set only keys the
+    config file holds (as a locked ConfigDict does), and lm_common.py holds them, dense."""
+    cfg = load_config(path)
+    assert resolve(cfg, 1, config_file=path).model.num_experts == 0
+    cfg.lock()
+    cfg.model.num_experts, cfg.model.moe_capacity_factor = 8, 1.25
+    model = resolve(cfg, 1, config_file=path).model
+    assert (model.num_experts, model.experts_per_token, model.moe_capacity_factor) == (8, 2, 1.25)

@@ -92,7 +92,7 @@ def _flops_lines(config: TransformerConfig, source_length: int, target_length: i
                                             target_length=target_length)
     forward = flops.forward_flops(config, source_length=source_length,
                                   target_length=target_length)
-    causal = "; causal self-attention counted in full"
+    causal = "; causal self-attention counts half its T x T scores"
     if config.architecture == "vision":
         where, unit, causal = f"S = {vit.num_tokens(config)} tokens", "image", ""
     elif config.architecture == "encoder":
