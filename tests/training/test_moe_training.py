@@ -51,6 +51,30 @@ def test_translation_and_lm_train_with_experts(load_config, architecture, fields
     assert lines[-1]["loss"] < lines[0]["loss"]
 
 
+@pytest.mark.slow
+def test_train_py_writes_the_routers_metrics_on_every_train_line(load_config, tmp_path):
+    """metrics.jsonl (what curves, TensorBoard and a user read), not only the step's output:
+    every train line of a routed run carries the five router metrics, a dense run's none."""
+    import json
+
+    from transformer.training.loop import train_and_evaluate
+
+    for name, fields in (("routed", {**MOE, "model.moe_capacity_factor": 1.0}), ("dense", {})):
+        cfg = load_config("tiny.py", **fields, num_train_steps=2, log_every_steps=1,
+                          eval_every_steps=0, checkpoint_every_steps=0)
+        train_and_evaluate(cfg, str(tmp_path / name))
+        lines = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").open()]
+        train = [line for line in lines if line["split"] == "train"]
+        assert [line["step"] for line in train] == [1, 2]
+        for line in train:
+            if name == "dense":
+                assert not set(step_lib.MOE_METRICS) & set(line)
+                continue
+            assert 0 < line["expert_load_min"] <= 0.25 <= line["expert_load_max"] <= 1
+            assert line["router_z_loss"] > 0 and line["moe_aux_loss"] > 0
+            assert 0 <= line["moe_dropped"] < 1
+
+
 def test_encoder_takes_experts():
     """An encoder-only model's routed layers record their statistics and get gradients."""
     cfg = TransformerConfig(architecture="encoder", vocab_size=32, num_encoder_layers=2,

@@ -361,5 +361,6 @@ def _flush(pending, progress, writer, step, total, flops_per_token, peak, cfg, l
         if "mfu" in window:
             line["mfu"] = window["mfu"]
         line |= {k: m[k] for k in step_lib.LOSS_SCALE_METRICS if k in m}  # float16 runs
+        line |= {k: m[k] for k in step_lib.MOE_METRICS if k in m}  # routed layers
         writer.write(s, "train", line)
     metrics.log_progress(step, total, fetched[-1] | window, progress.unit)
