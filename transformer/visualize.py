@@ -11,7 +11,8 @@ decoder self-attention and cross-attention, labelled with SentencePiece pieces, 
 grid per kind, to `<workdir>/plots/attention/`. The weights are the ones the forward pass used:
 `MultiHeadAttention` records `attention.attention_weights` when applied with
 `mutable=["intermediates"]`. `curves` plots loss, perplexity, learning rate, BLEU and tokens/s
-against step (or, `--x=hours`, hours of training) from each run's `metrics.jsonl`;
+(and a routed run's expert loads and drops) against step (or, `--x=hours`, hours of training)
+from each run's `metrics.jsonl`;
 `positions` the sinusoidal encoding and the dot products between positions.
 `image_attention` runs a Vision Transformer (`inference.classifier`) on one image and draws the
 class token's attention over the patches on top of it, per layer and head (`heads.png`) and rolled

@@ -118,6 +118,27 @@ def test_curves_draw_a_classifiers_accuracy(tmp_path, monkeypatch):
     np.testing.assert_allclose(line.get_ydata(), [0.52, 0.54, 0.56])
 
 
+def test_curves_of_a_routed_run_draw_the_expert_loads_and_drops(tmp_path, monkeypatch):
+    """A routed run (docs/moe.md) gets a third row: the most- and least-loaded experts' shares
+    and the dropped assignments; a dense run keeps two rows without them."""
+    run = tmp_path / "routed"
+    run.mkdir()
+    lines = [{"step": s, "split": "train", "loss": 5.0 / s, "expert_load_max": 0.2 - s / 1000,
+              "expert_load_min": 0.05 + s / 1000, "moe_dropped": 0.01 * s} for s in (1, 2, 3)]
+    drawn = drawn_axes(run, lines, monkeypatch, tmp_path)
+    (line,) = drawn["least-loaded expert's share of assignments"].get_lines()
+    np.testing.assert_allclose(line.get_ydata(), [0.051, 0.052, 0.053])
+    (line,) = drawn["assignments dropped over capacity"].get_lines()
+    np.testing.assert_allclose(line.get_ydata(), [0.01, 0.02, 0.03])
+    assert len(drawn) == 9
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    drawn = drawn_axes(dense, [{k: v for k, v in line.items() if "expert" not in k
+                                and k != "moe_dropped"} for line in lines],
+                       monkeypatch, tmp_path)
+    assert len(drawn) == 6 and "assignments dropped over capacity" not in drawn
+
+
 def test_positions_figure(tmp_path):
     out = plotting.plot_positions(64, 50, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").read_bytes().startswith(PNG) and out.endswith("p.png")

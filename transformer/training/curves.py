@@ -16,6 +16,9 @@ CURVES = (("loss", "loss (NLL per target token)"), ("perplexity", "perplexity"),
           ("learning_rate", "learning rate"), ("bleu", "sacreBLEU"),
           ("tokens_per_sec", "tokens/s (non-pad target; images or examples for a classifier)"),
           ("accuracy", "accuracy (a classifier)"))
+ROUTER_CURVES = (("expert_load_max", "most-loaded expert's share of assignments"),
+                 ("expert_load_min", "least-loaded expert's share of assignments"),
+                 ("moe_dropped", "assignments dropped over capacity"))  # routed runs only
 
 
 def read_metrics(workdir: str) -> dict[str, dict[str, list[tuple[int, float]]]]:
@@ -70,19 +73,23 @@ def training_hours(curves: dict, workdir: str) -> tuple[np.ndarray, np.ndarray]:
 def plot_curves(workdirs: list[str], out: str, x: str = "step") -> str:
     """Loss, perplexity, learning rate, BLEU, tokens/s and accuracy against step (`x` "step")
     or hours of training (`x` "hours": `training_hours`), every run on the same axes (one
-    colour per run, one line style per split)."""
+    colour per run, one line style per split); a row of the routers' loads and drops where a
+    run has routed layers (docs/moe.md)."""
     if x not in ("step", "hours"):
         raise ValueError(f"--x={x}: give step or hours")
     plt = pyplot()
     runs = [(os.path.basename(os.path.normpath(w)) or w, read_metrics(w)) for w in workdirs]
     clocks = [training_hours(curves, workdir) if x == "hours" else None
               for (_, curves), workdir in zip(runs, workdirs, strict=True)]
-    fig, grid = plt.subplots(2, 3, figsize=(14, 7.5), layout="constrained")
-    axes = grid.flat[:len(CURVES)]
-    for unused in grid.flat[len(CURVES):]:
+    routed = any("expert_load_max" in curves.get("train", {}) for _, curves in runs)
+    panels = CURVES + (ROUTER_CURVES if routed else ())
+    rows = -(-len(panels) // 3)
+    fig, grid = plt.subplots(rows, 3, figsize=(14, 3.75 * rows), layout="constrained")
+    axes = grid.flat[:len(panels)]
+    for unused in grid.flat[len(panels):]:
         unused.remove()
     styles = {"train": "-", "validation": "--", "test": ":"}
-    for (key, label), ax in zip(CURVES, axes, strict=True):
+    for (key, label), ax in zip(panels, axes, strict=True):
         for colour, (name, curves) in enumerate(runs):
             for split, by_metric in curves.items():
                 points = by_metric.get(key)
