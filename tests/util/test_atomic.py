@@ -1,7 +1,10 @@
-"""transformer.util.atomic.write_atomically: the target is replaced whole from `<name>.tmp<pid>`
-beside it (a reader sees the old file until then), locally and on gs:// (served from memory)."""
+"""transformer.util.atomic.write_atomically: the target is replaced whole from
+`<name>.tmp<pid>-<token>` beside it (a reader sees the old file until then), locally and on gs://
+(served from memory)."""
 
 import os
+import re
+import threading
 
 import pytest
 from etils import epath
@@ -11,7 +14,7 @@ from transformer.util import atomic
 
 
 @pytest.mark.parametrize("remote", [False, True])
-def test_a_file_is_replaced_whole_through_a_temporary_file_named_by_the_pid(
+def test_a_file_is_replaced_whole_through_a_temporary_file_named_by_pid_and_token(
         remote, bucket, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # a remote path must create nothing here
     directory = epath.Path("gs://bucket/dir" if remote else tmp_path / "dir")
@@ -27,7 +30,9 @@ def test_a_file_is_replaced_whole_through_a_temporary_file_named_by_the_pid(
 
     monkeypatch.setattr(gpath.PosixGPath, "replace", spy)
     atomic.write_atomically(os.fspath(target), "naïve ✓")
-    assert seen == [(f"record.json.tmp{os.getpid()}", "naïve ✓".encode(), b"old")]
+    [(name, written, before)] = seen
+    assert re.fullmatch(rf"record\.json\.tmp{os.getpid()}-[0-9a-f]{{8}}", name)
+    assert (written, before) == ("naïve ✓".encode(), b"old")
     assert target.read_bytes() == "naïve ✓".encode()
     atomic.write_atomically(target, b"\x00\xff")  # bytes as given; an epath.Path target
     assert target.read_bytes() == b"\x00\xff"
@@ -54,3 +59,32 @@ def test_a_streamed_file_replaces_the_target_when_done_and_not_if_it_fails(
         f.write(b"half")
         raise RuntimeError("the writer failed")
     assert target.read_bytes() == b"new bytes"
+    assert [p.name for p in directory.iterdir()] == ["ids.npy"]  # the temporary removed
+
+
+@pytest.mark.parametrize("remote", [False, True])
+def test_two_threads_writing_one_target_at_once_leave_one_whole_file(
+        remote, bucket, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    directory = epath.Path("gs://bucket/dir" if remote else tmp_path / "dir")
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / "record.json"
+    both_open = threading.Barrier(2, timeout=10)
+    errors = []
+
+    def write(payload):
+        try:
+            with atomic.replacing(target) as f:
+                both_open.wait()  # each writer's temporary is open before either ends
+                f.write(payload)
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            errors.append(e)
+
+    threads = [threading.Thread(target=write, args=(c * 1000,)) for c in (b"a", b"b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert target.read_bytes() in (b"a" * 1000, b"b" * 1000)
+    assert [p.name for p in directory.iterdir()] == ["record.json"]  # no temporary left

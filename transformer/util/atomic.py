@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 from collections.abc import Iterator
 from typing import IO
 
@@ -14,13 +15,18 @@ from etils import epath
 
 @contextlib.contextmanager
 def replacing(path: str | os.PathLike) -> Iterator[IO[bytes]]:
-    """A binary file open for writing at `<name>.tmp<pid>` beside `path`, which replaces `path`
-    when the block ends (and does not if it raises); the pid keeps processes writing the same
-    file at once apart. The directory must exist."""
+    """A binary file open for writing at `<name>.tmp<pid>-<token>` beside `path`, which replaces
+    `path` when the block ends (and does not if it raises, removing the temporary); the pid and
+    a random token keep writers of the same file apart, processes, hosts and threads alike.
+    The directory must exist."""
     target = epath.Path(path)
-    tmp = target.parent / f"{target.name}.tmp{os.getpid()}"
-    with tmp.open("wb") as f:
-        yield f
+    tmp = target.parent / f"{target.name}.tmp{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        with tmp.open("wb") as f:
+            yield f
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     tmp.replace(target)
 
 
