@@ -140,7 +140,7 @@ def test_qwen2_tokenizer_pads_with_its_end_token_and_exports_so(tmp_path):
     bos and eos, no pad_token_id; its tokenizer_config.json has no BOS and pads with
     <|endoftext|>): the run keeps no pad id (transformers' pad only fills batches), generates
     transformers' greedy text from text, and the export's AutoTokenizer reads and pads text as
-    the original's."""
+    the original's and names no BOS either."""
     from transformer.data import tokenizer as tokenizer_lib
 
     hf_dir = tmp_path / "qwen2"
@@ -167,7 +167,9 @@ def test_qwen2_tokenizer_pads_with_its_end_token_and_exports_so(tmp_path):
     out = tmp_path / "exported"
     convert.export_workdir(workdir, str(out))
     exported = transformers.AutoTokenizer.from_pretrained(str(out))
-    assert (exported.eos_token_id, exported.pad_token_id) == (end, end)
+    assert (exported.bos_token, exported.eos_token_id, exported.pad_token_id) == (
+        None, end, end)  # no BOS, as Qwen2Tokenizer's
+    assert json.loads((out / convert.TOKENIZER_CONFIG).read_text()).get("bos_token") is None
     padded = original(texts, padding=True)["input_ids"]
     assert padded[1][-1] == end and exported(texts, padding=True)["input_ids"] == padded
 

@@ -59,6 +59,7 @@ SINGLE_FILE = "model.safetensors"
 TOKENIZER_MODEL = "tokenizer.model"  # a SentencePiece model, as Llama's checkpoints hold it
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"  # AutoTokenizer's class and special tokens
+NO_BOS_TOKEN = ("qwen2",)  # model types whose tokenizer names no BOS (Qwen2Tokenizer's None)
 CONFIGS_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
 DEFAULT_CONFIG = {"decoder": "lm_default.py", "vision": "vit_b16_imagenet.py",
                   "encoder_decoder": "default.py"}
@@ -345,7 +346,8 @@ def export_workdir(workdir: str, out_dir: str, *, step: int | None = None,
         name = TOKENIZER_MODEL if vocab.endswith(MODEL_FILE) else tokenizer_lib.JSON_FILE
         shutil.copyfile(vocab, os.path.join(out_dir, name))
         tokenizer = tokenizer_lib.load(vocab_dir)
-        write_tokenizer_config(tokenizer, out_dir, model_cfg)
+        write_tokenizer_config(tokenizer, out_dir, model_cfg,
+                               bos=hf_config["model_type"] not in NO_BOS_TOKEN)
         if tokenizer.eos_ids != (model_cfg.eos_id,):  # transformers' generate stops at each
             with open(os.path.join(out_dir, GENERATION_CONFIG), "w") as f:
                 json.dump(generation_config(model_cfg, tokenizer.eos_ids), f, indent=2)
@@ -355,15 +357,17 @@ def export_workdir(workdir: str, out_dir: str, *, step: int | None = None,
     return writer.path
 
 
-def write_tokenizer_config(tokenizer, out_dir: str, model_cfg: TransformerConfig) -> None:
+def write_tokenizer_config(tokenizer, out_dir: str, model_cfg: TransformerConfig, *,
+                           bos: bool = True) -> None:
     """`tokenizer_config.json`, so that `AutoTokenizer.from_pretrained(out_dir)` reads the
     exported file as we do: the generic `TokenizersBackend` (a family's own class may rebuild
     the vocabulary on its assumptions: Gemma's adds pieces), the special tokens by their
     pieces (no BOS where the decoder starts from pad, as T5's), and for a SentencePiece model
     what ours put around a text: BOS before a prompt (decoder), EOS after a source
-    (encoder-decoder). A tokenizer.json's own post-processor decides for it."""
+    (encoder-decoder). A tokenizer.json's own post-processor decides for it. `bos` False:
+    no BOS named (Qwen2's, whose config.json's bos_token_id its tokenizer never uses)."""
     special = {"eos_token": tokenizer.eos_id, "pad_token": tokenizer.pad_id}
-    if tokenizer.bos_id != tokenizer.pad_id:
+    if bos and tokenizer.bos_id != tokenizer.pad_id:
         special["bos_token"] = tokenizer.bos_id
     config = {"tokenizer_class": "TokenizersBackend"} | {
         name: tokenizer.id_to_piece(i) for name, i in special.items() if i is not None}
