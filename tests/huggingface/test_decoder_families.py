@@ -165,7 +165,10 @@ def test_qwen2_tokenizer_pads_with_its_end_token_and_exports_so(tmp_path):
     assert tokenizer.encode(texts) == original(texts)["input_ids"]  # no BOS put before
     _check_greedy_text(hf_model, workdir, tokenizer, [])
     out = tmp_path / "exported"
+    out.mkdir()  # an earlier export's generation_config.json, which this one has none of
+    (out / convert.GENERATION_CONFIG).write_text(json.dumps({"eos_token_id": [end, 1]}))
     convert.export_workdir(workdir, str(out))
+    assert not (out / convert.GENERATION_CONFIG).exists()
     exported = transformers.AutoTokenizer.from_pretrained(str(out))
     assert (exported.bos_token, exported.eos_token_id, exported.pad_token_id) == (
         None, end, end)  # no BOS, as Qwen2Tokenizer's

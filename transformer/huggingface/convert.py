@@ -328,7 +328,8 @@ def export_workdir(workdir: str, out_dir: str, *, step: int | None = None,
         table = np.asarray(ours[EMBEDDING], np.float32)
         ours[EMBEDDING] = table * np.sqrt(np.float32(model_cfg.d_model))
     os.makedirs(out_dir, exist_ok=True)
-    for old in pathlib.Path(out_dir).glob("model*.safetensors*"):  # an earlier export's
+    for old in [*pathlib.Path(out_dir).glob("model*.safetensors*"),  # an earlier export's
+                *pathlib.Path(out_dir).glob(GENERATION_CONFIG)]:
         old.unlink()
     with ShardWriter(out_dir, max_shard_bytes) as writer:
         for group in groups:
