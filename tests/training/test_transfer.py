@@ -215,8 +215,9 @@ def test_a_run_starts_from_another_once_then_resumes_from_its_own(tmp_path, capl
 def test_a_span_corruption_run_fine_tunes_on_translation(load_config, offline_fixture_data_dir,
                                                         tmp_path, caplog):
     """configs/t5_default.py (2 updates), then configs/t5_translate.py from it, both shrunk:
-    every parameter is the pretrained run's (none fresh, none unused), its vocabulary (with the
-    sentinels) is the translation run's, and the translation loss falls."""
+    the encoder and embeddings are the pretrained run's and the decoder starts fresh (the
+    config's init_from_exclude, chosen on validation), its vocabulary (with the sentinels) is
+    the translation run's, and the translation loss falls."""
     from transformer.training.loop import train_and_evaluate
 
     common = {"model.d_model": 32, "model.d_ff": 64, "model.num_heads": 2,
@@ -235,7 +236,10 @@ def test_a_span_corruption_run_fine_tunes_on_translation(load_config, offline_fi
         "optimizer.learning_rate": 3e-3})
     with caplog.at_level("INFO", logger="transformer"):
         train_and_evaluate(cfg, str(finetuned))
-    assert "parameters loaded; left fresh: none; not used: none" in caplog.text
+    (line,) = [x for x in caplog.text.splitlines() if "parameters loaded; left fresh:" in x]
+    fresh = line.split("left fresh: ")[1].split("; not used")[0].split(", ")
+    assert "decoder/logits/kernel" in fresh and all(n.startswith("decoder/") for n in fresh)
+    assert line.endswith("not used: none")
     vocab = "vocab/sentencepiece.model"
     assert (finetuned / vocab).read_bytes() == (pretrained / vocab).read_bytes()
     lines = [json.loads(line) for line in (finetuned / "metrics.jsonl").read_text().splitlines()]
