@@ -274,7 +274,7 @@ def _vocabulary(hf_dir: str, model_cfg: TransformerConfig, hf_config: dict):
     if model_cfg.architecture == "decoder":  # generate's ends (the translator stops at EOS)
         generation = os.path.join(hf_dir, GENERATION_CONFIG)
         ends["eos_ids"] = end_ids(hf_config, read_json(generation, "") if os.path.isfile(
-            generation) else None, model_cfg.eos_id)
+            generation) else None)
     try:
         if is_marian:
             tokenizer = marian.read_vocabulary(hf_dir, hf_config)

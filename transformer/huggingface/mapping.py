@@ -81,14 +81,14 @@ def token_ids(hf: dict) -> dict:
                 else None)
 
 
-def end_ids(hf: dict, generation: dict | None, eos_id: int) -> tuple[int, ...]:
+def end_ids(hf: dict, generation: dict | None) -> tuple[int, ...]:
     """Every id `transformers`' `generate` ends a text at: generation_config.json's
-    `eos_token_id` (an int or a list) where `generation` gives one, else config.json's; our
-    `eos_id` (`token_ids`) first."""
+    `eos_token_id` (an int or a list) where `generation` gives one, else config.json's (the
+    tokenizer puts our `eos_id` first and drops repeats)."""
     listed = (generation or {}).get("eos_token_id")
     listed = hf.get("eos_token_id") if listed is None else listed
     listed = listed if isinstance(listed, list) else [listed]
-    return tuple(dict.fromkeys([eos_id, *(int(i) for i in listed if i is not None)]))
+    return tuple(int(i) for i in listed if i is not None)
 
 
 def generation_config(cfg: TransformerConfig, eos_ids: tuple[int, ...]) -> dict:
