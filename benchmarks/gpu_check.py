@@ -52,7 +52,6 @@ from transformer.ops import attention  # noqa: E402
 PAPER = {"base": dict(layers=6, d_model=512, d_ff=2048, num_heads=8, dropout=0.1),
          "big": dict(layers=6, d_model=1024, d_ff=4096, num_heads=16, dropout=0.3)}
 DRY = dict(layers=1, d_model=64, d_ff=128, num_heads=4)
-CHECKS = ("attention", "decode", "lm_train_step", "train_step", "loss_chunks")  # run in this order
 
 
 def _median_ms(fn, runs: int) -> float:
@@ -195,6 +194,14 @@ def decode_speed(dry: bool) -> list[dict]:
     return rows
 
 
+CHECKS = {  # run in this order
+    "attention": lambda args: attention_parity(args.dry_run),
+    "decode": lambda args: decode_speed(args.dry_run),
+    "lm_train_step": lambda args: lm_throughput(args.dry_run, args.steps),
+    "train_step": lambda args: train_throughput(args.dry_run, args.steps),
+    "loss_chunks": lambda args: loss_chunks(args.dry_run, args.steps)}
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="tiny sizes (runs on a CPU)")
@@ -212,15 +219,12 @@ def main(argv: list[str]) -> int:
               "dry_run": args.dry_run}
     print(json.dumps(header))
     results, failed = [header], []
-    checks = {"attention": lambda: attention_parity(args.dry_run),
-              "decode": lambda: decode_speed(args.dry_run),
-              "lm_train_step": lambda: lm_throughput(args.dry_run, args.steps),
-              "train_step": lambda: train_throughput(args.dry_run, args.steps),
-              "loss_chunks": lambda: loss_chunks(args.dry_run, args.steps)}
-    for name, check in ((name, checks[name]) for name in CHECKS if name in chosen):
+    for name, check in CHECKS.items():
+        if name not in chosen:
+            continue
         started = time.perf_counter()
         try:
-            rows = check()
+            rows = check(args)
         except Exception as error:  # noqa: BLE001 - record it, go on with the other checks
             traceback.print_exc()
             rows = [{"check": name, "error": f"{type(error).__name__}: {error}"}]
