@@ -27,6 +27,13 @@ LANGUAGE_PAIRS = {  # target language -> TFDS dataset and shared vocabulary size
 }
 
 
+# Dense feed-forward layers (num_experts 0); the rest is read where num_experts > 0 (docs/moe.md).
+# Held by every model config so that --config.model.num_experts=8 reaches it (lm_common.py too).
+EXPERTS_OFF = dict(num_experts=0, experts_per_token=2, moe_layer_interval=1,
+                   moe_router_scores="softmax", moe_renormalize=True, moe_shared_expert=False,
+                   moe_capacity_factor=0.0, moe_aux_loss_coef=0.01, moe_z_loss_coef=0.001)
+
+
 def paper_config(*, size: str, target_lang: str, dropout_rate: float) -> config_dict.ConfigDict:
     """The paper's recipe for model `size` ("base" or "big"), English -> `target_lang`
     ("de" or "fr"), with residual/embedding dropout P_drop = `dropout_rate`."""
@@ -113,10 +120,7 @@ def paper_config(*, size: str, target_lang: str, dropout_rate: float) -> config_
         rope_high_freq_factor=4.0, rope_beta_fast=32.0, rope_beta_slow=1.0,
         rope_attention_factor=config_dict.placeholder(float),
         relative_buckets=32, relative_max_distance=128,  # read by positional="relative" (T5)
-        num_experts=0,  # dense feed-forward layers; the rest is read where num_experts > 0
-        experts_per_token=2, moe_layer_interval=1, moe_router_scores="softmax",
-        moe_renormalize=True, moe_shared_expert=False, moe_capacity_factor=0.0,
-        moe_aux_loss_coef=0.01, moe_z_loss_coef=0.001,
+        **EXPERTS_OFF,
     ))
 
     cfg.optimizer = config_dict.ConfigDict(dict(

@@ -14,7 +14,12 @@ warmup then cosine decay to 10%, no dropout, no label smoothing. Packed rows of
 `data.max_length` tokens, no attention across documents (`transformer/data/language_model.py`).
 """
 
+import pathlib
+import runpy
+
 from ml_collections import config_dict
+
+EXPERTS_OFF = runpy.run_path(str(pathlib.Path(__file__).with_name("common.py")))["EXPERTS_OFF"]
 
 OBJECTIVE_ARCHITECTURE = {"causal": "decoder", "prefix": "decoder", "masked": "encoder",
                           "span_corruption": "encoder_decoder"}
@@ -70,10 +75,7 @@ def lm_config(*, objective: str, dataset: str, vocab_size: int, max_length: int,
         max_len=max_length, dtype=dtype, scan_layers=scan_layers, remat_policy=remat_policy,
         attention_implementation="auto", norm_eps=1e-6, rope_theta=10000.0,
         scale_embeddings=True,  # an imported Llama (python -m transformer.convert): False
-        num_experts=0,  # dense; e.g. --config.model.num_experts=8 routes them (docs/moe.md)
-        experts_per_token=2, moe_layer_interval=1, moe_router_scores="softmax",
-        moe_renormalize=True, moe_shared_expert=False, moe_capacity_factor=0.0,
-        moe_aux_loss_coef=0.01, moe_z_loss_coef=0.001))
+        **EXPERTS_OFF))
     cfg.optimizer = config_dict.ConfigDict(dict(
         name="adamw", schedule="cosine", learning_rate=learning_rate,
         warmup_steps=warmup_steps, end_fraction=0.1,
