@@ -13,12 +13,18 @@ from etils.epath import gpath
 from transformer.util import atomic
 
 
-@pytest.mark.parametrize("remote", [False, True])
-def test_a_file_is_replaced_whole_through_a_temporary_file_named_by_pid_and_token(
-        remote, bucket, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # a remote path must create nothing here
-    directory = epath.Path("gs://bucket/dir" if remote else tmp_path / "dir")
+@pytest.fixture(params=["local", "gs"])
+def directory(request, bucket, tmp_path, monkeypatch):
+    """dir/ on the local disk or in the in-memory bucket, created; the working directory is
+    tmp_path, where a remote path must create nothing."""
+    monkeypatch.chdir(tmp_path)
+    directory = epath.Path("gs://bucket/dir" if request.param == "gs" else tmp_path / "dir")
     directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+def test_a_file_is_replaced_whole_through_a_temporary_file_named_by_pid_and_token(
+        directory, bucket, tmp_path, monkeypatch):
     target = directory / "record.json"
     target.write_text("old")
     seen = []  # (temporary file's name, its bytes, the target's bytes) at the replace
@@ -37,17 +43,12 @@ def test_a_file_is_replaced_whole_through_a_temporary_file_named_by_pid_and_toke
     atomic.write_atomically(target, b"\x00\xff")  # bytes as given; an epath.Path target
     assert target.read_bytes() == b"\x00\xff"
     assert [p.name for p in directory.iterdir()] == ["record.json"]  # no temporary file left
-    if remote:
+    if str(directory).startswith("gs://"):
         assert not any(tmp_path.iterdir())  # nothing under a local `gs:` folder
         assert sorted(bucket) == ["gs://bucket/dir/record.json"]
 
 
-@pytest.mark.parametrize("remote", [False, True])
-def test_a_streamed_file_replaces_the_target_when_done_and_not_if_it_fails(
-        remote, bucket, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    directory = epath.Path("gs://bucket/dir" if remote else tmp_path / "dir")
-    directory.mkdir(parents=True, exist_ok=True)
+def test_a_streamed_file_replaces_the_target_when_done_and_not_if_it_fails(directory):
     target = directory / "ids.npy"
     target.write_bytes(b"old")
     with atomic.replacing(os.fspath(target)) as f:
@@ -62,12 +63,7 @@ def test_a_streamed_file_replaces_the_target_when_done_and_not_if_it_fails(
     assert [p.name for p in directory.iterdir()] == ["ids.npy"]  # the temporary removed
 
 
-@pytest.mark.parametrize("remote", [False, True])
-def test_two_threads_writing_one_target_at_once_leave_one_whole_file(
-        remote, bucket, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    directory = epath.Path("gs://bucket/dir" if remote else tmp_path / "dir")
-    directory.mkdir(parents=True, exist_ok=True)
+def test_two_threads_writing_one_target_at_once_leave_one_whole_file(directory):
     target = directory / "record.json"
     both_open = threading.Barrier(2, timeout=10)
     errors = []
