@@ -191,6 +191,29 @@ def test_a_record_of_the_shards_rows_spares_later_readers_the_count(tmp_path, mo
     assert len(list((tmp_path / "vocab").glob("rows-*.json"))) == 1
 
 
+def test_a_sample_reads_a_bounded_number_of_shards_whatever_the_corpus(tmp_path, monkeypatch):
+    write_shards(tmp_path, documents(400), shards=20)
+    source = files.FileDocuments(f"{tmp_path}/*.jsonl.zst", seed=4)
+    n = len(source)
+    # no more shards than the bound: a uniform draw over every document, as before the bound
+    np.testing.assert_array_equal(source.sample(50, (7,)),
+                                  np.sort(Permutation(n, (4, 7))(np.arange(50))))
+    monkeypatch.setattr(files, "SAMPLE_SHARDS", 3)
+    reads = []
+    read = files._Reader.read
+    monkeypatch.setattr(files._Reader, "read", lambda self, path: reads.append(path) or
+                        read(self, path))
+    ids = source.sample(45, (7,))
+    assert len(ids) == 45 and len(set(ids.tolist())) == 45 and np.all(np.diff(ids) > 0)
+    shards = np.unique(np.searchsorted(source.offsets, ids, side="right") - 1)
+    assert len(shards) == 3
+    source.texts(ids)
+    assert len(reads) == 3  # the chosen shards alone are read
+    np.testing.assert_array_equal(source.sample(45, (7,)), ids)  # a function of the key
+    assert not np.array_equal(source.sample(45, (8,)), ids)
+    assert len(source.sample(10_000, (7,))) == int(source.counts[shards].sum())  # all of them
+
+
 # --------------------------------------------------------------------------- bad input
 
 

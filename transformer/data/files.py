@@ -47,6 +47,7 @@ _EXTENSIONS = ((".jsonl", "jsonl"), (".json", "jsonl"), (".jsonl.gz", "jsonl"),
                (".txt.zst", "text"), (".array_record", "arrayrecord"),
                (".arrayrecord", "arrayrecord"))
 CACHED_SHARDS = 2  # decoded shards kept per process when data.shuffle_window is smaller
+SAMPLE_SHARDS = 32  # shards a sample (vocabulary, mean length) reads at most, whatever the corpus
 # What TFDS accepts as a dataset name, [namespace:]name[/config][:x.y.z][/key=value,...]
 # (`_NAME_REG` of tensorflow_datasets/core/naming.py); a spec outside it names files.
 _TFDS_NAME = re.compile(r"^([\w\-]+:)?[a-zA-Z]\w*(/[\w+\-.]+)?(:(\d+|\*)(\.(\d+|\*)){2})?"
@@ -399,6 +400,21 @@ class FileDocuments:
 
     def texts(self, ids) -> list[str]:
         return [r[0] for r in self.records(ids)]
+
+    def sample(self, count: int, key: tuple[int, ...]) -> np.ndarray:
+        """At most `count` distinct document ids, sorted, drawn with seed (seed, *key) from
+        `SAMPLE_SHARDS` shards chosen with the same seed (every shard when there are no more):
+        reading a sample costs those shards' decoding whatever the corpus' size."""
+        if len(self.paths) <= SAMPLE_SHARDS:
+            count = min(count, len(self))
+            return np.sort(Permutation(len(self), (self.seed, *key))(np.arange(count)))
+        shards = np.sort(Permutation(len(self.paths), (self.seed, *key, 1))(
+            np.arange(SAMPLE_SHARDS)))
+        starts = np.concatenate([[0], np.cumsum(self.counts[shards])])
+        count = min(count, int(starts[-1]))
+        positions = Permutation(int(starts[-1]), (self.seed, *key))(np.arange(count))
+        slot = np.searchsorted(starts, positions, side="right") - 1
+        return np.sort(self.offsets[shards[slot]] + positions - starts[slot])
 
     def order(self, epoch: int, positions) -> np.ndarray:
         """The global ids at `positions` of epoch `epoch`'s training order (see the module

@@ -58,7 +58,6 @@ from transformer.data.datasets import (
     text_features,
 )
 from transformer.data.mixture import Mixture
-from transformer.data.permutation import Permutation
 
 log = logging.getLogger("transformer")
 OBJECTIVES = {"causal": "decoder", "prefix": "decoder", "masked": "encoder",
@@ -235,12 +234,10 @@ class LanguageModelSource:
         return read_documents(self._split(split), documents, self.keys)
 
     def _sample(self, key: int, count: int) -> np.ndarray:
-        """`count` distinct training documents drawn with seed (seed, key), sorted (files: an
-        on-the-fly permutation, nothing the size of the corpus)."""
+        """`count` distinct training documents drawn with seed (seed, key), sorted (files: from
+        a bounded number of shards, `FileDocuments.sample`)."""
         if self.files:
-            count = min(count, self.num_train_documents)
-            return np.sort(Permutation(self.num_train_documents, (self.seed, key))(
-                np.arange(count)))
+            return self.files["train"].sample(count, (key,))
         return np.sort(np.random.default_rng([self.seed, key]).permutation(
             self.num_train_documents)[:count])
 
@@ -285,8 +282,7 @@ class LanguageModelSource:
         if isinstance(train, Mixture):
             means = []
             for k, source in enumerate(train.sources):
-                sample = np.sort(Permutation(len(source), (self.seed, 11, k))(
-                    np.arange(min(LENGTH_SAMPLE, len(source)))))
+                sample = source.sample(LENGTH_SAMPLE, (11, k))
                 means.append(np.mean([len(ids) + eos for ids in self.tokenizer.encode(
                     source.texts(sample))]))
             return max(1, round(train.set_rates(capacity, means)))

@@ -54,6 +54,14 @@ class Mixture:
                 out[i] = text
         return out
 
+    def sample(self, count: int, key: tuple[int, ...]) -> np.ndarray:
+        """At most `count` distinct global ids, sorted: each source's share of `count` in
+        proportion to its documents, drawn by its own `sample`."""
+        shares = np.floor(count * (self.offsets[1:] - self.offsets[:-1]) / len(self))
+        return np.sort(np.concatenate([
+            source.sample(int(share), (*key, k)) + self.offsets[k]
+            for k, (source, share) in enumerate(zip(self.sources, shares, strict=True))]))
+
     def batch(self, index: int) -> np.ndarray:
         """The global ids of update `index`'s documents, interleaved."""
         parts = []
