@@ -59,7 +59,8 @@ def lm_config(*, objective: str, dataset: str, vocab_size: int, max_length: int,
         num_sentinels=100 if objective == "span_corruption" else 0,  # T5's extra_ids
         data_dir=config_dict.placeholder(str),  # TFDS data_dir; None: TFDS's default
         manual_dir=config_dict.placeholder(str),
-        vocab_sample_documents=200_000))  # SentencePiece trains on this many documents
+        vocab_sample_documents=200_000,  # SentencePiece trains on this many documents
+        pack_groups=1))  # independent packing runs of rows: a process tokenizes its groups'
     cfg.data.max_rows_per_device = max_rows_per_device
     cfg.grad_accum_steps = 0 if max_rows_per_device else 1  # 0: sized from the device count
     cfg.model = config_dict.ConfigDict(dict(

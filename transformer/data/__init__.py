@@ -20,7 +20,7 @@ CONFIG_KEYS = frozenset({
     "max_rows_per_device", "data_dir", "manual_dir",
     "source_lang", "target_lang", "tokens_per_batch", "vocab_sample_pairs",  # translation
     "objective", "eval_split", "eval_documents", "mask_rate", "vocab_sample_documents",  # LM
-    "num_sentinels",
+    "num_sentinels", "pack_groups",
     "text_field", "eval_dataset", "shuffle_window", "skip_bad_lines",  # files (data/files.py)
     "source_field", "target_field", "sources", "vocab_path", "label_field",
     "task", "min_length", "eval_examples",  # synthetic

@@ -129,7 +129,7 @@ class LanguageModelSource:
                  tokenizer: tokenizer_lib.Tokenizer | None = None, text_field: str = "text",
                  eval_dataset: str | None = None, shuffle_window: int = 8,
                  skip_bad_lines: bool = False, sources: list[dict] | None = None,
-                 vocab_path: str | None = None):
+                 vocab_path: str | None = None, pack_groups: int = 1):
         if objective not in OBJECTIVES:
             raise ValueError(f"data.objective={objective!r} is not one of "
                              f"{', '.join(OBJECTIVES)}")
@@ -147,6 +147,10 @@ class LanguageModelSource:
         self.grad_accum_steps = int(grad_accum_steps)
         self.rows_per_batch = int(batch_size) // self.grad_accum_steps
         self.eval_rows_per_batch = int(eval_batch_size or self.rows_per_batch)
+        if int(pack_groups) < 1 or int(batch_size) % int(pack_groups):
+            raise ValueError(f"data.pack_groups={pack_groups} must divide the update's "
+                             f"data.batch_size={batch_size} rows")
+        self.pack_groups = int(pack_groups)
         self.source_length = self.target_length = self.max_length
         self.span_length = (span_corruption.raw_length(self.max_length)
                             if objective == "span_corruption" else 0)  # tokens per piece
@@ -207,6 +211,9 @@ class LanguageModelSource:
                                  f"set data.num_sentinels >= {spans}")
         self.docs_per_batch = self._docs_per_batch()
         self.batches_per_epoch = self.num_train_documents // self.docs_per_batch
+        if self.docs_per_batch < self.pack_groups:
+            raise ValueError(f"data.pack_groups={self.pack_groups} exceeds the "
+                             f"{self.docs_per_batch} documents of an update: lower it")
         if self.batches_per_epoch < 1:
             raise ValueError(f"{dataset} has {self.num_train_documents} training documents, "
                              f"fewer than one batch needs ({self.docs_per_batch}); lower "
@@ -343,24 +350,52 @@ class LanguageModelSource:
         return batching.first_fit(*self._lengths(pieces), rows,
                                   (self.source_length, self.target_length), drop=drop)
 
+    def _group_rows(self) -> int:
+        return self.rows_per_batch * self.grad_accum_steps // self.pack_groups
+
+    def _groups_of(self, rows: tuple[int, int]) -> list[int]:
+        """The packing groups holding rows [start, stop) of any micro-batch of an update."""
+        size = self._group_rows()
+        return sorted({(a * self.rows_per_batch + r) // size
+                       for a in range(self.grad_accum_steps) for r in range(*rows)})
+
+    def _group_pieces(self, index: int, groups) -> tuple[list[np.ndarray], list, list]:
+        """The pieces of global batch `index`'s packing groups `groups`, their first-fit
+        placement in the update's rows (None: dropped) and each piece's key (its spans' seed):
+        group g packs the g-th of `data.pack_groups` equal runs of the update's documents into
+        its own rows, so a process reads and tokenizes the documents of its groups alone."""
+        with self._lock:
+            documents = self.batch_documents(index)
+        size = self._group_rows()
+        cuts = len(documents) * np.arange(self.pack_groups + 1) // self.pack_groups
+        pieces, placement, keys = [], [], []
+        for g in groups:
+            with self._lock:
+                texts = self._texts("train", documents[cuts[g]:cuts[g + 1]])
+            group = self._cut(texts)
+            for i, place in enumerate(self._place(group, size, drop=True)):
+                placement.append(None if place is None else (place[0] + g * size, *place[1:]))
+                keys.append((i,) if self.pack_groups == 1 else (g, i))
+            pieces += group
+        return pieces, placement, keys
+
     def train_pieces(self, index: int) -> tuple[list[np.ndarray], list]:
         """The pieces of global batch `index` and their first-fit placement (None: dropped)."""
-        with self._lock:
-            texts = self._texts("train", self.batch_documents(index))
-        pieces = self._cut(texts)
-        return pieces, self._place(pieces, self.rows_per_batch * self.grad_accum_steps,
-                                   drop=True)
+        pieces, placement, _ = self._group_pieces(index, range(self.pack_groups))
+        return pieces, placement
 
     def _batch(self, pieces, placement, rows: tuple[int, int], stream: int,
-               index: int) -> dict[str, np.ndarray]:
-        """Rows [start, stop) of the packed batch with the objective applied."""
+               index: int, keys=None) -> dict[str, np.ndarray]:
+        """Rows [start, stop) of the packed batch with the objective applied (`keys`: each
+        piece's key within the update, default its position)."""
         inside = [place is not None and rows[0] <= place[0] < rows[1] for place in placement]
         if self.span_length:
             sentinels = np.asarray(self.tokenizer.sentinel_ids, np.int32)
+            keys = keys or [(i,) for i in range(len(pieces))]
             pairs = [span_corruption.corrupt(p, span_corruption.noise_mask(
-                len(p), np.random.default_rng([self.seed, stream, index, i])), sentinels,
+                len(p), np.random.default_rng([self.seed, stream, index, *key])), sentinels,
                 self.tokenizer.eos_id)
-                if keep else None for i, (p, keep) in enumerate(zip(pieces, inside, strict=True))]
+                if keep else None for p, keep, key in zip(pieces, inside, keys, strict=True)]
             return batching.pack(pairs, placement, rows, self.source_length, self.target_length)
         empty = np.zeros(0, np.int32)
         wanted = [(empty, p) if keep else None for p, keep in zip(pieces, inside, strict=True)]
@@ -368,11 +403,11 @@ class LanguageModelSource:
         return self._objective(packed, stream, index, range(*rows))
 
     def train_batch(self, index: int, rows: tuple[int, int]) -> dict[str, np.ndarray]:
-        pieces, placement = self.train_pieces(index)
+        pieces, placement, keys = self._group_pieces(index, self._groups_of(rows))
         micro = []
         for a in range(self.grad_accum_steps):
             global_rows = (a * self.rows_per_batch + rows[0], a * self.rows_per_batch + rows[1])
-            micro.append(self._batch(pieces, placement, global_rows, _TRAIN, index))
+            micro.append(self._batch(pieces, placement, global_rows, _TRAIN, index, keys))
         return {k: np.stack([m[k] for m in micro]) for k in micro[0]}
 
     @functools.cached_property
@@ -441,6 +476,7 @@ def from_config(cfg, workdir: str | None = None) -> LanguageModelSource:
         shuffle_window=int(data.get("shuffle_window") or 8),
         skip_bad_lines=bool(data.get("skip_bad_lines")),
         sources=[dict(s) for s in data.get("sources") or []],
-        vocab_path=data.get("vocab_path") or None)
+        vocab_path=data.get("vocab_path") or None,
+        pack_groups=int(data.get("pack_groups") or 1))
     tokenizer_lib.check_special_ids(source.tokenizer, cfg.model)
     return source
