@@ -1,5 +1,6 @@
 """`train.py --config=configs/lm_files.py` on a glob of jsonl.zst shards: 2 processes x 4
-devices train as 1 x 8 does, and a run killed (SIGKILL) right after a checkpoint resumes with
+devices train as 1 x 8 does (each process packing its own group of rows, data.pack_groups=2),
+and a run killed (SIGKILL) right after a checkpoint resumes with
 bit-identical losses (the machinery of tests/training/test_multihost.py)."""
 
 import importlib.util
@@ -22,7 +23,7 @@ def test_a_file_source_trains_alike_on_1x8_and_2x4_and_resumes_after_kill9(tmp_p
     write_shards(tmp_path / "validation", documents(40, seed=1), shards=2, nested=True)
     shrink = {"data.dataset": f"jsonl:{tmp_path}/train/*.jsonl.zst",
               "data.eval_dataset": f"jsonl:{tmp_path}/validation/*.jsonl.zst",
-              "data.text_field": "meta.text", "data.shuffle_window": 2,
+              "data.text_field": "meta.text", "data.shuffle_window": 2, "data.pack_groups": 2,
               "data.vocab_size": 64, "data.max_length": 32, "model.max_len": 32,
               "data.batch_size": 8, "model.d_model": 32, "model.d_ff": 64, "model.num_heads": 2,
               "model.num_kv_heads": 1, "model.num_decoder_layers": 1,
