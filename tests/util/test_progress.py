@@ -134,3 +134,37 @@ def test_tensorboard_events_hold_the_metrics_jsonl_values(tmp_path):
     assert found.keys() == expected.keys()
     for key, value in expected.items():
         assert found[key] == pytest.approx(value, rel=1e-7), key  # stored as float32
+
+
+def test_sync_puts_every_scalar_written_before_it_in_the_event_files(tmp_path, monkeypatch):
+    """tensorboardX writes events from a queue on its own thread, and its flush does not wait
+    for that queue: `sync` (before a checkpoint save) must. The thread is slowed here."""
+    import time
+
+    from tensorboardX import event_file_writer
+    from tensorboardX.proto import event_pb2
+
+    write_event = event_file_writer.EventsWriter.write_event
+
+    def slow(self, event):
+        time.sleep(0.02)
+        return write_event(self, event)
+
+    monkeypatch.setattr(event_file_writer.EventsWriter, "write_event", slow)
+    writer = metrics.MetricWriter(str(tmp_path))
+    expected = set()
+    for round_ in range(2):  # a second sync: the events after the first land too
+        for step in range(1 + 5 * round_, 6 + 5 * round_):
+            writer.write(step, "train", {"loss": 1.0 / step, "grad_norm": 0.5})
+            expected |= {("train/loss", step), ("train/grad_norm", step)}
+        writer.sync()
+        found = set()
+        for name in (tmp_path / "tensorboard").glob("events.out.tfevents.*"):
+            data, offset = name.read_bytes(), 0
+            while offset < len(data):  # TFRecord: length, its crc, the record, its crc
+                length = int.from_bytes(data[offset:offset + 8], "little")
+                event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
+                found |= {(value.tag, event.step) for value in event.summary.value}
+                offset += 16 + length
+        assert found == expected
+    writer.close()

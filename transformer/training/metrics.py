@@ -9,8 +9,11 @@ and the TensorBoard events) before it starts a checkpoint save, so every step a 
 covers has its lines on disk before the checkpoint exists; a resumed run recomputes, and logs
 again, only steps after it. TensorBoard's events are otherwise flushed by tensorboardX's own
 thread every TENSORBOARD_FLUSH_SECS, not per line (a flush is an fsync, and on gs:// an upload
-of the whole event file). A line torn by a kill mid-write (always of a step after the latest
-checkpoint) is cut off when the next run opens the file. In a remote workdir (gs://, through
+of the whole event file). That thread writes from a queue which tensorboardX's flush does not
+wait for (only its close does), so `sync` closes the event file and the next line opens another
+(`events.out.tfevents.<second>.<host>.<n>`; TensorBoard reads every file in the directory).
+A line torn by a kill mid-write (always of a step after the latest checkpoint) is cut off when
+the next run opens the file. In a remote workdir (gs://, through
 etils.epath; objects there cannot be appended to) the writer keeps the file's text and `sync`
 uploads it whole, so the same holds: the object has every line a checkpoint covers.
 """
@@ -66,10 +69,9 @@ class MetricWriter:
         self._path = workdir_lib.path(workdir, workdir_lib.METRICS)
         self._tb_dir = workdir_lib.path(workdir, workdir_lib.TENSORBOARD)
         self._tb = self._file = None
+        self._opened = 0  # event files opened so far
         self._remote = workdir_lib.is_remote(workdir)
         if self.active:
-            from tensorboardX import SummaryWriter
-
             if self._remote:
                 target = epath.Path(self._path)
                 self._file = io.StringIO(target.read_text() if target.exists() else "")
@@ -77,7 +79,17 @@ class MetricWriter:
             else:
                 cut_torn_line(self._path)
                 self._file = open(self._path, "a")
-            self._tb = SummaryWriter(self._tb_dir, flush_secs=TENSORBOARD_FLUSH_SECS)
+            self._open_events()
+
+    def _open_events(self) -> None:
+        """A new event file; after the first, its name ends in the count of those before it
+        (the name holds the second it was opened, and opening a name again would empty it)."""
+        from tensorboardX import SummaryWriter
+
+        suffix = f".{self._opened}" if self._opened else ""
+        self._tb = SummaryWriter(self._tb_dir, flush_secs=TENSORBOARD_FLUSH_SECS,
+                                 filename_suffix=suffix)
+        self._opened += 1
 
     def write(self, step: int, split: str, values: dict) -> None:
         if not self.active:
@@ -88,31 +100,40 @@ class MetricWriter:
         self._file.flush()
         for key, value in record.items():
             if key not in ("step", "split") and isinstance(value, int | float):
+                if self._tb is None:
+                    self._open_events()
                 self._tb.add_scalar(f"{split}/{key}", value, step)
 
     def sync(self) -> None:
         """Every line written so far on disk (fsync of metrics.jsonl, the event files and their
-        directories): call before a checkpoint save starts."""
+        directories): call before a checkpoint save starts. Closes the event file (the one way
+        to drain tensorboardX's queue); the next line opens another."""
         if not self.active:
             return
+        self._close_events()
         if self._remote:
             epath.Path(self._path).write_text(self._file.getvalue())
-            self._tb.flush()
             return
         self._file.flush()
         os.fsync(self._file.fileno())
-        self._tb.flush()
         for name in glob.glob(os.path.join(self._tb_dir, "events.out.tfevents.*")):
             _fsync_path(name)
         _fsync_path(self._tb_dir)
         _fsync_path(os.path.dirname(os.path.abspath(self._path)))
 
     def close(self) -> None:
-        if self._tb is not None:
+        if self._file is not None:
             if self._remote:
                 self.sync()
-            self._tb.close()
+            self._close_events()
             self._file.close()
+            self._file = None
+
+    def _close_events(self) -> None:
+        """Writes what tensorboardX's thread still holds, then flushes and closes the file."""
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
 
 
 def _fsync_path(path: str) -> None:
