@@ -132,12 +132,9 @@ def table(rows: list[dict]) -> str:
 
 def plot(rows: list[dict], path: str) -> None:
     """Run time and compiled temporary memory against length, one line per implementation."""
-    import matplotlib
+    from transformer.util import plotting
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (time_ax, memory_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (time_ax, memory_ax) = plotting.pyplot().subplots(1, 2, figsize=(11, 4.2))
     for impl in dict.fromkeys(r["implementation"] for r in rows):
         mine = [r for r in rows if r["implementation"] == impl and not r.get("skipped")]
         timed = [r for r in mine if r["median_s"] is not None]
@@ -151,7 +148,7 @@ def plot(rows: list[dict], path: str) -> None:
     time_ax.legend(fontsize=8)
     fig.suptitle("Causal attention on " + jax.default_backend())
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    plotting.save(fig, path, dpi=120)
 
 
 def main(argv=None):

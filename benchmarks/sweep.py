@@ -42,12 +42,9 @@ def sweep(config_path: str, lengths: list[int], batches: list[int], steps: int) 
 
 
 def plot(points: list[dict], title: str, out: str) -> None:
-    import matplotlib
+    from transformer.util import plotting
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (speed, memory) = plt.subplots(1, 2, figsize=(11, 4.2), layout="constrained")
+    fig, (speed, memory) = plotting.pyplot().subplots(1, 2, figsize=(11, 4.2), layout="constrained")
     for colour, rows in enumerate(sorted({p["rows"] for p in points})):
         line = sorted((p for p in points if p["rows"] == rows), key=lambda p: p["length"])
         lengths = [p["length"] for p in line]
@@ -64,8 +61,7 @@ def plot(points: list[dict], title: str, out: str) -> None:
     speed.set_title("training throughput")
     memory.set_title("memory (temporaries + arguments + outputs)")
     fig.suptitle(title)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    plotting.save(fig, out, dpi=100)
 
 
 def main(argv: list[str]) -> None:

@@ -191,12 +191,9 @@ def table(results: dict) -> str:
 
 
 def plot(results: dict, out: pathlib.Path) -> None:
-    import matplotlib
+    from transformer.util import plotting
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained")
+    fig, axes = plotting.pyplot().subplots(1, 2, figsize=(12, 4.5), layout="constrained")
     for ax, (key, index, label) in zip(axes, (("perplexity", 0, "dev perplexity"),
                                               ("bleu", 1, "dev BLEU")), strict=True):
         rows = [row for row in results if results[row].get(key) is not None]
@@ -209,7 +206,7 @@ def plot(results: dict, out: pathlib.Path) -> None:
         ax.set_ylabel(f"measured here, {label}")
         ax.grid(alpha=0.3)
     fig.suptitle("Table 3 rows: the paper's figures against this run's")
-    fig.savefig(out, dpi=110)
+    plotting.save(fig, str(out), dpi=110)
 
 
 def main(argv: list[str]) -> None:

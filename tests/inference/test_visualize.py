@@ -146,6 +146,26 @@ def test_positions_figure(tmp_path):
         plotting.plot_positions(63, 50, str(tmp_path / "q.png"))
 
 
+@pytest.mark.parametrize("dpi", [50, 120])
+def test_save_writes_the_figure_whole_at_the_dpi_asked(dpi, tmp_path, monkeypatch):
+    """A 2 x 1 inch figure is 2 dpi x dpi pixels; the file goes through `atomic` (a reader
+    sees the old figure or the new one) and nothing else is left beside it."""
+    from matplotlib import image
+
+    written = []
+    write = plotting.atomic.write_atomically
+    monkeypatch.setattr(plotting.atomic, "write_atomically",
+                        lambda path, data: (written.append(path), write(path, data)))
+    target = tmp_path / "plots" / "f.png"
+    target.parent.mkdir()
+    target.write_bytes(b"old")
+    fig = plotting.pyplot().figure(figsize=(2, 1))
+    assert plotting.save(fig, str(target), dpi=dpi) == str(target)
+    assert written == [str(target)]
+    assert image.imread(target).shape[:2] == (dpi, 2 * dpi)
+    assert [path.name for path in target.parent.iterdir()] == ["f.png"]
+
+
 def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "transformer.visualize", *args],
                           capture_output=True, text=True, timeout=300)

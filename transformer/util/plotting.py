@@ -25,11 +25,11 @@ def pyplot():
     return plt
 
 
-def save(fig, path: str) -> str:
-    """Writes `fig` to `path` (its format from the extension; PNG without one), local or remote
-    (gs://: rendered in memory, then written whole through `atomic`), and closes it."""
+def save(fig, path: str, dpi: int = 100) -> str:
+    """Writes `fig` to `path` at `dpi` (its format from the extension; PNG without one), local
+    or remote (gs://: rendered in memory, then written whole through `atomic`), and closes it."""
     image = io.BytesIO()
-    fig.savefig(image, format=os.path.splitext(path)[1][1:] or None, dpi=100)
+    fig.savefig(image, format=os.path.splitext(path)[1][1:] or None, dpi=dpi)
     pyplot().close(fig)
     epath.Path(path).parent.mkdir(parents=True, exist_ok=True)
     atomic.write_atomically(path, image.getvalue())
