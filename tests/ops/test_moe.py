@@ -195,17 +195,26 @@ def test_dropless_gradients_reach_every_used_expert():
     assert (np.abs(np.asarray(grads.ff_in)).sum((1, 2)) > 0).tolist() == used.tolist()
 
 
-@pytest.mark.parametrize("axes", [{"data": 2, "expert": 4}, {"tensor": 2, "expert": 4},
-                                  {"context": 2, "expert": 4}],
-                         ids=["data2-expert4", "tensor2-expert4", "context2-expert4"])
-@pytest.mark.parametrize("factor", [1.0, 2.0], ids=["drops", "room-for-all"])
-def test_expert_parallel_all_to_all_equals_one_device(axes, factor):
-    """8 devices, the experts split 4 ways (beside data, tensor splitting F, or context whose
-    rows are gathered whole), each device routing its own rows: outputs, router statistics
-    (padding left out), dropped count and the gradients of every input equal one device's
-    `route` and `with_capacity`; the compiled program sends the tokens all-to-all. Capacity is
-    per row on both, so the same assignments drop (factor 1: the skewed router overflows
-    expert 0; factor E/K = 2: C = T, none can)."""
+CAPACITY_MESHES = {"data2-expert4": {"data": 2, "expert": 4},
+                   "tensor2-expert4": {"tensor": 2, "expert": 4},
+                   "context2-expert4": {"context": 2, "expert": 4}}
+DROPLESS_MESHES = {**CAPACITY_MESHES, "data2-fsdp2-expert2": {"data": 2, "fsdp": 2, "expert": 2},
+                   "fsdp2-tensor2-expert2": {"fsdp": 2, "tensor": 2, "expert": 2}}
+
+
+@pytest.mark.parametrize("axes,factor", [
+    *(pytest.param(axes, factor, id=f"{name}-{label}") for name, axes in CAPACITY_MESHES.items()
+      for factor, label in ((1.0, "drops"), (2.0, "room-for-all"))),
+    *(pytest.param(axes, 0.0, id=f"{name}-dropless") for name, axes in DROPLESS_MESHES.items())])
+def test_expert_parallel_equals_one_device(axes, factor):
+    """8 devices, the experts split 4 or 2 ways (beside data and fsdp, tensor splitting F, or
+    context whose rows are gathered whole), each device routing its own rows: outputs, router
+    statistics (padding left out), dropped count and the gradients of every input (biases
+    too) equal one device's `route` and `with_capacity` or `dropless`. Capacity: the compiled
+    program sends the tokens all-to-all; capacity is per row on both, so the same assignments
+    drop (factor 1: the skewed router overflows expert 0; factor E/K = 2: C = T, none can).
+    Dropless (factor 0): no all-to-all, tokens all-gathered and outputs reduce-scattered over
+    "expert", none dropped."""
     b = 8
     rng = np.random.default_rng(9)
     x = jnp.asarray(rng.normal(size=(b, T, D)), jnp.float32)
@@ -215,13 +224,16 @@ def test_expert_parallel_all_to_all_equals_one_device(axes, factor):
 
     def one_device(x, logits, w):
         routing = moe.route(logits.reshape(b * T, E), 2, valid=valid.reshape(-1))
+        if not factor:
+            y = moe.dropless(x.reshape(b * T, D), routing, w, activation="swiglu")
+            return routing, y.reshape(b, T, D), jnp.zeros((), jnp.int32)
         y, dropped = moe.with_capacity(x, routing, w, capacity_factor=factor,
                                        activation="swiglu")
         return routing, y, dropped
 
     def expert_parallel_(x, logits, w):
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            return expert_parallel.route_with_capacity(
+            return expert_parallel.route_and_dispatch(
                 x, logits, w, k=2, valid=valid, capacity_factor=factor, activation="swiglu")
 
     def value_and_grads(dispatch):
@@ -237,7 +249,11 @@ def test_expert_parallel_all_to_all_equals_one_device(axes, factor):
     with jax.set_mesh(mesh):
         compiled = jax.jit(lambda: value_and_grads(expert_parallel_)).lower().compile()
         (got_loss, (got_routing, got, got_dropped)), got_grads = compiled()
-    assert compiled.as_text().count("all-to-all(") >= 4  # there and back, forward and backward
+    hlo = compiled.as_text()
+    if factor:
+        assert hlo.count("all-to-all(") >= 4  # there and back, forward and backward
+    else:
+        assert "all-to-all(" not in hlo and "all-gather(" in hlo and "reduce-scatter(" in hlo
     assert int(got_dropped) == int(want_dropped)
     assert (int(want_dropped) > 0) == (factor == 1.0)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -8,6 +8,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import math
 import os
 import pathlib
 import re
@@ -21,7 +22,7 @@ import pytest
 
 from transformer.config import resolve
 from transformer.model.transformer import OutputHead, Transformer, TransformerConfig
-from transformer.ops import attention, splash
+from transformer.ops import attention, expert_parallel, moe, splash
 from transformer.sizing import memory, tpu
 from transformer.training import optim, sharding
 from transformer.training import step as step_lib
@@ -335,6 +336,44 @@ def _compile_splash_for_v5e_2x2(window: int | None):
 
     compiled = jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, kv, kv, seg).compile()
     assert compiled.as_text().count("tpu_custom_call") >= 3  # forward, dq, dkv kernels
+
+
+def test_dropless_expert_parallel_compiles_for_v5e_2x2(libtpu):
+    """Dropless routing over expert 2 x fsdp 2 (`ops/expert_parallel.py`'s all-gather dispatch),
+    forward and backward in bfloat16: the TPU program keeps the grouped products ragged,
+    has no all-to-all, reduce-scatters the outputs, and gathers tokens only (no all-gather as
+    large as the experts' weights)."""
+    with _tpu_compile():
+        text = _compile_dropless_experts_for_v5e_2x2()
+    assert "ragged-dot-metadata" in text  # grouped products, not a product over every expert
+    assert "reduce-scatter(" in text and "all-to-all(" not in text
+    gathered = [math.prod(int(n) for n in shape.split(",") if n)
+                for shape in re.findall(r"= \w+\[([\d,]*)\]\S* all-gather\(", text)]
+    assert gathered and max(gathered) <= 4 * 64 * 128  # the batch's tokens at most
+
+
+def _compile_dropless_experts_for_v5e_2x2() -> str:
+    devices = tpu.abstract_devices(tpu.parse_topology("v5e:2x2"))
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 2, "tensor": 1, "expert": 2}, devices)
+    experts, d, f, b, t = 4, 128, 256, 4, 64
+
+    def array(shape, spec, dtype=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.NamedSharding(mesh, spec))
+
+    rows, split = jax.P(sharding.BATCH_AXES), jax.P(sharding.EXPERT_AXIS)
+    weights = moe.Experts(ff_in=array((experts, d, f), split),
+                          ff_out=array((experts, f, d), split),
+                          ff_gate=array((experts, d, f), split))
+
+    def loss(x, logits, weights):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            routing, y, _ = expert_parallel.route_and_dispatch(
+                x, logits, weights, k=2, capacity_factor=0.0, activation="swiglu")
+        return jnp.sum(y.astype(jnp.float32) ** 2) + routing.aux_loss
+
+    return jax.jit(jax.grad(loss, (0, 1, 2))).lower(
+        array((b, t, d), rows), array((b, t, experts), rows, jnp.float32), weights
+    ).compile().as_text()
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ from transformer.ops import expert_parallel, layers, moe
 
 COLLECTION = "moe"
 # The buffers of capacity dispatch [B, E, C, D] where mesh.expert is 1: rows over the batch's
-# mesh axes. Over several experts' chips, `ops/expert_parallel.py` sends them all-to-all.
+# mesh axes. Over several experts' chips, `ops/expert_parallel.py` runs either dispatch.
 BUFFER_AXES = ("expert_batch", "expert", None, None)
 
 
@@ -58,8 +58,8 @@ class MixtureOfExperts(nn.Module):
         rate = 0.0 if deterministic else cfg.relu_dropout_rate
         kwargs = dict(activation=cfg.activation, gelu_approximate=cfg.gelu_approximate,
                       dropout_rate=rate, dropout_rng=self.make_rng("dropout") if rate else None)
-        if cfg.moe_capacity_factor and expert_parallel.expert_shards() > 1:
-            routing, y, dropped = expert_parallel.route_with_capacity(
+        if expert_parallel.expert_shards() > 1:
+            routing, y, dropped = expert_parallel.route_and_dispatch(
                 x.astype(dtype), logits, experts, k=cfg.experts_per_token,
                 capacity_factor=cfg.moe_capacity_factor, valid=valid, **route, **kwargs)
         else:

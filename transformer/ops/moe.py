@@ -13,8 +13,9 @@ shapes stay static (N*K rows); for N*K <= E (decoding) it gathers each assignmen
 groups), fills them in priority order (every token's first choice, then its second, ...) and
 drops what does not fit; a dropped assignment adds nothing (the residual connection carries the
 token), and the count of dropped ones is returned. Its steps are `dispatch` (tokens into
-[B, E, C, D] buffers), `expert_ffn` and `combine`; over an `expert` mesh axis
-`ops/expert_parallel.py` runs them per device with an all-to-all between.
+[B, E, C, D] buffers), `expert_ffn` and `combine`. Over an `expert` mesh axis
+`ops/expert_parallel.py` runs these per device with an all-to-all between, and `grouped` (the
+products of `dropless`) on the tokens all-gathered from the device's expert group.
 """
 
 from __future__ import annotations
@@ -114,14 +115,16 @@ def dropless(x: jax.Array, routing: Routing, experts: Experts, *, activation: st
     if n * k <= experts.ff_in.shape[0]:
         out = _gathered(x, routing.experts, experts, **ffn)
     else:
-        out = _grouped(x, routing.experts, experts, **ffn)
+        out = grouped(x, routing.experts, experts, **ffn)
     return jnp.einsum("NKD,NK->ND", out, routing.weights.astype(out.dtype))
 
 
-def _grouped(x: jax.Array, chosen: jax.Array, experts: Experts, *, activation: str,
-             gelu_approximate: bool, dropout_rate: float,
-             dropout_rng: jax.Array | None) -> jax.Array:
-    """Each assignment's expert output [N, K, D] by grouped products (`ragged_dot`)."""
+def grouped(x: jax.Array, chosen: jax.Array, experts: Experts, *, activation: str,
+            gelu_approximate: bool, dropout_rate: float,
+            dropout_rng: jax.Array | None) -> jax.Array:
+    """Each assignment's expert output [N, K, D] by grouped products (`ragged_dot`). A chosen
+    expert E (past the E held: another device's, `ops/expert_parallel.py`) sorts after every
+    group and gives zeros."""
     n, k = chosen.shape
     num_experts = experts.ff_in.shape[0]
     flat = chosen.reshape(-1)  # [N*K], token i's choices at rows i*K .. i*K+K-1
@@ -140,6 +143,7 @@ def _grouped(x: jax.Array, chosen: jax.Array, experts: Experts, *, activation: s
     out = jax.lax.ragged_dot(hidden, experts.ff_out, group_sizes)
     if experts.bias_out is not None:
         out = out + experts.bias_out[sorted_experts]
+    out = jnp.where((sorted_experts < num_experts)[:, None], out, 0)
     return jnp.zeros_like(out).at[order].set(out).reshape(n, k, -1)
 
 
