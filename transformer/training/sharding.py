@@ -14,8 +14,9 @@ Expert parallelism (`mesh.expert`, a mixture-of-experts model, docs/moe.md): the
 ends with an "expert" axis (size 1 unless set; `mesh_shape` names it only when the config
 does). It splits the batch as data parallelism does and the experts' weights (logical axis
 `expert`) among its chips; capacity dispatch sends its [B, E, C, D] buffers all-to-all over
-it to the chips of their experts and back (`ops/expert_parallel.py`). Where it is 1 the buffers
-keep the logical axes `expert_batch` (the batch axes but "expert") and `expert`.
+it to the chips of their experts and back, dropless dispatch all-gathers the tokens over it and
+reduce-scatters the outputs (`ops/expert_parallel.py`). Where it is 1 the buffers keep the
+logical axes `expert_batch` (the batch axes but "expert") and `expert`.
 
 Several TPU slices (multi-slice pods) talk over the data-center network (DCN), slower than the
 links within a slice (ICI): `mesh.data`, `mesh.fsdp`, `mesh.tensor` size each axis within one
