@@ -94,15 +94,19 @@ def test_encoder_takes_experts():
         assert np.abs(grads["encoder"]["layers_1"]["moe"][name].value).sum() > 0, name
 
 
-@pytest.mark.parametrize("capacity_factor", [0.0, 1.0], ids=["dropless", "capacity"])
-def test_expert_parallel_matches_one_device(load_config, tmp_path, capacity_factor):
-    """A decoder LM: 3 steps on 8 devices (data 2 x expert 4; with capacity, tokens sent
-    all-to-all and some dropped) give 1 device's losses, drops and parameters; its checkpoint
-    restores onto fsdp 2 x expert 4 and goes on as the 1-device run."""
+@pytest.mark.parametrize("capacity_factor,axes", [
+    (0.0, {"data": 2}), (1.0, {"data": 2}), (0.0, {"tensor": 2})],
+    ids=["dropless", "capacity", "dropless-tensor2"])
+def test_expert_parallel_matches_one_device(load_config, tmp_path, capacity_factor, axes):
+    """A decoder LM: 3 steps on 8 devices (data or tensor 2 x expert 4; with capacity, tokens
+    sent all-to-all and some dropped; dropless, tokens all-gathered and outputs
+    reduce-scattered, biases added once beside tensor) give 1 device's losses, drops and
+    parameters; its checkpoint restores onto fsdp 2 x expert 4 and goes on as the 1-device
+    run."""
     cfg = load_config("tiny.py", **{**MOE, "model.architecture": "decoder",
                                     "model.moe_capacity_factor": capacity_factor})
     expected_state, expected, _ = train_steps(cfg, _mesh(1), 5)
-    state, lines, _ = train_steps(cfg, _mesh(8, data=2, expert=4), 3)
+    state, lines, _ = train_steps(cfg, _mesh(8, expert=4, **axes), 3)
     for line, want in zip(lines, expected, strict=False):
         for key in ("loss", "moe_aux_loss", "router_z_loss", "expert_load_max", "moe_dropped"):
             np.testing.assert_allclose(line[key], want[key], rtol=2e-5, err_msg=key)

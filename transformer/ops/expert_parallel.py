@@ -135,8 +135,7 @@ def _all_gather(x: jax.Array, chosen: jax.Array, weights: jax.Array, experts: mo
     weights = weights.astype(out.dtype)
     y = jnp.einsum("NKD,NK->ND", out, weights)
     if experts.bias_out is not None:
-        bias = jnp.where(here[..., None], experts.bias_out.at[chosen].get(mode="fill",
-                                                                          fill_value=0), 0)
+        bias = experts.bias_out.at[chosen].get(mode="fill", fill_value=0)  # 0 where not here
         first = jax.lax.axis_index(TENSOR) == 0
         y = y + jnp.where(first, jnp.einsum("NKD,NK->ND", bias, weights), 0)
     y = jax.lax.psum(jax.lax.psum_scatter(y, EXPERT, tiled=True), TENSOR)
