@@ -309,7 +309,7 @@ def test_packing_groups_let_a_process_tokenize_only_its_rows_documents(lm_files_
     source = from_config(lm_files_config, str(tmp_path / "run"))
     docs = source.batch_documents(5)
     cuts = len(docs) * np.arange(5) // 4
-    runs = [docs[a:b] for a, b in zip(cuts[:-1], cuts[1:])]  # group g: rows 2g, 2g + 1
+    runs = [docs[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]  # group g: rows 2g, 2g + 1
     whole = source.train_batch(5, (0, 4))  # [micro, rows, length]
     read = []
     texts = source._texts
@@ -544,3 +544,52 @@ def test_masked_replacements_are_pieces_never_padding_rows(lm_files_config):
                                & (b["inputs"] != padded.mask_id) for b in batches], None)
     assert replaced.sum() > 100  # ~13 random pieces a batch; half were >= 64 when drawn from rows
     assert inputs.max() < 64
+
+
+def test_text_classification_uses_data_vocab_path_and_records_the_rows(tmp_path, monkeypatch):
+    """A tokenizer.json given as data.vocab_path: rows are its ids and its own eos (id 1 here,
+    not ours), a copy kept in <workdir>/vocab/; the rows per shard are recorded there and a
+    second construction counts none; a bad path, or one without padding at id 0, is one line
+    before any file is read."""
+    from transformer.data import tokenizer as tokenizer_lib
+    from transformer.data.text_classification import TextClassificationSource
+
+    rng = np.random.default_rng(3)
+    records = [{"text": " ".join(rng.choice(WORDS, 5)), "label": int(rng.integers(0, 2))}
+               for _ in range(40)]
+    (tmp_path / "train").mkdir()
+    write_jsonl(tmp_path / "train/a.jsonl", records[:16])
+    write_jsonl(tmp_path / "train/b.jsonl", records[16:32])
+    write_jsonl(tmp_path / "validation.jsonl", records[32:])
+    library = train_tokenizer_json(tmp_path / "mine/tokenizer.json",
+                                   ["<pad>", "</s>", "<s>", "<unk>"], documents(100))
+    counted = []
+    count = files.FileDocuments._count
+    monkeypatch.setattr(files.FileDocuments, "_count",
+                        lambda self, k: counted.append(self.paths[k]) or count(self, k))
+
+    def source(vocab_path, dataset=f"{tmp_path}/train/*.jsonl"):
+        return TextClassificationSource(
+            dataset, eval_dataset=str(tmp_path / "validation.jsonl"),
+            vocab_size=library.get_vocab_size(), max_length=12, batch_size=8, num_classes=2,
+            workdir=str(tmp_path / "run"), vocab_path=vocab_path)
+
+    first = source(str(tmp_path / "mine/tokenizer.json"))
+    rows, labels = first.split("validation")
+    for row, record in zip(rows, records[32:], strict=True):
+        ids = library.encode(record["text"], add_special_tokens=False).ids[:11] + [1]
+        assert row.tolist() == ids + [0] * (12 - len(ids))
+    assert labels.tolist() == [r["label"] for r in records[32:]]
+    kept = tokenizer_lib.load(str(tmp_path / "run/vocab"))
+    assert kept.sha256 == first.tokenizer.sha256 and kept.eos_id == 1
+    assert len(counted) == 3 and len(list((tmp_path / "run/vocab").glob("rows-*.json"))) == 2
+    counted.clear()
+    again = source(str(tmp_path / "mine/tokenizer.json"))
+    assert counted == []  # the record's counts: no shard read to count
+    np.testing.assert_array_equal(again.train_batch(1, (0, 8))["inputs"],
+                                  first.train_batch(1, (0, 8))["inputs"])
+    with pytest.raises(ValueError, match=r"^data.vocab_path='.*missing.json' is not a readable"):
+        source(str(tmp_path / "missing.json"), dataset=f"{tmp_path}/none/*.jsonl")
+    train_tokenizer_json(tmp_path / "bare/tokenizer.json", ["<unk>", "</s>"], documents(100))
+    with pytest.raises(tokenizer_lib.VocabularyMismatch, match=r"has no padding token at id 0"):
+        source(str(tmp_path / "bare/tokenizer.json"), dataset=f"{tmp_path}/none/*.jsonl")

@@ -98,3 +98,61 @@ def test_wmt14_files_trains_from_the_layout_and_resumes_after_kill9(hub, tmp_pat
     multihost.finish(multihost.launch(killed, processes=1, devices=1, **run))
     reference = multihost.figures(tmp_path / "ref")
     assert (6, "validation") in reference and multihost.figures(killed) == reference
+
+
+def _pairs(count, seed):
+    rng = np.random.default_rng(seed)
+    english = "the cat sat on a mat and a dog ran home in the rain".split()
+    german = "die Katze sass auf einer Matte und ein Hund lief heim im Regen".split()
+    return [{"en": " ".join(rng.choice(english, 6)), "de": " ".join(rng.choice(german, 6))}
+            for _ in range(count)]
+
+
+def test_data_vocab_path_and_the_rows_record_from_jsonl_files(tmp_path, monkeypatch):
+    """A SentencePiece model given as data.vocab_path is the run's one shared vocabulary, ids as
+    its own; the shards' rows are recorded in <workdir>/vocab/ and a second construction
+    counts none; a bad path is one line before any file is read."""
+    import json
+
+    from transformer.data import tokenizer as tokenizer_lib
+    from transformer.data.translation import TranslationSource
+
+    train, validation = _pairs(60, 1), _pairs(8, 2)
+    (tmp_path / "train").mkdir()
+    for k in range(2):
+        (tmp_path / f"train/part-{k}.jsonl").write_text(
+            "".join(json.dumps(p) + "\n" for p in train[30 * k:30 * (k + 1)]))
+    (tmp_path / "validation.jsonl").write_text("".join(json.dumps(p) + "\n" for p in validation))
+    texts = [p[lang] for p in train for lang in ("en", "de")]
+    given = tokenizer_lib.train(texts, 48, seed=5)
+    path = given.save(str(tmp_path / "mine"))
+    counted = []
+    count = files.FileDocuments._count
+    monkeypatch.setattr(files.FileDocuments, "_count",
+                        lambda self, k: counted.append(self.paths[k]) or count(self, k))
+
+    def source(vocab_path):
+        return TranslationSource(f"jsonl:{tmp_path}/train/*.jsonl", source_lang="en",
+                                 target_lang="de", vocab_size=48, max_length=16, batch_size=4,
+                                 eval_dataset=f"jsonl:{tmp_path}/validation.jsonl",
+                                 workdir=str(tmp_path / "run"), vocab_path=vocab_path)
+
+    first = source(path)
+    assert first.tokenizer.sha256 == given.sha256
+    assert tokenizer_lib.load(str(tmp_path / "run/vocab")).sha256 == given.sha256  # its copy
+    eos = given.eos_id
+    for i, pair in enumerate(train):
+        ids = [given.encode([pair[lang]])[0] + [eos] for lang in ("en", "de")]
+        assert [side.tolist() for side in first.train.pair(i)] == ids
+    data, _ = first.eval_split("validation")
+    assert data.pair(3)[1].tolist() == given.encode([validation[3]["de"]])[0] + [eos]
+    assert len(counted) == 3 and len(list((tmp_path / "run/vocab").glob("rows-*.json"))) == 2
+    counted.clear()
+    again = source(path)
+    assert counted == []  # the record's counts: no shard read to count
+    np.testing.assert_array_equal(again.train_batch(2, (0, 4))["inputs"],
+                                  first.train_batch(2, (0, 4))["inputs"])
+    with pytest.raises(ValueError, match=r"^data.vocab_path='.*missing.model' is not a readable"):
+        TranslationSource(f"jsonl:{tmp_path}/none/*.jsonl", source_lang="en", target_lang="de",
+                          vocab_size=48, max_length=16, batch_size=4,
+                          vocab_path=str(tmp_path / "missing.model"))

@@ -44,7 +44,6 @@ import logging
 import threading
 
 import numpy as np
-from etils import epath
 
 from transformer.checkpoint import workdir as workdir_lib
 from transformer.data import batching, files, span_corruption
@@ -257,27 +256,19 @@ class LanguageModelSource:
 
         info = {"dataset": self.name, "sample_documents": int(len(sample)),
                 "features": self.keys}
-        given = None
         if self.vocab_path:  # used as is; a run keeps a copy in <workdir>/vocab/
-            given = tokenizer_lib.read_given(self.vocab_path)
-            if self.workdir is None:
-                return given
-            directory = workdir_lib.path(self.workdir, workdir_lib.VOCAB)
-            if not epath.Path(tokenizer_lib.vocabulary_file(directory)).exists():
-                given.save(directory)
+            return tokenizer_lib.keep_given(
+                tokenizer_lib.read_given(self.vocab_path), self.vocab_path,
+                self.workdir and workdir_lib.path(self.workdir, workdir_lib.VOCAB), vocab_size,
+                expected_sha256=self.workdir and workdir_lib.recorded_vocabulary(self.workdir),
+                num_sentinels=self.num_sentinels)
         if self.workdir is None:
             return tokenizer_lib.train(sentences(), vocab_size, seed=self.seed,
                                        num_sentinels=self.num_sentinels)
-        tokenizer = tokenizer_lib.load_or_train(
+        return tokenizer_lib.load_or_train(
             workdir_lib.path(self.workdir, workdir_lib.VOCAB), vocab_size, seed=self.seed,
             sentences=sentences, expected_sha256=workdir_lib.recorded_vocabulary(self.workdir),
             info=info, num_sentinels=self.num_sentinels)
-        if given and given.sha256 != tokenizer.sha256:
-            raise tokenizer_lib.VocabularyMismatch(
-                f"data.vocab_path={self.vocab_path!r} is not the vocabulary this run started "
-                f"with (its vocab/): resume with the path it was started with or use a new "
-                f"--workdir")
-        return tokenizer
 
     def _docs_per_batch(self) -> int:
         """Documents per update: its capacity in tokens over the mean tokens of a document (a

@@ -11,7 +11,9 @@ end), cut to S (the last piece kept is EOS), zero-padded. Evaluation rows past t
 are all padding with label -1 (left out of the loss and accuracy).
 
 Vocabulary: the run's `<workdir>/vocab/` (with `init_from`, the pretrained run's, which the
-loop copies there first), else trained (seeded) on the training texts and saved there.
+loop copies there first), else `data.vocab_path` used as is (a copy kept there; it needs a
+padding token at id 0), else trained (seeded) on the training texts and saved there. From files,
+the shards' rows are counted once and recorded there (`files.FileDocuments`, `rows-*.json`).
 
 Order: global batch `index` is epoch e = index // batches_per_epoch of a permutation of the
 training examples seeded by (seed, e), cut into consecutive runs of `batch_size` (an epoch's
@@ -74,14 +76,14 @@ def read_split(builder, split: str, text_feature: str,
 
 def encode_rows(tokenizer: tokenizer_lib.Tokenizer, texts: list[str],
                 max_length: int) -> tuple[np.ndarray, int]:
-    """([n, max_length] int32 rows: each text's pieces, EOS, zero padding; cut to max_length
-    with EOS last), the number of texts cut."""
+    """([n, max_length] int32 rows: each text's pieces, the vocabulary's EOS, zero padding; cut
+    to max_length with EOS last), the number of texts cut."""
     rows = np.zeros((len(texts), max_length), np.int32)
-    cut = 0
+    cut, eos = 0, tokenizer.eos_id
     for i, ids in enumerate(tokenizer.encode(texts)):
-        ids = list(ids) + [tokenizer_lib.EOS_ID]
+        ids = list(ids) + [eos]
         if len(ids) > max_length:
-            ids, cut = ids[:max_length - 1] + [tokenizer_lib.EOS_ID], cut + 1
+            ids, cut = ids[:max_length - 1] + [eos], cut + 1
         rows[i, :len(ids)] = ids
     return rows, cut
 
@@ -96,7 +98,8 @@ class TextClassificationSource:
                  text_feature: str = "text", label_feature: str = "label",
                  data_dir: str | None = None, manual_dir: str | None = None,
                  workdir: str | None = None, vocab_sample_documents: int = 200_000,
-                 num_classes: int | None = None, eval_dataset: str | None = None):
+                 num_classes: int | None = None, eval_dataset: str | None = None,
+                 vocab_path: str | None = None):
         if int(max_length) < 2:
             raise ValueError(f"data.max_length={max_length} must be >= 2 (a piece and EOS)")
         if int(batch_size) < 1 or int(batch_size) % int(grad_accum_steps):
@@ -107,15 +110,29 @@ class TextClassificationSource:
         self.batch_size, self.grad_accum_steps = int(batch_size), int(grad_accum_steps)
         self.rows_per_batch = self.batch_size // self.grad_accum_steps
         self.eval_rows_per_batch = int(eval_batch_size or self.rows_per_batch)
+        # read first: a bad data.vocab_path is one line before any other work
+        given = tokenizer_lib.read_given(vocab_path) if vocab_path else None
+        if given and given.pad_id != tokenizer_lib.PAD_ID:
+            raise tokenizer_lib.VocabularyMismatch(
+                f"data.vocab_path={vocab_path!r} has no padding token at id "
+                f"{tokenizer_lib.PAD_ID}, which pads a classifier's rows: give one with <pad> "
+                f"or [PAD] at id {tokenizer_lib.PAD_ID}, or leave data.vocab_path empty")
+        record = workdir_lib.path(workdir, workdir_lib.VOCAB) if workdir else None
         if files.parse_spec(dataset):
-            texts = self._read_files(dataset, eval_dataset, text_feature, label_feature)
+            texts = self._read_files(dataset, eval_dataset, text_feature, label_feature,
+                                     record)
         else:
             texts = self._read_tfds(dataset, data_dir, manual_dir, text_feature, label_feature)
         if num_classes is not None and num_classes != len(self.class_names):
             raise ValueError(f"model.num_classes={num_classes} but {dataset} has "
                              f"{len(self.class_names)} classes ({', '.join(self.class_names)})")
-        self.tokenizer = self._tokenizer(texts["train"][0], int(vocab_size),
-                                         int(vocab_sample_documents), workdir)
+        if given:
+            self.tokenizer = tokenizer_lib.keep_given(
+                given, vocab_path, record, int(vocab_size),
+                expected_sha256=workdir and workdir_lib.recorded_vocabulary(workdir))
+        else:
+            self.tokenizer = self._tokenizer(texts["train"][0], int(vocab_size),
+                                             int(vocab_sample_documents), workdir)
         if self.tokenizer.vocab_size != int(vocab_size):
             raise tokenizer_lib.VocabularyMismatch(
                 f"the tokenizer has {self.tokenizer.vocab_size} pieces but "
@@ -131,9 +148,10 @@ class TextClassificationSource:
             raise ValueError(f"{dataset} has {len(self._splits['train'][0])} training examples, "
                              f"fewer than data.batch_size={self.batch_size}")
 
-    def _read_files(self, dataset, eval_dataset, text_field, label_field) -> dict:
+    def _read_files(self, dataset, eval_dataset, text_field, label_field, record_dir) -> dict:
         """{split: (texts, labels)} from files: labels integers (classes 0..max) or class
-        names (sorted, as in the training files)."""
+        names (sorted, as in the training files); the rows per shard recorded in
+        `record_dir` (None: counted each time)."""
         eval_dataset = eval_dataset or files.split_spec(dataset, "validation")
         if not eval_dataset:
             raise ValueError(f"data.dataset={dataset!r} is files: set data.eval_dataset to the "
@@ -142,7 +160,8 @@ class TextClassificationSource:
         for split, spec, setting in (("train", dataset, "data.dataset"),
                                      ("validation", eval_dataset, "data.eval_dataset")):
             documents = files.FileDocuments(spec, fields=(text_field,), seed=self.seed,
-                                            setting=setting, label_field=label_field)
+                                            setting=setting, label_field=label_field,
+                                            record_dir=record_dir)
             raw[split] = documents.records(np.arange(len(documents)))
             if split == "train":
                 self._name = documents.name
@@ -279,4 +298,4 @@ def from_config(cfg, workdir: str | None = None) -> TextClassificationSource:
         eval_dataset=data.get("eval_dataset"), data_dir=data.get("data_dir"),
         manual_dir=data.get("manual_dir"), workdir=workdir,
         vocab_sample_documents=int(data.get("vocab_sample_documents") or 200_000),
-        num_classes=int(model.num_classes))
+        num_classes=int(model.num_classes), vocab_path=data.get("vocab_path") or None)

@@ -297,6 +297,24 @@ def read_given(path: str, setting: str = "data.vocab_path") -> Tokenizer | Huggi
                          ) from None
 
 
+def keep_given(given, path: str, directory: str | None, vocab_size: int, *,
+               expected_sha256: str | None = None, num_sentinels: int = 0):
+    """`given`, read from data.vocab_path=`path` (`read_given`), as a run's vocabulary: copied
+    into `directory` (the run's vocab/, for resume and inference; None: no run) the first time,
+    then checked as `load_or_train` checks it, and refused when vocab/ holds another."""
+    if directory is None:
+        return given
+    if not epath.Path(vocabulary_file(directory)).exists():
+        given.save(directory)
+    tokenizer = load_or_train(directory, vocab_size, seed=0, sentences=tuple,
+                              expected_sha256=expected_sha256, num_sentinels=num_sentinels)
+    if given.sha256 != tokenizer.sha256:
+        raise VocabularyMismatch(
+            f"data.vocab_path={path!r} is not the vocabulary this run started with (its "
+            f"vocab/): resume with the path it was started with or use a new --workdir")
+    return tokenizer
+
+
 def vocabulary_file(directory: str) -> str:
     """The file of the vocabulary in `directory`: tokenizer.json if there is one, else the
     SentencePiece model (which may not exist yet)."""

@@ -6,8 +6,10 @@ What happens on first use (each step is skipped when its result exists):
    builds itself from Debian packages; WMT is built from the raw files in `data.manual_dir`
    (official file names, see docs/data.md) or read from a prepared `data.data_dir`; a dataset
    prepared in TFRecord is converted to array_record once, in place.
-2. SentencePiece is trained on a seeded sample of the training split (`tokenizer`), saved in
-   `<workdir>/vocab/`.
+2. The vocabulary, one for both languages: SentencePiece trained on a seeded sample of the
+   training split (`tokenizer`), or the one `data.vocab_path` names, used as is; kept in
+   `<workdir>/vocab/`. From files, the shards' rows are counted once and recorded there too
+   (`files.FileDocuments`, `rows-<digest>.json`).
 3. The training split is tokenized once (`TokenizedSplit`), read through `tfds.data_source`
    (random access), and kept as flat id arrays in `<workdir>/vocab/tokens/` (memory-mapped;
    read whole into memory from a gs:// workdir).
@@ -148,9 +150,12 @@ class TranslationSource:
                  workdir: str | None = None, vocab_sample_pairs: int = 500_000,
                  tokenizer: tokenizer_lib.Tokenizer | None = None,
                  source_field: str | None = None, target_field: str | None = None,
-                 eval_dataset: str | None = None, skip_bad_lines: bool = False):
+                 eval_dataset: str | None = None, skip_bad_lines: bool = False,
+                 vocab_path: str | None = None):
         _check_sizes(batch_size, grad_accum_steps, max_length, tokens_per_batch,
                      eval_batch_size)
+        # read first: a bad data.vocab_path is one line before any other work
+        given = tokenizer_lib.read_given(vocab_path) if vocab_path and not tokenizer else None
         self.dataset, self.seed = dataset, int(seed)
         self.source_lang, self.target_lang = source_lang, target_lang
         self.max_length, self.tokens_per_batch = int(max_length), int(tokens_per_batch)
@@ -168,12 +173,14 @@ class TranslationSource:
                 raise ValueError(f"data.dataset={dataset!r} is files: set data.eval_dataset "
                                  f"to the files to evaluate on (<format>:<glob>)")
             fields = (source_field, target_field)
+            record = workdir_lib.path(workdir, workdir_lib.VOCAB) if workdir else None
             for split, spec, setting in (("train", dataset, "data.dataset"),
                                          (self.validation_split, eval_dataset,
                                           "data.eval_dataset")):
                 self._sources[split] = _file_split(spec, setting, (source_lang, target_lang),
                                                    fields, seed=self.seed,
-                                                   skip_bad_lines=skip_bad_lines)
+                                                   skip_bad_lines=skip_bad_lines,
+                                                   record_dir=record)
             self._name = self._sources["train"].documents.name
         else:
             self.builder = prepare_dataset(dataset, data_dir, manual_dir)
@@ -189,7 +196,14 @@ class TranslationSource:
                     not len(self._source(split)):
                 raise DataUnavailable(f"{dataset}: the {split!r} split is empty; prepare the "
                                       f"dataset again (or point data.data_dir elsewhere)")
-        self.tokenizer = tokenizer or self._tokenizer(int(vocab_size), int(vocab_sample_pairs))
+        if given:
+            self.tokenizer = tokenizer_lib.keep_given(
+                given, vocab_path, workdir and workdir_lib.path(workdir, workdir_lib.VOCAB),
+                int(vocab_size),
+                expected_sha256=workdir and workdir_lib.recorded_vocabulary(workdir))
+        else:
+            self.tokenizer = tokenizer or self._tokenizer(int(vocab_size),
+                                                          int(vocab_sample_pairs))
         if self.tokenizer.vocab_size != int(vocab_size):
             raise tokenizer_lib.VocabularyMismatch(
                 f"the tokenizer has {self.tokenizer.vocab_size} pieces but "
@@ -414,6 +428,7 @@ def from_config(cfg, workdir: str | None = None) -> TranslationSource:
         data_dir=data.get("data_dir"), manual_dir=data.get("manual_dir"), workdir=workdir,
         vocab_sample_pairs=int(data.get("vocab_sample_pairs") or 500_000),
         source_field=data.get("source_field"), target_field=data.get("target_field"),
-        eval_dataset=data.get("eval_dataset"), skip_bad_lines=bool(data.get("skip_bad_lines")))
-    tokenizer_lib.check_special_ids(source.tokenizer, cfg.model)  # translation keeps ours
+        eval_dataset=data.get("eval_dataset"), skip_bad_lines=bool(data.get("skip_bad_lines")),
+        vocab_path=data.get("vocab_path") or None)
+    tokenizer_lib.check_special_ids(source.tokenizer, cfg.model)
     return source
