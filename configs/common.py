@@ -66,7 +66,8 @@ def paper_config(*, size: str, target_lang: str, dropout_rate: float) -> config_
         eval_batch_size=config_dict.placeholder(int),  # rows per eval batch; None: per micro
         data_dir=config_dict.placeholder(str),  # TFDS data_dir; None: TFDS's default
         manual_dir=config_dict.placeholder(str),  # raw WMT archives (docs/data.md)
-        vocab_sample_pairs=500_000))  # SentencePiece trains on this many training pairs
+        vocab_sample_pairs=500_000,  # SentencePiece trains on this many training pairs
+        workers=0))  # Grain processes producing this process's batches; 0: the loop itself
     cfg.data.max_rows_per_device = 32  # one microbatch, one device; lower it if memory binds
     cfg.grad_accum_steps = 0  # 0: sized from the device count, the fewest microbatches that
     # keep each device within data.max_rows_per_device: 1 on 8 devices, 4 on one

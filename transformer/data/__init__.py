@@ -17,7 +17,7 @@ Batch = dict[str, np.ndarray]
 # does not read (configs/tiny.py's empty source_lang). validate_config names any other key.
 CONFIG_KEYS = frozenset({
     "dataset", "vocab_size", "max_length", "batch_size", "eval_batch_size",  # every source
-    "max_rows_per_device", "data_dir", "manual_dir",
+    "max_rows_per_device", "data_dir", "manual_dir", "workers",
     "source_lang", "target_lang", "tokens_per_batch", "vocab_sample_pairs",  # translation
     "objective", "eval_split", "eval_documents", "mask_rate", "vocab_sample_documents",  # LM
     "num_sentinels", "pack_groups",

@@ -26,6 +26,7 @@ from transformer.checkpoint.averaging import ParamsSeries
 from transformer.checkpoint.checkpointer import Checkpointer, list_steps
 from transformer.config import resolve
 from transformer.data import make_source
+from transformer.data.workers import TrainBatches
 from transformer.inference.translator import Translator
 from transformer.sizing import flops
 from transformer.training import distributed, evaluation, metrics, scores, sharding, transfer
@@ -235,12 +236,14 @@ def _train(cfg, workdir: str, config_file: str | None,
     pending: list[tuple[int, dict]] = []
     last_save_time, last_saved = time.monotonic(), latest
     profile_start, profile_steps = int(cfg.profile_start_step), int(cfg.profile_num_steps)
+    batches = TrainBatches(source, cfg, workdir, rows, start=next_batch, count=total - step,
+                           workers=int(cfg.data.get("workers") or 0))
     try:
         while step < total:
             if profile_steps and step == profile_start:
                 jax.profiler.start_trace(workdir_lib.path(workdir, workdir_lib.PROFILE))
             started = time.perf_counter()
-            batch = step_lib.global_batch(mesh, source.train_batch(next_batch, rows))
+            batch = step_lib.global_batch(mesh, next(batches))
             progress.add_step(time.perf_counter() - started)
             state, step_metrics = train_step(state, batch)
             step, next_batch = step + 1, next_batch + 1
@@ -290,6 +293,7 @@ def _train(cfg, workdir: str, config_file: str | None,
         notices.post(error)
         raise
     finally:  # the checkpointer last: a failed save raises there, after the rest is closed
+        batches.close()
         writer.close()
         preemption.restore()
         if series is not None:

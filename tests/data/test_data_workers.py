@@ -1,0 +1,80 @@
+"""`data.workers` (`transformer/data/workers.py`): batches from Grain worker processes are those
+the loop makes itself, bit for bit, from any start index; a run resumed with workers continues
+at its checkpoint's index with the same losses; a worker's error is one line naming it."""
+
+import json
+import pathlib
+import runpy
+
+import numpy as np
+import pytest
+from test_data_files import documents, write_shards
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def config(tmp_path):
+    write_shards(tmp_path / "train", documents(600), shards=6, nested=True)
+    write_shards(tmp_path / "validation", documents(40, seed=1), shards=2, nested=True)
+    cfg = runpy.run_path(str(ROOT / "configs/lm_files.py"))["get_config"]()
+    cfg.data.update(dict(dataset=f"jsonl:{tmp_path}/train/*.jsonl.zst", text_field="meta.text",
+                         eval_dataset=f"{tmp_path}/validation/*.jsonl.zst", vocab_size=64,
+                         max_length=32, batch_size=8, shuffle_window=2))
+    cfg.model.update(dict(d_model=32, d_ff=64, num_heads=2, num_kv_heads=1,
+                          num_decoder_layers=1, max_len=32))
+    cfg.optimizer.warmup_steps = 1
+    cfg.update(dict(num_train_steps=6, eval_every_steps=0, checkpoint_every_steps=3,
+                    checkpoint_every_minutes=0, log_every_steps=1))
+    return cfg
+
+
+def test_worker_batches_equal_the_loops_and_an_error_is_one_line(config, tmp_path):
+    from transformer.data import make_source
+    from transformer.data.workers import TrainBatches, WorkerError
+
+    workdir = str(tmp_path / "run")
+    source = make_source(config, workdir)
+    batches = TrainBatches(source, config, workdir, (2, 6), start=3, count=4, workers=2)
+    try:
+        got = [next(batches) for _ in range(4)]
+    finally:
+        batches.close()
+    for index, batch in enumerate(got, start=3):
+        want = source.train_batch(index, (2, 6))
+        assert sorted(batch) == sorted(want)
+        for key in want:
+            np.testing.assert_array_equal(batch[key], want[key])
+    config.data.vocab_size = config.model.vocab_size = 65  # not the workdir's vocabulary
+    batches = TrainBatches(source, config, workdir, (0, 8), start=5, count=2, workers=2)
+    with pytest.raises(WorkerError) as error:
+        next(batches)
+    batches.close()
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith("data.workers=2: worker 0 failed on batch 5: VocabularyMismatch:")
+    assert "data.vocab_size=65" in message
+    with pytest.raises(ValueError, match=r"data.workers=-1 must be >= 0"):
+        TrainBatches(source, config, workdir, (0, 8), start=0, count=1, workers=-1)
+
+
+def _losses(workdir) -> dict[int, float]:
+    with open(workdir / "metrics.jsonl") as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f) if r["split"] == "train"}
+
+
+def test_training_with_workers_matches_and_resumes_at_the_checkpoint_index(config, tmp_path,
+                                                                          monkeypatch):
+    from transformer.checkpoint import faults
+    from transformer.training.loop import train_and_evaluate
+
+    train_and_evaluate(config, str(tmp_path / "inline"))
+    config.data.workers = 2
+    monkeypatch.setenv(faults.FAULT_ENV, "error@4")  # fails after step 4, saved at 3
+    with pytest.raises(ValueError, match="injected fault after step 4"):
+        train_and_evaluate(config, str(tmp_path / "workers"))
+    monkeypatch.delenv(faults.FAULT_ENV)
+    train_and_evaluate(config, str(tmp_path / "workers"))  # resumes: workers from batch 3
+    inline = _losses(tmp_path / "inline")
+    assert sorted(inline) == list(range(1, 7))
+    assert _losses(tmp_path / "workers") == inline
