@@ -7,14 +7,16 @@ weights (the run exported to Marian), the same sentences, batches and threads, i
 
 The run must be one Marian expresses (post-LN, sinusoidal positions, shared tied embeddings:
 `python -m transformer.convert export` refuses the others in one line, `configs/default.py`'s
-pre-LN model among them). For each beam size and round, each batch of `--batch_size` sentences
-is translated by ours (`Translator.translate_ids`), then by theirs (`generate` with
-`num_beams`, `max_new_tokens` = the batch's longest source in pieces + EOS +
-`decode.max_extra_length`, at most `model.max_len`, EOS forced at the last step and padding
-never drawn, as ours), one after the other, so a shared machine's drift hits both alike; the
-first round compiles ours and is not counted. Length penalties differ: ours divides a
-hypothesis' log-probability by ((5 + length) / 6)^alpha (GNMT's), theirs by length^alpha
-(`length_penalty`); at alpha 0 both rank by log-probability alone and their beams agree.
+pre-LN model among them). For each beam size, the rounds before the last translate with ours
+alone (they compile it; theirs has nothing to compile); in the last, each batch of
+`--batch_size` sentences is translated by ours (`Translator.translate_ids`), then by theirs
+(`generate` with `num_beams`, `max_new_tokens` = the batch's longest source in pieces + EOS +
+`decode.max_extra_length`, at most `model.max_len`, EOS forced at the last step, padding never
+drawn and sources cut to `model.max_len` pieces with EOS, as ours), one after the other, so a
+shared machine's drift hits both alike.
+Length penalties differ: ours divides a hypothesis' log-probability by
+((5 + length) / 6)^alpha (GNMT's), theirs by length^alpha (`length_penalty`); at alpha 0 both
+rank by log-probability alone and their beams agree.
 Prints a table (sentences/s of both, the ratio, BLEU of both, how many outputs are
 identical), then one JSON line per beam size.
 """
@@ -70,8 +72,10 @@ def compare(workdir: str, sources: list[str], references: list[str] | None, *,
                                                alpha=alpha, max_extra_length=extra)
                 ours = [translator.tokenizer.decode(row) for row in np.asarray(ids)]
                 middle = time.perf_counter()
+                if round_ < rounds - 1:
+                    continue  # a warm-up round: it compiles ours; theirs has nothing to compile
                 inputs = tokenizer([sources[i] for i in batch], return_tensors="pt",
-                                   padding=True)
+                                   padding=True, truncation=True, max_length=max_len)
                 with torch.no_grad():
                     tokens = model.generate(
                         **inputs, num_beams=beam, do_sample=False, length_penalty=alpha,
@@ -79,13 +83,11 @@ def compare(workdir: str, sources: list[str], references: list[str] | None, *,
                         suppress_tokens=[0], forced_eos_token_id=model.config.eos_token_id)
                 theirs = tokenizer.batch_decode(tokens, skip_special_tokens=True)
                 ended = time.perf_counter()
-                if round_ == rounds - 1 or rounds == 1:
-                    outputs["ours"] += ours
-                    outputs["theirs"] += theirs
-                if round_ > 0 or rounds == 1:
-                    seconds["ours"] += middle - started
-                    seconds["theirs"] += ended - middle
-        timed = len(sources) * max(rounds - 1, 1)
+                outputs["ours"] += ours
+                outputs["theirs"] += theirs
+                seconds["ours"] += middle - started
+                seconds["theirs"] += ended - middle
+        timed = len(sources)
         record = {"beam_size": beam, "alpha": alpha, "num_sentences": len(sources),
                   "batch_size": batch_size, "threads": torch.get_num_threads(),
                   "ours_sentences_per_sec": timed / seconds["ours"],
@@ -110,7 +112,8 @@ def main(argv=None) -> None:
     parser.add_argument("--batch_size", type=int, default=32)
     parser.add_argument("--alpha", type=float, default=None,
                         help="Length penalty of both (default: the run's decode.alpha).")
-    parser.add_argument("--rounds", type=int, default=2, help="The first compiles ours.")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="Those before the last run ours alone, to compile it.")
     args = parser.parse_args(argv)
     # First: MarianMTModel's import loads torch's triton, whose libtriton.so segfaults when it
     # loads after jaxlib has initialised (seen here: dmesg, faulthandler in triton/knobs.py).
