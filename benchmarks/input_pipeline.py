@@ -1,12 +1,15 @@
 """The input pipeline alone on a file source: tokens/s per host by worker processes, and peak
-host memory, on a synthetic corpus of jsonl.zst shards generated on disk.
+host memory, on a synthetic corpus of jsonl.zst or parquet shards generated on disk.
 
     nice -n 10 python benchmarks/input_pipeline.py --documents=1000000 --out=/tmp/ip/1m.json
+    python benchmarks/input_pipeline.py --format=parquet --documents=1000000 --copies=50 \
+        --per_shard=50000 --workers=1 --out=/tmp/ip/50m.json   # 50M documents, 1M written
 
 Each worker builds the source (`configs/lm_files.py`'s data at lm_125m's rows: 2,048 tokens,
 `--rows` per update) and packs every `workers`-th update, as a worker pool would (batches are a
 function of the index alone). Prints and writes one JSON record: documents, shards, setup
-seconds, peak RSS of one worker, tokens/s by workers.
+seconds, peak RSS of one worker, tokens/s by workers and the share of the rows' tokens filled
+(`--pack_groups`: data.pack_groups, first-fit in groups of rows).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import time
 import numpy as np
 
 _LETTERS = np.array(list("etaoinshrdlcumwfgypbvkjxqz"))
+SUFFIX = {"jsonl": "jsonl.zst", "parquet": "parquet"}
 
 
 def _vocabulary(rng, size: int = 30_000) -> tuple[np.ndarray, np.ndarray]:
@@ -34,24 +38,36 @@ def _vocabulary(rng, size: int = 30_000) -> tuple[np.ndarray, np.ndarray]:
     return words, weights / weights.sum()
 
 
-def write_corpus(directory: str, documents: int, per_shard: int, seed: int = 0) -> int:
-    """`documents` jsonl.zst documents of 50-400 words in shards of `per_shard`."""
+def write_corpus(directory: str, documents: int, per_shard: int, seed: int = 0,
+                 file_format: str = "jsonl", copies: int = 1) -> int:
+    """`documents` documents of 50-400 words in shards of `per_shard` (jsonl.zst or parquet),
+    then `copies` - 1 hard links of every shard under new names: `copies` x `documents`
+    documents in distinct shards to the reader, written once."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
     import zstandard
 
     os.makedirs(directory, exist_ok=True)
     rng = np.random.default_rng(seed)
     vocabulary, weights = _vocabulary(rng)
-    shards = 0
+    written = []
     for start in range(0, documents, per_shard):
         count = min(per_shard, documents - start)
         lengths = rng.integers(50, 400, count)
         words = rng.choice(vocabulary, int(lengths.sum()), p=weights)
-        cuts = np.cumsum(lengths)[:-1]
-        lines = "".join('{"text": "' + " ".join(doc) + '"}\n' for doc in np.split(words, cuts))
-        with open(os.path.join(directory, f"train-{shards:05d}.jsonl.zst"), "wb") as f:
-            f.write(zstandard.ZstdCompressor(level=3).compress(lines.encode()))
-        shards += 1
-    return shards
+        texts = [" ".join(doc) for doc in np.split(words, np.cumsum(lengths)[:-1])]
+        path = os.path.join(directory, f"train-0000-{len(written):05d}.{SUFFIX[file_format]}")
+        if file_format == "parquet":
+            pq.write_table(pa.table({"text": texts}), path)
+        else:
+            lines = "".join(json.dumps({"text": t}) + "\n" for t in texts)
+            with open(path, "wb") as f:
+                f.write(zstandard.ZstdCompressor(level=3).compress(lines.encode()))
+        written.append(path)
+    for copy in range(1, copies):
+        for path in written:
+            os.link(path, path.replace("train-0000-", f"train-{copy:04d}-"))
+    return len(written) * copies
 
 
 def _worker(args) -> tuple[int, float, int, float]:
@@ -78,23 +94,32 @@ def main(argv=None) -> None:
     parser.add_argument("--updates", type=int, default=8)
     parser.add_argument("--workers", default="1,2")
     parser.add_argument("--dir", default="/tmp/input_pipeline")
+    parser.add_argument("--format", default="jsonl", choices=sorted(SUFFIX))
+    parser.add_argument("--copies", type=int, default=1,
+                        help="hard-linked copies of the corpus' shards: --documents x --copies "
+                             "documents read, --documents written")
+    parser.add_argument("--pack_groups", type=int, default=1, help="data.pack_groups")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     import runpy
 
-    corpus = os.path.join(args.dir, f"corpus-{args.documents}")
+    corpus = os.path.join(args.dir, f"corpus-{args.documents}x{args.copies}")
     start = time.perf_counter()
-    shards = write_corpus(corpus, args.documents, args.per_shard)
+    shards = write_corpus(corpus, args.documents, args.per_shard, file_format=args.format,
+                          copies=args.copies)
     written = time.perf_counter() - start
+    suffix = SUFFIX[args.format]
     cfg = runpy.run_path(os.path.join(os.path.dirname(__file__), "..", "configs",
                                       "lm_files.py"))["get_config"]()
-    cfg.data.update(dict(dataset=f"jsonl:{corpus}/*.jsonl.zst",
-                         eval_dataset=f"jsonl:{corpus}/train-00000.jsonl.zst",
+    cfg.data.update(dict(dataset=f"{args.format}:{corpus}/*.{suffix}",
+                         eval_dataset=f"{args.format}:{corpus}/train-0000-00000.{suffix}",
                          max_length=2048, batch_size=args.rows, vocab_size=8000,
-                         vocab_sample_documents=20_000))
+                         vocab_sample_documents=20_000, pack_groups=args.pack_groups))
     cfg.model.max_len = 2048
-    record = {"documents": args.documents, "shards": shards, "per_shard": args.per_shard,
+    record = {"documents": args.documents * args.copies, "documents_written": args.documents,
+              "format": args.format, "shards": shards, "per_shard": args.per_shard,
               "rows_per_update": args.rows, "tokens_per_row": 2048, "write_s": round(written, 1),
+              "pack_groups": args.pack_groups,
               "cpus": os.cpu_count(), "by_workers": {}}
     try:
         for workers in map(int, args.workers.split(",")):
@@ -105,6 +130,7 @@ def main(argv=None) -> None:
             seconds = max(r[1] for r in results)
             record["by_workers"][workers] = {
                 "tokens_per_s": round(tokens / seconds), "setup_s": round(results[0][3], 1),
+                "row_fill": round(tokens / (args.updates * args.rows * 2048), 4),
                 "peak_rss_gib_per_worker": round(max(r[2] for r in results) / 2**30, 3)}
             print(json.dumps({"workers": workers, **record["by_workers"][workers]}), flush=True)
     finally:
