@@ -114,6 +114,18 @@ def test_hybrid_mesh_over_two_slices(libtpu):
     assert (slices == np.arange(2)[:, None, None, None, None]).all()  # data across slices
 
 
+def test_a_mesh_axis_the_torus_cannot_hold_whole_splits_a_physical_axis(libtpu, caplog):
+    tpu.prepare_environment()
+    devices = tpu.abstract_devices(tpu.parse_topology("v5p-128"))  # a 4x4x4 torus
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 8, "tensor": 1, "expert": 8}, devices)
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 8, "context": 1, "tensor": 1, "expert": 8}
+    assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)
+    assert "physical axes are split" in caplog.text
+    caplog.clear()
+    sharding.make_mesh({"data": 1, "fsdp": 16, "tensor": 1, "expert": 4}, devices)
+    assert "split" not in caplog.text  # 16 = 4 x 4 and 4: whole physical axes
+
+
 def _train_py(*args: str, prefix: str = "") -> subprocess.CompletedProcess:
     """`train.py --compile_only ...` in a fresh process (JAX_PLATFORMS unset, as for a user)."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}

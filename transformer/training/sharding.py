@@ -27,6 +27,7 @@ parallelism crosses them.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 
@@ -37,6 +38,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from transformer.model.config import TransformerConfig
+
+log = logging.getLogger("transformer")
 
 MESH_AXES = ("data", "fsdp", "context", "tensor")
 DCN_AXES = tuple(f"dcn_{axis}" for axis in MESH_AXES)  # config keys: the axes across slices
@@ -135,7 +138,9 @@ def validate_mesh_for_model(shape: Mapping[str, int], model: TransformerConfig) 
 
 def make_mesh(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """The MESH_AXES + ("expert",) mesh over `devices` (default: all), Auto axis types;
-    over several slices a hybrid mesh whose DCN part spans the slices."""
+    over several slices a hybrid mesh whose DCN part spans the slices. A mesh axis that no
+    product of the torus' physical axes equals (8 on a v5p-128's 4x4x4) splits a physical
+    axis, with a warning, rather than failing as `jax.make_mesh` does off v5e."""
     devices = list(jax.devices() if devices is None else devices)
     slices = num_slices(devices)
     ici, dcn = hybrid_shape(mesh_cfg, len(devices), slices)
@@ -144,7 +149,14 @@ def make_mesh(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
     axes = MESH_AXES + (EXPERT_AXIS,)
     axis_types = (jax.sharding.AxisType.Auto,) * len(axes)
     if slices == 1:
-        return jax.make_mesh(tuple(ici), axes, axis_types, devices=devices)
+        try:
+            return jax.make_mesh(tuple(ici), axes, axis_types, devices=devices)
+        except NotImplementedError:
+            log.warning("mesh %s: no product of the devices' physical axes gives each mesh "
+                        "axis, so physical axes are split (collectives over a split axis "
+                        "cross more links)", dict(zip(axes, ici, strict=True)))
+            grid = mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=True)
+            return Mesh(grid, axes, axis_types=axis_types)
     grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
     return Mesh(grid, axes, axis_types=axis_types)
 
