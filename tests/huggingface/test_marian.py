@@ -103,6 +103,61 @@ def test_marian_logits_translations_and_round_trip(tmp_path):
         assert (tmp_path / "exported" / name).read_bytes() == (hf_dir / name).read_bytes()
 
 
+def _generated_ids(model, tokenizer, sentence, beams, extra, **ids):
+    """`generate`'s best output for `sentence` (as `_hf_translations` runs it), without the
+    decoder start, up to and with its first end, padding dropped."""
+    batch = tokenizer([sentence], return_tensors="pt")
+    with torch.no_grad():
+        tokens = model.generate(**batch, num_beams=beams, do_sample=False, length_penalty=0.0,
+                                max_new_tokens=batch["input_ids"].shape[1] + extra,
+                                suppress_tokens=[0], **ids)
+    return [int(i) for i in tokens[0][1:] if i != 0]
+
+
+def test_a_marian_listing_two_ends_translates_as_generate(tmp_path):
+    """generation_config.json lists eos_token_id [3, X] (X: the second piece that the one-end
+    model's greedy translation of a source emits): the import keeps both ends, our greedy
+    and beam-4 outputs stop where `generate`'s do (id for id, the text before the end), and
+    the export lists both again."""
+    hf_dir = tmp_path / "marian"
+    hf_dir.mkdir()
+    _vocabulary(hf_dir)
+    torch.manual_seed(0)
+    hf_model = transformers.MarianMTModel(transformers.MarianConfig(
+        **SIZES, activation_function="swish", scale_embedding=True))
+    hf_model.final_logits_bias.normal_(0.0, 1.0)
+    _save(hf_model, hf_dir)
+    hf_tokenizer = transformers.MarianTokenizer.from_pretrained(str(hf_dir))
+    one_end = _generated_ids(hf_model, hf_tokenizer, SOURCES[0], 1, 5, **IDS)
+    assert len(one_end) > 3 and 3 not in one_end[:2]
+    end = one_end[1]
+    generation = json.loads((hf_dir / convert.GENERATION_CONFIG).read_text())
+    (hf_dir / convert.GENERATION_CONFIG).write_text(json.dumps(generation | {
+        "eos_token_id": [3, end]}))
+    workdir, _, _ = _import(tmp_path, hf_dir)
+    special = json.loads((tmp_path / "run" / "vocab" / "special_ids.json").read_text())
+    assert special["eos_ids"] == [3, end]
+    ours = translator_lib.load(workdir)
+    exported = tmp_path / "exported"
+    convert.export_workdir(workdir, str(exported))
+    assert json.loads((exported / convert.GENERATION_CONFIG).read_text())["eos_token_id"] == [
+        3, end]
+    stopped = 0
+    for hf_path in (hf_dir, exported):
+        model = transformers.MarianMTModel.from_pretrained(str(hf_path)).eval()
+        for beams in (1, 4):
+            for sentence in SOURCES:
+                theirs = _generated_ids(model, hf_tokenizer, sentence, beams, 5)
+                row = ours.translate_ids(ours.encode([sentence]), beam_size=beams, alpha=0.0,
+                                         max_extra_length=5)[0]
+                assert [int(i) for i in row if i != 0] == theirs, (hf_path, beams, sentence)
+                stopped += theirs[-1] == end
+                text = ours.translate([sentence], beam_size=beams, alpha=0.0,
+                                      max_extra_length=5)
+                assert text == [hf_tokenizer.decode(theirs[:-1], skip_special_tokens=True)]
+    assert stopped >= 2  # greedy (at least) stops at the second end
+
+
 def _papers_run(tmp_path, load_config, rows=V):
     """A post-LN run of our paper's recipe (configs/default.py's model, post-LN; interleaved
     sinusoids, ReLU, LayerNorm eps 1e-6), random weights scaled for sharper logits, its V-piece

@@ -296,3 +296,34 @@ def test_select_sentences_takes_rows_along_the_scanned_layers_batch_axis():
     np.testing.assert_array_equal(out["cache"]["cross_attention"]["key"][:, :, 0],
                                   [[2, 0, 2], [5, 3, 5]])
     assert int(out["cache"]["index"]) == 4 and int(out["step"]) == 4
+
+
+def test_a_hypothesis_ends_at_any_listed_end():
+    """A decoder whose next token depends only on the step (token 4, then 5, then 4 ...):
+    with 5 a further end (`stop_ids`, as an imported generation config's second eos id) the
+    greedy and beam searches stop at it, scored as it ends (log P(4) + log P(5) over the
+    penalty of 2 tokens), every finished hypothesis at its first end; without it, both go on
+    to the EOS forced at the limit."""
+    logprobs = np.log(np.array([[.01, .01, .01, .001, .8, .169],  # step 0: 4
+                                [.01, .01, .01, .001, .169, .8],  # step 1: 5
+                                [.01, .01, .01, .001, .8, .169]]))  # then: 4 ...
+
+    def decode_fn(tokens, step):
+        rows = jnp.asarray(logprobs)[jnp.minimum(step, 2)]
+        return jnp.broadcast_to(rows, (tokens.shape[0], 1, 6)), step + 1
+
+    search = dict(bos=jnp.full((1,), BOS_ID), max_lengths=jnp.array([5]), max_length=5,
+                  eos_id=EOS)
+    beam = dict(search, beam_size=2, alpha=0.6)
+    for stops, expected in (((5,), [4, 5, 0, 0, 0]), ((), [4, 5, 4, 4, EOS])):
+        greedy = decoding.greedy_search(decode_fn, jnp.asarray(0), stop_ids=stops, **search)
+        np.testing.assert_array_equal(greedy[0], expected)
+        seqs, scores = decoding.beam_search(decode_fn, jnp.asarray(0), stop_ids=stops, **beam)
+        np.testing.assert_array_equal(seqs[0, 0], expected)
+    seqs, scores = decoding.beam_search(decode_fn, jnp.asarray(0), stop_ids=(5,), **beam)
+    np.testing.assert_allclose(scores[0, 0], np.log(.8 * .8) / ((5 + 2) / 6) ** 0.6,
+                               rtol=1e-6)
+    for hyp in seqs[0]:  # every finished hypothesis stops at its first end
+        ends = np.flatnonzero(np.isin(hyp, [EOS, 5]))
+        assert len(ends) and (hyp[ends[0] + 1:] == 0).all(), hyp
+    assert decoding.before_end(np.array([4, 5, 0]), (EOS, 5)) == [4]

@@ -12,17 +12,19 @@ any run's. The checkpoint's tokenizer becomes the run's `vocab/` with its own sp
 `tokenizers` library, else T5's `spiece.model` (as T5Tokenizer reads it, `t5.read_spiece`),
 else a SentencePiece `tokenizer.model`; where the model's embedding has rows past the
 tokenizer's pieces (T5's 32128 for 32100), the vocabulary counts them (`data.vocab_size` is
-the model's; `vocab/special_ids.json` records them) and its decode drops their ids. A language
-model's ends are every id `transformers`' `generate` stops at (`generation_config.json`'s
-`eos_token_id`, else config.json's: `mapping.end_ids`); `model.eos_id` is config.json's first
-and special_ids.json's `eos_ids` records the others after it.
+the model's; `vocab/special_ids.json` records them) and its decode drops their ids. The run's
+ends are every id `transformers`' `generate` stops at (`generation_config.json`'s
+`eos_token_id`, else config.json's: `mapping.end_ids`), for a language model and a translation
+model alike; `model.eos_id` is config.json's first and special_ids.json's `eos_ids` records the
+others after it.
 
 `export_workdir(workdir, out_dir)` writes a run's parameters back as `config.json` and
 `model.safetensors` (float32; shards of at most `max_shard_bytes` and their index beyond that,
 as `save_pretrained` writes them) that `transformers`' `from_pretrained` loads, and its
 vocabulary as `tokenizer.json` or `tokenizer.model` (and T5's `spiece.model` where the import
 read one) with a `tokenizer_config.json` that `AutoTokenizer` reads it by, and a
-`generation_config.json` listing the vocabulary's ends where it has more than `model.eos_id`.
+`generation_config.json` listing the vocabulary's ends where it has more than `model.eos_id`
+(with config.json's decoder start and forced end, which `generate` then reads from it).
 """
 
 from __future__ import annotations
@@ -270,23 +272,21 @@ def _vocabulary(hf_dir: str, model_cfg: TransformerConfig, hf_config: dict):
                     os.path.basename(path), lacks)
         return None
     ids = dict(bos_id=model_cfg.bos_id, eos_id=model_cfg.eos_id, pad_id=model_cfg.pad_id)
-    ends = {}
-    if model_cfg.architecture == "decoder":  # generate's ends (the translator stops at EOS)
-        generation = os.path.join(hf_dir, GENERATION_CONFIG)
-        ends["eos_ids"] = end_ids(hf_config, read_json(generation, "") if os.path.isfile(
-            generation) else None)
+    generation = os.path.join(hf_dir, GENERATION_CONFIG)  # generate's ends, in its ids
+    ends = end_ids(hf_config, read_json(generation, "") if os.path.isfile(generation) else None)
     try:
         if is_marian:
-            tokenizer = marian.read_vocabulary(hf_dir, hf_config)
+            tokenizer = marian.read_vocabulary(hf_dir, hf_config, ends)
         elif path == json_path:
             with open(path, "rb") as f:
                 tokenizer = tokenizer_lib.HuggingFaceTokenizer(
-                    f.read(), vocab_size=model_cfg.vocab_size, **ids, **ends)
+                    f.read(), vocab_size=model_cfg.vocab_size, eos_ids=ends, **ids)
         elif path == spiece:
-            tokenizer = t5.read_spiece(path, vocab_size=model_cfg.vocab_size, **ids)
+            tokenizer = t5.read_spiece(path, vocab_size=model_cfg.vocab_size, eos_ids=ends,
+                                       **ids)
         else:
             tokenizer = tokenizer_lib.Tokenizer.load(path, vocab_size=model_cfg.vocab_size,
-                                                     **ends)
+                                                     eos_ids=ends)
         if tokenizer.vocab_size != model_cfg.vocab_size:
             raise ValueError(f"{tokenizer.vocab_size} pieces, the model {model_cfg.vocab_size}")
         tokenizer_lib.check_special_ids(tokenizer, dataclasses.asdict(model_cfg))
@@ -346,12 +346,14 @@ def export_workdir(workdir: str, out_dir: str, *, step: int | None = None,
     elif os.path.isfile(vocab):
         name = TOKENIZER_MODEL if vocab.endswith(MODEL_FILE) else tokenizer_lib.JSON_FILE
         shutil.copyfile(vocab, os.path.join(out_dir, name))
-        tokenizer = tokenizer_lib.load(vocab_dir)
-        write_tokenizer_config(tokenizer, out_dir, model_cfg,
+        write_tokenizer_config(tokenizer_lib.load(vocab_dir), out_dir, model_cfg,
                                bos=hf_config["model_type"] not in NO_BOS_TOKEN)
-        if tokenizer.eos_ids != (model_cfg.eos_id,):  # transformers' generate stops at each
-            with open(os.path.join(out_dir, GENERATION_CONFIG), "w") as f:
-                json.dump(generation_config(model_cfg, tokenizer.eos_ids), f, indent=2)
+    ends = tokenizer_lib.load(vocab_dir).eos_ids if os.path.isfile(vocab) else ()
+    if len(ends) > 1:  # transformers' generate stops at each
+        start = {key: hf_config[key] for key in ("decoder_start_token_id",
+                                                 "forced_eos_token_id") if key in hf_config}
+        with open(os.path.join(out_dir, GENERATION_CONFIG), "w") as f:
+            json.dump(generation_config(model_cfg, ends) | start, f, indent=2)
     if family is families.T5 and os.path.isfile(os.path.join(vocab_dir, t5.SPIECE_FILE)):
         shutil.copyfile(os.path.join(vocab_dir, t5.SPIECE_FILE),
                         os.path.join(out_dir, t5.SPIECE_FILE))

@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -266,13 +267,14 @@ def write_vocabulary(spm_path: str, out_dir: str, cfg: TransformerConfig) -> Non
                     "differ from the run's by about 1e-5", cfg.norm_eps, HF_NORM_EPS)
 
 
-def read_vocabulary(hf_dir: str, hf: dict):
+def read_vocabulary(hf_dir: str, hf: dict, eos_ids: Sequence[int] = ()):
     """The run's vocabulary from `MarianTokenizer`'s files: where they are one SentencePiece
     model whose own ids `vocab.json` lists (as `write_vocabulary` writes them), that model
     with config.json's `vocab_size` rows (more where a padded run's export counts rows past
     the pieces);
     with OPUS-MT's ids, `source.spm` as a `tokenizer.json` with our ids (`opus_vocabulary`);
-    ValueError naming the file otherwise."""
+    ValueError naming the file otherwise. It ends texts at `eos_ids` (the checkpoint's ids:
+    generate's ends) too."""
     from transformer.data.tokenizer import Tokenizer
 
     paths = [os.path.join(hf_dir, name) for name in (SOURCE_SPM, TARGET_SPM, VOCAB_JSON)]
@@ -280,12 +282,14 @@ def read_vocabulary(hf_dir: str, hf: dict):
     if missing:
         raise ValueError(f"{missing[0]} is missing (MarianTokenizer's files)")
     source, target, vocab = paths
-    if opus_order(hf) is not None:
-        return opus_vocabulary(source, vocab, opus_order(hf))
+    order = opus_order(hf)
+    if order is not None:
+        to_ours = np.argsort(order, kind="stable")  # Marian id -> ours (its pad: our pad)
+        return opus_vocabulary(source, vocab, order, [int(to_ours[i]) for i in eos_ids])
     with open(source, "rb") as f, open(target, "rb") as g:
         if f.read() != g.read():
             raise ValueError(f"{source} and {target} differ: one shared vocabulary only")
-    tokenizer = Tokenizer.load(source, vocab_size=hf["vocab_size"])
+    tokenizer = Tokenizer.load(source, vocab_size=hf["vocab_size"], eos_ids=eos_ids)
     with open(vocab) as f:
         ids = json.load(f)
     if any(tokenizer.id_to_piece(i) != piece for piece, i in ids.items()) or (
@@ -294,12 +298,13 @@ def read_vocabulary(hf_dir: str, hf: dict):
     return tokenizer
 
 
-def opus_vocabulary(source_spm: str, vocab_json: str, order: np.ndarray):
+def opus_vocabulary(source_spm: str, vocab_json: str, order: np.ndarray,
+                    eos_ids: Sequence[int] = ()):
     """OPUS-MT's source vocabulary with our ids (`opus_order`): `source.spm`'s segmentation
     (its normaliser, pieces and scores, as `transformers` converts a SentencePiece model) over
     `vocab.json`'s pieces renumbered; pieces only the target side has get a score no
     segmentation picks, as control pieces do. Encodes a source as `MarianTokenizer` does
-    without its Moses punctuation normaliser."""
+    without its Moses punctuation normaliser; ends texts at `eos_ids` (ours) too."""
     from transformers.convert_slow_tokenizer import SpmConverter, import_protobuf
 
     from transformer.data.tokenizer import HuggingFaceTokenizer
@@ -317,4 +322,4 @@ def opus_vocabulary(source_spm: str, vocab_json: str, order: np.ndarray):
                                      if piece == proto.trainer_spec.unk_piece)
     tokenizer = SpmConverter.build_tokenizer_from_spm_proto(proto, vocab)
     return HuggingFaceTokenizer(tokenizer.to_str().encode("utf-8"), bos_id=BOS_ID,
-                                eos_id=EOS_ID, pad_id=PAD_ID)
+                                eos_id=EOS_ID, pad_id=PAD_ID, eos_ids=eos_ids)

@@ -37,6 +37,8 @@ dropout (an import sets ours to it; an export writes `model.dropout_rate`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from transformer.data.tokenizer import SENTINEL_PIECE, HuggingFaceTokenizer
 from transformer.huggingface.mapping import (
     Tensors,
@@ -184,13 +186,14 @@ class T5:
         return out
 
 
-def read_spiece(path: str, *, vocab_size: int, pad_id: int, eos_id: int,
-                bos_id: int) -> HuggingFaceTokenizer:
+def read_spiece(path: str, *, vocab_size: int, pad_id: int, eos_id: int, bos_id: int,
+                eos_ids: Sequence[int] = ()) -> HuggingFaceTokenizer:
     """A `spiece.model` as the tokenizer `T5Tokenizer.from_pretrained` builds from it
     (transformers 5): its pieces and scores, then the `EXTRA_IDS` sentinels counting down
     (`<extra_id_0>` is the last id), its normaliser (the precompiled charsmap), split at
     whitespace with "▁" before each word, `</s>` appended by the post-processor (which our
-    encode leaves out). ValueError where its pad or EOS is not the model's."""
+    encode leaves out), ending texts at `eos_ids` too (generate's further ends). ValueError
+    where its pad or EOS is not the model's."""
     from sentencepiece import sentencepiece_model_pb2
     from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokenizers, processors
     from tokenizers.models import Unigram
@@ -217,4 +220,5 @@ def read_spiece(path: str, *, vocab_size: int, pad_id: int, eos_id: int,
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"$A {eos}", pair=f"$A {eos} $B {eos}", special_tokens=[(eos, eos_id)])
     return HuggingFaceTokenizer(tokenizer.to_str().encode("utf-8"), bos_id=bos_id,
-                                eos_id=eos_id, pad_id=pad_id, vocab_size=vocab_size)
+                                eos_id=eos_id, pad_id=pad_id, vocab_size=vocab_size,
+                                eos_ids=eos_ids)

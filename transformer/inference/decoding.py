@@ -11,7 +11,10 @@ lp(Y) = ((5 + |Y|) / 6)^alpha (Wu et al., 2016) applied to finished hypotheses, 
 output length input length + 50 per sentence, and early termination: a sentence stops when no
 alive hypothesis can still beat its best finished one. Each step expands the W alive hypotheses
 into their 2W best continuations; those among the best W that end in EOS finish (as in fairseq),
-the best W that do not stay alive.
+the best W that do not stay alive. Every search also ends a hypothesis at any id of `stop_ids`
+(the further ends an imported checkpoint's generation config lists, as `transformers`'
+`generate` with a list `eos_token_id`); the end forced at the length limit is `eos_id` (as
+Marian's `forced_eos_token_id`).
 
 Sampling (language models) draws each token from softmax(logits / temperature), restricted to
 the `top_k` most likely tokens and to the smallest set whose probability reaches `top_p`
@@ -42,6 +45,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from transformer.data.tokenizer import PAD_ID  # never a target, so never decoded
 
@@ -104,9 +108,11 @@ def _until(cond: Callable[[dict], jax.Array], body: Callable[[dict], dict], stat
 
 
 def greedy_search(decode_fn: DecodeFn, cache: Any, *, bos: jax.Array, max_lengths: jax.Array,
-                  max_length: int, eos_id: int, cache_lengths: Sequence[int] = (),
+                  max_length: int, eos_id: int, stop_ids: Sequence[int] = (),
+                  cache_lengths: Sequence[int] = (),
                   grow_cache: GrowFn | None = None) -> jax.Array:
-    """Tokens [B, T] (T = max_length), each row ending at its first EOS, zeros after.
+    """Tokens [B, T] (T = max_length), each row ending at its first EOS or id of `stop_ids`,
+    zeros after.
 
     `bos` [B] holds the start tokens, `max_lengths` [B] each row's output limit (<= T).
     `cache_lengths` and `grow_cache`: a staged search (module docstring).
@@ -118,7 +124,8 @@ def greedy_search(decode_fn: DecodeFn, cache: Any, *, bos: jax.Array, max_length
         return jnp.argmax(logprobs, axis=-1).astype(jnp.int32)
 
     return _token_by_token(decode_fn, cache, logits, choose, max_length=max_length,
-                           eos_ids=(eos_id,), cache_lengths=cache_lengths, grow_cache=grow_cache)
+                           eos_ids=(eos_id, *stop_ids), cache_lengths=cache_lengths,
+                           grow_cache=grow_cache)
 
 
 def _token_by_token(decode_fn: DecodeFn, cache: Any, logits: jax.Array,
@@ -147,6 +154,13 @@ def _token_by_token(decode_fn: DecodeFn, cache: Any, logits: jax.Array,
                       grow_cache=grow_cache)["tokens"]
 
 
+def before_end(row: np.ndarray, eos_ids: Sequence[int]) -> list[int]:
+    """The tokens of a finished `row` before its first id of `eos_ids` (all of them without
+    one)."""
+    ends = np.flatnonzero(np.isin(row, eos_ids))
+    return row[:ends[0] if ends.size else len(row)].tolist()
+
+
 def _gather_beams(tree: Any, indices: jax.Array, batch: int, beam: int, batch_axis: int):
     """Reorders the rows of every cache leaf [.., B*W, ..] (batch axis `batch_axis`) so that row
     (b, w) takes row (b, indices[b, w]). With W > 1, leaves with one row per sentence (the
@@ -163,11 +177,13 @@ def _gather_beams(tree: Any, indices: jax.Array, batch: int, beam: int, batch_ax
 
 def beam_search(decode_fn: DecodeFn, cache: Any, *, bos: jax.Array, max_lengths: jax.Array,
                 max_length: int, beam_size: int, alpha: float, eos_id: int,
-                cache_batch_axis: int = 0, cache_lengths: Sequence[int] = (),
+                stop_ids: Sequence[int] = (), cache_batch_axis: int = 0,
+                cache_lengths: Sequence[int] = (),
                 grow_cache: GrowFn | None = None,
                 ) -> tuple[jax.Array, jax.Array]:
     """Finished hypotheses [B, W, T] and their scores [B, W] (log-probability over the length
-    penalty), best first. Rows end at EOS (forced at `max_lengths` [B]), zeros after.
+    penalty), best first. Rows end at EOS (forced at `max_lengths` [B]) or an id of `stop_ids`,
+    zeros after.
 
     `decode_fn` works on B * W rows (sentence b's beams are rows b*W .. b*W+W-1); `bos` [B]
     holds the start tokens. The cache leaves with B * W rows along `cache_batch_axis` (1 when
@@ -180,7 +196,8 @@ def beam_search(decode_fn: DecodeFn, cache: Any, *, bos: jax.Array, max_lengths:
     """
     state = beam_search_start(decode_fn, cache, bos=bos, beam_size=beam_size,
                               max_length=max_length)
-    rules = _BeamRules(max_lengths, max_length, beam_size, alpha, eos_id, cache_batch_axis)
+    rules = _BeamRules(max_lengths, max_length, beam_size, alpha, eos_id, tuple(stop_ids),
+                       cache_batch_axis)
     state = _in_stages(rules.undecided, functools.partial(rules.expand, decode_fn), state,
                        max_length=max_length, cache_lengths=cache_lengths,
                        grow_cache=grow_cache)
@@ -207,12 +224,14 @@ def beam_search_start(decode_fn: DecodeFn, cache: Any, *, bos: jax.Array, beam_s
 
 def beam_search_steps(decode_fn: DecodeFn, state: dict, *, until: jax.Array | int,
                       max_lengths: jax.Array, max_length: int, beam_size: int, alpha: float,
-                      eos_id: int, cache_batch_axis: int = 0) -> dict:
+                      eos_id: int, stop_ids: Sequence[int] = (),
+                      cache_batch_axis: int = 0) -> dict:
     """Steps of a beam search that its caller runs in parts (`beam_search`'s arguments): from
     `state` while some sentence is open, up to step `until` (exclusive; a traced value does
     not recompile). The cache must be long enough (`stage_end`; the caller grows it). Run
     to step T, the result is `beam_search`'s."""
-    rules = _BeamRules(max_lengths, max_length, beam_size, alpha, eos_id, cache_batch_axis)
+    rules = _BeamRules(max_lengths, max_length, beam_size, alpha, eos_id, tuple(stop_ids),
+                       cache_batch_axis)
     return _until(rules.undecided, functools.partial(rules.expand, decode_fn), state, until)
 
 
@@ -255,11 +274,13 @@ class _BeamRules:
     beam_size: int
     alpha: float
     eos_id: int
+    stop_ids: tuple[int, ...]  # further ends
     cache_batch_axis: int
 
     def expand(self, decode_fn: DecodeFn, state: dict) -> dict:
         """The W alive hypotheses expanded into their 2W best continuations: those among the
-        best W that end in EOS finish, the best W that do not stay alive and take a step."""
+        best W that end in EOS (or an id of `stop_ids`) finish, the best W that do not stay
+        alive and take a step."""
         beam_size, step = self.beam_size, state["step"]
         batch = state["alive_logprobs"].shape[0]
         logprobs = _next_logprobs(state["logits"], step, self.max_lengths,
@@ -271,7 +292,7 @@ class _BeamRules:
         origin, token = top_ids // vocab, (top_ids % vocab).astype(jnp.int32)
         seqs = jnp.take_along_axis(state["alive_seqs"], origin[..., None], axis=1)
         seqs = seqs.at[:, :, step].set(token)
-        is_eos = token == self.eos_id
+        is_eos = jnp.isin(token, jnp.asarray((self.eos_id, *self.stop_ids), jnp.int32))
 
         # Finished: the candidates among the best W that end in EOS (as fairseq), scored with
         # the length penalty. So a beam of 1 is greedy search when alpha is 0.

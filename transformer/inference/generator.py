@@ -121,8 +121,8 @@ class Generator:
                                                rows=min(_power_of_two(len(chunk)), batch_size),
                                                **options)
                     for i, row in zip(chunk, tokens, strict=True):
-                        out[i] = self.tokenizer.decode(encoded[i] + _before_end(row,
-                                                                                self.eos_ids))
+                        out[i] = self.tokenizer.decode(encoded[i] + decoding.before_end(
+                            row, self.eos_ids))
                     bar.update(len(chunk))
         return out
 
@@ -203,12 +203,6 @@ def _check_options(*, max_new_tokens, temperature, top_k, top_p) -> None:
                                   ("top_p", top_p, 0.0 < top_p <= 1.0, "in (0, 1]")):
         if not ok:
             raise ValueError(f"{name}={value} must be {want}")
-
-
-def _before_end(row: np.ndarray, eos_ids: tuple[int, ...]) -> list[int]:
-    """The tokens of `row` before its first id of `eos_ids` (all of them without one)."""
-    ends = np.flatnonzero(np.isin(row, eos_ids))
-    return row[:ends[0] if ends.size else len(row)].tolist()
 
 
 def _power_of_two(n: int) -> int:

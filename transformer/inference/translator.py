@@ -6,7 +6,9 @@
 
 Sentences are SentencePiece-encoded with the run's vocabulary (`<workdir>/vocab/`), followed by
 EOS as in training, padded into length buckets (one compiled search per bucket), and decoded with
-beam search (the config's `decode.*`: beam 4, alpha 0.6, input length + 50) or greedily.
+beam search (the config's `decode.*`: beam 4, alpha 0.6, input length + 50) or greedily. A
+hypothesis ends at EOS or at any further end the vocabulary lists (`eos_ids`: an imported
+checkpoint's generation config), as `transformers`' `generate` does.
 """
 
 from __future__ import annotations
@@ -56,10 +58,12 @@ class Translator:
     config: ConfigDict  # a `Resolved.config`: decode.* settings
     model_config: TransformerConfig
     params: dict
-    tokenizer: object  # transformer.data.tokenizer.Tokenizer
+    tokenizer: object  # transformer.data.tokenizer.Tokenizer (None: ids only, EOS ends)
 
     def __post_init__(self):
         self.model = Transformer(self.model_config)
+        ends = self.tokenizer.eos_ids if self.tokenizer is not None else ()
+        self.stop_ids = tuple(i for i in ends if i != self.model_config.eos_id)
         # Host arrays go to the default device; jax.Arrays (e.g. sharded by training, over
         # several processes) stay where they are.
         self.params = jax.tree.map(
@@ -120,13 +124,14 @@ class Translator:
                 ids = self.translate_ids([encoded[j] for j in chunk], beam_size=beam_size,
                                          alpha=alpha, max_extra_length=extra)
                 for j, row in zip(chunk, ids, strict=True):
-                    out[todo[j]] = self.tokenizer.decode(row)
+                    out[todo[j]] = self.tokenizer.decode(decoding.before_end(row,
+                                                                             self.stop_ids))
                 bar.update(len(chunk))
         return out
 
     def translate_ids(self, sources: list[list[int]], *, beam_size: int, alpha: float,
                       max_extra_length: int) -> np.ndarray:
-        """Best hypotheses [B, L] for source id lists (EOS included); zeros after EOS. The
+        """Best hypotheses [B, L] for source id lists (EOS included); zeros after the end. The
         batch is padded to a power of two rows (copies of the first source, dropped after),
         so batches of any size compile a few programs per bucket, not one per size."""
         longest = max(len(s) for s in sources)
@@ -140,10 +145,11 @@ class Translator:
                                  self.model_config.max_len)
         max_length = int(min(length + max_extra_length, self.model_config.max_len))
         if beam_size > 1 and rows > 1 and _staged(self.model.config, max_length):
-            search = _BeamSearchDroppingDecided(self.model, beam_size, float(alpha), max_length)
+            search = _BeamSearchDroppingDecided(self.model, beam_size, float(alpha), max_length,
+                                                self.stop_ids)
             return search(self.params, inputs, max_lengths)[:len(sources)]
         search = _search_fn(self.model, beam_size, float(alpha), max_length,
-                            self.model_config.scan_layers)
+                            self.model_config.scan_layers, self.stop_ids)
         return _to_host(search(self.params, inputs, max_lengths))[:len(sources)]
 
 
@@ -173,8 +179,9 @@ def _decode_fn(model: Transformer, params, encoded, inputs) -> decoding.DecodeFn
 
 @functools.lru_cache(maxsize=32)
 def _search_fn(model: Transformer, beam_size: int, alpha: float, max_length: int,
-               scan_layers: bool):
-    """A jitted search `(params, inputs [B, S], max_lengths [B]) -> tokens [B, L]`."""
+               scan_layers: bool, stop_ids: tuple[int, ...] = ()):
+    """A jitted search `(params, inputs [B, S], max_lengths [B]) -> tokens [B, L]`, rows ending
+    at EOS or an id of `stop_ids`."""
 
     def search(params, inputs, max_lengths):
         batch = inputs.shape[0]
@@ -191,11 +198,12 @@ def _search_fn(model: Transformer, beam_size: int, alpha: float, max_length: int
         if beam_size == 1:
             return decoding.greedy_search(decode_fn, cache, bos=bos, max_lengths=max_lengths,
                                           max_length=max_length, eos_id=model.config.eos_id,
-                                          **staged)
+                                          stop_ids=stop_ids, **staged)
         seqs, _ = decoding.beam_search(decode_fn, cache, bos=bos, max_lengths=max_lengths,
                                        max_length=max_length, beam_size=beam_size,
                                        alpha=alpha, eos_id=model.config.eos_id,
-                                       cache_batch_axis=1 if scan_layers else 0, **staged)
+                                       stop_ids=stop_ids, cache_batch_axis=1 if scan_layers else 0,
+                                       **staged)
         return seqs[:, 0]
 
     return jax.jit(search)
@@ -216,12 +224,13 @@ class _BeamSearchDroppingDecided:
     beam_size: int
     alpha: float
     max_length: int
+    stop_ids: tuple[int, ...] = ()  # ends besides EOS
 
     def __call__(self, params, inputs: np.ndarray, max_lengths: np.ndarray) -> np.ndarray:
         """Best hypotheses [B, T] of `inputs` [B, S] (B a power of two)."""
         lengths = decoding.stage_lengths(self.max_length, DECODE_STAGE)
         start, steps, grow, select = _dropping_fns(self.model, self.beam_size, self.alpha,
-                                                   self.max_length, lengths[0])
+                                                   self.max_length, lengths[0], self.stop_ids)
         state = start(params, inputs)
         best = np.zeros((inputs.shape[0], self.max_length), np.int32)
         rows = np.arange(inputs.shape[0])  # the sentence of `inputs` each row of `state` holds
@@ -269,7 +278,7 @@ def _best(state: dict) -> np.ndarray:
 
 @functools.lru_cache(maxsize=32)
 def _dropping_fns(model: Transformer, beam_size: int, alpha: float, max_length: int,
-                  first_length: int):
+                  first_length: int, stop_ids: tuple[int, ...] = ()):
     """The jitted parts of `_BeamSearchDroppingDecided`: `start(params, inputs)` encodes and
     takes the first step; `steps(params, state, max_lengths, until)` runs up to step `until`
     and says which sentences are open; `grow(state, length=)` lengthens the cache;
@@ -293,7 +302,7 @@ def _dropping_fns(model: Transformer, beam_size: int, alpha: float, max_length: 
         search = decoding.beam_search_steps(
             decode_fn(params, state), state["search"], until=until, max_lengths=max_lengths,
             max_length=max_length, beam_size=beam_size, alpha=alpha, eos_id=model.config.eos_id,
-            cache_batch_axis=axis)
+            stop_ids=stop_ids, cache_batch_axis=axis)
         open_ = decoding.beam_search_open(search, max_lengths=max_lengths, alpha=alpha)
         return {**state, "search": search}, open_
 
