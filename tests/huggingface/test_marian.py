@@ -182,9 +182,16 @@ def _papers_run(tmp_path, load_config, rows=V):
 def test_the_papers_model_trained_here_exports_to_marian(tmp_path, load_config):
     """The paper's model loads as a MarianMTModel whose logits are ours (its features
     reordered into Marian's split sinusoid layout; its eps becomes 1e-5) and whose greedy
-    translation is ours."""
+    translation is ours. Exported over an earlier export of another tokenizer kind, the
+    directory holds Marian's files alone."""
     workdir, model, params = _papers_run(tmp_path, load_config)
+    (tmp_path / "hf").mkdir()
+    for stale in ("tokenizer.json", "tokenizer.model", "spiece.model", "generation_config.json"):
+        (tmp_path / "hf" / stale).write_text("stale")
     convert.export_workdir(str(workdir), str(tmp_path / "hf"))
+    assert sorted(path.name for path in (tmp_path / "hf").iterdir()) == [
+        "config.json", "model.safetensors", "source.spm", "target.spm", "tokenizer_config.json",
+        "vocab.json"]
     hf_model = transformers.MarianMTModel.from_pretrained(str(tmp_path / "hf")).eval()
     rng = np.random.default_rng(1)
     inputs = rng.integers(4, V, (2, 9)).astype(np.int64)

@@ -24,7 +24,8 @@ as `save_pretrained` writes them) that `transformers`' `from_pretrained` loads, 
 vocabulary as `tokenizer.json` or `tokenizer.model` (and T5's `spiece.model` where the import
 read one) with a `tokenizer_config.json` that `AutoTokenizer` reads it by, and a
 `generation_config.json` listing the vocabulary's ends where it has more than `model.eos_id`
-(with config.json's decoder start and forced end, which `generate` then reads from it).
+(with config.json's decoder start and forced end, which `generate` then reads from it). An
+earlier export's files in `out_dir` (`EXPORTED_FILES`, any tokenizer kind's) are removed first.
 """
 
 from __future__ import annotations
@@ -68,6 +69,10 @@ DEFAULT_CONFIG = {"decoder": "lm_default.py", "vision": "vit_b16_imagenet.py",
 MAX_SHARD_BYTES = 5 * 10**9  # export: bytes per safetensors file (save_pretrained's "5GB")
 IMPORTED_STEP = 0  # the params-only series step an import writes (no update made yet)
 EMBEDDING = "embedding/embedding"
+# Files an export may write beside the tensors: an earlier export's are removed first, so that
+# a tokenizer of another kind (tokenizer.json beside a Marian's vocab.json) does not stay.
+EXPORTED_FILES = (GENERATION_CONFIG, TOKENIZER_CONFIG, TOKENIZER_MODEL, tokenizer_lib.JSON_FILE,
+                  t5.SPIECE_FILE, marian.SOURCE_SPM, marian.TARGET_SPM, marian.VOCAB_JSON)
 
 
 def read_json(path: str, what: str) -> dict:
@@ -329,8 +334,8 @@ def export_workdir(workdir: str, out_dir: str, *, step: int | None = None,
         ours[EMBEDDING] = table * np.sqrt(np.float32(model_cfg.d_model))
     os.makedirs(out_dir, exist_ok=True)
     for old in [*pathlib.Path(out_dir).glob("model*.safetensors*"),  # an earlier export's
-                *pathlib.Path(out_dir).glob(GENERATION_CONFIG)]:
-        old.unlink()
+                *(pathlib.Path(out_dir) / name for name in EXPORTED_FILES)]:
+        old.unlink(missing_ok=True)
     with ShardWriter(out_dir, max_shard_bytes) as writer:
         for group in groups:
             values = group.to_hf([np.asarray(ours[name]) for name in group.ours])
