@@ -1,6 +1,7 @@
 """`data.workers` (`transformer/data/workers.py`): batches from Grain worker processes are those
 the loop makes itself, bit for bit, from any start index; a run resumed with workers continues
-at its checkpoint's index with the same losses; a worker's error is one line naming it."""
+at its checkpoint's index with the same losses; a worker's error is one line naming it, and a
+SIGTERM (a preemption) is the main process' to handle."""
 
 import json
 import pathlib
@@ -56,6 +57,27 @@ def test_worker_batches_equal_the_loops_and_an_error_is_one_line(config, tmp_pat
     assert "data.vocab_size=65" in message
     with pytest.raises(ValueError, match=r"data.workers=-1 must be >= 0"):
         TrainBatches(source, config, workdir, (0, 8), start=0, count=1, workers=-1)
+
+
+def test_workers_leave_sigterm_to_the_main_process(config, tmp_path):
+    import multiprocessing
+    import os
+    import signal
+
+    from transformer.data import make_source
+    from transformer.data.workers import TrainBatches
+
+    workdir = str(tmp_path / "run")
+    source = make_source(config, workdir)
+    batches = TrainBatches(source, config, workdir, (0, 8), start=0, count=3, workers=1)
+    try:
+        next(batches)
+        for child in multiprocessing.active_children():  # Grain's worker
+            os.kill(child.pid, signal.SIGTERM)  # a preemption signals every process
+        np.testing.assert_array_equal(next(batches)["targets"],
+                                      source.train_batch(1, (0, 8))["targets"])
+    finally:
+        batches.close()
 
 
 def _losses(workdir) -> dict[int, float]:

@@ -11,6 +11,7 @@ its checkpoint's index. A worker's error ends the run as one line naming the wor
 from __future__ import annotations
 
 import itertools
+import signal
 from collections.abc import Iterator
 
 import numpy as np
@@ -41,11 +42,14 @@ class _Batch:
         return self._source.train_batch(int(index), self.rows)
 
 
-def _cpu_only(worker: int, workers: int) -> None:
-    """Keeps JAX in a worker (Grain imports it) off the accelerator the trainer holds."""
+def _start_worker(worker: int, workers: int) -> None:
+    """Keeps JAX in a worker (Grain imports it) off the accelerator the trainer holds, and
+    leaves SIGTERM (a preemption, often sent to every process) to the main process, which
+    saves a checkpoint at its next step and then stops the workers."""
     import jax
 
     jax.config.update("jax_platforms", "cpu")
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 class TrainBatches(Iterator[Batch]):
@@ -73,7 +77,7 @@ class TrainBatches(Iterator[Batch]):
         self._iterator = iter(dataset.to_iter_dataset(
             grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)).mp_prefetch(
             grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=1),
-            worker_init_fn=_cpu_only))
+            worker_init_fn=_start_worker))
         self._batches = self._iterator
 
     def __next__(self) -> Batch:
