@@ -27,6 +27,8 @@ SCALES = {"embedding": 0.1, "attention": 2.0, "logits": 3.0}
 class CharTokenizer:
     """One piece per character (ids 4..V-1), enough for `Generator.generate`."""
 
+    eos_ids = (3,)
+
     def encode(self, texts):
         return [[4 + ord(c) % (V - 4) for c in text] for text in texts]
 

@@ -58,7 +58,8 @@ class Generator:
     def __post_init__(self):
         _require_decoder(self.model_config.architecture)
         self.start = prompt_start(self.tokenizer, self.model_config.bos_id)
-        self.eos_ids = tuple(getattr(self.tokenizer, "eos_ids", (self.model_config.eos_id,)))
+        self.eos_ids = (tuple(self.tokenizer.eos_ids) if self.tokenizer is not None
+                        else (self.model_config.eos_id,))  # token ids without a vocabulary
         self.model = Transformer(self.model_config)
         self.prefix_lm = self.config.data.get("objective") == "prefix"
         self.params = jax.tree.map(
