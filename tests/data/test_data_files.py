@@ -385,7 +385,8 @@ def test_data_vocab_path_uses_an_existing_sentencepiece_model_as_is(lm_files_con
     kept = tokenizer_lib.load(str(tmp_path / "run" / "vocab"))
     assert kept.sha256 == given.sha256  # the run's own copy, for resume and inference
     lm_files_config.data.vocab_path = str(tmp_path / "missing.model")
-    with pytest.raises(ValueError, match=r"data.vocab_path=.*missing.model.*not a readable"):
+    lm_files_config.data.dataset = f"jsonl:{tmp_path}/none/*.jsonl"  # read after the path
+    with pytest.raises(ValueError, match=r"^data.vocab_path=.*missing.model.*not a readable"):
         from_config(lm_files_config, str(tmp_path / "other"))
 
 

@@ -160,6 +160,9 @@ class LanguageModelSource:
         self.num_sentinels = int(num_sentinels)
         self.validation_split, self.eval_documents = eval_split, int(eval_documents)
         self.workdir, self.vocab_path = workdir, vocab_path
+        # read first: a bad data.vocab_path is one line before any shard is counted
+        self._given = (tokenizer_lib.read_given(vocab_path) if vocab_path and not tokenizer
+                       else None)
         self._sources: dict[str, object] = {}
         self.files = None  # {split: FileDocuments} for a source of files
         if sources or files.parse_spec(dataset):
@@ -256,9 +259,9 @@ class LanguageModelSource:
 
         info = {"dataset": self.name, "sample_documents": int(len(sample)),
                 "features": self.keys}
-        if self.vocab_path:  # used as is; a run keeps a copy in <workdir>/vocab/
+        if self._given:  # used as is; a run keeps a copy in <workdir>/vocab/
             return tokenizer_lib.keep_given(
-                tokenizer_lib.read_given(self.vocab_path), self.vocab_path,
+                self._given, self.vocab_path,
                 self.workdir and workdir_lib.path(self.workdir, workdir_lib.VOCAB), vocab_size,
                 expected_sha256=self.workdir and workdir_lib.recorded_vocabulary(self.workdir),
                 num_sentinels=self.num_sentinels)
