@@ -54,7 +54,8 @@ def get_config():
         eval_batch_size=16,
         data_dir=config_dict.placeholder(str),  # TFDS data_dir; None: TFDS's default
         manual_dir=config_dict.placeholder(str),  # an unpacked tree instead of apt (tests)
-        vocab_sample_pairs=100_000))  # more than the corpus: the whole training split
+        vocab_sample_pairs=100_000,  # more than the corpus: the whole training split
+        workers=0))  # Grain processes producing this process's batches; 0: the loop itself
     cfg.grad_accum_steps = 1
     cfg.model = config_dict.ConfigDict(dict(
         architecture="encoder_decoder", vocab_size=cfg.data.get_ref("vocab_size"),
