@@ -48,6 +48,7 @@ from transformer.model.config import TransformerConfig
 
 log = logging.getLogger("transformer")
 SOURCE_SPM, TARGET_SPM, VOCAB_JSON = "source.spm", "target.spm", "vocab.json"
+PADDING_PIECE = "<padding_{}>"  # vocab.json's name of a padded vocabulary's row past the pieces
 NEVER = -1e9  # a logit bias no token wins with
 HF_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which Marian's layers keep
 ACTIVATIONS = {"relu": ("relu", {}), "swish": ("silu", {}), "silu": ("silu", {}),
@@ -247,8 +248,9 @@ class Marian:
 def write_vocabulary(spm_path: str, out_dir: str, cfg: TransformerConfig) -> None:
     """`MarianTokenizer`'s files from our SentencePiece model: it as `source.spm` and
     `target.spm`, `vocab.json` mapping each piece to its id, and `tokenizer_config.json`.
-    A padded vocabulary's rows past the pieces get no entry (config.json's `vocab_size`
-    counts them)."""
+    A padded vocabulary's rows past the pieces (up to `cfg.vocab_size`) are `PADDING_PIECE`s,
+    special tokens, so that `MarianTokenizer.decode` reads every id the model may generate
+    (and drops them with `skip_special_tokens`, as ours)."""
     from transformer.data.tokenizer import Tokenizer
 
     if not spm_path.endswith(".model"):
@@ -256,22 +258,29 @@ def write_vocabulary(spm_path: str, out_dir: str, cfg: TransformerConfig) -> Non
     tokenizer = Tokenizer.load(spm_path)
     for name in (SOURCE_SPM, TARGET_SPM):
         shutil.copyfile(spm_path, os.path.join(out_dir, name))
-    vocab = {tokenizer.id_to_piece(i): i for i in range(tokenizer.vocab_size)}
+    padding = _padding(tokenizer.pieces, cfg.vocab_size)
+    vocab = {tokenizer.id_to_piece(i): i for i in range(tokenizer.pieces)} | padding
     with open(os.path.join(out_dir, VOCAB_JSON), "w") as f:
         json.dump(vocab, f, ensure_ascii=False, indent=0)
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "MarianTokenizer", "model_max_length": cfg.max_len,
-                   "separate_vocabs": False}, f, indent=2)
+                   "separate_vocabs": False} | (
+                       {"extra_special_tokens": list(padding)} if padding else {}), f, indent=2)
     if cfg.norm_eps != HF_NORM_EPS:
         log.warning("model.norm_eps=%g becomes Marian's LayerNorm epsilon %g: its logits "
                     "differ from the run's by about 1e-5", cfg.norm_eps, HF_NORM_EPS)
+
+
+def _padding(pieces: int, rows: int) -> dict[str, int]:
+    """vocab.json's entries of a padded vocabulary's rows `pieces` .. `rows` - 1."""
+    return {PADDING_PIECE.format(i): i for i in range(pieces, rows)}
 
 
 def read_vocabulary(hf_dir: str, hf: dict, eos_ids: Sequence[int] = ()):
     """The run's vocabulary from `MarianTokenizer`'s files: where they are one SentencePiece
     model whose own ids `vocab.json` lists (as `write_vocabulary` writes them), that model
     with config.json's `vocab_size` rows (more where a padded run's export counts rows past
-    the pieces);
+    the pieces, which vocab.json may list as `PADDING_PIECE`s);
     with OPUS-MT's ids, `source.spm` as a `tokenizer.json` with our ids (`opus_vocabulary`);
     ValueError naming the file otherwise. It ends texts at `eos_ids` (the checkpoint's ids:
     generate's ends) too."""
@@ -292,8 +301,9 @@ def read_vocabulary(hf_dir: str, hf: dict, eos_ids: Sequence[int] = ()):
     tokenizer = Tokenizer.load(source, vocab_size=hf["vocab_size"], eos_ids=eos_ids)
     with open(vocab) as f:
         ids = json.load(f)
-    if any(tokenizer.id_to_piece(i) != piece for piece, i in ids.items()) or (
-            len(ids) != tokenizer.pieces):
+    pieces = {tokenizer.id_to_piece(i): i for i in range(tokenizer.pieces)}
+    if not pieces.items() <= ids.items() <= (pieces | _padding(tokenizer.pieces,
+                                                               tokenizer.vocab_size)).items():
         raise ValueError(f"{vocab} numbers the pieces otherwise than {source}")
     return tokenizer
 
