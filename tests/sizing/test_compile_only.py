@@ -1,6 +1,7 @@
 """`train.py --compile_only`: the memory plan's accounting (in-process, small configs) and the
 CLI on large configs over 8 fake devices, which must report memory and allocate nothing large."""
 
+import dataclasses
 import os
 import pathlib
 import subprocess
@@ -46,6 +47,28 @@ def test_activation_bytes_match_the_docstring_formula_by_hand(load_config):
     assert memory.activation_bytes(model, rows=2, source_length=12, target_length=13,
                                    loss_chunk_tokens=8) == (
         2 * (per_sequence - 3_328) + 2 * 3_328 + 2_048 + 8_192)  # logits out, d hidden in
+
+
+@pytest.mark.parametrize("factor, encoder_rows, decoder_rows", [
+    (1.25, 32, 36),  # capacity: E·ceil(1.25·L·2 / 4) slots, L = 12 and 13
+    (0.0, 24, 26)])  # dropless: k·L
+def test_a_routed_layer_keeps_its_experts_rows(load_config, factor, encoder_rows, decoder_rows):
+    """configs/tiny.py (float32, ReLU, F 128, D 64, 2 + 2 layers, remat none) with 4 experts,
+    2 a token: each layer's FFN keeps R rows of F twice (before and after the activation) and
+    the dispatched tokens and the experts' outputs (2·R·D) where the dense one keeps L rows of
+    F twice; the rest is the same. Per sequence: 2 x [(R_S - 12)·128·2 + 2·R_S·64] + 2 x
+    [(R_T - 13)·128·2 + 2·R_T·64] elements of 4 bytes."""
+    dense = resolve(load_config("tiny.py", **{"model.remat_policy": "none"})).model
+    routed = dataclasses.replace(dense, num_experts=4, experts_per_token=2,
+                                 moe_capacity_factor=factor)
+    elements = 2 * ((encoder_rows - 12) * 256 + 128 * encoder_rows) + 2 * (
+        (decoder_rows - 13) * 256 + 128 * decoder_rows)
+    sizes = dict(rows=2, source_length=12, target_length=13)
+    assert memory.activation_bytes(routed, **sizes) - memory.activation_bytes(dense, **sizes) \
+        == 2 * 4 * elements
+    shared = dataclasses.replace(routed, moe_shared_expert=True)  # + a dense FFN a layer
+    assert memory.activation_bytes(shared, **sizes) - memory.activation_bytes(routed, **sizes) \
+        == 2 * 4 * (2 * 12 * (256 + 192) + 2 * 13 * (256 + 192))
 
 
 def test_abstract_batch_follows_each_batch_layout(load_config):

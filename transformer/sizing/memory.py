@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 from transformer.config import Resolved
 from transformer.data import span_corruption
 from transformer.model.config import TransformerConfig
-from transformer.ops import attention, linear_attention
+from transformer.ops import attention, linear_attention, moe
 from transformer.sizing import flops, step_time
 from transformer.training import sharding
 from transformer.training import step as step_lib
@@ -168,27 +168,41 @@ def _attention_elements(model, tensor, q_len, kv_len, policy,
     return 0, 0  # full: nothing inside the layer
 
 
-def _ffn_elements(model, tensor, length, policy) -> int:
-    """Compute-dtype elements one feed-forward sublayer saves per sequence."""
+def _expert_rows(model, length: int) -> int:
+    """Rows a routed layer's experts run for a sequence of `length` tokens: k per token
+    (dropless), or E x capacity slots (capacity dispatch, the sequence its group)."""
+    k, e, factor = model.experts_per_token, model.num_experts, model.moe_capacity_factor
+    return e * moe.capacity(length, k, e, factor) if factor else length * k
+
+
+def _ffn_elements(model, tensor, length, policy, routed: bool = False) -> int:
+    """Compute-dtype elements one feed-forward sublayer saves per sequence; a routed one runs
+    its experts over `_expert_rows`, keeps the dispatched tokens and the experts' outputs
+    (rows x D each), and a shared expert's dense sublayer beside them."""
     f, d = _local(model.d_ff, tensor), model.d_model
     matmuls_in = 2 if model.activation == "swiglu" else 1  # ff_in (and ff_gate)
+    rows = _expert_rows(model, length) if routed else length
+    dispatched = 2 * rows * d if routed else 0
+    shared = (_ffn_elements(model, tensor, length, policy)
+              if routed and model.moe_shared_expert else 0)
     if policy == "none":  # hidden before/after the activation (and the gate), out, residual, norm
-        return length * (f * (matmuls_in + 1) + 3 * d)
+        return rows * f * (matmuls_in + 1) + dispatched + 3 * length * d + shared
     if policy in ("dots", "dots_no_batch"):  # ff_in (ff_gate) and ff_out outputs
-        return length * (f * matmuls_in + d)
+        return rows * (f * matmuls_in + d) + shared
     return 0
 
 
-def _layer_bytes(model, tensor, q_len, kv_len, cross_len, policy) -> int:
+def _layer_bytes(model, tensor, q_len, kv_len, cross_len, policy, routed: bool = False) -> int:
     """Bytes one layer saves per sequence: self-attention over `kv_len`, cross-attention to
-    `cross_len` source tokens (0: none), feed-forward; plus the layer input (always kept)."""
+    `cross_len` source tokens (0: none), feed-forward (`routed`: experts); plus the layer
+    input (always kept)."""
     itemsize = jnp.dtype(model.dtype).itemsize
     compute, f32 = _attention_elements(model, tensor, q_len, kv_len, policy,
                                        linear=model.attention_kind == "linear")
     if cross_len:
         cross = _attention_elements(model, tensor, q_len, cross_len, policy)
         compute, f32 = compute + cross[0], f32 + cross[1]
-    compute += _ffn_elements(model, tensor, q_len, policy) + q_len * model.d_model
+    compute += _ffn_elements(model, tensor, q_len, policy, routed) + q_len * model.d_model
     return compute * itemsize + f32 * 4
 
 
@@ -214,6 +228,11 @@ def activation_bytes(model: TransformerConfig, *, rows: int, source_length: int,
         dots_no_batch   as dots without Q·K^T and A·V (they have batch dimensions)
         full        nothing but the layer input
 
+    A routed layer (`model.num_experts`) runs its FFN over R rows instead of q_len: R = k·q_len
+    (dropless) or E·C (capacity dispatch, C = ceil(factor·q_len·k / E)), and keeps the
+    dispatched tokens and the experts' outputs, 2·R·D ("none"); its shared expert, if any, is a
+    dense FFN beside them. Not counted: the router's logits, and under expert parallelism the
+    tokens a device gathers from its expert group (dropless).
     An encoder layer attends S to S; a decoder layer T to T, then (encoder-decoder) T to S;
     the vision model is an encoder whose logits are one row of num_classes per image.
     With remat, the backward pass recomputes one layer at a time: one layer's "none" figure is
@@ -232,11 +251,11 @@ def activation_bytes(model: TransformerConfig, *, rows: int, source_length: int,
     if model.architecture not in ("encoder", "vision", "classifier"):
         cross = s if model.architecture == "encoder_decoder" else 0
         stacks.append((model.num_decoder_layers, t, t, cross))
-    per_sequence = sum(num * _layer_bytes(model, tensor, q, kv, c, policy)
-                       for num, q, kv, c in stacks)
+    per_sequence = sum(_layer_bytes(model, tensor, q, kv, c, policy, model.routed(layer))
+                       for num, q, kv, c in stacks for layer in range(num))
     if policy != "none":
-        per_sequence += max(_layer_bytes(model, tensor, q, kv, c, "none")
-                            for _, q, kv, c in stacks)
+        per_sequence += max(_layer_bytes(model, tensor, q, kv, c, "none", model.routed(layer))
+                            for num, q, kv, c in stacks for layer in range(num))
     per_sequence += sum(q * model.d_model * itemsize for _, q, _, _ in stacks)
     output_length = 1 if model.classifies else s if model.architecture == "encoder" else t
     vocab = _local(model.num_classes if model.classifies else model.vocab_size, tensor)
