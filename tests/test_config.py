@@ -34,6 +34,13 @@ def test_bad_config_fails_before_device_work(overrides, message, tiny_config):
     assert "\n" not in str(error.value)
 
 
+def test_a_negative_worker_count_is_one_line_before_device_work(load_config):
+    cfg = load_config("default.py", **{"data.workers": -1})
+    with pytest.raises(ValueError, match=r"^data.workers=-1 must be >= 0 \(0: the training "
+                                         r"loop produces each batch itself\)$"):
+        resolve(cfg, 8)
+
+
 NEEDS_A_RUN = {"configs/finetune.py"}  # test_huggingface fine-tunes an imported run with it
 POD_DEVICES = {"configs/mixtral_8x7b.py": 64}  # a fixed mesh (expert 8 x fsdp 8): its pod's
 CONFIG_FILES = sorted(str(p.relative_to(ROOT)) for p in [

@@ -202,6 +202,9 @@ def _check_values(cfg: ConfigDict, model: TransformerConfig) -> None:
                 "bleu_every_steps", "params_every_minutes"):
         if cfg[key] < 0:
             raise ValueError(f"{key}={cfg[key]} must be >= 0 (0 turns it off)")
+    if int(cfg.data.get("workers") or 0) < 0:
+        raise ValueError(f"data.workers={cfg.data.workers} must be >= 0 (0: the training loop "
+                         f"produces each batch itself)")
     if cfg.bleu_every_steps and cfg.bleu_num_sentences < 1:
         raise ValueError(f"bleu_num_sentences={cfg.bleu_num_sentences} must be >= 1 when "
                          f"bleu_every_steps={cfg.bleu_every_steps} (0 turns BLEU off)")
