@@ -82,6 +82,22 @@ TRANSLATION_SENTENCES = [
 ] * 20
 
 
+def byte_level_bpe(texts, *, vocab_size: int, special_tokens=(), added_tokens=()):
+    """A byte-level BPE tokenizer (GPT-2's kind) trained by the `tokenizers` library:
+    `special_tokens` take the first ids, `added_tokens` the ids after the trained pieces."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    if added_tokens:
+        tokenizer.add_special_tokens(list(added_tokens))
+    return tokenizer
+
+
 def params_run(workdir: pathlib.Path, cfg, params) -> pathlib.Path:
     """`workdir` (created) as a run holding `params` at step 1 as its params series, with
     config.json from `cfg`: what the Hugging Face export reads."""

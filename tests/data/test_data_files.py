@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
+from conftest import byte_level_bpe
 
 from transformer.data import files
 from transformer.data.permutation import Permutation
@@ -391,15 +392,8 @@ def test_data_vocab_path_uses_an_existing_sentencepiece_model_as_is(lm_files_con
 
 
 def train_tokenizer_json(path, special_tokens, texts):
-    """A byte-level BPE tokenizer.json (GPT-2's kind) trained by the `tokenizers` library."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    model = Tokenizer(models.BPE())
-    model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    model.decoder = decoders.ByteLevel()
-    model.train_from_iterator(texts, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=special_tokens,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    """A byte-level BPE tokenizer.json (GPT-2's kind) of 300 ids saved at `path`."""
+    model = byte_level_bpe(texts, vocab_size=300, special_tokens=special_tokens)
     path.parent.mkdir(parents=True, exist_ok=True)
     model.save(str(path))
     return model

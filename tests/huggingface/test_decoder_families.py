@@ -8,7 +8,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import TRANSLATION_SENTENCES
+from conftest import TRANSLATION_SENTENCES, byte_level_bpe
 from test_huggingface import (
     SPECIAL,
     TOKENS,
@@ -119,18 +119,11 @@ def test_qwen2_biases_and_windows_logits_generation_and_round_trip(tmp_path, win
 def _qwen2_tokenizer(hf_dir):
     """Qwen2's kind of tokenizer.json in `hf_dir`: byte-level BPE (no BOS put before a text)
     with its <|endoftext|>, <|im_start|> and <|im_end|> special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     from transformer.data import tokenizer as tokenizer_lib
 
     hf_dir.mkdir()
-    json_tokenizer = Tokenizer(models.BPE())
-    json_tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    json_tokenizer.decoder = decoders.ByteLevel()
-    json_tokenizer.train_from_iterator(TRANSLATION_SENTENCES, trainers.BpeTrainer(
-        vocab_size=320, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
-    json_tokenizer.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    json_tokenizer = byte_level_bpe(TRANSLATION_SENTENCES, vocab_size=320, added_tokens=[
+        "<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     json_tokenizer.save(str(hf_dir / tokenizer_lib.JSON_FILE))
     return json_tokenizer
 

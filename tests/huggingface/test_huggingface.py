@@ -9,7 +9,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 import pytest
-from conftest import TRANSLATION_SENTENCES, params_run
+from conftest import TRANSLATION_SENTENCES, byte_level_bpe, params_run
 from safetensors.numpy import load_file
 
 from transformer.checkpoint import averaging
@@ -257,15 +257,8 @@ def _llama_sentencepiece(path):
 def _gpt2_tokenizer_json(path):
     """GPT-2's kind of vocabulary: byte-level BPE in a tokenizer.json, "<|endoftext|>" last as
     both bos and eos, no padding (id 0 is an ordinary token)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.train_from_iterator(TRANSLATION_SENTENCES, trainers.BpeTrainer(
-        vocab_size=320, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
-    tokenizer.add_special_tokens(["<|endoftext|>"])
+    tokenizer = byte_level_bpe(TRANSLATION_SENTENCES, vocab_size=320,
+                               added_tokens=["<|endoftext|>"])
     tokenizer.save(str(path / tokenizer_lib.JSON_FILE))
     last = tokenizer.get_vocab_size() - 1
     return last + 1, dict(bos_token_id=last, eos_token_id=last)

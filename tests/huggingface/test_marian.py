@@ -182,6 +182,18 @@ def _papers_run(tmp_path, load_config, rows=V):
     return workdir, model, params
 
 
+def _assert_same_logits(hf_model, model, params, *, target_ids: int, atol: float) -> None:
+    """The exported Marian's logits are ours on 2 random sources (EOS-ended, one padded) and
+    targets of ids below `target_ids`."""
+    rng = np.random.default_rng(1)
+    inputs = rng.integers(4, V, (2, 9)).astype(np.int64)
+    inputs[:, -1], inputs[1, 5:] = 3, 0
+    targets = rng.integers(4, target_ids, (2, 7)).astype(np.int64)
+    ours = model.apply({"params": params}, inputs.astype(np.int32), targets.astype(np.int32))
+    np.testing.assert_allclose(_hf_logits(hf_model, inputs, targets), np.asarray(ours),
+                               atol=atol, rtol=0)
+
+
 def test_the_papers_model_trained_here_exports_to_marian(tmp_path, load_config):
     """The paper's model loads as a MarianMTModel whose logits are ours (its features
     reordered into Marian's split sinusoid layout; its eps becomes 1e-5) and whose greedy
@@ -196,13 +208,7 @@ def test_the_papers_model_trained_here_exports_to_marian(tmp_path, load_config):
         "config.json", "model.safetensors", "source.spm", "target.spm", "tokenizer_config.json",
         "vocab.json"]
     hf_model = transformers.MarianMTModel.from_pretrained(str(tmp_path / "hf")).eval()
-    rng = np.random.default_rng(1)
-    inputs = rng.integers(4, V, (2, 9)).astype(np.int64)
-    inputs[:, -1], inputs[1, 5:] = 3, 0
-    targets = rng.integers(4, V, (2, 7)).astype(np.int64)
-    ours = model.apply({"params": params}, inputs.astype(np.int32), targets.astype(np.int32))
-    np.testing.assert_allclose(_hf_logits(hf_model, inputs, targets), np.asarray(ours),
-                               atol=1e-4, rtol=0)
+    _assert_same_logits(hf_model, model, params, target_ids=V, atol=1e-4)
     translator = translator_lib.load(str(workdir))
     theirs = _hf_translations(hf_model, tmp_path / "hf", SOURCES, 1, extra=5)
     assert translator.translate(SOURCES, beam_size=1, alpha=0.0, max_extra_length=5,
@@ -224,13 +230,8 @@ def test_a_padded_run_exports_to_marian_and_back(tmp_path, load_config):
     vocab = json.loads((out / marian.VOCAB_JSON).read_text())
     assert (config["vocab_size"], len(vocab), max(vocab.values())) == (rows, rows, rows - 1)
     hf_model = transformers.MarianMTModel.from_pretrained(str(out)).eval()
-    rng = np.random.default_rng(1)
-    inputs = rng.integers(4, V, (2, 9)).astype(np.int64)
-    inputs[:, -1], inputs[1, 5:] = 3, 0
-    targets = rng.integers(4, rows, (2, 7)).astype(np.int64)
-    ours = model.apply({"params": params}, inputs.astype(np.int32), targets.astype(np.int32))
-    np.testing.assert_allclose(_hf_logits(hf_model, inputs, targets), np.asarray(ours),
-                               atol=5e-4, rtol=0)  # eps 1e-6 -> 1e-5; scaled padding rows
+    _assert_same_logits(hf_model, model, params, target_ids=rows,
+                        atol=5e-4)  # eps 1e-6 -> 1e-5; scaled padding rows
     translator = translator_lib.load(str(workdir))
     generated = translator.translate_ids(translator.encode(SOURCES), beam_size=1, alpha=0.0,
                                          max_extra_length=5)
