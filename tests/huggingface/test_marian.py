@@ -39,7 +39,8 @@ def _vocabulary(hf_dir):
     tokenizer = tokenizer_lib.train(TRANSLATION_SENTENCES, V, seed=0)
     spm = hf_dir / "spm.model"
     spm.write_bytes(tokenizer.model_proto)
-    marian.write_vocabulary(str(spm), str(hf_dir), TransformerConfig(norm_eps=1e-5))
+    marian.write_vocabulary(str(spm), str(hf_dir), TransformerConfig(norm_eps=1e-5,
+                                                                     vocab_size=V))
     spm.unlink()
     return tokenizer
 

@@ -20,6 +20,7 @@ from transformer.checkpoint.checkpointer import list_steps  # noqa: E402
 from transformer.config import resolve  # noqa: E402
 from transformer.data import make_source  # noqa: E402
 from transformer.data.synthetic import FIRST_TOKEN, SyntheticTask  # noqa: E402
+from transformer.data.tokenizer import EOS_ID  # noqa: E402
 from transformer.inference.translator import Translator  # noqa: E402
 from transformer.inference.translator import load as load_translator  # noqa: E402
 from transformer.model.transformer import Transformer  # noqa: E402
@@ -179,6 +180,8 @@ def test_evaluate_records_the_step_of_the_params_it_scored(run, tmp_path):
 
 class IdTokenizer:
     """Token ids written as numbers, "5 9 4": the synthetic task's text, no SentencePiece."""
+
+    eos_ids = (EOS_ID,)  # the ends a translation stops at
 
     def encode(self, sentences):
         return [[int(token) for token in sentence.split()] for sentence in sentences]
