@@ -60,7 +60,7 @@ def lm_config(*, objective: str, dataset: str, vocab_size: int, max_length: int,
         data_dir=config_dict.placeholder(str),  # TFDS data_dir; None: TFDS's default
         manual_dir=config_dict.placeholder(str),
         vocab_sample_documents=200_000,  # SentencePiece trains on this many documents
-        pack_groups=1,  # independent packing runs of rows: a process tokenizes its groups'
+        pack_groups=1,  # packing groups: a process reads only its groups' shards and documents
         workers=0))  # Grain processes producing this process's batches; 0: the loop itself
     cfg.data.max_rows_per_device = max_rows_per_device
     cfg.grad_accum_steps = 0 if max_rows_per_device else 1  # 0: sized from the device count

@@ -10,7 +10,11 @@ in sorted path order). The training order of epoch e (`FileDocuments.order`) shu
 materialising anything per document: a seeded permutation of the shards, cut into windows of
 `data.shuffle_window` shards, and within each window a seeded pseudo-random permutation of
 its rows (`permutation.Permutation`), so a batch reads from at most a window's shards and a
-host holds at most that many shards decoded.
+host holds at most that many shards decoded. With `groups` G > 1 (a language model's
+`data.pack_groups`) the corpus is G streams, group g owning the shards k with k % G == g: each
+group has its own order of the same kind over its own shards (windows of
+max(1, shuffle_window // G) shards), so a process that packs only some groups' rows opens only
+those groups' shards.
 
 Rows per shard: parquet's metadata, else a read of the shard; with `record_dir` (a run's
 `<workdir>/vocab/`) the counts are recorded there and reused while the shards are unchanged.
@@ -295,7 +299,7 @@ class FileDocuments:
     def __init__(self, spec: str, *, fields: tuple[str, ...] = ("text",), seed: int = 0,
                  shuffle_window: int = 8, skip_bad_lines: bool = False,
                  setting: str = "data.dataset", label_field: str | None = None,
-                 record_dir: str | None = None):
+                 record_dir: str | None = None, groups: int = 1):
         parsed = parse_spec(spec, setting)
         if parsed is None:
             raise BadData(f"{setting}={spec!r} names no files; write <format>:<glob>")
@@ -303,14 +307,26 @@ class FileDocuments:
         self.fields, self.seed = tuple(fields), int(seed)
         if int(shuffle_window) < 1:
             raise BadData(f"data.shuffle_window={shuffle_window} must be >= 1")
-        self.window = int(shuffle_window)
+        self.groups = int(groups)
+        self.window = int(shuffle_window) if self.groups == 1 else max(
+            1, int(shuffle_window) // self.groups)  # shards per window of one group
         self.paths = expand(self.pattern, setting)
+        if self.groups > len(self.paths):
+            raise BadData(f"data.pack_groups={self.groups} exceeds the {len(self.paths)} "
+                          f"shard(s) of {setting}={spec!r}: each group reads its own shards; "
+                          f"lower data.pack_groups or split the corpus into more shards")
         self._reader = _Reader(self.format, self.fields, skip_bad_lines, label_field)
         self._cache: collections.OrderedDict[int, list] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.counts = self._counts(record_dir)
         self.offsets = np.concatenate([[0], np.cumsum(self.counts)])
         self.name = f"{self.format}:{self.pattern}"
+        sizes = [self.group_size(g) for g in range(self.groups)]
+        if max(sizes) > 1.1 * min(sizes):
+            log.warning("%s: data.pack_groups=%d gives groups of %d to %d documents; each group "
+                        "draws the same share of an update, so the smaller ones repeat their "
+                        "documents sooner: choose a G dividing the %d shards of equal size",
+                        self.name, self.groups, min(sizes), max(sizes), len(self.paths))
         if self._reader.skipped:
             log.warning("%s: skipped %d malformed lines", self.name, self._reader.skipped)
 
@@ -378,7 +394,7 @@ class FileDocuments:
         rows = self._reader.read(self.paths[k])
         with self._lock:
             self._cache[k] = rows
-            while len(self._cache) > max(CACHED_SHARDS, self.window):
+            while len(self._cache) > max(CACHED_SHARDS, self.window * self.groups):
                 self._cache.popitem(last=False)
         return rows
 
@@ -416,12 +432,19 @@ class FileDocuments:
         slot = np.searchsorted(starts, positions, side="right") - 1
         return np.sort(self.offsets[shards[slot]] + positions - starts[slot])
 
-    def order(self, epoch: int, positions) -> np.ndarray:
-        """The global ids at `positions` of epoch `epoch`'s training order (see the module
-        docstring): shards permuted, cut into windows, rows permuted within each window."""
+    def group_size(self, group: int) -> int:
+        """Documents of group `group`'s shards (all of them with one group)."""
+        return int(self.counts[group::self.groups].sum())
+
+    def order(self, epoch: int, positions, group: int = 0) -> np.ndarray:
+        """The global ids at `positions` of epoch `epoch`'s training order of group `group`'s
+        shards (see the module docstring): shards permuted, cut into windows, rows permuted
+        within each window."""
         positions = np.asarray(positions, np.int64)
-        shard_order = Permutation(len(self.paths), (self.seed, epoch, 0))(
-            np.arange(len(self.paths)))
+        shards = np.arange(group, len(self.paths), self.groups)
+        salt = () if self.groups == 1 else (self.groups, group)
+        shard_order = shards[Permutation(len(shards), (self.seed, epoch, 0, *salt))(
+            np.arange(len(shards)))]
         counts = self.counts[shard_order]
         window_of = np.arange(len(shard_order)) // self.window
         window_sizes = np.bincount(window_of, weights=counts).astype(np.int64)
@@ -430,12 +453,21 @@ class FileDocuments:
         ids = np.empty_like(positions)
         for w in np.unique(windows):
             here = windows == w
-            inner = Permutation(int(window_sizes[w]), (self.seed, epoch, 1, int(w)))(
+            inner = Permutation(int(window_sizes[w]), (self.seed, epoch, 1, int(w), *salt))(
                 positions[here] - window_starts[w])
             members = shard_order[window_of == w]
             member_starts = np.concatenate([[0], np.cumsum(self.counts[members])])
             slot = np.searchsorted(member_starts, inner, side="right") - 1
             ids[here] = self.offsets[members[slot]] + inner - member_starts[slot]
+        return ids
+
+    def draw(self, start: int, stop: int, group: int = 0) -> np.ndarray:
+        """Positions [start, stop) of group `group`'s endless order (epoch after epoch)."""
+        positions = np.arange(start, stop, dtype=np.int64)
+        epochs, inner = np.divmod(positions, self.group_size(group))
+        ids = np.empty_like(positions)
+        for e in np.unique(epochs):
+            ids[epochs == e] = self.order(int(e), inner[epochs == e], group)
         return ids
 
 

@@ -28,7 +28,10 @@ corruption: the stream cut as above), each piece its own segment (positions rest
 token attends across pieces), and the pieces placed
 first-fit (`batching.first_fit`) into the update's rows. A piece that finds no room is dropped:
 `docs_per_batch` is the update's capacity in tokens over the mean document length of a seeded
-sample, so a few percent are. Masks and prefixes are drawn from generators seeded by
+sample, so a few percent are. With `data.pack_groups` G > 1 each of G groups packs its own
+documents into its own block of rows: from files, a stream over its own shards
+(`FileDocuments.draw`), so a process opens only the shards of its rows' groups; from TFDS, the
+g-th run of the update's documents. Masks and prefixes are drawn from generators seeded by
 (seed, index, global row), spans by (seed, index, piece), so each process computes only its
 own rows.
 
@@ -173,8 +176,9 @@ class LanguageModelSource:
             record = workdir_lib.path(workdir, workdir_lib.VOCAB) if workdir else None
             opts = dict(fields=(text_field,), seed=self.seed, shuffle_window=shuffle_window,
                         skip_bad_lines=skip_bad_lines, record_dir=record)
-            train = (_mixture(sources, opts) if sources else
-                     files.FileDocuments(dataset, **opts))
+            grouped = {**opts, "groups": self.pack_groups}  # eval reads every shard
+            train = (_mixture(sources, grouped) if sources else
+                     files.FileDocuments(dataset, **grouped))
             self.files = {"train": train,
                           eval_split: files.FileDocuments(eval_dataset, setting="data.eval_dataset",
                                                           **opts)}
@@ -310,9 +314,13 @@ class LanguageModelSource:
     # ----------------------------------------------------------------- batches
 
     def batch_documents(self, index: int) -> np.ndarray:
-        """The training documents of global batch `index`, in placement order."""
+        """The training documents of global batch `index`, in placement order (group by
+        group)."""
         if index < 0:
             raise ValueError(f"batch index {index} < 0")
+        if self.files and self.pack_groups > 1:
+            return np.concatenate([self.group_documents(index, g)
+                                   for g in range(self.pack_groups)])
         if self.files and isinstance(self.files["train"], Mixture):
             return self.files["train"].batch(index)
         epoch, b = divmod(index, self.batches_per_epoch)
@@ -321,6 +329,24 @@ class LanguageModelSource:
                                                               (b + 1) * self.docs_per_batch))
         order = np.random.default_rng([self.seed, epoch]).permutation(self.num_train_documents)
         return order[b * self.docs_per_batch:(b + 1) * self.docs_per_batch]
+
+    def group_documents(self, index: int, group: int) -> np.ndarray:
+        """The training documents packing group `group` of global batch `index` packs. Files:
+        the group's own stream over its own shards (`FileDocuments.draw`, a mixture's
+        `batch`), the g-th of `data.pack_groups` equal shares of an update's documents each
+        update; TFDS: the g-th equal run of `batch_documents`."""
+        if index < 0:
+            raise ValueError(f"batch index {index} < 0")
+        if self.pack_groups == 1:
+            return self.batch_documents(index)
+        train = self.files and self.files["train"]
+        if isinstance(train, Mixture):
+            return train.batch(index, group)
+        cuts = self.docs_per_batch * np.arange(self.pack_groups + 1) // self.pack_groups
+        if train:
+            size = int(cuts[group + 1] - cuts[group])
+            return train.draw(index * size, (index + 1) * size, group)
+        return self.batch_documents(index)[cuts[group]:cuts[group + 1]]
 
     def _cut(self, texts: list[str]) -> list[np.ndarray]:
         ids = self.tokenizer.encode(texts)
@@ -356,16 +382,14 @@ class LanguageModelSource:
     def _group_pieces(self, index: int, groups) -> tuple[list[np.ndarray], list, list]:
         """The pieces of global batch `index`'s packing groups `groups`, their first-fit
         placement in the update's rows (None: dropped) and each piece's key (its spans' seed):
-        group g packs the g-th of `data.pack_groups` equal runs of the update's documents into
-        its own rows, so a process reads and tokenizes the documents of its groups alone."""
-        with self._lock:
-            documents = self.batch_documents(index)
+        group g packs its own documents (`group_documents`) into its own rows, so a process
+        reads and tokenizes the documents of its groups alone (and, from files, opens only
+        their shards)."""
         size = self._group_rows()
-        cuts = len(documents) * np.arange(self.pack_groups + 1) // self.pack_groups
         pieces, placement, keys = [], [], []
         for g in groups:
             with self._lock:
-                texts = self._texts("train", documents[cuts[g]:cuts[g + 1]])
+                texts = self._texts("train", self.group_documents(index, g))
             group = self._cut(texts)
             for i, place in enumerate(self._place(group, size, drop=True)):
                 placement.append(None if place is None else (place[0] + g * size, *place[1:]))

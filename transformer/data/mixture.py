@@ -6,7 +6,9 @@ documents per update (w normalised): update i takes documents [floor(r_s i), flo
 of source s's own order (`FileDocuments.order`, epoch by epoch as each source wraps), so batch
 i is a function of (seed, i) and each source's token share converges to its weight. The
 documents of an update are then interleaved by a seeded permutation of their ids. Global ids
-put source s's documents after those of sources 0..s-1.
+put source s's documents after those of sources 0..s-1. With packing groups (`data.pack_groups`
+G), group g draws r_s / G documents per update from each source's group-g shards, so every
+group keeps the weights and a process reads only its groups' shards of every source.
 """
 
 from __future__ import annotations
@@ -62,17 +64,16 @@ class Mixture:
             source.sample(int(share), (*key, k)) + self.offsets[k]
             for k, (source, share) in enumerate(zip(self.sources, shares, strict=True))]))
 
-    def batch(self, index: int) -> np.ndarray:
-        """The global ids of update `index`'s documents, interleaved."""
+    def batch(self, index: int, group: int = 0) -> np.ndarray:
+        """The global ids of update `index`'s documents, interleaved; with G groups (the
+        sources' `groups`), those of group `group`: r_s / G documents per update of each
+        source's group-`group` order (`FileDocuments.draw`)."""
         parts = []
         for s, (source, rate) in enumerate(zip(self.sources, self.rates, strict=True)):
+            rate /= source.groups
             start, stop = int(np.floor(rate * index)), int(np.floor(rate * (index + 1)))
-            positions = np.arange(start, stop, dtype=np.int64)
-            epochs, inner = np.divmod(positions, len(source))
-            ids = np.empty_like(positions)
-            for e in np.unique(epochs):
-                ids[epochs == e] = source.order(int(e), inner[epochs == e])
-            parts.append(ids + self.offsets[s])
+            parts.append(source.draw(start, stop, group) + self.offsets[s])
         ids = np.concatenate(parts)
-        return ids[Permutation(len(ids), (self.seed, index, 13))(np.arange(len(ids)))] \
+        salt = () if self.sources[0].groups == 1 else (group,)
+        return ids[Permutation(len(ids), (self.seed, index, 13, *salt))(np.arange(len(ids)))] \
             if len(ids) else ids
