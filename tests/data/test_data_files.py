@@ -253,8 +253,9 @@ def test_bad_inputs_are_one_line_naming_the_file(tmp_path):
 # --------------------------------------------------------------------------- language model
 
 
-@pytest.fixture
-def lm_files_config(tmp_path):
+def small_lm_files_config(tmp_path):
+    """configs/lm_files.py on 600 documents in 6 nested jsonl.zst shards (and 40 to evaluate)
+    written under tmp_path, with a 2-layer model of width 32 and 6 steps."""
     write_shards(tmp_path / "train", documents(600), shards=6, nested=True)
     write_shards(tmp_path / "validation", documents(40, seed=1), shards=2, nested=True)
     cfg = runpy.run_path(str(ROOT / "configs/lm_files.py"))["get_config"]()
@@ -266,6 +267,11 @@ def lm_files_config(tmp_path):
     cfg.update(dict(num_train_steps=6, eval_every_steps=6, checkpoint_every_steps=3,
                     log_every_steps=1))
     return cfg
+
+
+@pytest.fixture
+def lm_files_config(tmp_path):
+    return small_lm_files_config(tmp_path)
 
 
 def test_language_model_batches_from_files_are_a_function_of_the_index(lm_files_config,

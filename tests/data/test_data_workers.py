@@ -4,29 +4,19 @@ at its checkpoint's index with the same losses; a worker's error is one line nam
 SIGTERM (a preemption) is the main process' to handle."""
 
 import json
-import pathlib
-import runpy
 
 import numpy as np
 import pytest
-from test_data_files import documents, write_shards
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from test_data_files import small_lm_files_config
 
 
 @pytest.fixture
 def config(tmp_path):
-    write_shards(tmp_path / "train", documents(600), shards=6, nested=True)
-    write_shards(tmp_path / "validation", documents(40, seed=1), shards=2, nested=True)
-    cfg = runpy.run_path(str(ROOT / "configs/lm_files.py"))["get_config"]()
-    cfg.data.update(dict(dataset=f"jsonl:{tmp_path}/train/*.jsonl.zst", text_field="meta.text",
-                         eval_dataset=f"{tmp_path}/validation/*.jsonl.zst", vocab_size=64,
-                         max_length=32, batch_size=8, shuffle_window=2))
-    cfg.model.update(dict(d_model=32, d_ff=64, num_heads=2, num_kv_heads=1,
-                          num_decoder_layers=1, max_len=32))
+    """test_data_files' run with one layer, no evaluation and checkpoints by step only."""
+    cfg = small_lm_files_config(tmp_path)
+    cfg.model.num_decoder_layers = 1
     cfg.optimizer.warmup_steps = 1
-    cfg.update(dict(num_train_steps=6, eval_every_steps=0, checkpoint_every_steps=3,
-                    checkpoint_every_minutes=0, log_every_steps=1))
+    cfg.update(dict(eval_every_steps=0, checkpoint_every_minutes=0))
     return cfg
 
 
