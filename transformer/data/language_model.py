@@ -43,10 +43,13 @@ are seeded by (seed, batch, row) and so the same at every evaluation.
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import logging
 import threading
 
 import numpy as np
+from etils import epath
 
 from transformer.checkpoint import workdir as workdir_lib
 from transformer.data import batching, files, span_corruption
@@ -60,6 +63,7 @@ from transformer.data.datasets import (
     text_features,
 )
 from transformer.data.mixture import Mixture
+from transformer.util import atomic
 
 log = logging.getLogger("transformer")
 OBJECTIVES = {"causal": "decoder", "prefix": "decoder", "masked": "encoder",
@@ -282,18 +286,42 @@ class LanguageModelSource:
         mixture: each source's share of the capacity over its own mean)."""
         row_tokens = self.span_length or self.max_length  # span corruption: before corrupting
         capacity = self.rows_per_batch * self.grad_accum_steps * row_tokens
+        means = self._mean_lengths()
+        train = self.files and self.files["train"]
+        if isinstance(train, Mixture):
+            return max(1, round(train.set_rates(capacity, means)))
+        return max(1, round(capacity / means[0]))
+
+    def _mean_lengths(self) -> list[float]:
+        """The mean tokens of a training document (each source's, for a mixture) over a seeded
+        sample of `LENGTH_SAMPLE`. A file source with a workdir records them in
+        `<workdir>/vocab/lengths-<digest>.json`, so the processes after process 0, and a resumed
+        run, decode no sample shard."""
         eos = 0 if self.span_length else 1  # span corruption joins documents without EOS
         train = self.files and self.files["train"]
+        record = None
+        if train and self.workdir:
+            key = json.dumps([self.name, self.num_train_documents,
+                              self.vocabulary_fingerprint(), LENGTH_SAMPLE, eos, self.seed])
+            digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+            record = epath.Path(workdir_lib.path(self.workdir, workdir_lib.VOCAB)) / (
+                f"lengths-{digest}.json")
+            if record.exists():
+                return json.loads(record.read_text())["means"]
         if isinstance(train, Mixture):
             means = []
             for k, source in enumerate(train.sources):
                 sample = source.sample(LENGTH_SAMPLE, (11, k))
-                means.append(np.mean([len(ids) + eos for ids in self.tokenizer.encode(
-                    source.texts(sample))]))
-            return max(1, round(train.set_rates(capacity, means)))
-        sample = self._sample(11, LENGTH_SAMPLE)
-        lengths = [len(ids) + eos for ids in self.tokenizer.encode(self._texts("train", sample))]
-        return max(1, round(capacity / float(np.mean(lengths))))
+                means.append(float(np.mean([len(ids) + eos for ids in self.tokenizer.encode(
+                    source.texts(sample))])))
+        else:
+            sample = self._sample(11, LENGTH_SAMPLE)
+            means = [float(np.mean([len(ids) + eos for ids in self.tokenizer.encode(
+                self._texts("train", sample))]))]
+        if record is not None:
+            record.parent.mkdir(parents=True, exist_ok=True)
+            atomic.write_atomically(record, json.dumps({"spec": key, "means": means}))
+        return means
 
     def _row_rngs(self, stream: int, index: int, rows: range) -> list[np.random.Generator]:
         return [np.random.default_rng([self.seed, stream, index, r]) for r in rows]
