@@ -70,6 +70,15 @@ def write_corpus(directory: str, documents: int, per_shard: int, seed: int = 0,
     return len(written) * copies
 
 
+def write_record(record: dict, out: str | None) -> None:
+    """Print `record` as one JSON line and, with `out`, write it there (indented)."""
+    print(json.dumps(record))
+    if out:
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(record, f, indent=1)
+
+
 def _worker(args) -> tuple[int, float, int, float]:
     config, worker, workers, updates = args
     from transformer.data.language_model import from_config
@@ -135,11 +144,7 @@ def main(argv=None) -> None:
             print(json.dumps({"workers": workers, **record["by_workers"][workers]}), flush=True)
     finally:
         shutil.rmtree(corpus, ignore_errors=True)
-    print(json.dumps(record))
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=1)
+    write_record(record, args.out)
 
 
 if __name__ == "__main__":

@@ -92,7 +92,7 @@ def main(argv=None) -> None:
     import sys
 
     sys.path.insert(0, HERE)
-    from input_pipeline import write_corpus
+    from input_pipeline import write_corpus, write_record
 
     from transformer.data import make_source
 
@@ -124,11 +124,7 @@ def main(argv=None) -> None:
         for run in record["runs"]:
             by.setdefault(run["workers"], []).append(run[key])
         record[f"{key}_by_workers"] = {w: sorted(v) for w, v in by.items()}
-    print(json.dumps(record))
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=1)
+    write_record(record, args.out)
 
 
 if __name__ == "__main__":
