@@ -308,37 +308,36 @@ def test_packing_groups_let_a_process_tokenize_only_its_rows_documents(lm_files_
     from transformer.data.language_model import from_config
 
     lm_files_config.data.update(dict(pack_groups=4, objective=objective))
-    lm_files_config.grad_accum_steps = 2  # groups of 2 rows over the update's 2 x 4
+    lm_files_config.grad_accum_steps = 2  # a group: one row of each micro-batch of 4 rows
     if objective == "span_corruption":
         lm_files_config.data.num_sentinels = 10
         lm_files_config.model.update(dict(architecture="encoder_decoder",
                                           num_encoder_layers=1, num_decoder_layers=1))
     source = from_config(lm_files_config, str(tmp_path / "run"))
-    docs = source.batch_documents(5)
-    cuts = len(docs) * np.arange(5) // 4
-    runs = [docs[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]  # group g: rows 2g, 2g + 1
+    runs = [source.group_documents(5, g) for g in range(4)]  # group g: row g of each micro-batch
+    np.testing.assert_array_equal(np.concatenate(runs), source.batch_documents(5))
     whole = source.train_batch(5, (0, 4))  # [micro, rows, length]
     read = []
     texts = source._texts
     source._texts = lambda split, ids: read.extend(np.asarray(ids).tolist()) or texts(split, ids)
-    half = source.train_batch(5, (0, 2))  # rows 0-1 of both micro-batches: groups 0 and 2
-    assert sorted(read) == sorted(np.concatenate([runs[0], runs[2]]).tolist())
+    half = source.train_batch(5, (0, 2))  # rows 0-1 of both micro-batches: groups 0 and 1
+    assert sorted(read) == sorted(np.concatenate([runs[0], runs[1]]).tolist())
     for key, value in half.items():
         np.testing.assert_array_equal(value, whole[key][:, :2])
     side = "inputs" if objective == "span_corruption" else "targets"
-    if objective == "causal":  # each group: its run's pieces, first-fit into its 4 rows
+    if objective == "causal":  # each group: its documents' pieces, first-fit into its 2 rows
         for g, run in enumerate(runs):
             pieces = source._cut(source.files["train"].texts(run))
             placement = batching.first_fit(np.zeros(len(pieces), int), [len(p) for p in pieces], 2,
                                            32, drop=True)
             rows = batching.pack([(np.zeros(0, np.int32), p) for p in pieces],
                                  placement, (0, 2), 0, 32)["targets"]
-            np.testing.assert_array_equal(whole["targets"].reshape(8, 32)[2 * g:2 * g + 2],
-                                          rows)
+            np.testing.assert_array_equal(whole["targets"][:, g], rows)
     assert (whole[f"{side}_segmentation"] > 0).mean() > 0.6
     lm_files_config.data.pack_groups = 3
-    with pytest.raises(ValueError, match=r"^data.pack_groups=3 must divide the update's "
-                                         r"data.batch_size=8 rows$"):
+    with pytest.raises(ValueError, match=r"^data.pack_groups=3 must divide the 4 rows of a "
+                                         r"micro-batch \(data.batch_size=8 / "
+                                         r"grad_accum_steps=2\)$"):
         from_config(lm_files_config, str(tmp_path / "run"))
 
 

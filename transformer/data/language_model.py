@@ -153,9 +153,10 @@ class LanguageModelSource:
         self.grad_accum_steps = int(grad_accum_steps)
         self.rows_per_batch = int(batch_size) // self.grad_accum_steps
         self.eval_rows_per_batch = int(eval_batch_size or self.rows_per_batch)
-        if int(pack_groups) < 1 or int(batch_size) % int(pack_groups):
-            raise ValueError(f"data.pack_groups={pack_groups} must divide the update's "
-                             f"data.batch_size={batch_size} rows")
+        if int(pack_groups) < 1 or self.rows_per_batch % int(pack_groups):
+            raise ValueError(f"data.pack_groups={pack_groups} must divide the "
+                             f"{self.rows_per_batch} rows of a micro-batch (data.batch_size="
+                             f"{batch_size} / grad_accum_steps={self.grad_accum_steps})")
         self.pack_groups = int(pack_groups)
         self.source_length = self.target_length = self.max_length
         self.span_length = (span_corruption.raw_length(self.max_length)
@@ -399,28 +400,33 @@ class LanguageModelSource:
                                   (self.source_length, self.target_length), drop=drop)
 
     def _group_rows(self) -> int:
-        return self.rows_per_batch * self.grad_accum_steps // self.pack_groups
+        """Rows of a packing group in each micro-batch."""
+        return self.rows_per_batch // self.pack_groups
 
     def _groups_of(self, rows: tuple[int, int]) -> list[int]:
-        """The packing groups holding rows [start, stop) of any micro-batch of an update."""
+        """The packing groups holding rows [start, stop) of the micro-batches."""
         size = self._group_rows()
-        return sorted({(a * self.rows_per_batch + r) // size
-                       for a in range(self.grad_accum_steps) for r in range(*rows)})
+        return list(range(rows[0] // size, -(-rows[1] // size)))
 
     def _group_pieces(self, index: int, groups) -> tuple[list[np.ndarray], list, list]:
         """The pieces of global batch `index`'s packing groups `groups`, their first-fit
         placement in the update's rows (None: dropped) and each piece's key (its spans' seed):
-        group g packs its own documents (`group_documents`) into its own rows, so a process
-        reads and tokenizes the documents of its groups alone (and, from files, opens only
-        their shards)."""
+        group g packs its own documents (`group_documents`) into its own rows, the g-th block
+        of `data.pack_groups` in every micro-batch (so with G the number of processes, or a
+        multiple, each process holds whole groups), and a process reads and tokenizes the
+        documents of its groups alone (from files, opening only their shards)."""
         size = self._group_rows()
         pieces, placement, keys = [], [], []
         for g in groups:
             with self._lock:
                 texts = self._texts("train", self.group_documents(index, g))
             group = self._cut(texts)
-            for i, place in enumerate(self._place(group, size, drop=True)):
-                placement.append(None if place is None else (place[0] + g * size, *place[1:]))
+            for i, place in enumerate(self._place(group, size * self.grad_accum_steps,
+                                                  drop=True)):
+                if place is not None:  # the group's row j: micro-batch j // size
+                    micro, j = divmod(place[0], size)
+                    place = (micro * self.rows_per_batch + g * size + j, *place[1:])
+                placement.append(place)
                 keys.append((i,) if self.pack_groups == 1 else (g, i))
             pieces += group
         return pieces, placement, keys
