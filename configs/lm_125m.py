@@ -4,7 +4,10 @@
     python train.py --config=configs/lm_125m.py --compile_only --mesh_devices=8  # will it fit?
 
 Hardware: one host of 8 x H100 (80 GiB) or a TPU v5e-8: mesh data=8 (pure data parallelism;
-the model and Adam state, 1.5 GiB, fit on every device). Data: TFDS `c4/en` (prepare it with
+the model and Adam state, 1.5 GiB, fit on every device). On a v5e (16 GiB a chip) add
+`--config.data.max_rows_per_device=4`: 32 rows a device ask the TPU compiler for 44.84G of
+temporaries; 4 (8 micro-batches, the same update) take 8.46 GiB
+(docs/results/2026-12-05-input-need.md). Data: TFDS `c4/en` (prepare it with
 TFDS on a machine with internet; 365M documents), SentencePiece 32k trained on 200k of them.
 12 layers, d_model 768, 12 heads (4 key/value heads), SwiGLU d_ff 2048, rows of 2,048 tokens,
 256 rows (524k tokens) per update, 10,000 updates (5.2B tokens, about Chinchilla's 20 tokens
