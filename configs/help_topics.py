@@ -46,7 +46,8 @@ def get_config():
         batch_size=32, eval_batch_size=256,
         data_dir=config_dict.placeholder(str),  # TFDS data_dir; None: TFDS's default
         manual_dir=config_dict.placeholder(str),  # an unpacked LibreOffice help tree
-        vocab_sample_documents=200_000))  # from scratch: SentencePiece's training texts
+        vocab_sample_documents=200_000,  # from scratch: SentencePiece's training texts
+        workers=0))  # Grain processes producing this process's batches; 0: the loop itself
     cfg.model.vocab_size = cfg.data.get_ref("vocab_size")
     cfg.init_from = ""  # --config.init_from=runs/mlm_default to fine-tune the masked LM
     cfg.num_train_steps = 600

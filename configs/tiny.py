@@ -32,7 +32,8 @@ def get_config():
         vocab_size=32, min_length=4, max_length=12,
         batch_size=32,  # examples per update, global
         tokens_per_batch=0,  # token budgets are for the translation datasets
-        eval_examples=128))  # the validation split: 128 examples, batches of batch_size
+        eval_examples=128,  # the validation split: 128 examples, batches of batch_size
+        workers=0))  # Grain processes producing this process's batches; 0: the loop itself
     cfg.grad_accum_steps = 1
     cfg.model = config_dict.ConfigDict(dict(
         architecture="encoder_decoder", vocab_size=cfg.data.get_ref("vocab_size"),

@@ -91,7 +91,8 @@ def get_config(arg: str = "B/16"):
         max_rows_per_device=128,  # one microbatch on one device; lower it if memory binds
         crop_padding=0, random_flip=True,
         data_dir=config_dict.placeholder(str),  # TFDS data_dir holding imagenet2012
-        manual_dir=config_dict.placeholder(str)))  # or ILSVRC2012_img_{train,val}.tar here
+        manual_dir=config_dict.placeholder(str),  # or ILSVRC2012_img_{train,val}.tar here
+        workers=0))  # Grain processes producing this process's batches; 0: the loop itself
     cfg.grad_accum_steps = 0  # sized from the device count and data.max_rows_per_device
     cfg.num_train_steps = 300 * IMAGENET_TRAIN_IMAGES // 4096  # 300 epochs: 93,835 updates
     cfg.optimizer = config_dict.ConfigDict(dict(

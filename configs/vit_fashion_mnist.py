@@ -37,7 +37,8 @@ def get_config():
         crop_padding=1, random_flip=True,
         test_time_flip=True,  # evaluation averages each image's and its mirror's probabilities
         data_dir=config_dict.placeholder(str),  # TFDS data_dir; None: TFDS's default
-        manual_dir=config_dict.placeholder(str)))  # an unpacked dataset-fashion-mnist tree
+        manual_dir=config_dict.placeholder(str),  # an unpacked dataset-fashion-mnist tree
+        workers=0))  # Grain processes producing this process's batches; 0: the loop itself
     cfg.grad_accum_steps = 1
     cfg.num_train_steps = 4800
     cfg.log_every_steps = 50

@@ -56,6 +56,16 @@ def test_every_config_file_validates(path, load_config):
     resolve(cfg, POD_DEVICES.get(path, 1), config_file=path)
 
 
+@pytest.mark.parametrize("path", [p for p in CONFIG_FILES if p.startswith("configs/")])
+def test_every_config_takes_data_workers_from_the_command_line(path, load_config):
+    """`--config.data.workers=2` reaches every config in configs/ (every source makes a batch
+    from its index alone): the flags set only keys the file holds, as a locked ConfigDict."""
+    cfg = load_config(path)
+    cfg.lock()
+    cfg.data.workers = 2
+    assert resolve(cfg, POD_DEVICES.get(path, 1), config_file=path).config.data.workers == 2
+
+
 @pytest.mark.parametrize("key, value, message", [
     ("optimiser", {"name": "adam"}, "unknown config key 'optimiser' in configs/typo.py; did you "
                                     "mean 'optimizer'?"),
