@@ -68,7 +68,9 @@ def _hf_translations(model, hf_dir, sentences, beams, extra):
     return out
 
 
-def test_marian_logits_translations_and_round_trip(tmp_path):
+def _random_marian(tmp_path):
+    """A random SiLU Marian with scaled embeddings and a random final_logits_bias, saved with
+    MarianTokenizer's files in tmp_path/marian: the model and that directory."""
     hf_dir = tmp_path / "marian"
     hf_dir.mkdir()
     _vocabulary(hf_dir)
@@ -77,6 +79,11 @@ def test_marian_logits_translations_and_round_trip(tmp_path):
         **SIZES, activation_function="swish", scale_embedding=True))
     hf_model.final_logits_bias.normal_(0.0, 1.0)
     _save(hf_model, hf_dir)
+    return hf_model, hf_dir
+
+
+def test_marian_logits_translations_and_round_trip(tmp_path):
+    hf_model, hf_dir = _random_marian(tmp_path)
     workdir, run, params = _import(tmp_path, hf_dir)
     assert (run.model.activation, run.model.logits_bias, run.model.norm_position) == (
         "silu", True, "post")
@@ -121,14 +128,7 @@ def test_a_marian_listing_two_ends_translates_as_generate(tmp_path):
     model's greedy translation of a source emits): the import keeps both ends, our greedy
     and beam-4 outputs stop where `generate`'s do (id for id, the text before the end), and
     the export lists both again."""
-    hf_dir = tmp_path / "marian"
-    hf_dir.mkdir()
-    _vocabulary(hf_dir)
-    torch.manual_seed(0)
-    hf_model = transformers.MarianMTModel(transformers.MarianConfig(
-        **SIZES, activation_function="swish", scale_embedding=True))
-    hf_model.final_logits_bias.normal_(0.0, 1.0)
-    _save(hf_model, hf_dir)
+    hf_model, hf_dir = _random_marian(tmp_path)
     hf_tokenizer = transformers.MarianTokenizer.from_pretrained(str(hf_dir))
     one_end = _generated_ids(hf_model, hf_tokenizer, SOURCES[0], 1, 5, **IDS)
     assert len(one_end) > 3 and 3 not in one_end[:2]
