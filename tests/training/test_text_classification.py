@@ -221,7 +221,7 @@ def test_a_masked_lm_fine_tuned_through_the_loop(load_config, offline_fixture_da
         "mesh.data": 4, "mesh.fsdp": 2})
     with caplog.at_level("INFO", logger="transformer"):
         loop.train_and_evaluate(cfg, str(finetuned))
-    assert "left fresh: head/bias, head/kernel; not used: none" in caplog.text
+    assert "2 left fresh, 0 not used\n  left fresh in head (2): bias, kernel\n" in caplog.text
     vocab = "vocab/sentencepiece.model"
     assert (finetuned / vocab).read_bytes() == (pretrained / vocab).read_bytes()
     lines = [json.loads(line) for line in (finetuned / "metrics.jsonl").read_text().splitlines()]

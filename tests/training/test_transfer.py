@@ -82,7 +82,30 @@ def test_new_parameters_stay_fresh_and_are_listed(untrained_translation_workdir,
     assert left_fresh == ["decoder/logits/kernel"]
     np.testing.assert_array_equal(params["decoder"]["logits"]["kernel"],
                                   fresh["decoder"]["logits"]["kernel"])
-    assert "left fresh: decoder/logits/kernel; not used: none" in caplog.text
+    assert "1 left fresh, 0 not used\n  left fresh in decoder (1): logits/kernel\n" in (
+        caplog.text)
+
+
+def test_the_log_counts_the_parameters_and_groups_them_by_module_and_layer(
+        untrained_translation_workdir, caplog):
+    """A pretrained run of 2 + 2 layers into one of 1 + 4, its first decoder layer's ffn
+    excluded: the log's first line counts the parameters loaded, left fresh and not used; then
+    a line per kind and module (wrapped) names each sublayer once for all its layers."""
+    root = str(untrained_translation_workdir)
+    fresh = _fresh_params(untrained_translation_workdir, {"data": 1, "fsdp": 1, "tensor": 1},
+                          num_encoder_layers=1, num_decoder_layers=4)
+    with caplog.at_level("INFO", logger="transformer"):
+        _, left_fresh = transfer.load(transfer.parse(root), fresh, exclude="^decoder/layers_0/ffn/")
+    assert len(left_fresh) == 2 * 26 + 4  # 26 parameters a decoder layer, 4 in its ffn
+    assert caplog.records[-1].getMessage() == (
+        f"init_from {root}: {len(jax.tree.leaves(fresh)) - 56} parameters loaded, 56 left "
+        f"fresh, 16 not used\n"
+        "  left fresh in decoder (56): layers_{0,2,3}/ffn/*, layers_{2-3}/cross_attention/*,\n"
+        "    layers_{2-3}/norm_attention/*, layers_{2-3}/norm_cross/*, layers_{2-3}/norm_ffn/*,\n"
+        "    layers_{2-3}/self_attention/*\n"
+        "  not used in encoder (16): layers_1/ffn/*, layers_1/norm_attention/*, "
+        "layers_1/norm_ffn/*,\n"
+        "    layers_1/self_attention/*")
 
 
 def test_excluded_parameters_stay_fresh(untrained_translation_workdir):
@@ -198,7 +221,8 @@ def test_a_run_starts_from_another_once_then_resumes_from_its_own(tmp_path, capl
               "model.tie_output_embedding": False}
     with caplog.at_level("INFO", logger="transformer"):
         train_and_evaluate(_tiny(**frozen), str(finetuned))
-    assert "parameters loaded; left fresh: decoder/logits/kernel; not used: none" in caplog.text
+    assert "1 left fresh, 0 not used\n  left fresh in decoder (1): logits/kernel\n" in (
+        caplog.text)
     want = averaging.load_params(str(pretrained), step=4)
     got = averaging.load_params(str(finetuned), step=2)  # updates of ~1e-30: unchanged
     for path in ("encoder", "decoder/layers_0", "embedding"):
@@ -236,10 +260,11 @@ def test_a_span_corruption_run_fine_tunes_on_translation(load_config, offline_fi
         "optimizer.learning_rate": 3e-3})
     with caplog.at_level("INFO", logger="transformer"):
         train_and_evaluate(cfg, str(finetuned))
-    (line,) = [x for x in caplog.text.splitlines() if "parameters loaded; left fresh:" in x]
-    fresh = line.split("left fresh: ")[1].split("; not used")[0].split(", ")
-    assert "decoder/logits/kernel" in fresh and all(n.startswith("decoder/") for n in fresh)
-    assert line.endswith("not used: none")
+    (message,) = [r.getMessage() for r in caplog.records if "parameters loaded" in r.msg]
+    header, *groups = message.splitlines()
+    assert header.endswith(", 0 not used")
+    assert [g for g in groups if not g.startswith("    ")] == groups[:1]  # decoder's alone
+    assert groups[0].startswith("  left fresh in decoder (") and "logits/kernel" in message
     vocab = "vocab/sentencepiece.model"
     assert (finetuned / vocab).read_bytes() == (pretrained / vocab).read_bytes()
     lines = [json.loads(line) for line in (finetuned / "metrics.jsonl").read_text().splitlines()]

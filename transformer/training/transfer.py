@@ -29,6 +29,7 @@ import logging
 import math
 import os
 import re
+import textwrap
 
 import jax
 import numpy as np
@@ -174,6 +175,46 @@ def _resized_table(table: np.ndarray, shape: tuple, has_class_token: bool) -> np
     return np.asarray(resize_position_embeddings(table, old_side, new_side, has_class_token))
 
 
+def _layers(indices: list[int]) -> str:
+    """Layer indices as one: `3`, `{0-5}` (a run of them) or `{0,2}`."""
+    if len(indices) == 1:
+        return str(indices[0])
+    if indices == list(range(indices[0], indices[-1] + 1)):
+        return f"{{{indices[0]}-{indices[-1]}}}"
+    return "{" + ",".join(map(str, indices)) + "}"
+
+
+def _grouped(kind: str, names: list[str]) -> list[str]:
+    """`names` for the log: a line per top-level module (wrapped at 100 columns) with its count
+    and its sublayers, each once for all the layers that hold it; `/*`: all its parameters
+    (`layers_{0-5}/ffn/*`, `logits/kernel`)."""
+    modules: dict[str, dict[str, tuple[set[int], set[str]]]] = {}
+    counts: dict[str, int] = {}
+    for name in names:
+        module, _, rest = name.partition("/")
+        parts = rest.split("/") if rest else [name]
+        layer = re.fullmatch(r"layers_(\d+)|layers", parts[0])  # per-layer or scanned
+        depth = 2 if layer and len(parts) > 2 else 1
+        if layer and layer.group(1):
+            parts[0] = "layers_#"
+        indices, leaves = modules.setdefault(module, {}).setdefault(
+            "/".join(parts[:depth]), (set(), set()))
+        indices.update([int(layer.group(1))] if layer and layer.group(1) else [])
+        leaves.add("/".join(parts[depth:]))
+        counts[module] = counts.get(module, 0) + 1
+    lines = []
+    for module, keys in modules.items():
+        entries = []
+        for key, (indices, leaves) in keys.items():
+            key = key.replace("#", _layers(sorted(indices))) if indices else key
+            leaf = next(iter(leaves)) if len(leaves) == 1 else "*"
+            entries.append(f"{key}/{leaf}" if leaf else key)
+        lines += textwrap.wrap(f"{kind} in {module} ({counts[module]}): {', '.join(entries)}",
+                               100, initial_indent="  ", subsequent_indent="    ",
+                               break_long_words=False, break_on_hyphens=False)
+    return lines
+
+
 def load(source: InitSource, fresh, *, has_class_token: bool = False, exclude: str = ""):
     """`fresh` (the new run's initialised, sharded params) with every parameter the pretrained
     run has, and `exclude` (a regex, checked by `config.resolve`) does not match, replaced by its
@@ -201,7 +242,8 @@ def load(source: InitSource, fresh, *, has_class_token: bool = False, exclude: s
         placed.append(jax.make_array_from_callback(leaf.shape, leaf.sharding,
                                                    lambda index, v=value: v[index]))
     unused = sorted(set(saved) - set(wanted))
-    log.info("init_from %s: %d parameters loaded; left fresh: %s; not used: %s",
-             source.describe(), len(wanted) - len(kept_fresh), ", ".join(kept_fresh) or "none",
-             ", ".join(unused) or "none")
+    log.info("init_from %s: %d parameters loaded, %d left fresh, %d not used%s",
+             source.describe(), len(wanted) - len(kept_fresh), len(kept_fresh), len(unused),
+             "".join("\n" + line for line in [*_grouped("left fresh", kept_fresh),
+                                               *_grouped("not used", unused)]))
     return jax.tree.unflatten(jax.tree.structure(fresh), placed), kept_fresh
