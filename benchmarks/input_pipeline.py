@@ -5,11 +5,20 @@ host memory, on a synthetic corpus of jsonl.zst or parquet shards generated on d
     python benchmarks/input_pipeline.py --format=parquet --documents=1000000 --copies=50 \
         --per_shard=50000 --workers=1 --out=/tmp/ip/50m.json   # 50M documents, 1M written
 
-Each worker builds the source (`configs/lm_files.py`'s data at lm_125m's rows: 2,048 tokens,
-`--rows` per update) and packs every `workers`-th update, as a worker pool would (batches are a
-function of the index alone). Prints and writes one JSON record: documents, shards, setup
-seconds, peak RSS of one worker, tokens/s by workers and the share of the rows' tokens filled
-(`--pack_groups`: data.pack_groups, first-fit in groups of rows).
+One process first builds the source as process 0 of a run does (`configs/lm_files.py`'s data
+at lm_125m's rows: 2,048 tokens, `--rows` per update; it trains the vocabulary and records the
+shards' rows and the mean document length in a workdir: `prepare_s`). Each worker then builds
+it from those records, as the other processes and a resumed run do (`setup_s`), and packs
+every `workers`-th update, as a worker pool would (batches are a function of the index alone).
+Prints and writes one JSON record: documents, shards, setup seconds, peak RSS of one worker,
+tokens/s by workers, the share of the rows' tokens filled
+(`--pack_groups`: data.pack_groups, first-fit in groups of rows) and the shards a worker decoded.
+`--processes=N` measures the host of process 0 of N: it packs only the first N-th of each
+update's rows (`train_batch`), reading only its packing groups' shards when
+`--pack_groups` is N or a multiple:
+
+    python benchmarks/input_pipeline.py --format=parquet --per_shard=10000 --rows=256 \
+        --processes=8 --pack_groups=8 --workers=1 --out=/tmp/ip/8_hosts.json
 """
 
 from __future__ import annotations
@@ -18,7 +27,6 @@ import argparse
 import json
 import multiprocessing
 import os
-import resource
 import shutil
 import time
 
@@ -79,20 +87,44 @@ def write_record(record: dict, out: str | None) -> None:
             json.dump(record, f, indent=1)
 
 
-def _worker(args) -> tuple[int, float, int, float]:
-    config, worker, workers, updates = args
+def _peak_rss() -> int:
+    """This process's own resident high-water mark in bytes (Linux's VmHWM). Not getrusage's
+    ru_maxrss: Linux carries the spawning process's peak into a spawned child across exec, so a
+    worker would report the main process's memory after writing the corpus."""
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("VmHWM:")).split()[1]) * 1024
+
+
+def _prepare(args) -> float:
+    config, workdir = args
     from transformer.data.language_model import from_config
 
     start = time.perf_counter()
-    source = from_config(config)
+    from_config(config, workdir)
+    return time.perf_counter() - start
+
+
+def _worker(args) -> tuple[int, float, int, float, int]:
+    config, workdir, worker, workers, updates, processes = args
+    from transformer.data.language_model import from_config
+
+    start = time.perf_counter()
+    source = from_config(config, workdir)
     setup = time.perf_counter() - start
+    reader, decoded = source.files["train"]._reader, []
+    read = reader.read
+    reader.read = lambda path: decoded.append(path) or read(path)
+    rows = (0, source.rows_per_batch // processes)
     start, tokens = time.perf_counter(), 0
     for index in range(worker, updates, workers):
-        pieces, placement = source.train_pieces(index)
-        tokens += sum(len(p) for p, where in zip(pieces, placement, strict=True)
-                      if where is not None)
+        if processes == 1:
+            pieces, placement = source.train_pieces(index)
+            tokens += sum(len(p) for p, where in zip(pieces, placement, strict=True)
+                          if where is not None)
+        else:
+            tokens += int((source.train_batch(index, rows)["targets_segmentation"] > 0).sum())
     return tokens, time.perf_counter() - start, \
-        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, setup
+        _peak_rss(), setup, len(set(decoded))
 
 
 def main(argv=None) -> None:
@@ -108,6 +140,8 @@ def main(argv=None) -> None:
                         help="hard-linked copies of the corpus' shards: --documents x --copies "
                              "documents read, --documents written")
     parser.add_argument("--pack_groups", type=int, default=1, help="data.pack_groups")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="measure process 0 of this many: the first N-th of the rows")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     import runpy
@@ -128,19 +162,23 @@ def main(argv=None) -> None:
     record = {"documents": args.documents * args.copies, "documents_written": args.documents,
               "format": args.format, "shards": shards, "per_shard": args.per_shard,
               "rows_per_update": args.rows, "tokens_per_row": 2048, "write_s": round(written, 1),
-              "pack_groups": args.pack_groups,
+              "pack_groups": args.pack_groups, "processes": args.processes,
               "cpus": os.cpu_count(), "by_workers": {}}
+    workdir = os.path.join(corpus, "run")
     try:
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            record["prepare_s"] = round(pool.map(_prepare, [(cfg, workdir)])[0], 1)
         for workers in map(int, args.workers.split(",")):
             with multiprocessing.get_context("spawn").Pool(workers) as pool:
-                results = pool.map(_worker, [(cfg, w, workers, args.updates)
-                                             for w in range(workers)])
+                results = pool.map(_worker, [(cfg, workdir, w, workers, args.updates,
+                                              args.processes) for w in range(workers)])
             tokens = sum(r[0] for r in results)
             seconds = max(r[1] for r in results)
             record["by_workers"][workers] = {
                 "tokens_per_s": round(tokens / seconds), "setup_s": round(results[0][3], 1),
-                "row_fill": round(tokens / (args.updates * args.rows * 2048), 4),
-                "peak_rss_gib_per_worker": round(max(r[2] for r in results) / 2**30, 3)}
+                "row_fill": round(tokens * args.processes / (args.updates * args.rows * 2048), 4),
+                "peak_rss_gib_per_worker": round(max(r[2] for r in results) / 2**30, 3),
+                "shards_decoded_per_worker": max(r[4] for r in results)}
             print(json.dumps({"workers": workers, **record["by_workers"][workers]}), flush=True)
     finally:
         shutil.rmtree(corpus, ignore_errors=True)
