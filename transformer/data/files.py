@@ -16,8 +16,9 @@ group has its own order of the same kind over its own shards (windows of
 max(1, shuffle_window // G) shards), so a process that packs only some groups' rows opens only
 those groups' shards.
 
-Rows per shard: parquet's metadata, else a read of the shard; with `record_dir` (a run's
-`<workdir>/vocab/`) the counts are recorded there and reused while the shards are unchanged.
+Rows per shard: parquet's metadata or ArrayRecord's index, else a read of the shard; with
+`record_dir` (a run's `<workdir>/vocab/`) the counts are recorded there and reused while the
+shards are unchanged.
 
 Bad input is one line naming the file: a glob matching nothing, a missing field (with the
 fields the file has), a malformed jsonl line (file:line; `data.skip_bad_lines=True` skips and
@@ -370,9 +371,20 @@ class FileDocuments:
         return counts
 
     def _count(self, k: int) -> int:
-        """Rows of shard k: parquet's metadata, else a read of the shard (not kept: memory
-        stays that of the cached shards whatever the corpus)."""
+        """Rows of shard k: parquet's metadata or ArrayRecord's index, else a read of the shard
+        (not kept: memory stays that of the cached shards whatever the corpus)."""
         path = self.paths[k]
+        if self.format == "arrayrecord":
+            from array_record.python.array_record_module import ArrayRecordReader
+
+            reader = ArrayRecordReader(path)
+            try:
+                rows = reader.num_records()
+            finally:
+                reader.close()
+            if not rows:
+                raise BadData(f"{path} has no documents; remove it or fix the glob")
+            return rows
         if self.format == "parquet":
             import pyarrow.parquet as pq
 
