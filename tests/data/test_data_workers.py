@@ -4,6 +4,7 @@ at its checkpoint's index with the same losses; a worker's error is one line nam
 SIGTERM (a preemption) is the main process' to handle."""
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -61,6 +62,10 @@ def test_workers_leave_sigterm_to_the_main_process(config, tmp_path):
     source = make_source(config, workdir)
     batches = TrainBatches(source, config, workdir, (0, 8), start=0, count=3, workers=1)
     try:
+        waited = time.monotonic() + 60  # the worker starts before the first batch is asked for
+        while not multiprocessing.active_children() and time.monotonic() < waited:
+            time.sleep(0.1)
+        assert multiprocessing.active_children()
         next(batches)
         for child in multiprocessing.active_children():  # Grain's worker
             os.kill(child.pid, signal.SIGTERM)  # a preemption signals every process

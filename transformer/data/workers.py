@@ -10,6 +10,7 @@ its checkpoint's index. A worker's error ends the run as one line naming the wor
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import signal
 from collections.abc import Iterator
@@ -54,7 +55,8 @@ def _start_worker(worker: int, workers: int) -> None:
 
 class TrainBatches(Iterator[Batch]):
     """Batches `start`, `start + 1`, ... (`count` of them) of this process's `rows`: from the
-    source itself when `workers` is 0, else from `workers` Grain processes. Close it."""
+    source itself when `workers` is 0, else from `workers` Grain processes, started (and each
+    producing its first batch) as soon as this is built. Close it."""
 
     def __init__(self, source, cfg, workdir: str | None, rows: tuple[int, int], *,
                  start: int, count: int, workers: int):
@@ -62,7 +64,7 @@ class TrainBatches(Iterator[Batch]):
             raise ValueError(f"data.workers={workers} must be >= 0 (0: the training loop "
                              f"produces each batch itself)")
         self.workers, self.next_index = workers, start
-        self._start, self._iterator = start, None
+        self._start, self._iterator, self._first = start, None, None
         if workers == 0:
             self._batches = (source.train_batch(i, rows) for i in itertools.count(start))
             return
@@ -79,11 +81,20 @@ class TrainBatches(Iterator[Batch]):
             grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=1),
             worker_init_fn=_start_worker))
         self._batches = self._iterator
+        # Grain starts the workers at the first next(): ask for it now, from a thread, so they
+        # start up behind the train step's compile (the iterator is used by one thread at a time)
+        primer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="data-workers")
+        self._first = primer.submit(next, self._iterator)
+        primer.shutdown(wait=False)
 
     def __next__(self) -> Batch:
         index = self.next_index
         try:
-            batch = next(self._batches)
+            if self._first is not None:
+                first, self._first = self._first, None
+                batch = first.result()
+            else:
+                batch = next(self._batches)
         except Exception as error:
             if not self.workers or isinstance(error, StopIteration):
                 raise
@@ -98,7 +109,10 @@ class TrainBatches(Iterator[Batch]):
         return batch
 
     def close(self) -> None:
-        """Stops the worker processes."""
+        """Stops the worker processes (once the first batch asked for has come)."""
+        if self._first is not None:
+            concurrent.futures.wait([self._first])
+            self._first = None
         if self._iterator is not None:
             self._iterator.close()
             self._iterator = None

@@ -219,15 +219,21 @@ def _train(cfg, workdir: str, config_file: str | None,
     step = int(jax.device_get(state.step))
     rows = step_lib.process_rows(mesh, source.rows_per_batch)
     eval_rows = step_lib.process_rows(mesh, source.eval_rows_per_batch)
-    train_step = _compile(step_lib.make_train_step(trainer, cfg), "train step",
-                          state, step_lib.global_batch(mesh, source.train_batch(0, rows)))
+    total = int(cfg.num_train_steps)
+    batches = TrainBatches(source, cfg, workdir, rows, start=next_batch, count=total - step,
+                           workers=int(cfg.data.get("workers") or 0))
+    try:  # data.workers start up behind the compile
+        train_step = _compile(step_lib.make_train_step(trainer, cfg), "train step",
+                              state, step_lib.global_batch(mesh, source.train_batch(0, rows)))
+    except BaseException:
+        batches.close()
+        raise
     eval_step = step_lib.make_eval_step(trainer)
     eval_split = source.validation_split  # a language model's data.eval_split (lm1b: "test")
     translator = (Translator(cfg, run.model, state.params, source.tokenizer)
                   if cfg.bleu_every_steps else None)
     writer = metrics.MetricWriter(workdir)
     preemption = _Preemption()
-    total = int(cfg.num_train_steps)
     flops_per_token = flops.train_flops_per_token(
         run.model, source_length=source.source_length,
         target_length=source.target_length)
@@ -236,8 +242,6 @@ def _train(cfg, workdir: str, config_file: str | None,
     pending: list[tuple[int, dict]] = []
     last_save_time, last_saved = time.monotonic(), latest
     profile_start, profile_steps = int(cfg.profile_start_step), int(cfg.profile_num_steps)
-    batches = TrainBatches(source, cfg, workdir, rows, start=next_batch, count=total - step,
-                           workers=int(cfg.data.get("workers") or 0))
     try:
         while step < total:
             if profile_steps and step == profile_start:
