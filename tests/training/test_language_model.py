@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import subprocess_env
 
-from transformer.data.language_model import apply_objective, cut_pieces
+from transformer.data.objectives import apply_objective, cut_pieces
 from transformer.inference import decoding
 from transformer.model import transformer as M
 from transformer.ops import attention

@@ -63,64 +63,15 @@ from transformer.data.datasets import (
     text_features,
 )
 from transformer.data.mixture import Mixture
+from transformer.data.objectives import apply_objective, cut_pieces
 from transformer.util import atomic
 
 log = logging.getLogger("transformer")
 OBJECTIVES = {"causal": "decoder", "prefix": "decoder", "masked": "encoder",
               "span_corruption": "encoder_decoder"}
 DEFAULT_SENTINELS = {"span_corruption": 100}  # T5's extra_ids
-MASK_SPLIT = (0.8, 0.1)  # of the selected tokens: [MASK], random piece; the rest stay
 LENGTH_SAMPLE = 2000  # documents whose mean length sizes docs_per_batch
 _TRAIN, _EVAL = 0, 1  # random streams
-
-
-def cut_pieces(sequences, length: int, *,
-               eos: int | None = tokenizer_lib.EOS_ID) -> list[np.ndarray]:
-    """Each id sequence (with `eos` appended unless None), cut into consecutive pieces of at
-    most `length`."""
-    pieces = []
-    for seq in sequences:
-        ids = np.asarray(seq, np.int32)
-        if eos is not None:
-            ids = np.append(ids, np.int32(eos))
-        pieces.extend(ids[i:i + length] for i in range(0, len(ids), length))
-    return pieces
-
-
-def apply_objective(packed: dict[str, np.ndarray], objective: str, rngs, *, mask_id: int,
-                    vocab_size: int, mask_rate: float) -> dict[str, np.ndarray]:
-    """The batch keys of `objective` from packed rows (`targets`, `targets_segmentation`,
-    `targets_positions`, [R, L]); `rngs[r]` draws row r's mask or prefixes. BERT's random
-    replacements are ids in (mask_id, vocab_size): pass the vocabulary's pieces, not the rows
-    of a padded embedding."""
-    tokens = packed["targets"]
-    segments, positions = packed["targets_segmentation"], packed["targets_positions"]
-    if objective == "causal":
-        return {"targets": tokens, "targets_segmentation": segments,
-                "targets_positions": positions}
-    if objective == "prefix":
-        prefix = np.zeros_like(tokens)
-        for r, rng in enumerate(rngs):
-            for segment in np.unique(segments[r][segments[r] > 0]).tolist():
-                where = segments[r] == segment
-                n = int(where.sum())
-                k = int(rng.integers(1, n)) if n > 1 else 0
-                prefix[r] |= (where & (positions[r] < k)).astype(prefix.dtype)
-        return {"targets": tokens, "targets_segmentation": segments,
-                "targets_positions": positions, "targets_prefix": prefix}
-    inputs, targets = tokens.copy(), np.zeros_like(tokens)
-    first_piece = mask_id + 1
-    for r, rng in enumerate(rngs):
-        real = segments[r] > 0
-        selected = real & (rng.random(tokens.shape[1]) < mask_rate)
-        kind = rng.random(tokens.shape[1])
-        random_ids = rng.integers(first_piece, vocab_size, tokens.shape[1])
-        masked = selected & (kind < MASK_SPLIT[0])
-        randomised = selected & (kind >= MASK_SPLIT[0]) & (kind < sum(MASK_SPLIT))
-        inputs[r] = np.where(masked, mask_id, np.where(randomised, random_ids, tokens[r]))
-        targets[r] = np.where(selected, tokens[r], 0)
-    return {"inputs": inputs, "inputs_segmentation": segments, "inputs_positions": positions,
-            "targets": targets}
 
 
 class LanguageModelSource:
