@@ -60,8 +60,9 @@ def test_ring_algorithm_bytes_and_times():
 # calls); a loop of 5 trips the compiler states (`known_trip_count`); a fusion called from the
 # entry and from the inner loop; an async pair naming one wrapped computation; an all-gather
 # chain (channel 7, chain 2: start and done in the outer body, a continuation in the inner);
-# an all-reduce in an AllReduceScatterFusion; and the splash kernel's attribute of several
-# lines ahead of a collective.
+# an all-reduce in an AllReduceScatterFusion; the splash kernel's attribute of several
+# lines ahead of a collective; and a windowed collective matmul's loop, `i < 4` with the body
+# adding 2 to i: 2 trips.
 NESTED = """\
 HloModule jit_train_step, is_scheduled=true
 
@@ -123,6 +124,21 @@ HloModule jit_train_step, is_scheduled=true
   %ar = f32[256]{0} all-reduce(%g), channel_id=11, replica_groups={{0,1,2,3}}, to_apply=%add
 }
 
+%wcond (p: (bf16[8], u32[])) -> pred[] {
+  %four = u32[]{:T(128)} constant(4)
+  %wi = u32[]{:T(128)} get-tuple-element(%p), index=1
+  ROOT %wlt = pred[]{:T(512)} compare(%wi, %four), direction=LT
+}
+
+%wbody (p: (bf16[8], u32[])) -> (bf16[8], u32[]) {
+  %two..sunk = u32[]{:T(128)} constant(2)
+  %wj = u32[]{:T(128)} get-tuple-element(%p), index=1
+  %wx = bf16[8]{0} get-tuple-element(%p), index=0
+  %wcp = bf16[8]{0} collective-permute(%wx), channel_id=13, source_target_pairs={{0,1},{1,0}}
+  %wnext = u32[]{:T(128)} add(%wj, %two..sunk)
+  ROOT %wt = (bf16[8], u32[]) tuple(%wcp, %wnext)
+}
+
 %wrapped (x: f32[32]) -> f32[32] {
   %a2a = f32[32]{0} all-to-all(%x), channel_id=12, replica_groups={{0,1}}, dimensions={0}
 }
@@ -136,6 +152,7 @@ ENTRY %main (a: f32[8]) -> f32[8] {
   %s0 = f32[64]{0} fusion(%y), kind=kCustom, calls=%shared
   %w0 = (s32[]) while(%t), condition=%outer_cond, body=%outer_body
   %k = s32[] while(%t), condition=%kcond, body=%kbody, backend_config={"known_trip_count":{"n":"5"}}
+  %ww = (bf16[8], u32[]) while(%wt0), condition=%wcond, body=%wbody
   %as = ((f32[32]), f32[32]) async-start(%v), calls=%wrapped
   %ad = f32[32]{0} async-done(%as), calls=%wrapped
   %rs = f32[32] fusion(%g), calls=%scatter, backend_config={"emitter":"AllReduceScatterFusion"}
@@ -147,7 +164,8 @@ def test_collectives_counted_by_hand_through_nested_and_shared_computations():
     """Each collective of NESTED as many times as a step runs it, by hand: the inner body
     3 x 4 = 12 times; the shared fusion once from the entry and 12 times from the inner body;
     the chain once per outer trip (3), not per piece or per inner trip; the async pair's
-    all-to-all once; the all-reduce-scatter as a reduce-scatter of a quarter of its bytes."""
+    all-to-all once; the all-reduce-scatter as a reduce-scatter of a quarter of its bytes; the
+    windowed loop's permute twice."""
     found = sorted((c.kind, c.result_bytes, c.group, c.count)
                    for c in step_time.collectives(NESTED))
     assert found == sorted([
@@ -155,6 +173,7 @@ def test_collectives_counted_by_hand_through_nested_and_shared_computations():
         ("all-gather", 4 * 64, 4, 13),  # the shared fusion: 1 + 12
         ("all-gather", 2 * 32, 4, 3),  # the chain
         ("all-reduce", 4 * 256, 4, 5),  # known_trip_count
+        ("collective-permute", 2 * 8, 2, 2),  # the windowed loop: 0, 2 (not 4 trips)
         ("all-to-all", 4 * 32, 2, 1),
         ("reduce-scatter", 4 * 32, 4, 1),
     ])

@@ -128,7 +128,9 @@ _FLIPPED = {"GT": "LT", "GE": "LE", "LT": "GT", "LE": "GE"}
 def _trip_count(loop: str, computations: dict[str, list[str]]) -> int:
     """A while loop's trips: the compiler's `known_trip_count` where the `loop` line has one,
     else from its condition `i < N` or `i <= N` (either operand order, the compare in the
-    condition or a fusion it calls; JAX's loops count from 0 by 1), else 1 (unknown)."""
+    condition or a fusion it calls), i counting from 0 by the step its body adds
+    (`_counter_step`: 1 for JAX's loops, 2 for the TPU compiler's windowed collective matmuls,
+    which unroll two steps of the ring into a trip), else 1 (unknown)."""
     if known := re.search(r'"known_trip_count":\{"n":"(\d+)"', loop):
         return int(known.group(1))
     condition = re.search(r"\bcondition=%?([\w.\-]+)", loop)
@@ -147,9 +149,33 @@ def _trip_count(loop: str, computations: dict[str, list[str]]) -> int:
         return 1
     if operands[0] in constants:
         bound, direction = int(constants[operands[0]]), _FLIPPED.get(direction, direction)
+        counter = operands[1]
     else:
-        bound = int(constants[operands[1]])
-    return {"LT": bound, "LE": bound + 1}.get(direction, 1)
+        bound, counter = int(constants[operands[1]]), operands[0]
+    trips = {"LT": bound, "LE": bound + 1}.get(direction)
+    if trips is None:
+        return 1
+    return -(-trips // _counter_step(loop, counter, lines, computations))
+
+
+def _counter_step(loop: str, counter: str, condition: list[str],
+                  computations: dict[str, list[str]]) -> int:
+    """What the loop's body adds to the counter its condition compares (`counter`, a
+    get-tuple-element of the loop's tuple): a constant, else 1."""
+    element = next((int(m.group(1)) for line in condition if (m := re.search(
+        rf"%{re.escape(counter)} = .*get-tuple-element\([^)]*\), index=(\d+)", line))), None)
+    body = re.search(r"\bbody=%?([\w.\-]+)", loop)
+    if element is None or body is None:
+        return 1
+    lines = computations.get(body.group(1), [])
+    constants = dict(_CONSTANT.findall("\n".join(lines)))
+    counters = {m.group(1) for line in lines if (m := re.search(
+        rf"%([\w.\-]+) = .*get-tuple-element\([^)]*\), index={element}\b", line))}
+    steps = {int(constants[b if a in counters else a]) for line in lines
+             if (m := re.search(r"= \S+ add\(%([\w.\-]+), %([\w.\-]+)\)", line))
+             for a, b in [m.groups()]
+             if (a in counters and b in constants) or (b in counters and a in constants)}
+    return steps.pop() if len(steps) == 1 and min(steps) > 0 else 1
 
 
 def _counts(computations: dict[str, list[str]]) -> dict[str, int]:
