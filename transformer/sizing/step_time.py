@@ -160,22 +160,28 @@ def _trip_count(loop: str, computations: dict[str, list[str]]) -> int:
 
 def _counter_step(loop: str, counter: str, condition: list[str],
                   computations: dict[str, list[str]]) -> int:
-    """What the loop's body adds to the counter its condition compares (`counter`, a
-    get-tuple-element of the loop's tuple): a constant, else 1."""
+    """What the loop's body adds to the counter its condition compares (`counter`, element k
+    of the loop's tuple): the constant in the add that the body's ROOT tuple passes on as
+    element k, else 1."""
     element = next((int(m.group(1)) for line in condition if (m := re.search(
         rf"%{re.escape(counter)} = .*get-tuple-element\([^)]*\), index=(\d+)", line))), None)
     body = re.search(r"\bbody=%?([\w.\-]+)", loop)
-    if element is None or body is None:
+    lines = computations.get(body.group(1), []) if body else []
+    root = next((line for line in lines if line.lstrip().startswith("ROOT ")), "")
+    passed = re.findall(r"%([\w.\-]+)", root.rpartition(" tuple(")[2].partition(")")[0])
+    if element is None or element >= len(passed):
         return 1
-    lines = computations.get(body.group(1), [])
     constants = dict(_CONSTANT.findall("\n".join(lines)))
     counters = {m.group(1) for line in lines if (m := re.search(
         rf"%([\w.\-]+) = .*get-tuple-element\([^)]*\), index={element}\b", line))}
-    steps = {int(constants[b if a in counters else a]) for line in lines
-             if (m := re.search(r"= \S+ add\(%([\w.\-]+), %([\w.\-]+)\)", line))
-             for a, b in [m.groups()]
-             if (a in counters and b in constants) or (b in counters and a in constants)}
-    return steps.pop() if len(steps) == 1 and min(steps) > 0 else 1
+    for line in lines:
+        if m := re.search(rf"%{re.escape(passed[element])} = \S+ add\(%([\w.\-]+), "
+                          rf"%([\w.\-]+)\)", line):
+            a, b = m.groups()
+            step = constants.get(b) if a in counters else constants.get(a) if b in counters \
+                else None
+            return int(step) if step and int(step) > 0 else 1
+    return 1
 
 
 def _counts(computations: dict[str, list[str]]) -> dict[str, int]:
