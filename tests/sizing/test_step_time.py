@@ -62,7 +62,7 @@ def test_ring_algorithm_bytes_and_times():
 # chain (channel 7, chain 2: start and done in the outer body, a continuation in the inner);
 # an all-reduce in an AllReduceScatterFusion; the splash kernel's attribute of several
 # lines ahead of a collective; and a windowed collective matmul's loop, `i < 4` with the body
-# passing on i + 2 (and computing i + 1 beside it): 2 trips.
+# passing on a copy of i + 2 (and computing i + 1 beside it): 2 trips.
 NESTED = """\
 HloModule jit_train_step, is_scheduled=true
 
@@ -137,7 +137,8 @@ HloModule jit_train_step, is_scheduled=true
   %wcp = bf16[8]{0} collective-permute(%wx), channel_id=13, source_target_pairs={{0,1},{1,0}}
   %one = u32[]{:T(128)} constant(1)
   %woffset = u32[]{:T(128)} add(%wj, %one)
-  %wnext = u32[]{:T(128)} add(%wj, %two..sunk)
+  %wcopy = u32[]{:T(128)} copy(%wj)
+  %wnext = u32[]{:T(128)} add(%wcopy, %two..sunk)
   ROOT %wt = (bf16[8], u32[]) tuple(%wcp, %wnext)
 }
 

@@ -174,6 +174,10 @@ def _counter_step(loop: str, counter: str, condition: list[str],
     constants = dict(_CONSTANT.findall("\n".join(lines)))
     counters = {m.group(1) for line in lines if (m := re.search(
         rf"%([\w.\-]+) = .*get-tuple-element\([^)]*\), index={element}\b", line))}
+    copies = [m.groups() for line in lines
+              if (m := re.search(r"%([\w.\-]+) = \S+ (?:copy|bitcast)\(%([\w.\-]+)\)", line))]
+    for _ in copies:  # the counter through copies of it
+        counters |= {name for name, source in copies if source in counters}
     for line in lines:
         if m := re.search(rf"%{re.escape(passed[element])} = \S+ add\(%([\w.\-]+), "
                           rf"%([\w.\-]+)\)", line):
