@@ -18,6 +18,7 @@ from typing import NoReturn
 from ml_collections import ConfigDict
 
 from transformer import data as data_lib
+from transformer.data import workers
 from transformer.model.config import TransformerConfig
 from transformer.training import optim, sharding
 
@@ -202,9 +203,7 @@ def _check_values(cfg: ConfigDict, model: TransformerConfig) -> None:
                 "bleu_every_steps", "params_every_minutes"):
         if cfg[key] < 0:
             raise ValueError(f"{key}={cfg[key]} must be >= 0 (0 turns it off)")
-    if int(cfg.data.get("workers") or 0) < 0:
-        raise ValueError(f"data.workers={cfg.data.workers} must be >= 0 (0: the training loop "
-                         f"produces each batch itself)")
+    workers.check_workers(int(cfg.data.get("workers") or 0))
     if cfg.bleu_every_steps and cfg.bleu_num_sentences < 1:
         raise ValueError(f"bleu_num_sentences={cfg.bleu_num_sentences} must be >= 1 when "
                          f"bleu_every_steps={cfg.bleu_every_steps} (0 turns BLEU off)")

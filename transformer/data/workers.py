@@ -53,6 +53,13 @@ def _start_worker(worker: int, workers: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
+def check_workers(workers: int) -> None:
+    """`data.workers` is a count of processes, or 0; else one line."""
+    if workers < 0:
+        raise ValueError(f"data.workers={workers} must be >= 0 (0: the training loop "
+                         f"produces each batch itself)")
+
+
 class TrainBatches(Iterator[Batch]):
     """Batches `start`, `start + 1`, ... (`count` of them) of this process's `rows`: from the
     source itself when `workers` is 0, else from `workers` Grain processes, started (and each
@@ -60,9 +67,7 @@ class TrainBatches(Iterator[Batch]):
 
     def __init__(self, source, cfg, workdir: str | None, rows: tuple[int, int], *,
                  start: int, count: int, workers: int):
-        if workers < 0:
-            raise ValueError(f"data.workers={workers} must be >= 0 (0: the training loop "
-                             f"produces each batch itself)")
+        check_workers(workers)
         self.workers, self.next_index = workers, start
         self._start, self._iterator, self._first = start, None, None
         if workers == 0:
