@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import collections
 import glob
-import hashlib
 import io
 import json
 import logging
@@ -39,10 +38,9 @@ import re
 import threading
 
 import numpy as np
-from etils import epath
 
+from transformer.data import records
 from transformer.data.permutation import Permutation
-from transformer.util import atomic
 
 log = logging.getLogger("transformer")
 FORMATS = ("jsonl", "parquet", "text", "text_paragraphs", "arrayrecord")
@@ -354,20 +352,15 @@ class FileDocuments:
             stamps.append([info.get("size"), str(info.get("mtime") or info.get("updated")
                                                  or info.get("LastModified") or "")])
         reader = self._reader
-        key = json.dumps([self.format, self.pattern, self.fields, reader.skip_bad_lines,
-                          reader.label_field])
-        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-        record = epath.Path(record_dir) / f"rows-{digest}.json"
-        if record.exists():
-            kept = json.loads(record.read_text())
-            if kept["paths"] == self.paths and kept["stamps"] == stamps:
-                reader.skipped = kept["skipped"]
-                return np.array(kept["counts"], np.int64)
+        record = records.Record(record_dir, "rows", [
+            self.format, self.pattern, self.fields, reader.skip_bad_lines, reader.label_field])
+        kept = record.read()
+        if kept and kept["paths"] == self.paths and kept["stamps"] == stamps:
+            reader.skipped = kept["skipped"]
+            return np.array(kept["counts"], np.int64)
         counts = np.array([self._count(k) for k in range(len(self.paths))], np.int64)
-        record.parent.mkdir(parents=True, exist_ok=True)
-        atomic.write_atomically(record, json.dumps(
-            {"spec": key, "paths": self.paths, "stamps": stamps, "counts": counts.tolist(),
-             "skipped": reader.skipped}))
+        record.write({"paths": self.paths, "stamps": stamps, "counts": counts.tolist(),
+                      "skipped": reader.skipped})
         return counts
 
     def _count(self, k: int) -> int:

@@ -43,16 +43,13 @@ are seeded by (seed, batch, row) and so the same at every evaluation.
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import logging
 import threading
 
 import numpy as np
-from etils import epath
 
 from transformer.checkpoint import workdir as workdir_lib
-from transformer.data import batching, files, span_corruption
+from transformer.data import batching, files, records, span_corruption
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.data.datasets import (
     CHUNK,
@@ -64,7 +61,6 @@ from transformer.data.datasets import (
 )
 from transformer.data.mixture import Mixture
 from transformer.data.objectives import apply_objective, cut_pieces
-from transformer.util import atomic
 
 log = logging.getLogger("transformer")
 OBJECTIVES = {"causal": "decoder", "prefix": "decoder", "masked": "encoder",
@@ -184,6 +180,7 @@ class LanguageModelSource:
                  self.num_train_documents, self.docs_per_batch, int(batch_size),
                  self.max_length)
         self._lock = threading.Lock()
+        self._order: tuple[int | None, np.ndarray | None] = (None, None)  # `_epoch_order`'s
 
     # ----------------------------------------------------------------- pieces
 
@@ -253,13 +250,12 @@ class LanguageModelSource:
         train = self.files and self.files["train"]
         record = None
         if train and self.workdir:
-            key = json.dumps([self.name, self.num_train_documents,
-                              self.vocabulary_fingerprint(), LENGTH_SAMPLE, eos, self.seed])
-            digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-            record = epath.Path(workdir_lib.path(self.workdir, workdir_lib.VOCAB)) / (
-                f"lengths-{digest}.json")
-            if record.exists():
-                return json.loads(record.read_text())["means"]
+            record = records.Record(
+                workdir_lib.path(self.workdir, workdir_lib.VOCAB), "lengths",
+                [self.name, self.num_train_documents, self.vocabulary_fingerprint(),
+                 LENGTH_SAMPLE, eos, self.seed])
+            if kept := record.read():
+                return kept["means"]
         if isinstance(train, Mixture):
             means = []
             for k, source in enumerate(train.sources):
@@ -271,8 +267,7 @@ class LanguageModelSource:
             means = [float(np.mean([len(ids) + eos for ids in self.tokenizer.encode(
                 self._texts("train", sample))]))]
         if record is not None:
-            record.parent.mkdir(parents=True, exist_ok=True)
-            atomic.write_atomically(record, json.dumps({"spec": key, "means": means}))
+            record.write({"means": means})
         return means
 
     def _row_rngs(self, stream: int, index: int, rows: range) -> list[np.random.Generator]:
@@ -307,8 +302,16 @@ class LanguageModelSource:
         if self.files:
             return self.files["train"].order(epoch, np.arange(b * self.docs_per_batch,
                                                               (b + 1) * self.docs_per_batch))
-        order = np.random.default_rng([self.seed, epoch]).permutation(self.num_train_documents)
-        return order[b * self.docs_per_batch:(b + 1) * self.docs_per_batch]
+        return self._epoch_order(epoch)[b * self.docs_per_batch:(b + 1) * self.docs_per_batch]
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        """TFDS: epoch `epoch`'s seeded permutation of the training documents, the latest kept
+        (each batch of the epoch, and each packing group of a batch, cuts its run from it)."""
+        order = self._order
+        if order[0] != epoch:
+            order = self._order = (epoch, np.random.default_rng([self.seed, epoch]).permutation(
+                self.num_train_documents))
+        return order[1]
 
     def group_documents(self, index: int, group: int) -> np.ndarray:
         """The training documents packing group `group` of global batch `index` packs. Files:
