@@ -188,7 +188,8 @@ def test_extrapolation_over_layers_and_microbatches():
     found = [step_time.Collective("all-gather", 8000, 4, count=24),
              step_time.Collective("collective-permute", 5000, 2, count=3)]
     e = step_time.extrapolate(one, two, found, "TPU v5 lite", layers=12, microbatches=4,
-                              optimizer_seconds=0.5, analytic_flops=1000.0, peak_flops=100.0)
+                              optimizer_seconds=0.5, analytic_flops=1000.0,
+                              analytic_layer_flops=960.0, peak_flops=100.0)
     assert e.compute == pytest.approx(4 * (3 + 11 * 2) - 3 * 0.5)  # the update counted once
     assert e.compiler_flops == pytest.approx(4 * (30 + 11 * 20))
     assert e.unseen == pytest.approx((1000 - 4 * 250) / 100)  # none unseen
@@ -200,8 +201,31 @@ def test_extrapolation_over_layers_and_microbatches():
     assert e.overlapped_seconds == pytest.approx(max(e.compute, e.communication))
     assert step_time.extrapolate(one, two, [], "TPU v5 lite", layers=1, microbatches=1,
                                  optimizer_seconds=0.0, analytic_flops=130.0,
-                                 peak_flops=10.0).unseen == 10.0
+                                 analytic_layer_flops=100.0, peak_flops=10.0).unseen == 10.0
     assert step_time.optimizer_seconds(4_000, 1e9) == pytest.approx(7 * 4e-6)
+
+
+def test_remats_recomputation_is_not_taken_off_the_unseen_flops():
+    """A layer of 300 flops.py FLOPs (3 x a forward of 100) of which the compiler sees 200
+    (the kernel's 100 unseen); remat full recomputes the forward, so the compiler counts 250
+    with it. The base (embeddings, loss) is 40, all seen. 4 layers, 2 microbatches."""
+    kwargs = dict(layers=4, microbatches=2, optimizer_seconds=0.0, peak_flops=10.0,
+                  analytic_flops=2 * (40 + 4 * 300), analytic_layer_flops=2 * 4 * 300)
+    plain = (step_time.ProgramCost(1.0, 40 + 200), step_time.ProgramCost(2.0, 40 + 2 * 200))
+    remat = (step_time.ProgramCost(1.5, 40 + 250), step_time.ProgramCost(3.0, 40 + 2 * 250))
+    none = step_time.extrapolate(*plain, [], "TPU v5 lite", **kwargs)
+    assert none.unseen == pytest.approx(2 * 4 * 100 / 10) and none.recomputed == 0
+    full = step_time.extrapolate(*remat, [], "TPU v5 lite", remat=True, without_remat=plain,
+                                 **kwargs)
+    # the unseen 100 a layer, and its forward third recomputed: 100 + 100 / 3
+    assert full.unseen == pytest.approx(2 * 4 * (100 + 100 / 3) / 10)
+    assert full.recomputed == pytest.approx(2 * 4 * (100 / 3) / 10)
+    assert full.compiler_flops == 2 * (40 + 4 * 250) and full.remat_separated
+    # against the programs with remat, the 50 recomputed seen FLOPs came off (before the fix)
+    biased = step_time.extrapolate(*remat, [], "TPU v5 lite", remat=True, **kwargs)
+    assert not biased.remat_separated
+    assert biased.unseen < full.unseen
+    assert "remat's recomputation not separated" in step_time.describe(biased, 1.0, 1.0)[0]
 
 
 def test_program_cost_falls_back_on_the_compilers_roofline():

@@ -356,13 +356,17 @@ def _human(num_bytes: int) -> str:
     return f"{num_bytes} B"
 
 
-def step_flops_per_device(model: TransformerConfig, memory_plan: MemoryPlan) -> float:
+def step_flops_per_device(model: TransformerConfig, memory_plan: MemoryPlan, *,
+                          layers_only: bool = False) -> float:
     """Training matmul FLOPs of one update per device (`flops.py`: 3 x forward, over all the
-    batch's rows at their full lengths)."""
+    batch's rows at their full lengths); `layers_only`: those of the layers (no logits or
+    patch embedding)."""
     accum, rows, source, target = batch_lengths(model, memory_plan.batch)
-    tokens = 1 if model.classifies else source if model.architecture == "encoder" else target
-    per_token = flops.train_flops_per_token(model, source_length=source, target_length=target)
-    return per_token * tokens * accum * rows / math.prod(memory_plan.mesh_shape.values())
+    parts = flops.forward_flops(model, source_length=source, target_length=target)
+    forward = parts["total"]
+    if layers_only:
+        forward -= parts["logits"] + parts.get("patch_embedding", 0.0)
+    return 3.0 * forward * accum * rows / math.prod(memory_plan.mesh_shape.values())
 
 
 def _compiler_lines(model: TransformerConfig, memory_plan: MemoryPlan,

@@ -28,13 +28,24 @@ Where the cost model gives no figure (a negative one, as for programs with the s
 a program's compute is its roofline from the compiler's counts: max(FLOPs / peak, bytes
 accessed / HBM bandwidth).
 
+The FLOPs the cost model does not see (a custom kernel's, a loop's trips after the first) are
+`flops.py`'s less the compiler's, both without remat: the compiler counts remat's recomputation
+and `flops.py` does not, so against the programs as they train the recomputed matmuls would
+come off this term. So a run with remat has its 1- and 2-layer programs compiled a second time
+without it, and the unseen FLOPs inside its layers (flops.py's layers less the compiler's, per
+layer) are recomputed: their forward third again, at peak (the splash kernel, a Pallas call, is
+saved by no remat policy). Where the programs without remat do not fit, the compiler's FLOPs
+with remat stand in (the report says so).
+
 The estimate is `compute + FLOPs the cost model does not see + communication` (no overlap), and
 beside it the same with the communication hidden behind compute. Left out: overlap (XLA's
 latency-hiding scheduler hides part of the communication: the truth lies between the two
 figures), a custom kernel's time (the splash kernel's FLOPs are added at the chip's peak, as
 `flops.py` counts them; its memory traffic is not), the loops left inside a layer (the loss's
 chunks, ring attention's steps, the chunked kernel's blocks: their compute counted once, their
-missing FLOPs added at peak), loops whose trip count the HLO does not state (their collectives
+missing FLOPs added at peak), the non-matmul FLOPs the compiler counts in the layers (norms,
+activations, casts: they come off the unseen term, which flops.py's matmuls less the compiler's
+all-op count underestimates by them), loops whose trip count the HLO does not state (their collectives
 counted once), data-center links (collectives across slices are timed at ICI
 bandwidth), and everything off the device (input pipeline, host, launch overhead).
 """
@@ -272,13 +283,15 @@ class StepEstimate:
     """The whole step's estimate per device (module docstring), in seconds and FLOPs."""
 
     compute: float  # the cost model's time over every layer and microbatch
-    unseen: float  # flops.py FLOPs the cost model does not count, at peak
+    unseen: float  # FLOPs the cost model does not count, at peak, `recomputed` included
+    recomputed: float  # of `unseen`: remat's recomputation of the layers' unseen FLOPs
     communication: float
     communication_bytes: float
     num_collectives: float
     compiler_flops: float
     layers: int
     microbatches: int
+    remat_separated: bool = True  # False: programs without remat did not fit (docstring)
 
     @property
     def seconds(self) -> float:
@@ -293,22 +306,31 @@ class StepEstimate:
 
 def extrapolate(one: ProgramCost, two: ProgramCost, found: list[Collective], device_kind: str,
                 *, layers: int, microbatches: int, optimizer_seconds: float,
-                analytic_flops: float, peak_flops: float) -> StepEstimate:
+                analytic_flops: float, analytic_layer_flops: float, peak_flops: float,
+                remat: bool = False,
+                without_remat: tuple[ProgramCost, ProgramCost] | None = None) -> StepEstimate:
     """The step's estimate: its compute from the programs with 1 and 2 layers per stack and
-    one microbatch, `layers` per stack, `microbatches` A, the optimizer's update counted once,
-    flops.py's `analytic_flops` per device for the FLOPs the cost model leaves out; its
-    communication from `found`, the collectives of the step's own program (`collectives`)."""
+    one microbatch, `layers` per stack, `microbatches` A, the optimizer's update counted once;
+    the FLOPs the cost model leaves out from flops.py's per device (`analytic_flops`, of them
+    `analytic_layer_flops` in the layers) less those of the same programs compiled without
+    remat (`without_remat`; with `remat` and None, they did not fit: `one` and `two` stand in),
+    with the layers' part recomputed once more under `remat`; its communication from `found`,
+    the collectives of the step's own program (`collectives`)."""
 
-    def whole(field: str) -> float:
-        a, b = getattr(one, field), getattr(two, field)
+    def whole(field: str, programs: tuple[ProgramCost, ProgramCost]) -> float:
+        a, b = (getattr(p, field) for p in programs)
         return microbatches * (a + (layers - 1) * (b - a))
 
-    compute = whole("optimal_seconds") - (microbatches - 1) * optimizer_seconds
-    flops_ = whole("flops")
-    return StepEstimate(compute, max(0.0, analytic_flops - flops_) / peak_flops,
-                        communication_seconds(found, device_kind),
+    plain = without_remat or (one, two)
+    compute = whole("optimal_seconds", (one, two)) - (microbatches - 1) * optimizer_seconds
+    layer_unseen = max(0.0, analytic_layer_flops - microbatches * layers * (
+        plain[1].flops - plain[0].flops))
+    recomputed = layer_unseen / 3 / peak_flops if remat else 0.0
+    unseen = max(0.0, analytic_flops - whole("flops", plain)) / peak_flops + recomputed
+    return StepEstimate(compute, unseen, recomputed, communication_seconds(found, device_kind),
                         sum(c.count * c.bytes_per_device() for c in found),
-                        sum(c.count for c in found), flops_, layers, microbatches)
+                        sum(c.count for c in found), whole("flops", (one, two)), layers,
+                        microbatches, remat_separated=not remat or without_remat is not None)
 
 
 def optimizer_seconds(param_bytes_per_device: int, hbm_bytes_per_s: float) -> float:
@@ -324,10 +346,14 @@ def _ms(seconds: float) -> str:
 def describe(estimate: StepEstimate, analytic_flops: float, peak_flops: float) -> list[str]:
     """The report's lines: the estimate, its parts, and the MFU it implies."""
     e = estimate
+    recomputed = (f"{_ms(e.recomputed)} of them remat's recomputation" if e.remat_separated
+                  else "remat's recomputation not separated: its programs without remat do not "
+                       "fit")
     return [
         f"step time estimate: {_ms(e.seconds)} = compute {_ms(e.compute)} (the compiler's cost "
         f"model over {e.layers} layer(s) x {e.microbatches} microbatch(es)) + {_ms(e.unseen)} "
-        f"of FLOPs it does not count (at peak) + communication {_ms(e.communication)} "
+        f"of FLOPs it does not count (at peak; {recomputed}) + communication "
+        f"{_ms(e.communication)} "
         f"({e.num_collectives:.0f} collectives, {e.communication_bytes / 2**20:.4g} MiB per "
         f"device, not overlapped); {_ms(e.overlapped_seconds)} with it hidden",
         f"MFU estimate: {analytic_flops / (e.seconds * peak_flops):.1%} "
