@@ -25,8 +25,9 @@ flags.DEFINE_integer("mesh_devices", None, "With --compile_only: the number of d
 flags.DEFINE_string("topology", None, "With --compile_only: a Cloud TPU accelerator type (v5p-128, "
                     "v5e-8, v4-32, ...) or chip grid (v5e:2x2) to compile for; needs libtpu.")
 flags.DEFINE_integer("num_slices", 1, "With --topology: the number of slices (multi-slice).")
-flags.DEFINE_bool("sweep", False, "With --topology: compile a grid of context splits and remat "
-                  "policies, drop what does not fit, rank the rest by estimated step time.")
+flags.DEFINE_bool("sweep", False, "With --topology: compile a grid of context splits, remat "
+                  "policies and microbatch counts, drop what does not fit, rank the rest by "
+                  "estimated step time.")
 flags.DEFINE_string("coordinator_address", None, "host:port of process 0, for clusters that "
                     "jax.distributed cannot detect.")
 flags.DEFINE_integer("num_processes", None, "Number of processes (with --coordinator_address).")
@@ -64,7 +65,7 @@ def _compile_for_topology(cfg, name: str, num_slices: int, config_file: str,
         devices = tpu.abstract_devices(topology)
         run = resolve(cfg, len(devices), config_file=config_file, num_slices=num_slices)
         if sweep:
-            print(tpu.sweep_report(cfg, topology, devices, tpu.sweep_points(len(devices))))
+            print(tpu.sweep_report(cfg, topology, devices, tpu.sweep_points(cfg, len(devices))))
         else:
             print(tpu.compile_report(run, topology, devices))
 

@@ -14,6 +14,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -411,8 +412,54 @@ def test_sweep_ranks_what_fits_and_says_why_the_rest_was_dropped(libtpu, load_co
                          "mesh.data=1, mesh.fsdp=1, mesh.tensor=3 needs 3 devices, but 4 are "
                          "available; "
                          "make the product 4 or set one axis to -1"]
-    assert tpu.sweep_points(8)[-1] == {"mesh.data": 1, "mesh.fsdp": 1, "mesh.context": 8,
-                                       "mesh.tensor": 1, "model.remat_policy": "dots_no_batch"}
+
+
+def test_sweep_tries_fewer_microbatches_down_to_context_ones(load_config):
+    """lm_125m at 16 rows, 1 row per device, on 8 devices: context c sizes 2c microbatches
+    (a split row counts whole), and the grid halves that down to context 1's 2."""
+    cfg = load_config("lm_125m.py", **{"data.batch_size": 16, "data.max_rows_per_device": 1})
+    assert [tpu.sweep_microbatches(cfg, 8, c) for c in (1, 2, 4, 8)] == [
+        [2], [4, 2], [8, 4, 2], [16, 8, 4, 2]]
+    points = tpu.sweep_points(cfg, 8)
+    assert len(points) == 2 * (1 + 2 + 3 + 4)
+    assert points[-1] == {"mesh.data": 1, "mesh.fsdp": 1, "mesh.context": 8, "mesh.tensor": 1,
+                          "model.remat_policy": "dots_no_batch", "grad_accum_steps": 2}
+    fixed = load_config("lm_125m.py", **{"data.batch_size": 16, "grad_accum_steps": 4})
+    assert tpu.sweep_microbatches(fixed, 8, 8) == [4]
+
+
+def test_sweep_does_not_try_fewer_microbatches_than_a_count_that_did_not_fit(
+        load_config, monkeypatch):
+    """The compiler (stood in for) refuses 2 microbatches at context 4: 1 is not compiled;
+    the other points are ranked."""
+    cfg = load_config("lm_125m.py", **{"data.batch_size": 16, "data.max_rows_per_device": 1,
+                                       "model.num_decoder_layers": 1})
+    compiled = []
+
+    def plan(run, mesh, topology):
+        compiled.append(run.config.grad_accum_steps)
+        if run.config.grad_accum_steps < 4:
+            raise tpu.DoesNotFit("does not fit on v5e:2x2: stood in")
+        return types.SimpleNamespace(peak_bytes=0)
+
+    monkeypatch.setattr(tpu, "_plan", plan)
+    monkeypatch.setattr(tpu, "step_estimate", lambda run, *_: types.SimpleNamespace(
+        seconds=1.0 / run.config.grad_accum_steps, overlapped_seconds=0.5))
+    monkeypatch.setattr(memory, "step_flops_per_device", lambda *_: 1.0)
+    points = [{"mesh.data": 1, "mesh.fsdp": 1, "mesh.context": 4, "mesh.tensor": 1,
+               "model.remat_policy": "full", "grad_accum_steps": a} for a in (8, 4, 2, 1)]
+    topology = tpu.parse_topology("v5e:2x2")
+    lines = tpu.sweep_report(cfg, topology, jax.devices()[:4], points).splitlines()
+    assert compiled == [8, 4, 2]
+    assert lines[0] == "sweep on v5e:2x2: 2 of 4 fit, fastest first"
+    assert [re.match(r"  \d\. .*, (\d) microbatch\(es\): ([0-9.]+) ms", line).groups()
+            for line in lines[1:3]] == [("8", "125.0"), ("4", "250.0")]
+    assert lines[3:] == [
+        "dropped:",
+        "  data 1 fsdp 1 context 4 tensor 1, remat full, 2 microbatch(es): does not fit on "
+        "v5e:2x2: stood in",
+        "  data 1 fsdp 1 context 4 tensor 1, remat full, 1 microbatch(es): not tried, 2 "
+        "microbatch(es) did not fit"]
 
 
 def test_collectives_of_a_context_split_step_counted_by_hand(libtpu, load_config):

@@ -45,8 +45,8 @@ figures), a custom kernel's time (the splash kernel's FLOPs are added at the chi
 chunks, ring attention's steps, the chunked kernel's blocks: their compute counted once, their
 missing FLOPs added at peak), the non-matmul FLOPs the compiler counts in the layers (norms,
 activations, casts: they come off the unseen term, which flops.py's matmuls less the compiler's
-all-op count underestimates by them), loops whose trip count the HLO does not state (their collectives
-counted once), data-center links (collectives across slices are timed at ICI
+all-op count underestimates by them), loops whose trip count the HLO does not state (their
+collectives counted once), data-center links (collectives across slices are timed at ICI
 bandwidth), and everything off the device (input pipeline, host, launch overhead).
 """
 

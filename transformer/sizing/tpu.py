@@ -20,6 +20,7 @@ import tempfile
 
 import jax
 
+from transformer import config as config_lib
 from transformer.config import Resolved, resolve
 from transformer.sizing import memory, step_time
 from transformer.training import sharding
@@ -202,7 +203,7 @@ def step_estimate(run: Resolved, topology: Topology, devices,
     if remat:
         try:
             without_remat = costs(with_remat=False)
-        except ValueError:  # does not fit: the programs with remat stand in (step_time)
+        except DoesNotFit:  # the programs with remat stand in (step_time)
             pass
     return step_time.extrapolate(
         *costs(with_remat=True), list(memory_plan.collectives), device.name, layers=layers,
@@ -214,10 +215,14 @@ def step_estimate(run: Resolved, topology: Topology, devices,
         peak_flops=device.peak_flops, remat=remat, without_remat=without_remat)
 
 
+class DoesNotFit(ValueError):
+    """The TPU compiler refused a program for HBM, or its peak is over HBM."""
+
+
 def _plan(run: Resolved, mesh, topology: Topology) -> memory.MemoryPlan:
     """`memory.plan` for TPU devices. libtpu's compiler logs to file descriptor 2, and a program
     that does not fit in HBM is an error with a memory dump of 100s of lines: that becomes one
-    line (ValueError); any other log is passed on."""
+    line (DoesNotFit, a ValueError); any other log is passed on."""
     sys.stderr.flush()
     saved, oom = os.dup(2), None
     with tempfile.TemporaryFile("w+") as log:
@@ -228,7 +233,7 @@ def _plan(run: Resolved, mesh, topology: Topology) -> memory.MemoryPlan:
             oom = re.search(r"CompileTimeHbmOom: (.*?)\. HLO module", str(error))
             if oom is None:
                 raise
-            raise ValueError(f"does not fit on {topology.name}: the TPU compiler says "
+            raise DoesNotFit(f"does not fit on {topology.name}: the TPU compiler says "
                              f"{oom.group(1)}; shard more (mesh.fsdp, mesh.tensor), remat "
                              f"(model.remat_policy) or fewer rows per device") from None
         finally:
@@ -244,43 +249,67 @@ SWEEP_CONTEXTS = (1, 2, 4, 8)
 SWEEP_REMAT = ("full", "dots_no_batch")
 
 
-def sweep_points(num_devices: int) -> list[dict[str, object]]:
+def sweep_microbatches(cfg, num_devices: int, context: int) -> list[int]:
+    """The microbatch counts tried with `context`: the count `data.max_rows_per_device` sizes
+    (`grad_accum_steps`: a split row counts whole, so the count grows with the split), then
+    each half of it down to the count of context 1: the same memory spent on more rows."""
+    most = config_lib.grad_accum_steps(cfg, num_devices // context)
+    least = config_lib.grad_accum_steps(cfg, num_devices)
+    counts = [most]
+    while counts[-1] % 2 == 0 and counts[-1] // 2 >= least:
+        counts.append(counts[-1] // 2)
+    return counts
+
+
+def sweep_points(cfg, num_devices: int) -> list[dict[str, object]]:
     """The default grid: for each split of the positions over `context` in SWEEP_CONTEXTS
     that divides the devices, the rest of the devices as FSDP, under each remat policy in
-    SWEEP_REMAT (the microbatches as the config sizes them: `data.max_rows_per_device`)."""
+    SWEEP_REMAT, at each of `sweep_microbatches`, fewest last."""
     return [{"mesh.data": 1, "mesh.fsdp": num_devices // c, "mesh.context": c,
-             "mesh.tensor": 1, "model.remat_policy": remat}
-            for c in SWEEP_CONTEXTS if num_devices % c == 0 for remat in SWEEP_REMAT]
+             "mesh.tensor": 1, "model.remat_policy": remat, "grad_accum_steps": a}
+            for c in SWEEP_CONTEXTS if num_devices % c == 0 for remat in SWEEP_REMAT
+            for a in sweep_microbatches(cfg, num_devices, c)]
 
 
 def sweep_report(cfg, topology: Topology, devices, points: list[dict[str, object]]) -> str:
     """Compiles the train step for each point of the grid (overrides of `cfg`), drops those
-    that do not fit and ranks the rest by `step_estimate` (no overlap; the overlapped figure
+    that do not fit (and, untried, a point with fewer microbatches than one that did not fit,
+    the rest alike) and ranks the rest by `step_estimate` (no overlap; the overlapped figure
     beside it): one line each, fastest first, then the ones dropped and why."""
     device = topology.chip.device
-    ranked, dropped = [], []
+    ranked, dropped, too_big = [], [], []
     for overrides in points:
         point = cfg.copy_and_resolve_references()
         with point.unlocked():
             for key, value in overrides.items():
-                section, name = key.split(".")
-                point[section][name] = value
+                section, _, name = key.rpartition(".")
+                (point[section] if section else point)[name] = value
         label = (f"data {point.mesh.data} fsdp {point.mesh.fsdp} context "
                  f"{point.mesh.context} tensor {point.mesh.tensor}, remat "
                  f"{point.model.remat_policy}")
+        if "grad_accum_steps" in overrides:
+            label += f", {point.grad_accum_steps} microbatch(es)"
+        rest = {k: v for k, v in overrides.items() if k != "grad_accum_steps"}
+        fewer = [a for others, a in too_big if others == rest]
+        if fewer and int(point.grad_accum_steps) < min(fewer):
+            dropped.append(f"  {label}: not tried, {min(fewer)} microbatch(es) did not fit")
+            continue
         try:
             run = resolve(point, len(devices), num_slices=topology.num_slices)
             memory_plan = _plan(run, sharding.make_mesh(run.config.mesh, devices), topology)
             if memory_plan.peak_bytes > device.memory_bytes:
-                raise ValueError(f"peak {memory_plan.peak_bytes / GiB:.2f} GiB > HBM")
+                raise DoesNotFit(f"peak {memory_plan.peak_bytes / GiB:.2f} GiB > HBM")
             estimate = step_estimate(run, topology, devices, memory_plan)
         except ValueError as error:
             dropped.append(f"  {label}: {error}")
+            if isinstance(error, DoesNotFit) and "grad_accum_steps" in overrides:
+                too_big.append((rest, int(overrides["grad_accum_steps"])))
             continue
         mfu = memory.step_flops_per_device(run.model, memory_plan) / (
             estimate.seconds * device.peak_flops)
-        ranked.append((estimate.seconds, f"{label}, {run.config.grad_accum_steps} "
-                       f"microbatch(es): {estimate.seconds * 1e3:.1f} ms "
+        if "grad_accum_steps" not in overrides:
+            label += f", {run.config.grad_accum_steps} microbatch(es)"
+        ranked.append((estimate.seconds, f"{label}: {estimate.seconds * 1e3:.1f} ms "
                        f"({estimate.overlapped_seconds * 1e3:.1f} ms overlapped), MFU {mfu:.1%}, "
                        f"peak {memory_plan.peak_bytes / GiB:.2f} GiB"))
     lines = [f"sweep on {topology.name}: {len(ranked)} of {len(points)} fit, fastest first"]
