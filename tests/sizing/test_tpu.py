@@ -429,9 +429,9 @@ def test_sweep_tries_fewer_microbatches_down_to_context_ones(load_config):
 
 
 def test_sweep_does_not_try_fewer_microbatches_than_a_count_that_did_not_fit(
-        load_config, monkeypatch):
+        load_config, monkeypatch, capsys):
     """The compiler (stood in for) refuses 2 microbatches at context 4: 1 is not compiled;
-    the other points are ranked."""
+    the other points are ranked. Each point's outcome is on stderr as it comes."""
     cfg = load_config("lm_125m.py", **{"data.batch_size": 16, "data.max_rows_per_device": 1,
                                        "model.num_decoder_layers": 1})
     compiled = []
@@ -460,6 +460,9 @@ def test_sweep_does_not_try_fewer_microbatches_than_a_count_that_did_not_fit(
         "v5e:2x2: stood in",
         "  data 1 fsdp 1 context 4 tensor 1, remat full, 1 microbatch(es): not tried, 2 "
         "microbatch(es) did not fit"]
+    shown = capsys.readouterr().err.splitlines()
+    assert [re.search(r"sweep: (\d/\d) points, .* ETA \d:\d\d:\d\d: .*(ms|fit)", line).groups()
+            for line in shown] == [("1/4", "ms"), ("2/4", "ms"), ("3/4", "fit"), ("4/4", "fit")]
 
 
 def test_collectives_of_a_context_split_step_counted_by_hand(libtpu, load_config):

@@ -17,6 +17,7 @@ import os
 import re
 import sys
 import tempfile
+import time
 
 import jax
 
@@ -24,6 +25,7 @@ from transformer import config as config_lib
 from transformer.config import Resolved, resolve
 from transformer.sizing import memory, step_time
 from transformer.training import sharding
+from transformer.util import progress
 
 GiB, GB = 2**30, 10**9
 LIBTPU_MISSING = '--topology needs libtpu: pip install -e ".[tpu]"'
@@ -275,43 +277,57 @@ def sweep_report(cfg, topology: Topology, devices, points: list[dict[str, object
     """Compiles the train step for each point of the grid (overrides of `cfg`), drops those
     that do not fit (and, untried, a point with fewer microbatches than one that did not fit,
     the rest alike) and ranks the rest by `step_estimate` (no overlap; the overlapped figure
-    beside it): one line each, fastest first, then the ones dropped and why."""
-    device = topology.chip.device
+    beside it): one line each, fastest first, then the ones dropped and why. Each point's
+    outcome goes to stderr as it comes, with the time so far and an ETA."""
     ranked, dropped, too_big = [], [], []
-    for overrides in points:
-        point = cfg.copy_and_resolve_references()
-        with point.unlocked():
-            for key, value in overrides.items():
-                section, _, name = key.rpartition(".")
-                (point[section] if section else point)[name] = value
-        label = (f"data {point.mesh.data} fsdp {point.mesh.fsdp} context "
-                 f"{point.mesh.context} tensor {point.mesh.tensor}, remat "
-                 f"{point.model.remat_policy}")
-        if "grad_accum_steps" in overrides:
-            label += f", {point.grad_accum_steps} microbatch(es)"
-        rest = {k: v for k, v in overrides.items() if k != "grad_accum_steps"}
-        fewer = [a for others, a in too_big if others == rest]
-        if fewer and int(point.grad_accum_steps) < min(fewer):
-            dropped.append(f"  {label}: not tried, {min(fewer)} microbatch(es) did not fit")
-            continue
-        try:
-            run = resolve(point, len(devices), num_slices=topology.num_slices)
-            memory_plan = _plan(run, sharding.make_mesh(run.config.mesh, devices), topology)
-            if memory_plan.peak_bytes > device.memory_bytes:
-                raise DoesNotFit(f"peak {memory_plan.peak_bytes / GiB:.2f} GiB > HBM")
-            estimate = step_estimate(run, topology, devices, memory_plan)
-        except ValueError as error:
-            dropped.append(f"  {label}: {error}")
-            if isinstance(error, DoesNotFit) and "grad_accum_steps" in overrides:
-                too_big.append((rest, int(overrides["grad_accum_steps"])))
-            continue
-        mfu = memory.step_flops_per_device(run.model, memory_plan) / (
-            estimate.seconds * device.peak_flops)
-        if "grad_accum_steps" not in overrides:
-            label += f", {run.config.grad_accum_steps} microbatch(es)"
-        ranked.append((estimate.seconds, f"{label}: {estimate.seconds * 1e3:.1f} ms "
-                       f"({estimate.overlapped_seconds * 1e3:.1f} ms overlapped), MFU {mfu:.1%}, "
-                       f"peak {memory_plan.peak_bytes / GiB:.2f} GiB"))
+    started = time.monotonic()
+    for done, overrides in enumerate(points, 1):
+        line = _sweep_point(cfg, topology, devices, overrides, too_big)
+        (ranked if isinstance(line, tuple) else dropped).append(line)
+        elapsed = time.monotonic() - started
+        print(f"{time.strftime('%H:%M:%S')} sweep: {done}/{len(points)} points, "
+              f"{progress.clock(elapsed)} so far, ETA "
+              f"{progress.clock(elapsed / done * (len(points) - done))}: "
+              f"{line[1] if isinstance(line, tuple) else line.strip()}",
+              file=sys.stderr, flush=True)
     lines = [f"sweep on {topology.name}: {len(ranked)} of {len(points)} fit, fastest first"]
     lines += [f"{rank:>3}. {text}" for rank, (_, text) in enumerate(sorted(ranked), 1)]
     return "\n".join(lines + (["dropped:"] + dropped if dropped else []))
+
+
+def _sweep_point(cfg, topology: Topology, devices, overrides: dict[str, object],
+                 too_big: list) -> tuple[float, str] | str:
+    """One point of `sweep_report`: (estimated seconds, its ranked line), or its dropped line
+    (and, where it did not fit at a microbatch count, that count added to `too_big`)."""
+    device = topology.chip.device
+    point = cfg.copy_and_resolve_references()
+    with point.unlocked():
+        for key, value in overrides.items():
+            section, _, name = key.rpartition(".")
+            (point[section] if section else point)[name] = value
+    label = (f"data {point.mesh.data} fsdp {point.mesh.fsdp} context "
+             f"{point.mesh.context} tensor {point.mesh.tensor}, remat "
+             f"{point.model.remat_policy}")
+    if "grad_accum_steps" in overrides:
+        label += f", {point.grad_accum_steps} microbatch(es)"
+    rest = {k: v for k, v in overrides.items() if k != "grad_accum_steps"}
+    fewer = [a for others, a in too_big if others == rest]
+    if fewer and int(point.grad_accum_steps) < min(fewer):
+        return f"  {label}: not tried, {min(fewer)} microbatch(es) did not fit"
+    try:
+        run = resolve(point, len(devices), num_slices=topology.num_slices)
+        memory_plan = _plan(run, sharding.make_mesh(run.config.mesh, devices), topology)
+        if memory_plan.peak_bytes > device.memory_bytes:
+            raise DoesNotFit(f"peak {memory_plan.peak_bytes / GiB:.2f} GiB > HBM")
+        estimate = step_estimate(run, topology, devices, memory_plan)
+    except ValueError as error:
+        if isinstance(error, DoesNotFit) and "grad_accum_steps" in overrides:
+            too_big.append((rest, int(overrides["grad_accum_steps"])))
+        return f"  {label}: {error}"
+    mfu = memory.step_flops_per_device(run.model, memory_plan) / (
+        estimate.seconds * device.peak_flops)
+    if "grad_accum_steps" not in overrides:
+        label += f", {run.config.grad_accum_steps} microbatch(es)"
+    return estimate.seconds, (f"{label}: {estimate.seconds * 1e3:.1f} ms "
+                              f"({estimate.overlapped_seconds * 1e3:.1f} ms overlapped), "
+                              f"MFU {mfu:.1%}, peak {memory_plan.peak_bytes / GiB:.2f} GiB")

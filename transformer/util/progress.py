@@ -17,7 +17,8 @@ from collections.abc import Iterator
 INTERVAL_SECONDS = 30.0
 
 
-def _clock(seconds: float) -> str:
+def clock(seconds: float) -> str:
+    """h:mm:ss."""
     seconds = int(seconds)
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
@@ -45,7 +46,7 @@ class Lines:
         if self.total:
             eta = (self.total - self.done) / rate if rate else 0.0
             done = (f"{self.done:,}/{self.total:,} {self.unit}s "
-                    f"({100 * self.done / self.total:.0f}%), ETA {_clock(eta)}")
+                    f"({100 * self.done / self.total:.0f}%), ETA {clock(eta)}")
         print(f"{time.strftime('%H:%M:%S')} {self.desc}: {done}, {rate:,.1f}/s", file=self.stream,
               flush=True)
         self.shown = self.done
