@@ -226,6 +226,14 @@ def test_remats_recomputation_is_not_taken_off_the_unseen_flops():
     assert not biased.remat_separated
     assert biased.unseen < full.unseen
     assert "remat's recomputation not separated" in step_time.describe(biased, 1.0, 1.0)[0]
+    # the programs without remat see 190 of a layer's FLOPs where those with remat see 120
+    # (the compiler's loops leave more out there): the lower bound, 300 - 120 a layer
+    windowed = (step_time.ProgramCost(1.5, 40 + 120), step_time.ProgramCost(3.0, 40 + 2 * 120))
+    plain = (step_time.ProgramCost(1.0, 40 + 190), step_time.ProgramCost(2.0, 40 + 2 * 190))
+    bound = step_time.extrapolate(*windowed, [], "TPU v5 lite", remat=True,
+                                  without_remat=plain, **kwargs)
+    assert bound.unseen == pytest.approx(2 * 4 * (300 - 120) / 10)  # not 110 + 110 / 3
+    assert not bound.remat_separated and bound.recomputed == 0
 
 
 def test_program_cost_falls_back_on_the_compilers_roofline():
