@@ -189,7 +189,7 @@ def test_extrapolation_over_layers_and_microbatches():
              step_time.Collective("collective-permute", 5000, 2, count=3)]
     e = step_time.extrapolate(one, two, found, "TPU v5 lite", layers=12, microbatches=4,
                               optimizer_seconds=0.5, analytic_flops=1000.0,
-                              analytic_layer_flops=960.0, peak_flops=100.0)
+                              recomputed_flops=0.0, peak_flops=100.0)
     assert e.compute == pytest.approx(4 * (3 + 11 * 2) - 3 * 0.5)  # the update counted once
     assert e.compiler_flops == pytest.approx(4 * (30 + 11 * 20))
     assert e.unseen == pytest.approx((1000 - 4 * 250) / 100)  # none unseen
@@ -201,39 +201,27 @@ def test_extrapolation_over_layers_and_microbatches():
     assert e.overlapped_seconds == pytest.approx(max(e.compute, e.communication))
     assert step_time.extrapolate(one, two, [], "TPU v5 lite", layers=1, microbatches=1,
                                  optimizer_seconds=0.0, analytic_flops=130.0,
-                                 analytic_layer_flops=100.0, peak_flops=10.0).unseen == 10.0
+                                 recomputed_flops=0.0, peak_flops=10.0).unseen == 10.0
     assert step_time.optimizer_seconds(4_000, 1e9) == pytest.approx(7 * 4e-6)
 
 
-def test_remats_recomputation_is_not_taken_off_the_unseen_flops():
+def test_remats_recomputation_is_run_not_taken_off_the_unseen_flops():
     """A layer of 300 flops.py FLOPs (3 x a forward of 100) of which the compiler sees 200
-    (the kernel's 100 unseen); remat full recomputes the forward, so the compiler counts 250
-    with it. The base (embeddings, loss) is 40, all seen. 4 layers, 2 microbatches."""
+    (a kernel's 100 unseen); remat full recomputes the forward (100), of which the compiler
+    sees its 50, so it counts 250. The base (embeddings, loss) is 40, all seen. 4 layers, 2
+    microbatches. Unseen: 100 + 50 a layer. Before, flops.py's less the compiler's: 50."""
     kwargs = dict(layers=4, microbatches=2, optimizer_seconds=0.0, peak_flops=10.0,
-                  analytic_flops=2 * (40 + 4 * 300), analytic_layer_flops=2 * 4 * 300)
+                  analytic_flops=2 * (40 + 4 * 300))
     plain = (step_time.ProgramCost(1.0, 40 + 200), step_time.ProgramCost(2.0, 40 + 2 * 200))
     remat = (step_time.ProgramCost(1.5, 40 + 250), step_time.ProgramCost(3.0, 40 + 2 * 250))
-    none = step_time.extrapolate(*plain, [], "TPU v5 lite", **kwargs)
+    none = step_time.extrapolate(*plain, [], "TPU v5 lite", recomputed_flops=0.0, **kwargs)
     assert none.unseen == pytest.approx(2 * 4 * 100 / 10) and none.recomputed == 0
-    full = step_time.extrapolate(*remat, [], "TPU v5 lite", remat=True, without_remat=plain,
+    full = step_time.extrapolate(*remat, [], "TPU v5 lite", recomputed_flops=2 * 4 * 100.0,
                                  **kwargs)
-    # the unseen 100 a layer, and its forward third recomputed: 100 + 100 / 3
-    assert full.unseen == pytest.approx(2 * 4 * (100 + 100 / 3) / 10)
-    assert full.recomputed == pytest.approx(2 * 4 * (100 / 3) / 10)
-    assert full.compiler_flops == 2 * (40 + 4 * 250) and full.remat_separated
-    # against the programs with remat, the 50 recomputed seen FLOPs came off (before the fix)
-    biased = step_time.extrapolate(*remat, [], "TPU v5 lite", remat=True, **kwargs)
-    assert not biased.remat_separated
-    assert biased.unseen < full.unseen
-    assert "remat's recomputation not separated" in step_time.describe(biased, 1.0, 1.0)[0]
-    # the programs without remat see 190 of a layer's FLOPs where those with remat see 120
-    # (the compiler's loops leave more out there): the lower bound, 300 - 120 a layer
-    windowed = (step_time.ProgramCost(1.5, 40 + 120), step_time.ProgramCost(3.0, 40 + 2 * 120))
-    plain = (step_time.ProgramCost(1.0, 40 + 190), step_time.ProgramCost(2.0, 40 + 2 * 190))
-    bound = step_time.extrapolate(*windowed, [], "TPU v5 lite", remat=True,
-                                  without_remat=plain, **kwargs)
-    assert bound.unseen == pytest.approx(2 * 4 * (300 - 120) / 10)  # not 110 + 110 / 3
-    assert not bound.remat_separated and bound.recomputed == 0
+    assert full.unseen == pytest.approx(2 * 4 * (100 + 50) / 10)
+    assert full.recomputed == pytest.approx(2 * 4 * 100 / 10)
+    assert full.compiler_flops == 2 * (40 + 4 * 250)
+    assert "8e+04 ms of remat's recomputation" in step_time.describe(full, 1.0, 1.0)[0]
 
 
 def test_program_cost_falls_back_on_the_compilers_roofline():

@@ -132,14 +132,15 @@ def active_params(config: TransformerConfig) -> int:
     return _size(params) - round(skipped)
 
 
-def _ffn_matmuls(config: TransformerConfig) -> int:
+def ffn_matmuls(config: TransformerConfig) -> int:
+    """The feed-forward's matmuls: 3 gated (in, gate, out), else 2."""
     return 3 if config.activation in layers.GATED else 2
 
 
 def ffn_flops_per_token(config: TransformerConfig, layer: int) -> float:
     """The feed-forward sublayer's forward FLOPs per token in layer `layer` (module
     docstring): dense, or routed (router, the k experts, the shared one)."""
-    dense = 2.0 * config.d_model * config.d_ff * _ffn_matmuls(config)
+    dense = 2.0 * config.d_model * config.d_ff * ffn_matmuls(config)
     if not config.routed(layer):
         return dense
     active = config.experts_per_token * (config.moe_capacity_factor or 1.0)

@@ -356,17 +356,37 @@ def _human(num_bytes: int) -> str:
     return f"{num_bytes} B"
 
 
-def step_flops_per_device(model: TransformerConfig, memory_plan: MemoryPlan, *,
-                          layers_only: bool = False) -> float:
-    """Training matmul FLOPs of one update per device (`flops.py`: 3 x forward, over all the
-    batch's rows at their full lengths); `layers_only`: those of the layers (no logits or
-    patch embedding)."""
+def _per_device(model: TransformerConfig, memory_plan: MemoryPlan, forward) -> float:
+    """`forward(flops.forward_flops parts of one row)` over one update's rows, per device."""
     accum, rows, source, target = batch_lengths(model, memory_plan.batch)
     parts = flops.forward_flops(model, source_length=source, target_length=target)
-    forward = parts["total"]
-    if layers_only:
-        forward -= parts["logits"] + parts.get("patch_embedding", 0.0)
-    return 3.0 * forward * accum * rows / math.prod(memory_plan.mesh_shape.values())
+    return forward(parts) * accum * rows / math.prod(memory_plan.mesh_shape.values())
+
+
+def step_flops_per_device(model: TransformerConfig, memory_plan: MemoryPlan) -> float:
+    """Training matmul FLOPs of one update per device (`flops.py`: 3 x forward, over all the
+    batch's rows at their full lengths)."""
+    return _per_device(model, memory_plan, lambda parts: 3.0 * parts["total"])
+
+
+def remat_flops(model: TransformerConfig, memory_plan: MemoryPlan) -> float:
+    """The forward matmul FLOPs remat recomputes in one update per device (`flops.py`'s).
+    `full`: the layers' forward but the last matmul of each sublayer (the output projection,
+    the feed-forward's output), whose result only a residual sum takes and the backward pass
+    does not need (JAX recomputes what it needs). `dots` and `dots_no_batch`: the attention's
+    scores and values (Q K^T and A V have batch dimensions, and the splash kernel is a Pallas
+    call: no policy saves it; `dots` would save XLA's einsums, counted all the same). `none`:
+    0."""
+    policy, m = model.remat_policy, model
+    if policy == "none":
+        return 0.0
+    if policy != "full":
+        return _per_device(model, memory_plan, lambda parts: parts["attention_scores_values"])
+    output = m.num_heads * m.d_v / (m.num_heads * (m.d_k + m.d_v)
+                                    + m.num_kv_heads * (m.d_k + m.d_v))
+    return _per_device(model, memory_plan, lambda parts: (
+        parts["attention_scores_values"] + parts["attention_projections"] * (1 - output)
+        + parts["ffn"] * (1 - 1 / flops.ffn_matmuls(model))))
 
 
 def _compiler_lines(model: TransformerConfig, memory_plan: MemoryPlan,

@@ -29,19 +29,14 @@ a program's compute is its roofline from the compiler's counts: max(FLOPs / peak
 accessed / HBM bandwidth).
 
 The FLOPs the cost model does not see (a custom kernel's, a loop's trips after the first) are
-`flops.py`'s less the compiler's, both without remat: the compiler counts remat's recomputation
-and `flops.py` does not, so against the programs as they train the recomputed matmuls would
-come off this term. So a run with remat has its 1- and 2-layer programs compiled a second time
-without it, and the unseen FLOPs inside its layers (flops.py's layers less the compiler's, per
-layer) are recomputed: their forward third again, at peak (the splash kernel, a Pallas call, is
-saved by no remat policy). That assumes the programs with and without remat leave the same
-FLOPs out; they need not: the TPU compiler runs some matmuls as windowed loops beside their
-FSDP gathers, whose body the cost model counts once, and it chooses them per program (lm_1b
-at 2,048 tokens: 3.0e12 FLOPs a layer seen with remat `dots_no_batch`, 5.0e12 without, 6.4e12
-in flops.py). flops.py's less the compiler's with remat is a lower bound (recomputation adds
-FLOPs), and the term never falls below it; where the programs without remat do not fit, or
-the bound is higher, the bound stands and the report says remat's recomputation was not
-separated.
+what the step runs, `flops.py`'s FLOPs and remat's recomputation of them (`memory.remat_flops`:
+under `full` the layers' forward, under `dots`/`dots_no_batch` the attention's scores and
+values, which no policy saves inside the splash kernel), less what the compiler counts in the
+programs as they train. Not the compiler's FLOPs without remat: the TPU compiler runs some
+matmuls as windowed loops beside their FSDP gathers, whose body the cost model counts once,
+and chooses them per program (lm_1b at 2,048 tokens: 3.0e12 FLOPs a layer and microbatch seen
+with remat `dots_no_batch`, 5.0e12 without it, 6.4e12 in flops.py), so programs compiled
+without remat leave different FLOPs out.
 
 The estimate is `compute + FLOPs the cost model does not see + communication` (no overlap), and
 beside it the same with the communication hidden behind compute. Left out: overlap (XLA's
@@ -289,15 +284,14 @@ class StepEstimate:
     """The whole step's estimate per device (module docstring), in seconds and FLOPs."""
 
     compute: float  # the cost model's time over every layer and microbatch
-    unseen: float  # FLOPs the cost model does not count, at peak, `recomputed` included
-    recomputed: float  # of `unseen`: remat's recomputation of the layers' unseen FLOPs
+    unseen: float  # FLOPs run (flops.py's, remat's recomputation) the cost model does not count
+    recomputed: float  # remat's recomputation (seen by the cost model or not), at peak
     communication: float
     communication_bytes: float
     num_collectives: float
     compiler_flops: float
     layers: int
     microbatches: int
-    remat_separated: bool = True  # False: the lower bound of the module docstring
 
     @property
     def seconds(self) -> float:
@@ -312,37 +306,24 @@ class StepEstimate:
 
 def extrapolate(one: ProgramCost, two: ProgramCost, found: list[Collective], device_kind: str,
                 *, layers: int, microbatches: int, optimizer_seconds: float,
-                analytic_flops: float, analytic_layer_flops: float, peak_flops: float,
-                remat: bool = False,
-                without_remat: tuple[ProgramCost, ProgramCost] | None = None) -> StepEstimate:
+                analytic_flops: float, recomputed_flops: float,
+                peak_flops: float) -> StepEstimate:
     """The step's estimate: its compute from the programs with 1 and 2 layers per stack and
     one microbatch, `layers` per stack, `microbatches` A, the optimizer's update counted once;
-    the FLOPs the cost model leaves out from flops.py's per device (`analytic_flops`, of them
-    `analytic_layer_flops` in the layers) less those of the same programs compiled without
-    remat (`without_remat`; with `remat` and None, they did not fit: `one` and `two` stand in),
-    with the layers' part recomputed once more under `remat`, and never below flops.py's less
-    the compiler's with remat (module docstring); its communication from `found`, the
-    collectives of the step's own program (`collectives`)."""
+    the FLOPs the cost model leaves out, flops.py's per device (`analytic_flops`) and remat's
+    recomputation (`recomputed_flops`) less the compiler's, at peak; its communication from
+    `found`, the collectives of the step's own program (`collectives`)."""
 
-    def whole(field: str, programs: tuple[ProgramCost, ProgramCost]) -> float:
-        a, b = (getattr(p, field) for p in programs)
+    def whole(field: str) -> float:
+        a, b = getattr(one, field), getattr(two, field)
         return microbatches * (a + (layers - 1) * (b - a))
 
-    plain = without_remat or (one, two)
-    compute = whole("optimal_seconds", (one, two)) - (microbatches - 1) * optimizer_seconds
-    layer_unseen = max(0.0, analytic_layer_flops - microbatches * layers * (
-        plain[1].flops - plain[0].flops))
-    recomputed = layer_unseen / 3 if remat else 0.0
-    unseen = max(0.0, analytic_flops - whole("flops", plain)) + recomputed
-    lower_bound = analytic_flops - whole("flops", (one, two))  # the recomputation is >= 0
-    separated = not remat or (without_remat is not None and unseen >= lower_bound)
-    if not separated:
-        unseen, recomputed = max(0.0, lower_bound), 0.0
-    return StepEstimate(compute, unseen / peak_flops, recomputed / peak_flops,
-                        communication_seconds(found, device_kind),
+    compute = whole("optimal_seconds") - (microbatches - 1) * optimizer_seconds
+    flops_ = whole("flops")
+    return StepEstimate(compute, max(0.0, analytic_flops + recomputed_flops - flops_) / peak_flops,
+                        recomputed_flops / peak_flops, communication_seconds(found, device_kind),
                         sum(c.count * c.bytes_per_device() for c in found),
-                        sum(c.count for c in found), whole("flops", (one, two)), layers,
-                        microbatches, remat_separated=separated)
+                        sum(c.count for c in found), flops_, layers, microbatches)
 
 
 def optimizer_seconds(param_bytes_per_device: int, hbm_bytes_per_s: float) -> float:
@@ -358,13 +339,11 @@ def _ms(seconds: float) -> str:
 def describe(estimate: StepEstimate, analytic_flops: float, peak_flops: float) -> list[str]:
     """The report's lines: the estimate, its parts, and the MFU it implies."""
     e = estimate
-    recomputed = (f"{_ms(e.recomputed)} of them remat's recomputation" if e.remat_separated
-                  else "remat's recomputation not separated: flops.py's less the compiler's "
-                       "with remat, a lower bound")
     return [
         f"step time estimate: {_ms(e.seconds)} = compute {_ms(e.compute)} (the compiler's cost "
         f"model over {e.layers} layer(s) x {e.microbatches} microbatch(es)) + {_ms(e.unseen)} "
-        f"of FLOPs it does not count (at peak; {recomputed}) + communication "
+        f"of FLOPs it does not count (at peak: flops.py's and {_ms(e.recomputed)} of remat's "
+        f"recomputation, less the compiler's) + communication "
         f"{_ms(e.communication)} "
         f"({e.num_collectives:.0f} collectives, {e.communication_bytes / 2**20:.4g} MiB per "
         f"device, not overlapped); {_ms(e.overlapped_seconds)} with it hidden",

@@ -164,16 +164,12 @@ def compile_report(run: Resolved, topology: Topology, devices) -> str:
     return f"{header}\n{report}"
 
 
-def layer_variant(run: Resolved, layers: int, num_devices: int, num_slices: int, *,
-                  remat: bool = True) -> Resolved:
+def layer_variant(run: Resolved, layers: int, num_devices: int, num_slices: int) -> Resolved:
     """`run` with at most `layers` layers in each stack, unrolled (`scan_layers` False), and
-    one microbatch of the same rows: a program whose every layer the cost model counts;
-    without remat if not `remat`."""
+    one microbatch of the same rows: a program whose every layer the cost model counts."""
     cfg = run.config.copy_and_resolve_references()
     model = cfg.model
     model.scan_layers = False
-    if not remat:
-        model.remat_policy = "none"
     for stack in ("num_encoder_layers", "num_decoder_layers"):
         if int(model.get(stack, 0) or 0) > 0:
             model[stack] = min(int(model[stack]), layers)
@@ -186,35 +182,26 @@ def step_estimate(run: Resolved, topology: Topology, devices,
                   memory_plan: memory.MemoryPlan) -> step_time.StepEstimate:
     """`step_time`'s estimate of `run`'s train step on `devices`: the compute of the programs
     with 1 and 2 layers per stack (one microbatch, unrolled) compiled for them, extrapolated
-    to the config's layers (the deeper stack) and microbatches; with remat, the same programs
-    without it for the FLOPs the cost model does not see; the communication of the step's own
-    program (`memory_plan`'s collectives)."""
+    to the config's layers (the deeper stack) and microbatches; the communication of the
+    step's own program (`memory_plan`'s collectives)."""
     model, device = run.model, topology.chip.device
     layers = max(model.num_decoder_layers if model.architecture in ("decoder", "encoder_decoder")
                  else 0, model.num_encoder_layers if model.architecture != "decoder" else 0)
     mesh = sharding.make_mesh(run.config.mesh, devices)
-    remat = model.remat_policy != "none"
-
-    def costs(with_remat: bool) -> tuple[step_time.ProgramCost, step_time.ProgramCost]:
-        return tuple(step_time.program_cost(
-            _plan(layer_variant(run, depth, len(devices), topology.num_slices,
-                                remat=with_remat), mesh, topology).cost,
-            device.peak_flops, device.memory_bytes_per_s) for depth in (1, 2))
-
-    without_remat = None
-    if remat:
-        try:
-            without_remat = costs(with_remat=False)
-        except DoesNotFit:  # the programs with remat stand in (step_time)
-            pass
+    costs = []
+    for depth in (1, 2):
+        variant = layer_variant(run, depth, len(devices), topology.num_slices)
+        variant_plan = _plan(variant, mesh, topology)
+        costs.append(step_time.program_cost(variant_plan.cost, device.peak_flops,
+                                            device.memory_bytes_per_s))
     return step_time.extrapolate(
-        *costs(with_remat=True), list(memory_plan.collectives), device.name, layers=layers,
+        *costs, list(memory_plan.collectives), device.name, layers=layers,
         microbatches=int(run.config.grad_accum_steps),
         optimizer_seconds=step_time.optimizer_seconds(memory_plan.analytic["params"],
                                                       device.memory_bytes_per_s),
         analytic_flops=memory.step_flops_per_device(model, memory_plan),
-        analytic_layer_flops=memory.step_flops_per_device(model, memory_plan, layers_only=True),
-        peak_flops=device.peak_flops, remat=remat, without_remat=without_remat)
+        recomputed_flops=memory.remat_flops(model, memory_plan),
+        peak_flops=device.peak_flops)
 
 
 class DoesNotFit(ValueError):
