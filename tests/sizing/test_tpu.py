@@ -421,7 +421,7 @@ def test_sweep_tries_fewer_microbatches_down_to_context_ones(load_config):
     assert [tpu.sweep_microbatches(cfg, 8, c) for c in (1, 2, 4, 8)] == [
         [2], [4, 2], [8, 4, 2], [16, 8, 4, 2]]
     points = tpu.sweep_points(cfg, 8)
-    assert len(points) == 2 * (1 + 2 + 3 + 4)
+    assert len(points) == 3 * (1 + 2 + 3 + 4)
     assert points[-1] == {"mesh.data": 1, "mesh.fsdp": 1, "mesh.context": 8, "mesh.tensor": 1,
                           "model.remat_policy": "dots_no_batch", "grad_accum_steps": 2}
     fixed = load_config("lm_125m.py", **{"data.batch_size": 16, "grad_accum_steps": 4})

@@ -30,13 +30,13 @@ accessed / HBM bandwidth).
 
 The FLOPs the cost model does not see (a custom kernel's, a loop's trips after the first) are
 what the step runs, `flops.py`'s FLOPs and remat's recomputation of them (`memory.remat_flops`:
-under `full` the layers' forward, under `dots`/`dots_no_batch` the attention's scores and
-values, which no policy saves inside the splash kernel), less what the compiler counts in the
-programs as they train. Not the compiler's FLOPs without remat: the TPU compiler runs some
-matmuls as windowed loops beside their FSDP gathers, whose body the cost model counts once,
-and chooses them per program (lm_1b at 2,048 tokens: 3.0e12 FLOPs a layer and microbatch seen
-with remat `dots_no_batch`, 5.0e12 without it, 6.4e12 in flops.py), so programs compiled
-without remat leave different FLOPs out.
+under `full` the layers' forward but each sublayer's last matmul, under `dots`/`dots_no_batch`
+the attention's scores and values, which no policy saves inside the splash kernel), less what
+the compiler counts in the programs as they train. Not the compiler's FLOPs without remat: the
+TPU compiler runs some matmuls as windowed loops beside their FSDP gathers, whose body the cost
+model counts once, and chooses them per program (lm_1b at 2,048 tokens: 3.0e12 FLOPs a layer
+and microbatch seen with remat `dots_no_batch`, 5.0e12 without it, 6.4e12 in flops.py), so
+programs compiled without remat leave different FLOPs out.
 
 The estimate is `compute + FLOPs the cost model does not see + communication` (no overlap), and
 beside it the same with the communication hidden behind compute. Left out: overlap (XLA's

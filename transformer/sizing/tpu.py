@@ -235,7 +235,7 @@ def _plan(run: Resolved, mesh, topology: Topology) -> memory.MemoryPlan:
 
 
 SWEEP_CONTEXTS = (1, 2, 4, 8)
-SWEEP_REMAT = ("full", "dots_no_batch")
+SWEEP_REMAT = ("none", "full", "dots_no_batch")
 
 
 def sweep_microbatches(cfg, num_devices: int, context: int) -> list[int]:
