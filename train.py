@@ -147,7 +147,7 @@ def main(argv):
         sys.exit("error: --workdir is required to train (or pass --summary)")
     _check_workdir(FLAGS.workdir)
     _quiet_libraries()
-    from transformer.training import distributed
+    from transformer.parallel import distributed
     from transformer.training.loop import NonFiniteLoss, train_and_evaluate
 
     try:

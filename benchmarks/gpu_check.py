@@ -160,7 +160,7 @@ def decode_speed(dry: bool) -> list[dict]:
     """Beam 4 and greedy search of a randomly initialised base model, sentences/s."""
     from transformer.config import resolve
     from transformer.inference.translator import Translator
-    from transformer.training import sharding
+    from transformer.parallel import sharding
     from transformer.training import step as step_lib
 
     cfg = _synthetic_config("base", 8, 128, dry)

@@ -35,7 +35,7 @@ from transformer.checkpoint.averaging import load_params, params_step  # noqa: E
 from transformer.config import Resolved, resolve  # noqa: E402
 from transformer.data import make_source  # noqa: E402
 from transformer.data.tokenizer import FIRST_ORDINARY_ID  # noqa: E402
-from transformer.training import sharding  # noqa: E402
+from transformer.parallel import sharding  # noqa: E402
 from transformer.training import step as step_lib  # noqa: E402
 from transformer.util import cli  # noqa: E402, F401  (the CLIs' quiet start-up)
 

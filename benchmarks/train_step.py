@@ -68,8 +68,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from transformer.config import resolve  # noqa: E402
 from transformer.data import make_source  # noqa: E402
+from transformer.parallel import sharding  # noqa: E402
 from transformer.sizing import flops  # noqa: E402
-from transformer.training import metrics, sharding  # noqa: E402
+from transformer.training import metrics  # noqa: E402
 from transformer.training import step as step_lib  # noqa: E402
 
 config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).", lock_config=True)

@@ -153,7 +153,7 @@ def _untrained_run(path: pathlib.Path, **overrides) -> pathlib.Path:
     from transformer.checkpoint.checkpointer import Checkpointer
     from transformer.config import resolve
     from transformer.data import tokenizer as tokenizer_lib
-    from transformer.training import sharding
+    from transformer.parallel import sharding
     from transformer.training import step as step_lib
 
     tokenizer = tokenizer_lib.train(TRANSLATION_SENTENCES, 96, seed=0)
@@ -221,7 +221,7 @@ def untrained_vision_workdir(tmp_path_factory):
     without the mirror (the tests that want it set `test_time_flip`)."""
     from transformer.checkpoint.checkpointer import Checkpointer
     from transformer.config import resolve
-    from transformer.training import sharding
+    from transformer.parallel import sharding
     from transformer.training import step as step_lib
 
     path = tmp_path_factory.mktemp("vision_run")

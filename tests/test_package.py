@@ -13,7 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def test_core_imports_no_tensorflow():
-    code = ("import sys, transformer, transformer.training.sharding, transformer.training.step, "
+    code = ("import sys, transformer, transformer.parallel.sharding, transformer.training.step, "
             "transformer.training.loop, transformer.sizing.flops\n"
             "heavy = [m for m in sys.modules if m.split('.')[0] in ('tensorflow', "
             "'tensorflow_datasets')]\n"

@@ -20,7 +20,8 @@ from ml_collections import ConfigDict
 from transformer import data as data_lib
 from transformer.data import workers
 from transformer.model.config import TransformerConfig
-from transformer.training import optim, sharding
+from transformer.parallel import sharding
+from transformer.training import optim
 
 _REQUIRED = object()
 # Top-level keys: the type each is read as and, for the optional ones, the default.

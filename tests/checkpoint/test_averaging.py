@@ -17,7 +17,7 @@ from transformer.checkpoint import averaging
 from transformer.checkpoint.averaging import ParamsSeries
 from transformer.checkpoint.checkpointer import Checkpointer
 from transformer.config import resolve
-from transformer.training import sharding
+from transformer.parallel import sharding
 from transformer.training import step as step_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

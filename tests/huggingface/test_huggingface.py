@@ -21,7 +21,7 @@ from transformer.inference.generator import Generator, load_generator
 from transformer.model.config import TransformerConfig
 from transformer.model.transformer import Transformer, init_cache
 from transformer.model.vit import VisionTransformer
-from transformer.training import sharding
+from transformer.parallel import sharding
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

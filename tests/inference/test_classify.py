@@ -18,7 +18,8 @@ import transformer
 from transformer.config import resolve
 from transformer.inference import classifier as classify
 from transformer.model.vit import VisionTransformer
-from transformer.training import evaluation, sharding
+from transformer.parallel import sharding
+from transformer.training import evaluation
 from transformer.training import step as step_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -14,8 +14,8 @@ import pytest
 
 from transformer.model import vit
 from transformer.model.config import TransformerConfig
+from transformer.parallel import sharding
 from transformer.sizing import flops
-from transformer.training import sharding
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "data" / "offline_fashion_mnist"

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from transformer.ops import expert_parallel, layers, moe
-from transformer.training import sharding
+from transformer.parallel import sharding
 
 B, T, D, F, E = 2, 6, 8, 12, 4
 

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from transformer.model.config import CONTEXT_STRATEGIES
 from transformer.ops import attention, ring
-from transformer.training import sharding
+from transformer.parallel import sharding
 
 B, T, N, K, H = 2, 32, 4, 2, 8
 

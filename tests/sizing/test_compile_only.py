@@ -13,8 +13,8 @@ import pytest
 
 from transformer.config import resolve
 from transformer.model.transformer import TransformerConfig
+from transformer.parallel import sharding
 from transformer.sizing import flops, memory
-from transformer.training import sharding
 from transformer.training import step as step_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

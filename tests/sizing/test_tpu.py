@@ -24,8 +24,9 @@ import pytest
 from transformer.config import resolve
 from transformer.model.transformer import OutputHead, Transformer, TransformerConfig
 from transformer.ops import attention, expert_parallel, moe, splash
+from transformer.parallel import sharding
 from transformer.sizing import flops, memory, tpu
-from transformer.training import optim, sharding
+from transformer.training import optim
 from transformer.training import step as step_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

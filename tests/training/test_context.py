@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from transformer.checkpoint.checkpointer import Checkpointer
 from transformer.config import resolve
 from transformer.model.transformer import Transformer, TransformerConfig
-from transformer.training import sharding
+from transformer.parallel import sharding
 from transformer.training import step as step_lib
 
 B, T, V = 4, 32, 64

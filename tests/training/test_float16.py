@@ -13,7 +13,8 @@ import pytest
 from transformer.config import resolve
 from transformer.data import make_source
 from transformer.model.transformer import Transformer
-from transformer.training import metrics, optim, sharding
+from transformer.parallel import sharding
+from transformer.training import metrics, optim
 from transformer.training import step as step_lib
 
 # The float16 and float32 tiny-config losses agree to this relative tolerance over

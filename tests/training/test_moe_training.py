@@ -15,7 +15,7 @@ from transformer.config import resolve
 from transformer.model import experts
 from transformer.model import transformer as M
 from transformer.model.transformer import Transformer, TransformerConfig
-from transformer.training import sharding
+from transformer.parallel import sharding
 from transformer.training import step as step_lib
 
 MOE = {"model.num_experts": 4, "model.experts_per_token": 2, "model.dropout_rate": 0.0,

@@ -218,7 +218,7 @@ def test_the_process_hosting_the_coordination_service_exits_after_its_peers(
     """The CI failure this prevents: process 0 ended on process 1's notice at once, so the
     service it hosts vanished under process 1 (still posting), which JAX then aborted (SIGABRT,
     return code -6) before it printed its error."""
-    from transformer.training import distributed
+    from transformer.parallel import distributed
 
     monkeypatch.setattr(distributed.jax, "process_index", lambda: index)
     monkeypatch.setattr(distributed.jax, "process_count", lambda: 3)

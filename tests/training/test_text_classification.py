@@ -25,7 +25,8 @@ from transformer.data.offline import (
 )
 from transformer.model.config import TransformerConfig
 from transformer.model.transformer import Transformer
-from transformer.training import loop, sharding
+from transformer.parallel import sharding
+from transformer.training import loop
 from transformer.training import step as step_lib
 
 FIXTURE = pathlib.Path(__file__).parents[1] / "data" / "offline_help_topics"

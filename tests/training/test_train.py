@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from transformer.checkpoint.checkpointer import Checkpointer
 from transformer.config import resolve
 from transformer.data import make_source
-from transformer.training import sharding
+from transformer.parallel import sharding
 from transformer.training import step as step_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

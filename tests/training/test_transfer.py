@@ -14,8 +14,9 @@ from transformer.checkpoint import averaging
 from transformer.checkpoint import checkpointer as checkpoint
 from transformer.config import resolve
 from transformer.data import tokenizer as tokenizer_lib
-from transformer.training import sharding, transfer
+from transformer.parallel import sharding
 from transformer.training import step as step_lib
+from transformer.training import transfer
 
 
 def _fresh_params(workdir, mesh_shape, **model_overrides):

@@ -53,7 +53,7 @@ from transformer.data.tokenizer import MODEL_FILE
 from transformer.huggingface import families, marian, t5
 from transformer.huggingface.mapping import end_ids, generation_config
 from transformer.model.config import TransformerConfig
-from transformer.training import sharding
+from transformer.parallel import sharding
 
 log = logging.getLogger("transformer")
 HF_CONFIG = "config.json"

@@ -3,7 +3,7 @@ embeddings, the stacks of `blocks` (scanned and rematerialised as configured), t
 projection and the decoding cache. Shapes are written in the package's legend
 (`transformer/__init__.py`); the hyperparameters are a `TransformerConfig` (`model/config.py`).
 
-Every parameter carries logical axis names (`training/sharding.py` maps them onto the mesh);
+Every parameter carries logical axis names (`parallel/sharding.py` maps them onto the mesh);
 its path is a contract (docs/architecture.md; with `scan_layers` one `layers` subtree, L first).
 
 `Transformer(inputs, targets)` returns the logits; `Transformer.output_head` the final hidden

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from transformer.ops import moe
-from transformer.training import sharding
+from transformer.parallel import sharding
 
 EXPERT = sharding.EXPERT_AXIS
 TENSOR = "tensor"

@@ -2,7 +2,7 @@
 "context" axis, every chip holding the queries, keys and values of its share of the positions.
 
 q [B, T, N, H], k [B, T, K, H], v [B, T, K, Hv] -> [B, T, N, Hv], global arrays whose T is
-sharded over "context" (the `length` logical axis, `training/sharding.py`); the mask is the one
+sharded over "context" (the `length` logical axis, `parallel/sharding.py`); the mask is the one
 `model` builds for a training row, rebuilt here block by block from each position's index in
 the row, so that no [T, T] mask exists: causal (with a prefix LM's `in_prefix`), a local window
 (w or (left, right)) widened by `global_tokens`, and segment ids (packed rows; 0 = padding).
@@ -46,7 +46,7 @@ from jax.sharding import PartitionSpec as P
 
 from transformer.ops.grouping import NEG_INF, group_queries
 from transformer.ops.masks import window_sizes
-from transformer.training import sharding
+from transformer.parallel import sharding
 
 STRATEGIES = ("all_gather", "ring")
 AXIS = sharding.LENGTH_AXIS

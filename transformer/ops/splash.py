@@ -24,7 +24,7 @@ from jax.experimental.pallas.ops.tpu import splash_attention as sa
 from jax.sharding import PartitionSpec as P
 
 from transformer.ops.masks import window_sizes
-from transformer.training import sharding
+from transformer.parallel import sharding
 
 BLOCK = 128  # the kernel's block along T and S
 

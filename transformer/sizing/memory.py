@@ -37,8 +37,8 @@ from transformer.config import Resolved
 from transformer.data import span_corruption
 from transformer.model.config import TransformerConfig
 from transformer.ops import attention, linear_attention, moe
+from transformer.parallel import sharding
 from transformer.sizing import flops, step_time
-from transformer.training import sharding
 from transformer.training import step as step_lib
 
 GiB = 1024 ** 3

@@ -23,8 +23,8 @@ import jax
 
 from transformer import config as config_lib
 from transformer.config import Resolved, resolve
+from transformer.parallel import sharding
 from transformer.sizing import memory, step_time
-from transformer.training import sharding
 from transformer.util import progress
 
 GiB, GB = 2**30, 10**9

@@ -21,7 +21,8 @@ from transformer.checkpoint.averaging import load_params, params_step
 from transformer.config import Resolved, resolve
 from transformer.data import make_source
 from transformer.inference.translator import load
-from transformer.training import metrics, scores, sharding
+from transformer.parallel import sharding
+from transformer.training import metrics, scores
 from transformer.training import step as step_lib
 from transformer.training.metrics import MetricWriter
 from transformer.util import progress

@@ -28,8 +28,9 @@ from transformer.config import resolve
 from transformer.data import make_source
 from transformer.data.workers import TrainBatches
 from transformer.inference.translator import Translator
+from transformer.parallel import distributed, sharding
 from transformer.sizing import flops
-from transformer.training import distributed, evaluation, metrics, scores, sharding, transfer
+from transformer.training import evaluation, metrics, scores, transfer
 from transformer.training import step as step_lib
 
 log = logging.getLogger("transformer")

@@ -39,7 +39,8 @@ from transformer.config import Resolved
 from transformer.model import experts
 from transformer.model.transformer import Transformer, TransformerConfig
 from transformer.model.vit import VisionTransformer, mirror_averaged_logits
-from transformer.training import optim, sharding
+from transformer.parallel import sharding
+from transformer.training import optim
 from transformer.training.scores import perplexity
 
 BATCH_KEYS = ("inputs", "targets", "inputs_positions", "targets_positions",

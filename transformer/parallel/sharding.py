@@ -37,8 +37,6 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from transformer.model.config import TransformerConfig
-
 log = logging.getLogger("transformer")
 
 MESH_AXES = ("data", "fsdp", "context", "tensor")
@@ -122,9 +120,9 @@ def num_slices(devices: Sequence[jax.Device]) -> int:
     return len({getattr(device, "slice_index", 0) for device in devices})
 
 
-def validate_mesh_for_model(shape: Mapping[str, int], model: TransformerConfig) -> None:
-    """Tensor parallelism must divide the heads and d_ff, expert parallelism the experts (one
-    line naming the sizes)."""
+def validate_mesh_for_model(shape: Mapping[str, int], model) -> None:
+    """Tensor parallelism must divide the model's heads and d_ff, expert parallelism its
+    experts. `model` is a TransformerConfig. A mismatch raises one line naming the sizes."""
     expert = shape.get(EXPERT_AXIS, 1)
     if expert > 1 and model.num_experts % expert:
         raise ValueError(f"mesh.expert={expert} does not divide model.num_experts="

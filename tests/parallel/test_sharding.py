@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from transformer.model.config import TransformerConfig
-from transformer.training import sharding
+from transformer.parallel import sharding
 
 
 def test_mesh_axes_and_the_context_default():
