@@ -156,6 +156,21 @@ def main(argv):
         train_and_evaluate(cfg, FLAGS.workdir, config_file=config_file)
     except (ValueError, NonFiniteLoss) as error:
         sys.exit(f"error: {error}")
+    _draw_test_confusion(FLAGS.workdir)
+
+
+def _draw_test_confusion(workdir: str) -> None:
+    """A classifier's run ends by scoring its test split: process 0 draws the confusion matrix
+    that the loop kept."""
+    import jax
+    from etils import epath
+
+    from transformer.training.evaluation import confusion_files
+    from transformer.util import plotting
+
+    record, figure = confusion_files(workdir, "test")
+    if jax.process_index() == 0 and epath.Path(record).exists():
+        plotting.plot_confusion_matrix(record, figure)
 
 
 def _parse_flags(argv):

@@ -30,12 +30,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from transformer.checkpoint import workdir as workdir_lib  # noqa: E402
-from transformer.checkpoint.averaging import load_params, params_step  # noqa: E402
-from transformer.config import Resolved, resolve  # noqa: E402
 from transformer.data import make_source  # noqa: E402
 from transformer.data.tokenizer import FIRST_ORDINARY_ID  # noqa: E402
-from transformer.parallel import sharding  # noqa: E402
+from transformer.inference.runs import open_run  # noqa: E402
 from transformer.training import step as step_lib  # noqa: E402
 from transformer.util import cli  # noqa: E402, F401  (the CLIs' quiet start-up)
 
@@ -94,20 +91,17 @@ def probe(workdir: str, batches: int, seed: int = 0, step: int | None = None,
           unigram_batches: int = 1000) -> dict:
     """{"step", "perplexity_true_sources", "perplexity_random_sources",
     "perplexity_unigram", "weight_rms"}."""
-    run = resolve(workdir_lib.load_config(workdir))
+    run = open_run(workdir, step=step)
     if run.model.architecture != "encoder_decoder":
         raise SystemExit(f"--workdir={workdir}: model.architecture="
                          f"{run.model.architecture!r} has no source to probe; give an "
                          f"encoder-decoder run")
-    params = load_params(workdir, step=step)
     source = make_source(run.config, workdir)
-    mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
-    trainer = step_lib.build_trainer(Resolved(run.config, run.model, dict(mesh.shape)), mesh)
-    params = jax.device_put(params, trainer.state_shardings.params)
+    trainer = step_lib.build_trainer(run.resolved, run.mesh)
+    params = jax.device_put(run.params, trainer.state_shardings.params)
     eval_step = step_lib.make_eval_step(trainer)
     rng = np.random.default_rng(seed)
-    tokenizer = workdir_lib.load_tokenizer(workdir, run.model.vocab_size)
-    first_piece = FIRST_ORDINARY_ID + len(tokenizer.sentinel_ids)
+    first_piece = FIRST_ORDINARY_ID + len(run.tokenizer.sentinel_ids)
     totals = {"true": {}, "random": {}}
     probed = []
     for index, local in enumerate(source.eval_batches("validation",
@@ -119,13 +113,13 @@ def probe(workdir: str, batches: int, seed: int = 0, step: int | None = None,
                 local, run.model.vocab_size, first_piece, rng))):
             sums = jax.device_get(eval_step(params, step_lib.global_batch(trainer.mesh, batch)))
             totals[kind] = {k: totals[kind].get(k, 0.0) + float(v) for k, v in sums.items()}
-    return {"workdir": workdir, "step": params_step(workdir, step=step), "batches": batches,
+    return {"workdir": workdir, "step": run.step, "batches": batches,
             "perplexity_true_sources": step_lib.eval_metrics(totals["true"])["perplexity"],
             "perplexity_random_sources": step_lib.eval_metrics(totals["random"])["perplexity"],
             "perplexity_unigram": unigram_perplexity(
                 (source.train_batch(i, (0, source.rows_per_batch))
                  for i in range(unigram_batches)), probed, run.model.vocab_size,
-                [*tokenizer.sentinel_ids, tokenizer.eos_id]),
+                [*run.tokenizer.sentinel_ids, run.tokenizer.eos_id]),
             "unigram_batches": unigram_batches, "weight_rms": weight_rms(params)}
 
 

@@ -1,9 +1,11 @@
 """The package as users meet it: the core imports no TensorFlow, `train.py --summary` prints
-the parameter count; and as its next reader meets it: commands at the
-top, libraries in folders, no import circle, no file over 500 lines."""
+the parameter count. And as its next reader meets it: commands at the top, libraries in
+folders that import only the folders below them (the table in docs/architecture.md), every
+module on the architecture page, no import circle, no file over 500 lines."""
 
 import ast
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -92,8 +94,7 @@ def test_no_import_circle():
 def test_no_library_imports_a_command():
     """A verb at the top of the package is a command; libraries never import one."""
     modules = _modules()
-    commands = {name for name, path in modules.items() if name.count(".") == 1
-                and 'if __name__ == "__main__"' in path.read_text()}
+    commands = _commands(modules)
     assert {"transformer.evaluate", "transformer.translate", "transformer.check"} <= commands
     offenders = {name: sorted(_imports(path, modules) & commands)
                  for name, path in modules.items() if name not in commands}
@@ -131,3 +132,129 @@ def test_the_pure_function_modules_import_by_name():
     assert masks.make_causal_mask is transformer.make_causal_mask
     assert layers.layer_norm is transformer.layer_norm
     assert callable(decoding.beam_search)
+
+
+# Which folder may import which: the same table as docs/architecture.md's "Layering".
+# "config" is transformer/config.py; "commands" are the verbs at the top of the package,
+# train.py and transformer/__init__.py.
+MAY_IMPORT = {
+    "util": set(),
+    "parallel": {"util"},
+    "checkpoint": {"util"},
+    "data": {"checkpoint", "util"},
+    "ops": {"parallel", "util"},
+    "model": {"ops", "data", "parallel", "util"},
+    "config": {"model", "data", "parallel", "util"},
+    "inference": {"config", "model", "ops", "data", "checkpoint", "parallel", "util"},
+    "training": {"inference", "config", "model", "ops", "data", "checkpoint", "parallel",
+                 "util"},
+    "sizing": {"training", "inference", "config", "model", "ops", "data", "checkpoint",
+               "parallel", "util"},
+    "huggingface": {"training", "inference", "config", "model", "ops", "data", "checkpoint",
+                    "parallel", "util"},
+}
+# The imports against the table, each with its reason (also on the architecture page).
+EXCEPTIONS = {
+    ("transformer.config", "transformer.training.optim"):
+        "the optimizer's own checks run when the config is checked, before any compile",
+    ("transformer.training.loop", "transformer.sizing.flops"):
+        "the MFU figure on train lines counts the model's FLOPs",
+}
+PLOTTING = "transformer.util.plotting"  # imported by the commands alone
+
+
+def _layer(module: str, commands: set[str]) -> str:
+    """The row of MAY_IMPORT that `module` belongs to, or "commands"."""
+    if module in commands or module == "transformer":
+        return "commands"
+    return module.split(".")[1]
+
+
+def _commands(modules) -> set[str]:
+    return {name for name, path in modules.items() if name.count(".") == 1
+            and 'if __name__ == "__main__"' in path.read_text()}
+
+
+def _layering_breaks(graph: dict[str, set[str]], commands: set[str]) -> list[str]:
+    """Every import of `graph` that the table, the exceptions and the plotting rule forbid."""
+    breaks = []
+    for module, targets in sorted(graph.items()):
+        layer = _layer(module, commands)
+        for target in sorted(targets):
+            if layer == "commands" or (module, target) in EXCEPTIONS:
+                continue
+            if target == PLOTTING:
+                breaks.append(f"{module} -> {target} (only commands draw)")
+                continue
+            target_layer = _layer(target, commands)
+            if target_layer != layer and target_layer not in MAY_IMPORT[layer]:
+                breaks.append(f"{module} -> {target} ({layer} may not import {target_layer})")
+    return breaks
+
+
+def test_every_folder_has_a_row_in_the_table():
+    folders = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    assert folders | {"config"} == set(MAY_IMPORT)
+
+
+def test_layering_finder_finds_an_upward_import_and_passes_the_listed_ones():
+    graph = {"transformer.ops.ring": {"transformer.training.step"},
+             "transformer.training.loop": {"transformer.sizing.flops", "transformer.ops.ring"},
+             "transformer.inference.decoding": {PLOTTING},
+             "transformer.visualize": {PLOTTING, "transformer.training.curves"}}
+    assert _layering_breaks(graph, {"transformer.visualize"}) == [
+        "transformer.inference.decoding -> transformer.util.plotting (only commands draw)",
+        "transformer.ops.ring -> transformer.training.step (ops may not import training)"]
+
+
+def test_every_import_follows_the_layering_table():
+    modules = _modules()
+    graph = {name: _imports(path, modules) - {name} for name, path in modules.items()}
+    assert not _layering_breaks(graph, _commands(modules))
+    used = {(module, target) for module, targets in graph.items() for target in targets}
+    assert set(EXCEPTIONS) <= used, "an exception no longer needed: drop it from the table"
+
+
+def _markdown_table(text: str, header: str) -> list[list[str]]:
+    """The rows of the markdown table whose header row starts with `header`."""
+    lines = text[text.index(header):].splitlines()[2:]
+    rows = []
+    for line in lines:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def test_the_architecture_page_shows_the_same_table():
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    rows = _markdown_table(page, "| folder | may import |")
+    shown = {folder: set() if imports == "nothing of the package" else set(imports.split(", "))
+             for folder, imports in rows if folder != "commands"}
+    assert shown == MAY_IMPORT
+    exceptions = _markdown_table(page, "| module | imports | why |")
+    listed = {(f"transformer.{m.removesuffix('.py').replace('/', '.')}",
+               f"transformer.{i.removesuffix('.py').replace('/', '.')}"): why
+              for m, i, why in exceptions}
+    assert listed == EXCEPTIONS
+
+
+def test_every_module_is_on_the_architecture_pages_layout():
+    """Each module's name appears in its folder's entry of the layout (a command's on the
+    commands' line), so that the page lists every module that exists."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    layout = page[page.index("```\ntrain.py"):]
+    layout = layout[:layout.index("\n```", 4)]
+    entries = re.split(r"\n(?=  \S)", layout)  # a folder's entry runs to the next one
+    missing = []
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE).parts
+        if parts[-1] == "__init__.py":
+            continue
+        name = path.stem
+        head = f"{parts[0]}/" if len(parts) > 1 else f"{name}.py"
+        entry = next((e for e in entries if e.lstrip().startswith(head) or
+                      (len(parts) == 1 and re.search(rf"\b{name}\.py\b", e))), "")
+        if not re.search(rf"\b{name}\b", entry):
+            missing.append(str(path.relative_to(ROOT)))
+    assert not missing, f"not on docs/architecture.md's layout: {missing}"

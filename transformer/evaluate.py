@@ -5,7 +5,8 @@ image classifier: loss, accuracy, top-5 accuracy and a confusion matrix), with
     python -m transformer.evaluate --workdir=runs/default --split=test [--average=5 | --step=N]
 
 Prints the figures, appends them to `<workdir>/metrics.jsonl` (split "validation" or "test"),
-and writes the sources, references and translations it scored to `<workdir>/eval/`.
+and writes the sources, references and translations it scored to `<workdir>/eval/`. For an
+image classifier it keeps the confusion matrix there and draws it in `<workdir>/plots/`.
 """
 
 import logging
@@ -26,13 +27,15 @@ FLAGS = flags.FLAGS
 def main(argv):
     cli.start(argv, level=logging.INFO, timestamps=True)
     from transformer.training import metrics
-    from transformer.training.evaluation import evaluate_run
+    from transformer.training.evaluation import confusion_files, evaluate_run
+    from transformer.util import plotting
 
     with cli.one_line_errors():
         figures = evaluate_run(FLAGS.workdir, FLAGS.split, step=FLAGS.step, average=FLAGS.average,
                                num_sentences=FLAGS.num_sentences,
                                beam_size=FLAGS.beam_size)
     if "accuracy" in figures:
+        plotting.plot_confusion_matrix(*confusion_files(FLAGS.workdir, FLAGS.split))
         print(f"{FLAGS.split}: loss {figures['loss']:.4f} | accuracy "
               f"{100 * figures['accuracy']:.2f}%" + (f" | top-5 accuracy "
               f"{100 * figures['top5_accuracy']:.2f}%" if "top5_accuracy" in figures else ""))

@@ -31,9 +31,12 @@ import os
 import sys
 
 from transformer.checkpoint import workdir as workdir_lib
-from transformer.util import cli
+from transformer.util import cli, plotting
 
 # --------------------------------------------------------------------------- images
+
+MAX_POSITIONS = 4096  # `positions` draws a [length, length] matrix
+MAX_D_MODEL = 8192
 
 
 
@@ -82,30 +85,40 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> list[str]:
     """Writes the figures `args` ask for; returns their paths."""
     if args.command == "attention":
-        from transformer.inference.attention_maps import attention_maps, plot_attention
+        from transformer.inference.attention_maps import attention_maps
         from transformer.inference.translator import load
 
         maps = attention_maps(load(args.workdir, step=args.step), args.source, args.target)
-        return plot_attention(maps, args.out_dir or workdir_lib.path(
+        return plotting.plot_attention(maps, args.out_dir or workdir_lib.path(
             args.workdir, workdir_lib.PLOTS, "attention"))
     if args.command == "image_attention":
-        from transformer.inference.attention_maps import image_attention, plot_image_attention
+        from transformer.inference.attention_maps import image_attention
         from transformer.inference.classifier import load
 
         found = image_attention(load(args.workdir, step=args.step), args.image)
         name = os.path.splitext(os.path.basename(args.image))[0]
-        return plot_image_attention(found, args.out_dir or workdir_lib.path(
+        return plotting.plot_image_attention(found, args.out_dir or workdir_lib.path(
             args.workdir, workdir_lib.PLOTS, "image_attention", name))
     if args.command == "curves":
+        from transformer.training import curves
+
         workdirs = args.workdir + args.extra_workdirs
         out = args.out or workdir_lib.path(workdirs[0], workdir_lib.PLOTS, "curves.png")
-        from transformer.training.curves import plot_curves
+        return [plotting.plot_curves(curves.collect(workdirs, args.x), out, x=args.x)]
+    return [plot_positions(args.d_model, args.length, args.out)]
 
-        return [plot_curves(workdirs, out, x=args.x)]
-    out = args.out or os.path.join("plots", f"positions_d{args.d_model}.png")
-    from transformer.util.plotting import plot_positions
 
-    return [plot_positions(args.d_model, args.length, out)]
+def plot_positions(d_model: int, length: int, out: str | None) -> str:
+    """The sinusoidal encoding of `length` positions and `d_model` dimensions, drawn to `out`
+    (default plots/positions_d<d_model>.png)."""
+    from transformer.ops.layers import sinusoidal_position_encoding
+
+    if not (2 <= d_model <= MAX_D_MODEL and d_model % 2 == 0):
+        raise ValueError(f"--d_model={d_model} must be even, from 2 to {MAX_D_MODEL}")
+    if not 2 <= length <= MAX_POSITIONS:
+        raise ValueError(f"--length={length} must be from 2 to {MAX_POSITIONS} positions")
+    table = sinusoidal_position_encoding(length, d_model)
+    return plotting.plot_positions(table, out or os.path.join("plots", f"positions_d{d_model}.png"))
 
 
 def main(argv: list[str]) -> None:

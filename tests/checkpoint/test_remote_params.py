@@ -23,6 +23,7 @@ from transformer.checkpoint import averaging
 from transformer.checkpoint.checkpointer import Checkpointer, list_steps
 from transformer.inference import translator
 from transformer.training import evaluation, transfer
+from transformer.util import plotting
 
 REMOTE = "gs://bucket/run"
 
@@ -212,20 +213,24 @@ def test_evaluating_a_gs_vision_run_writes_its_figures_and_plot_there(untrained_
     assert line["step"] == 1 and line["split"] == "test" and figures["checkpoint"] == "step1"
     assert line["accuracy"] == pytest.approx(figures["accuracy"])
     assert 3 * line["accuracy"] == pytest.approx(round(3 * line["accuracy"]))  # 3 labelled
-    assert (disk_bucket / "run/plots/confusion_test.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert sorted(p.name for p in (disk_bucket / "run/plots").iterdir()) == ["confusion_test.png"]
+    record = json.loads((disk_bucket / "run/eval/confusion_test.json").read_text())
+    assert sum(map(sum, record["counts"])) == 3  # the labelled rows
+    assert not (disk_bucket / "run/plots").exists()  # the evaluate command draws it
 
 
 @pytest.mark.parametrize("remote", [False, True])
 def test_the_confusion_plot_lands_in_the_workdir_whatever_its_scheme(remote, bucket, tmp_path,
                                                                      monkeypatch):
+    """The matrix kept in eval/ and the figure drawn from it in plots/, local or gs://."""
     monkeypatch.chdir(tmp_path)  # a remote workdir must create nothing here
     workdir = "gs://bucket/run" if remote else str(tmp_path / "run")
-    path = f"{workdir}/plots/confusion_test.png"
+    record, path = evaluation.confusion_files(workdir, "test")
     confusion = np.array([[2, 1], [0, 3]])
-    assert evaluation.plot_confusion_matrix(confusion, ["a", "b"], path, "t") == path
+    assert evaluation.save_confusion(workdir, "test", confusion, ["a", "b"], "t") == record
+    assert plotting.plot_confusion_matrix(record, path) == path
     image = epath.Path(path).read_bytes()
     assert image[:8] == b"\x89PNG\r\n\x1a\n" and len(image) > 1000
     assert [p.name for p in epath.Path(path).parent.iterdir()] == ["confusion_test.png"]
+    assert json.loads(epath.Path(record).read_text())["counts"] == [[2, 1], [0, 3]]
     if remote:
-        assert list(tmp_path.iterdir()) == [] and sorted(bucket) == [path]
+        assert list(tmp_path.iterdir()) == [] and sorted(bucket) == sorted([record, path])

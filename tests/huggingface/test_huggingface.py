@@ -18,6 +18,7 @@ from transformer.config import resolve
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.huggingface import convert, families
 from transformer.inference.generator import Generator, load_generator
+from transformer.inference.runs import open_run
 from transformer.model.config import TransformerConfig
 from transformer.model.transformer import Transformer, init_cache
 from transformer.model.vit import VisionTransformer
@@ -288,7 +289,7 @@ def test_the_checkpoint_tokenizer_and_its_special_ids_become_the_run_vocabulary(
     workdir, run, params = _import(tmp_path, hf_dir)
     bos, eos = special["bos_token_id"], special["eos_token_id"]
     assert (run.model.bos_id, run.model.eos_id, run.model.pad_id) == (bos, eos, None)
-    tokenizer = workdir_lib.load_tokenizer(workdir, vocab_size)
+    tokenizer = open_run(workdir).tokenizer
     assert (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id) == (bos, eos, None)
     text = "Opens a dialog where you can choose" + ("!" if family == "gpt2" else "")
     ids = tokenizer.encode([text])[0]
@@ -332,7 +333,7 @@ def test_a_sentencepiece_model_padded_past_its_pieces_keeps_it(tmp_path):
     pieces, _ = _llama_sentencepiece(hf_dir)
     workdir, run, _ = _import(tmp_path, hf_dir)
     assert run.config.data.vocab_size == run.model.vocab_size == 136
-    tokenizer = workdir_lib.load_tokenizer(workdir, 136)
+    tokenizer = open_run(workdir).tokenizer
     assert (tokenizer.vocab_size, tokenizer.pieces) == (136, pieces)
     assert json.loads((tmp_path / "run/vocab" / tokenizer_lib.SPECIAL_IDS_FILE).read_text()
                       ) == {"vocab_size": 136}
@@ -387,7 +388,7 @@ def test_prompts_get_bos_only_where_the_tokenizer_post_processor_adds_it(tmp_pat
                                                              add_special_tokens=False))]
     assert start == ([bos] if template else [])
     workdir, _, _ = _import(tmp_path, hf_dir)
-    tokenizer = workdir_lib.load_tokenizer(workdir, vocab_size)
+    tokenizer = open_run(workdir).tokenizer
     _check_greedy_text(hf_model, workdir, tokenizer, start)
 
 

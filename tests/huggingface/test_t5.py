@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 from test_huggingface import ATOL, _check_round_trip, _import
 
-from transformer.checkpoint import workdir as workdir_lib
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.huggingface import convert, families, t5
 from transformer.inference import decoding
 from transformer.inference import translator as translator_lib
+from transformer.inference.runs import open_run
 from transformer.model.transformer import Transformer, init_cache
 
 torch = pytest.importorskip("torch")
@@ -231,7 +231,7 @@ def test_an_embedding_padded_past_the_tokenizer_keeps_it(tmp_path):
     hf_tokenizer = _tokenizer_json(hf_dir, pieces)
     workdir, run, params = _import(tmp_path, hf_dir)
     assert params["embedding"]["embedding"].shape == (V, D)
-    tokenizer = workdir_lib.load_tokenizer(workdir, run.config.data.vocab_size)
+    tokenizer = open_run(workdir).tokenizer
     assert (tokenizer.vocab_size, tokenizer.pieces, run.model.vocab_size) == (V, pieces, V)
     sentences = ["w5 w87 w3", "w40 w12"]
     assert [ids + [1] for ids in tokenizer.encode(sentences)] == hf_tokenizer(
@@ -284,7 +284,7 @@ def test_a_spiece_model_alone_is_read_as_t5tokenizer_reads_it(tmp_path):
     assert type(hf_tokenizer).__name__ == "T5Tokenizer" and not (hf_dir / "tokenizer.json"
                                                                   ).exists()
     workdir, run, _ = _import(tmp_path, hf_dir)
-    tokenizer = workdir_lib.load_tokenizer(workdir, run.config.data.vocab_size)
+    tokenizer = open_run(workdir).tokenizer
     assert (tokenizer.vocab_size, tokenizer.pieces) == (rows, len(hf_tokenizer))
     expected = hf_tokenizer(SPIECE_SENTENCES)["input_ids"]
     assert [ids + [1] for ids in tokenizer.encode(SPIECE_SENTENCES)] == expected
@@ -323,7 +323,7 @@ def test_an_imported_t5_vocabulary_gives_span_corruption_t5s_sentinels(tmp_path)
     hf_dir = tmp_path / "t5"
     _, hf_tokenizer, rows = _spiece_dir(hf_dir)
     workdir, _, _ = _import(tmp_path, hf_dir)
-    sentinels = workdir_lib.load_tokenizer(workdir, rows).sentinel_ids
+    sentinels = open_run(workdir).tokenizer.sentinel_ids
     assert sentinels == hf_tokenizer.convert_tokens_to_ids(
         [tokenizer_lib.SENTINEL_PIECE.format(k) for k in range(t5.EXTRA_IDS)])
     assert sentinels[0] == SPIECE_PIECES + t5.EXTRA_IDS - 1

@@ -21,6 +21,7 @@ from transformer.model.vit import VisionTransformer
 from transformer.parallel import sharding
 from transformer.training import evaluation
 from transformer.training import step as step_lib
+from transformer.util import plotting
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CLASSES, MEAN, STD = VISION_CLASSES, VISION_MEAN, VISION_STD
@@ -163,6 +164,7 @@ def test_confusion_matrix_counts_label_and_top1_pairs(untrained_vision_workdir, 
             want[label, guess] += 1
     np.testing.assert_array_equal(confusion, want)
     assert figures["accuracy"] == pytest.approx(np.trace(want) / 7)
-    out = evaluation.plot_confusion_matrix(confusion, CLASSES,
-                                           str(untrained_vision_workdir / "c.png"), "t")
+    record = evaluation.save_confusion(str(untrained_vision_workdir), "test", confusion, CLASSES,
+                                       "t")
+    out = plotting.plot_confusion_matrix(record, str(untrained_vision_workdir / "c.png"))
     assert (untrained_vision_workdir / "c.png").stat().st_size > 1000 and out.endswith("c.png")

@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 
+from transformer import visualize  # noqa: E402
 from transformer.inference import attention_maps  # noqa: E402
 from transformer.inference.translator import load  # noqa: E402
 from transformer.model.transformer import Transformer  # noqa: E402
@@ -68,7 +69,7 @@ def test_weights_are_distributions_and_the_decoder_never_looks_ahead(maps):
 
 
 def test_attention_figures_are_written_for_every_layer_and_head(maps, tmp_path):
-    written = attention_maps.plot_attention(maps, str(tmp_path))
+    written = plotting.plot_attention(maps, str(tmp_path))
     layers, heads = maps.weights["cross_attention"].shape[:2]
     assert len(written) == 3 * (layers * heads + 1)
     for kind in attention_maps.KINDS:
@@ -90,8 +91,8 @@ def test_curves_of_two_runs_keep_the_last_line_per_step(tmp_path):
     assert found["validation"]["loss"] == [(10, 2.0)]
     assert found["validation"]["bleu"] == [(10, 12.5)]
     assert "bleu_signature" not in found["validation"]
-    out = curves.plot_curves([str(tmp_path / "a"), str(tmp_path / "b")],
-                              str(tmp_path / "curves.png"))
+    runs = curves.collect([str(tmp_path / "a"), str(tmp_path / "b")])
+    out = plotting.plot_curves(runs, str(tmp_path / "curves.png"))
     assert (tmp_path / "curves.png").read_bytes().startswith(PNG) and out.endswith("curves.png")
 
 
@@ -102,7 +103,8 @@ def drawn_axes(run, lines, monkeypatch, tmp_path, **kwargs) -> dict:
     drawn = {}
     monkeypatch.setattr(plt, "close", lambda fig: drawn.update(
         {ax.get_title(): ax for ax in fig.axes}))
-    curves.plot_curves([str(run)], str(tmp_path / "curves.png"), **kwargs)
+    plotting.plot_curves(curves.collect([str(run)], **kwargs), str(tmp_path / "curves.png"),
+                         **kwargs)
     return drawn
 
 
@@ -140,10 +142,10 @@ def test_curves_of_a_routed_run_draw_the_expert_loads_and_drops(tmp_path, monkey
 
 
 def test_positions_figure(tmp_path):
-    out = plotting.plot_positions(64, 50, str(tmp_path / "p.png"))
+    out = visualize.plot_positions(64, 50, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").read_bytes().startswith(PNG) and out.endswith("p.png")
     with pytest.raises(ValueError, match="--d_model=63 must be even"):
-        plotting.plot_positions(63, 50, str(tmp_path / "q.png"))
+        visualize.plot_positions(63, 50, str(tmp_path / "q.png"))
 
 
 @pytest.mark.parametrize("dpi", [50, 120])
@@ -232,7 +234,7 @@ def test_image_attention_maps_are_the_class_tokens_rows(load_config, tmp_path):
     np.testing.assert_array_equal(found.per_head()[1, 0], found.weights[1, 0, 0, 1:].reshape(4, 4))
     np.testing.assert_allclose(
         found.rollout(), attention_maps.attention_rollout(found.weights)[0, 1:].reshape(4, 4))
-    paths = attention_maps.plot_image_attention(found, str(tmp_path / "out"))
+    paths = plotting.plot_image_attention(found, str(tmp_path / "out"))
     assert [p.rsplit("/", 1)[1] for p in paths] == ["heads.png", "rollout.png"]
     assert all(open(p, "rb").read(8) == PNG for p in paths)
 
@@ -256,7 +258,7 @@ def test_curves_against_hours_of_training(tmp_path, monkeypatch):
     assert drawn["perplexity"].get_xlabel().startswith("hours of training")
     (run / "metrics.jsonl").write_text(json.dumps(lines[-1]) + "\n")
     with pytest.raises(ValueError, match="no train lines with their throughput.*--x=step"):
-        curves.plot_curves([str(run)], str(tmp_path / "curves.png"), x="hours")
+        curves.collect([str(run)], x="hours")
 
 
 def test_every_figure_lands_in_a_gs_workdir(maps, bucket, tmp_path, monkeypatch):
@@ -268,15 +270,15 @@ def test_every_figure_lands_in_a_gs_workdir(maps, bucket, tmp_path, monkeypatch)
     epath.Path(run).mkdir(parents=True)
     epath.Path(f"{run}/metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     assert curves.read_metrics(run)["train"]["loss"] == [(1, 5.0), (2, 2.5)]
-    written = [curves.plot_curves([run], f"{run}/plots/curves.png"),
-               plotting.plot_positions(8, 10, f"{run}/plots/positions.png")]
-    written += attention_maps.plot_attention(maps, f"{run}/plots/attention")
+    written = [plotting.plot_curves(curves.collect([run]), f"{run}/plots/curves.png"),
+               visualize.plot_positions(8, 10, f"{run}/plots/positions.png")]
+    written += plotting.plot_attention(maps, f"{run}/plots/attention")
     rng = np.random.default_rng(0)
     weights = rng.random((2, 2, 5, 5))
     found = attention_maps.ImageAttention(
         rng.integers(0, 255, (8, 8, 1), np.uint8), weights / weights.sum(-1, keepdims=True),
         grid=2, has_class_token=True, predicted="a", probability=0.5)
-    written += attention_maps.plot_image_attention(found, f"{run}/plots/image_attention/x")
+    written += plotting.plot_image_attention(found, f"{run}/plots/image_attention/x")
     layers, heads = maps.weights["cross_attention"].shape[:2]
     assert len(written) == 2 + 3 * (layers * heads + 1) + 2
     assert sorted(bucket) == sorted([f"{run}/metrics.jsonl", *written])  # no temporary left

@@ -1,5 +1,5 @@
-"""A run's workdir: every path in it, and the functions that read and write its config and
-vocabulary. The layout (docs/architecture.md, "The workdir"):
+"""A run's workdir: every path in it, and the functions that read and write its config.
+The layout (docs/architecture.md, "The workdir"):
 
     config.json           the resolved config plus provenance (versions, mesh, fingerprints)
     metrics.jsonl         one JSON object a line with "step" and "split"
@@ -9,8 +9,8 @@ vocabulary. The layout (docs/architecture.md, "The workdir"):
     averaged/<name>/      averaged params (never resumed from, never pruned)
     skipped_checkpoints/  damaged checkpoints moved aside on resume
     vocab/                the SentencePiece model (and a tokenized training split)
-    eval/                 what `evaluate` scored, one sentence a line
-    plots/                what `visualize` draws
+    eval/                 what `evaluate` scored, one sentence a line; confusion matrices
+    plots/                what `visualize` draws; the confusion matrices drawn
     profile/              a jax.profiler trace, when asked for
 
 The workdir may be remote (gs://...): config.json and metrics.jsonl go through etils.epath.
@@ -77,14 +77,21 @@ def read_config_file(workdir: str) -> dict | None:
                          f"from a copy or use a new --workdir") from None
 
 
-def load_config(workdir: str) -> ConfigDict:
-    """The resolved config a run recorded in `<workdir>/config.json` (without provenance)."""
+def read_run_config(workdir: str) -> dict:
+    """config.json of a training run as written (provenance included); one line when
+    `workdir` is not a run's directory."""
     if not epath.Path(workdir).is_dir():
         raise ValueError(f"--workdir={workdir} is not a directory: give a training run's workdir")
     values = read_config_file(workdir)
     if values is None:
         raise ValueError(f"{workdir} has no {CONFIG}: not a training workdir (train one with "
                          f"python train.py --workdir={workdir})")
+    return values
+
+
+def load_config(workdir: str) -> ConfigDict:
+    """The resolved config a run recorded in `<workdir>/config.json` (without provenance)."""
+    values = read_run_config(workdir)
     values.pop("provenance", None)
     return ConfigDict(values)
 
@@ -92,43 +99,16 @@ def load_config(workdir: str) -> ConfigDict:
 def recorded_vocabulary(workdir: str) -> str | None:
     """The vocabulary sha256 the run recorded in config.json (None on a fresh run)."""
     try:
-        recorded = (read_config_file(workdir) or {}).get("provenance", {}).get("vocabulary")
+        provenance = (read_config_file(workdir) or {}).get("provenance", {})
     except (OSError, ValueError):
         return None
-    match = re.search(r"sha256=([0-9a-f]{64})", recorded or "")
+    return vocabulary_sha256(provenance)
+
+
+def vocabulary_sha256(provenance: dict) -> str | None:
+    """The vocabulary sha256 in a config.json's provenance, or None."""
+    match = re.search(r"sha256=([0-9a-f]{64})", provenance.get("vocabulary") or "")
     return match.group(1) if match else None
-
-
-def load_tokenizer(workdir: str, vocab_size: int):
-    """The run's vocabulary (`<workdir>/vocab/`: its SentencePiece model, or an imported
-    checkpoint's tokenizer.json), refused unless it is the vocabulary the run was trained with
-    (`vocab_size` pieces, and the sha256 recorded in config.json)."""
-    from transformer.data import tokenizer as tokenizer_lib
-
-    directory = path(workdir, VOCAB)
-    vocab = tokenizer_lib.vocabulary_file(directory)
-    if not epath.Path(vocab).exists():
-        raise ValueError(f"{vocab} is missing: this run has no vocabulary (was it trained on "
-                         f"text, not the synthetic task?)")
-    if not epath.Path(vocab).is_file():
-        raise ValueError(f"{vocab} is not a file: restore the run's vocab/ directory")
-    kind = ("a tokenizer.json" if vocab.endswith(tokenizer_lib.JSON_FILE)
-            else "a SentencePiece model")
-    try:
-        tokenizer = tokenizer_lib.load(directory)
-    except tokenizer_lib.VocabularyMismatch:
-        raise
-    except (RuntimeError, ValueError, OSError):  # the bytes do not parse as a vocabulary
-        raise ValueError(f"{vocab} is damaged (not {kind}): restore the run's vocab/ "
-                         f"directory from a copy") from None
-    recorded = recorded_vocabulary(workdir)
-    if tokenizer.vocab_size != vocab_size or recorded not in (None, tokenizer.sha256):
-        raise tokenizer_lib.VocabularyMismatch(
-            f"{vocab} ({tokenizer.vocab_size} pieces, sha256 {tokenizer.sha256[:12]}…) is not "
-            f"the vocabulary this run was trained with ({vocab_size} pieces"
-            f"{f', sha256 {recorded[:12]}…' if recorded else ''} in config.json): restore the "
-            f"run's vocab/ directory")
-    return tokenizer
 
 
 # The contract a finished or running workdir keeps (docs/architecture.md, "The workdir").

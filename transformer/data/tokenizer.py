@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 
 from etils import epath
 
+from transformer.checkpoint import workdir as workdir_lib
 from transformer.util import atomic, progress
 
 log = logging.getLogger("transformer")
@@ -404,4 +405,33 @@ def load_or_train(directory: str, vocab_size: int, *, seed: int,
             f"{path} (sha256 {tokenizer.sha256[:12]}…) is not the vocabulary this run was "
             f"trained with (sha256 {expected_sha256[:12]}… in config.json): restore the original "
             f"vocab/ directory or use a new --workdir")
+    return tokenizer
+
+
+def load_run(workdir: str, vocab_size: int,
+             recorded_sha256: str | None) -> Tokenizer | HuggingFaceTokenizer:
+    """A run's vocabulary from `<workdir>/vocab/`: its SentencePiece model, or an imported
+    checkpoint's tokenizer.json. It is refused unless it is the vocabulary the run was trained
+    with: `vocab_size` pieces, and the sha256 its config.json recorded (None: not recorded)."""
+    directory = workdir_lib.path(workdir, workdir_lib.VOCAB)
+    vocab = vocabulary_file(directory)
+    if not epath.Path(vocab).exists():
+        raise ValueError(f"{vocab} is missing: this run has no vocabulary (was it trained on "
+                         f"text, not the synthetic task?)")
+    if not epath.Path(vocab).is_file():
+        raise ValueError(f"{vocab} is not a file: restore the run's vocab/ directory")
+    kind = "a tokenizer.json" if vocab.endswith(JSON_FILE) else "a SentencePiece model"
+    try:
+        tokenizer = load(directory)
+    except VocabularyMismatch:
+        raise
+    except (RuntimeError, ValueError, OSError):  # the bytes do not parse as a vocabulary
+        raise ValueError(f"{vocab} is damaged (not {kind}): restore the run's vocab/ "
+                         f"directory from a copy") from None
+    if tokenizer.vocab_size != vocab_size or recorded_sha256 not in (None, tokenizer.sha256):
+        recorded = f", sha256 {recorded_sha256[:12]}…" if recorded_sha256 else ""
+        raise VocabularyMismatch(
+            f"{vocab} ({tokenizer.vocab_size} pieces, sha256 {tokenizer.sha256[:12]}…) is not "
+            f"the vocabulary this run was trained with ({vocab_size} pieces{recorded} in "
+            f"config.json): restore the run's vocab/ directory")
     return tokenizer

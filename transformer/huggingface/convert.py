@@ -52,6 +52,7 @@ from transformer.data import tokenizer as tokenizer_lib
 from transformer.data.tokenizer import MODEL_FILE
 from transformer.huggingface import families, marian, t5
 from transformer.huggingface.mapping import end_ids, generation_config
+from transformer.inference.runs import open_run
 from transformer.model.config import TransformerConfig
 from transformer.parallel import sharding
 
@@ -310,7 +311,7 @@ def export_workdir(workdir: str, out_dir: str, *, step: int | None = None,
     """Writes the run's parameters (checkpoint `step`, default the latest) to `out_dir` as a
     `transformers` checkpoint, converting one tensor group at a time and writing each shard as
     it fills; returns the safetensors file (one shard) or the index (several)."""
-    run = resolve(workdir_lib.load_config(workdir))
+    run = open_run(workdir, step=step, vocabulary="optional")
     model_cfg = run.model
     # The paper's embedding scale (the lm_* configs keep it) folds into an untied embedding.
     fold = (model_cfg.scale_embeddings and model_cfg.architecture == "decoder"
@@ -320,7 +321,7 @@ def export_workdir(workdir: str, out_dir: str, *, step: int | None = None,
     family = families.for_model(model_cfg, f"--workdir={workdir}")
     if max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes={max_shard_bytes} must be positive")
-    params = averaging.load_params(workdir, step=step)
+    params = run.params
     if model_cfg.scan_layers:
         params = checkpoint.unstack_layers(params)
     ours = dict(zip(_names(params), jax.tree.leaves(params), strict=True))
@@ -346,14 +347,14 @@ def export_workdir(workdir: str, out_dir: str, *, step: int | None = None,
         json.dump(hf_config, f, indent=2)
     vocab_dir = workdir_lib.path(workdir, workdir_lib.VOCAB)
     vocab = tokenizer_lib.vocabulary_file(vocab_dir)
-    if os.path.isfile(vocab) and family is families.Marian:
+    if run.tokenizer is not None and family is families.Marian:
         marian.write_vocabulary(vocab, out_dir, model_cfg)
-    elif os.path.isfile(vocab):
+    elif run.tokenizer is not None:
         name = TOKENIZER_MODEL if vocab.endswith(MODEL_FILE) else tokenizer_lib.JSON_FILE
         shutil.copyfile(vocab, os.path.join(out_dir, name))
-        write_tokenizer_config(tokenizer_lib.load(vocab_dir), out_dir, model_cfg,
+        write_tokenizer_config(run.tokenizer, out_dir, model_cfg,
                                bos=hf_config["model_type"] not in NO_BOS_TOKEN)
-    ends = tokenizer_lib.load(vocab_dir).eos_ids if os.path.isfile(vocab) else ()
+    ends = run.tokenizer.eos_ids if run.tokenizer is not None else ()
     if len(ends) > 1:  # transformers' generate stops at each
         start = {key: hf_config[key] for key in ("decoder_start_token_id",
                                                  "forced_eos_token_id") if key in hf_config}

@@ -11,11 +11,8 @@ patch grid's side.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import numpy as np
-
-from transformer.util.plotting import heatmap, overlay, pyplot, save
 
 KINDS = ("encoder_self_attention", "decoder_self_attention", "cross_attention")
 
@@ -78,38 +75,6 @@ def attention_maps(translator, source: str, target: str | None = None) -> Attent
     target_pieces = [pieces(i) for i in target_ids]
     return AttentionMaps(weights, [pieces(i) for i in source_ids],
                          [pieces(BOS_ID)] + target_pieces[:-1], target_pieces)
-
-
-def plot_attention(maps: AttentionMaps, out_dir: str) -> list[str]:
-    """One PNG per kind, layer and head, and one overview grid per kind, in `out_dir` (local or
-    gs://); returns the paths."""
-    plt = pyplot()
-    written = []
-    for kind in KINDS:
-        weights = maps.weights[kind]
-        queries, keys = maps.axes(kind)
-        num_layers, num_heads = weights.shape[:2]
-        title = kind.replace("_", " ")
-        size = (max(4.0, 0.25 * len(keys) + 2), max(3.5, 0.25 * len(queries) + 1.5))
-        for layer in range(num_layers):
-            for head in range(num_heads):
-                fig, ax = plt.subplots(figsize=size, layout="constrained")
-                image = heatmap(ax, weights[layer, head], queries, keys,
-                                 f"{title}, layer {layer + 1}, head {head + 1}")
-                fig.colorbar(image, ax=ax, label="attention weight")
-                written.append(save(fig, os.path.join(
-                    out_dir, kind, f"layer{layer + 1}_head{head + 1}.png")))
-        fig, axes = plt.subplots(num_layers, num_heads, squeeze=False, layout="constrained",
-                                 figsize=(2.2 * num_heads + 1, 2.2 * num_layers + 0.6))
-        for layer in range(num_layers):
-            for head in range(num_heads):
-                image = heatmap(axes[layer, head], weights[layer, head], queries, keys,
-                                 f"layer {layer + 1}, head {head + 1}", labels=False)
-        fig.suptitle(f"{title}: rows are queries, columns keys ({len(queries)} x {len(keys)} "
-                     f"pieces)")
-        fig.colorbar(image, ax=axes, label="attention weight", shrink=0.8)
-        written.append(save(fig, os.path.join(out_dir, f"{kind}.png")))
-    return written
 
 
 def attention_rollout(weights: np.ndarray) -> np.ndarray:
@@ -180,26 +145,3 @@ def image_attention(classifier, image_path: str) -> ImageAttention:
     return ImageAttention(pixels, weights, cfg.image_size // cfg.patch_size,
                           cfg.pooling == "cls", classifier.class_names[best],
                           float(probabilities[best]))
-
-
-def plot_image_attention(found: ImageAttention, out_dir: str) -> list[str]:
-    """`heads.png` (a grid: rows layers, columns heads) and `rollout.png` (the image, and the
-    rollout over it); returns their paths."""
-    plt = pyplot()
-    token = "class token" if found.has_class_token else "mean patch"
-    heads = found.per_head()
-    num_layers, num_heads = heads.shape[:2]
-    fig, axes = plt.subplots(num_layers, num_heads, squeeze=False, layout="constrained",
-                             figsize=(1.8 * num_heads + 0.4, 1.8 * num_layers + 0.6))
-    for layer in range(num_layers):
-        for head in range(num_heads):
-            overlay(axes[layer, head], found.image, heads[layer, head],
-                     f"layer {layer + 1}, head {head + 1}")
-    fig.suptitle(f"{token}'s attention over the patches (each map scaled to its maximum); "
-                 f"predicted {found.predicted} {100 * found.probability:.1f}%", fontsize=9)
-    paths = [save(fig, os.path.join(out_dir, "heads.png"))]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(6.4, 3.6), layout="constrained")
-    overlay(left, found.image, np.zeros((found.grid, found.grid)), "input")
-    overlay(right, found.image, found.rollout(), f"attention rollout over {num_layers} layers")
-    fig.suptitle(f"predicted {found.predicted} {100 * found.probability:.1f}%", fontsize=9)
-    return paths + [save(fig, os.path.join(out_dir, "rollout.png"))]

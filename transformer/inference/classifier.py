@@ -103,21 +103,19 @@ class Classifier:
 
 def load(workdir: str, *, step: int | None = None) -> Classifier:
     """The classifier of a trained vision run's workdir (checkpoint `step`, or the latest)."""
-    from transformer.checkpoint import averaging
-    from transformer.config import resolve
+    from transformer.inference.runs import open_run
 
-    run = resolve(workdir_lib.load_config(workdir))
+    run = open_run(workdir, step=step, vocabulary="none")
     if run.model.architecture != "vision":
         raise ValueError(f"{workdir} holds a {run.model.architecture} model, not an image "
                          f"classifier (model.architecture='vision'): use python -m "
                          f"transformer.translate or transformer.generate for it")
-    recorded = (workdir_lib.read_config_file(workdir) or {}).get("provenance", {}).get("images")
+    recorded = run.provenance.get("images")
     if not recorded:
         raise ValueError(f"{workdir_lib.path(workdir, workdir_lib.CONFIG)} records no image "
                          f"preprocessing (provenance.images: classes, mean, std); it was "
                          f"written by an older version: train the run again")
-    params = averaging.load_params(workdir, step=step)
-    return Classifier(run.model, params, tuple(recorded["class_names"]),
+    return Classifier(run.model, run.params, tuple(recorded["class_names"]),
                       np.asarray(recorded["mean"], np.float32),
                       np.asarray(recorded["std"], np.float32),
                       test_time_flip=bool(run.config.data.get("test_time_flip")))

@@ -34,10 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from ml_collections import ConfigDict
 
-from transformer.checkpoint import averaging
-from transformer.checkpoint import workdir as workdir_lib
-from transformer.config import resolve
 from transformer.inference import decoding
+from transformer.inference.runs import open_run
 from transformer.inference.translator import bucket_length
 from transformer.model.transformer import Transformer, TransformerConfig, init_cache
 from transformer.util import progress
@@ -256,10 +254,8 @@ def _sample_fn(model: Transformer, prefix_lm: bool, max_new_tokens: int, tempera
 
 
 def load_generator(workdir: str, *, step: int | None = None) -> Generator:
-    """Config, parameters (checkpoint `step` or the latest) and tokenizer of a trained
-    decoder-only workdir."""
-    run = resolve(workdir_lib.load_config(workdir))
+    """The generator of a trained decoder-only workdir, at checkpoint `step` or the latest
+    (`runs.open_run`)."""
+    run = open_run(workdir, step=step)
     _require_decoder(run.model.architecture)
-    tokenizer = workdir_lib.load_tokenizer(workdir, run.model.vocab_size)
-    return Generator(run.config, run.model, averaging.load_params(workdir, step=step),
-                     tokenizer)
+    return Generator(run.config, run.model, run.params, run.tokenizer)

@@ -23,10 +23,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from ml_collections import ConfigDict
 
-from transformer.checkpoint import averaging
-from transformer.checkpoint import workdir as workdir_lib
-from transformer.config import resolve
 from transformer.inference import decoding
+from transformer.inference.runs import Run, open_run
 from transformer.model.transformer import (
     Transformer,
     TransformerConfig,
@@ -322,14 +320,16 @@ def _dropping_fns(model: Transformer, beam_size: int, alpha: float, max_length: 
 
 
 def load(workdir: str, *, step: int | None = None, average: int | None = None) -> Translator:
-    """Config, parameters (checkpoint `step`, the latest, or the average of the last
-    `average`) and tokenizer of a trained workdir."""
-    run = resolve(workdir_lib.load_config(workdir))
+    """The translator of a trained workdir: checkpoint `step`, the latest, or the average of
+    the last `average` (`runs.open_run`)."""
+    return from_run(open_run(workdir, step=step, average=average))
+
+
+def from_run(run: Run) -> Translator:
+    """The translator of an opened run; one line unless it is a translation model."""
     architecture = run.model.architecture
     if architecture != "encoder_decoder":
-        raise ValueError(f"{workdir} holds a language model (model.architecture={architecture!r}"
-                         f"), not a translation model: continue text with python -m "
-                         f"transformer.generate; its perplexity is in metrics.jsonl")
-    tokenizer = workdir_lib.load_tokenizer(workdir, run.model.vocab_size)
-    params = averaging.load_params(workdir, step=step, average=average)
-    return Translator(run.config, run.model, params, tokenizer)
+        raise ValueError(f"{run.workdir} holds a language model (model.architecture="
+                         f"{architecture!r}), not a translation model: continue text with "
+                         f"python -m transformer.generate; its perplexity is in metrics.jsonl")
+    return Translator(run.config, run.model, run.params, run.tokenizer)

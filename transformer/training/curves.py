@@ -1,5 +1,5 @@
-"""A run's metrics.jsonl read back: the curves per split and metric, the hours of training
-behind each step, and the figure of several runs' curves."""
+"""A run's metrics.jsonl read back: the curves per split and metric, and the hours of
+training behind each step (`visualize curves` draws them with `util/plotting.py`)."""
 
 from __future__ import annotations
 
@@ -10,15 +10,6 @@ import numpy as np
 from etils import epath
 
 from transformer.checkpoint import workdir as workdir_lib
-from transformer.util.plotting import pyplot, save
-
-CURVES = (("loss", "loss (NLL per target token)"), ("perplexity", "perplexity"),
-          ("learning_rate", "learning rate"), ("bleu", "sacreBLEU"),
-          ("tokens_per_sec", "tokens/s (non-pad target; images or examples for a classifier)"),
-          ("accuracy", "accuracy (a classifier)"))
-ROUTER_CURVES = (("expert_load_max", "most-loaded expert's share of assignments"),
-                 ("expert_load_min", "least-loaded expert's share of assignments"),
-                 ("moe_dropped", "assignments dropped over capacity"))  # routed runs only
 
 
 def read_metrics(workdir: str) -> dict[str, dict[str, list[tuple[int, float]]]]:
@@ -70,44 +61,14 @@ def training_hours(curves: dict, workdir: str) -> tuple[np.ndarray, np.ndarray]:
     return np.array([0, *steps]), np.cumsum([0.0, *step_seconds]) / 3600
 
 
-def plot_curves(workdirs: list[str], out: str, x: str = "step") -> str:
-    """Loss, perplexity, learning rate, BLEU, tokens/s and accuracy against step (`x` "step")
-    or hours of training (`x` "hours": `training_hours`), every run on the same axes (one
-    colour per run, one line style per split); a row of the routers' loads and drops where a
-    run has routed layers (docs/moe.md)."""
+def collect(workdirs: list[str], x: str = "step") -> list[tuple[str, dict, tuple | None]]:
+    """(name, curves, clock) of each run for `plotting.plot_curves`: its metrics.jsonl read
+    back and, for `x` "hours", the hours of training behind each step (`training_hours`)."""
     if x not in ("step", "hours"):
         raise ValueError(f"--x={x}: give step or hours")
-    plt = pyplot()
-    runs = [(os.path.basename(os.path.normpath(w)) or w, read_metrics(w)) for w in workdirs]
-    clocks = [training_hours(curves, workdir) if x == "hours" else None
-              for (_, curves), workdir in zip(runs, workdirs, strict=True)]
-    routed = any("expert_load_max" in curves.get("train", {}) for _, curves in runs)
-    panels = CURVES + (ROUTER_CURVES if routed else ())
-    rows = -(-len(panels) // 3)
-    fig, grid = plt.subplots(rows, 3, figsize=(14, 3.75 * rows), layout="constrained")
-    axes = grid.flat[:len(panels)]
-    for unused in grid.flat[len(panels):]:
-        unused.remove()
-    styles = {"train": "-", "validation": "--", "test": ":"}
-    for (key, label), ax in zip(panels, axes, strict=True):
-        for colour, (name, curves) in enumerate(runs):
-            for split, by_metric in curves.items():
-                points = by_metric.get(key)
-                if not points:
-                    continue
-                steps, values = zip(*points, strict=True)
-                if x == "hours":
-                    steps = np.interp(steps, *clocks[colour])
-                ax.plot(steps, values, styles.get(split, "-."), color=f"C{colour}",
-                        marker="o" if len(points) < 20 else None, markersize=3,
-                        label=f"{name} ({split})")
-        ax.set_title(label)
-        ax.set_xlabel("step" if x == "step" else "hours of training (train steps only)")
-        if key in ("loss", "perplexity"):
-            ax.set_yscale("log")
-        if ax.has_data():
-            ax.legend(fontsize=7)
-        else:
-            ax.text(0.5, 0.5, "not recorded", ha="center", va="center",
-                    transform=ax.transAxes)
-    return save(fig, out)
+    runs = []
+    for workdir in workdirs:
+        curves = read_metrics(workdir)
+        clock = training_hours(curves, workdir) if x == "hours" else None
+        runs.append((os.path.basename(os.path.normpath(workdir)) or workdir, curves, clock))
+    return runs

@@ -8,6 +8,7 @@ Shapes: B rows, C classes.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
@@ -17,16 +18,14 @@ import numpy as np
 from etils import epath
 
 from transformer.checkpoint import workdir as workdir_lib
-from transformer.checkpoint.averaging import load_params, params_step
-from transformer.config import Resolved, resolve
 from transformer.data import make_source
-from transformer.inference.translator import load
+from transformer.inference.runs import Run, open_run
+from transformer.inference.translator import from_run
 from transformer.parallel import sharding
 from transformer.training import metrics, scores
 from transformer.training import step as step_lib
 from transformer.training.metrics import MetricWriter
-from transformer.util import progress
-from transformer.util.plotting import pyplot, save
+from transformer.util import atomic, progress
 
 log = logging.getLogger("transformer")
 
@@ -49,40 +48,36 @@ def evaluate_run(workdir: str, split: str, *, step=None, average=None, num_sente
                  beam_size=None) -> dict:
     """What `python -m transformer.evaluate` scores: a translation run's perplexity and BLEU
     (`evaluate_translation`), or an image classifier's figures (`evaluate_classifier`)."""
-    if workdir_lib.load_config(workdir).model.get("architecture") == "vision":
-        return evaluate_classifier(workdir, split, step=step, average=average)
-    return evaluate_translation(workdir, split, step=step, average=average,
-                                num_sentences=num_sentences, beam_size=beam_size)
+    run = open_run(workdir, step=step, average=average, vocabulary="optional")
+    if run.model.architecture == "vision":
+        return evaluate_classifier(run, split)
+    return evaluate_translation(run, split, num_sentences=num_sentences, beam_size=beam_size)
 
 
-def evaluate_translation(workdir: str, split: str, *, step=None, average=None,
-                         num_sentences=None, beam_size=None) -> dict:
+def evaluate_translation(run: Run, split: str, *, num_sentences=None, beam_size=None) -> dict:
     """Perplexity over the whole split and BLEU over its first `num_sentences` pairs, appended
     to metrics.jsonl; the sources, references and translations scored go to `<workdir>/eval/`."""
-    translator = load(workdir, step=step, average=average)
-    cfg = translator.config
-    source = make_source(cfg, workdir)
-    mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
-    trainer = step_lib.build_trainer(Resolved(cfg, translator.model_config, dict(mesh.shape)),
-                                      mesh)
-    params = jax.device_put(translator.params, trainer.state_shardings.params)
+    translator = from_run(run)
+    cfg = run.config
+    source = make_source(cfg, run.workdir)
+    trainer = step_lib.build_trainer(run.resolved, run.mesh)
+    params = jax.device_put(run.params, trainer.state_shardings.params)
     figures = evaluate(trainer, step_lib.make_eval_step(trainer), params, source,
                        (0, source.eval_rows_per_batch), split)
 
     pairs = source.raw_pairs(split, num_sentences)
-    sources, references = [s for s, _ in pairs], [t for _, t in pairs]
+    sources = [s for s, _ in pairs]
+    references = [t for _, t in pairs]
     log.info("translating %d %s sentences", len(sources), split)
     hypotheses = translator.translate(sources, beam_size=beam_size)
     figures |= scores.bleu(hypotheses, references, target_lang=cfg.data.target_lang)
     figures["bleu_num_truncated"] = translator.num_too_long(sources)
 
-    label = f"average{average}" if average else f"step{step}" if step else "latest"
-    save_texts(workdir, f"{split}.{label}", {"source": sources, "reference": references,
-                                              "translation": hypotheses})
-    at_step = params_step(workdir, step=step, average=average)  # the params scored
-    figures["checkpoint"] = label
-    writer = MetricWriter(workdir)
-    writer.write(at_step, split, figures)
+    save_texts(run.workdir, f"{split}.{run.label}", {"source": sources, "reference": references,
+                                                     "translation": hypotheses})
+    figures["checkpoint"] = run.label
+    writer = MetricWriter(run.workdir)
+    writer.write(run.step, split, figures)
     writer.close()
     return figures
 
@@ -132,70 +127,56 @@ def evaluate_split(trainer, params, source, rows: tuple[int, int],
     return step_lib.eval_metrics(totals), np.asarray(confusion, np.int64)
 
 
-def plot_confusion_matrix(confusion: np.ndarray, class_names, path: str, title: str) -> str:
-    """A heatmap of `confusion` [C, C] (rows: true class, columns: predicted), coloured by the
-    fraction of each true class, with the counts written in (up to 20 classes). A PNG at
-    `path`, local or remote (gs://: through etils.epath)."""
-    plt = pyplot()
-    classes = len(class_names)
-    fractions = confusion / np.maximum(confusion.sum(1, keepdims=True), 1)
-    size = max(5.0, 0.5 * classes + 2.0) if classes <= 40 else 12.0
-    fig, ax = plt.subplots(figsize=(size, size))
-    image = ax.imshow(fractions, cmap="Blues", vmin=0.0, vmax=1.0)
-    if classes <= 40:
-        ax.set_xticks(range(classes), class_names, rotation=90)
-        ax.set_yticks(range(classes), class_names)
-    if classes <= 20:
-        for i in range(classes):
-            for j in range(classes):
-                ax.text(j, i, str(confusion[i, j]), ha="center", va="center", fontsize=7,
-                        color="white" if fractions[i, j] > 0.5 else "black")
-    ax.set_xlabel("predicted class")
-    ax.set_ylabel("true class")
-    ax.set_title(title)
-    fig.colorbar(image, ax=ax, fraction=0.046, label="fraction of the true class")
-    fig.tight_layout()
-    return save(fig, path)
-
-
 def evaluate_test_split(trainer, params, source, rows: tuple[int, int], step: int, writer,
-                    workdir: str) -> dict:
+                        workdir: str) -> dict:
     """Scores the source's test split: a "test" line at `step` in metrics.jsonl (via
-    `writer`) and `<workdir>/plots/confusion_test.png` (process 0). Returns the figures."""
+    `writer`) and, from process 0, its confusion matrix in `<workdir>/eval/confusion_test.json`
+    (train.py draws it). Returns the figures."""
     started = time.perf_counter()
     split = source.test_split
     figures, confusion = evaluate_split(trainer, params, source, rows, split)
     writer.write(step, "test", figures)
     metrics.log_evaluation(step, "test", figures, time.perf_counter() - started)
     if jax.process_index() == 0:
-        plot_confusion_matrix(confusion, source.class_names,
-                              workdir_lib.path(workdir, workdir_lib.PLOTS, "confusion_test.png"),
-                              f"{source.dataset} {split}, step {step}: top-1 accuracy "
-                              f"{100 * figures['accuracy']:.2f}%")
+        save_confusion(workdir, "test", confusion, source.class_names,
+                       f"{source.dataset} {split}, step {step}: top-1 accuracy "
+                       f"{100 * figures['accuracy']:.2f}%")
     return figures
 
 
-def evaluate_classifier(workdir: str, split: str, *, step: int | None = None,
-                        average: int | None = None) -> dict:
-    """`python -m transformer.evaluate` for a vision run: scores `split` with the checkpoint
-    `step` (default the latest; or the average of the last `average`), appends the figures to
-    metrics.jsonl and draws `<workdir>/plots/confusion_<split>.png`."""
-    run = resolve(workdir_lib.load_config(workdir))
-    params = load_params(workdir, step=step, average=average)
-    source = make_source(run.config, workdir)
-    mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
-    trainer = step_lib.build_trainer(Resolved(run.config, run.model, dict(mesh.shape)), mesh)
-    params = jax.device_put(params, trainer.state_shardings.params)
+def confusion_files(workdir: str, split: str) -> tuple[str, str]:
+    """Where a split's confusion matrix is kept, `<workdir>/eval/confusion_<split>.json`, and
+    where the commands draw it, `<workdir>/plots/confusion_<split>.png`."""
+    return (workdir_lib.path(workdir, workdir_lib.EVAL, f"confusion_{split}.json"),
+            workdir_lib.path(workdir, workdir_lib.PLOTS, f"confusion_{split}.png"))
+
+
+def save_confusion(workdir: str, split: str, counts: np.ndarray, class_names, title: str) -> str:
+    """Writes the counts [C, C] of (true class, predicted class) with the class names and a
+    title for the figure (`util/plotting.py`'s `plot_confusion_matrix` draws it)."""
+    record = {"title": title, "class_names": list(class_names),
+              "counts": np.asarray(counts).tolist()}
+    path = confusion_files(workdir, split)[0]
+    epath.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    atomic.write_atomically(path, json.dumps(record))
+    return path
+
+
+def evaluate_classifier(run: Run, split: str) -> dict:
+    """`python -m transformer.evaluate` for a vision run: scores `split`, appends the figures
+    to metrics.jsonl and keeps the confusion matrix in `<workdir>/eval/confusion_<split>.json`
+    (the command draws it)."""
+    source = make_source(run.config, run.workdir)
+    trainer = step_lib.build_trainer(run.resolved, run.mesh)
+    params = jax.device_put(run.params, trainer.state_shardings.params)
     figures, confusion = evaluate_split(trainer, params, source,
                                         (0, source.eval_rows_per_batch), split)
-    at_step = params_step(workdir, step=step, average=average)
-    label = f"average{average}" if average else f"step{at_step}"
-    plot_confusion_matrix(confusion, source.class_names,
-                          workdir_lib.path(workdir, workdir_lib.PLOTS, f"confusion_{split}.png"),
-                          f"{source.dataset} {split}, {label}: top-1 accuracy "
-                          f"{100 * figures['accuracy']:.2f}%")
+    label = run.label if run.label.startswith("average") else f"step{run.step}"
+    save_confusion(run.workdir, split, confusion, source.class_names,
+                   f"{source.dataset} {split}, {label}: top-1 accuracy "
+                   f"{100 * figures['accuracy']:.2f}%")
     figures["checkpoint"] = label
-    writer = MetricWriter(workdir)
-    writer.write(at_step, split, figures)
+    writer = MetricWriter(run.workdir)
+    writer.write(run.step, split, figures)
     writer.close()
     return figures
