@@ -128,7 +128,7 @@ def train_throughput(dry: bool, steps: int) -> list[dict]:
 def loss_chunks(dry: bool, steps: int) -> list[dict]:
     """The base model at ~25k target tokens with the loss's logits whole (loss_chunk_tokens 0)
     and in chunks of 8,192 (the accelerator default) and 2,048 tokens: what chunking costs or
-    saves in step time and memory on this GPU (`step_lib.AUTO_LOSS_CHUNK_TOKENS_ACCELERATOR`)."""
+    saves in step time and memory on this GPU (`train_state.AUTO_LOSS_CHUNK_TOKENS_ACCELERATOR`)."""
     benchmark = runpy.run_path(str(ROOT / "benchmarks" / "train_step.py"))["benchmark"]
     rows = []
     for chunk in ((0, 64) if dry else (0, 8192, 2048)):
@@ -161,13 +161,13 @@ def decode_speed(dry: bool) -> list[dict]:
     from transformer.config import resolve
     from transformer.inference.translator import Translator
     from transformer.parallel import sharding
-    from transformer.training import step as step_lib
+    from transformer.training import train_state
 
     cfg = _synthetic_config("base", 8, 128, dry)
     cfg.model.dtype = "float32" if dry else "bfloat16"
     mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
     run = resolve(cfg, 1)
-    params = step_lib.init_state(step_lib.build_trainer(run, mesh), 0).params
+    params = train_state.init_state(train_state.build_trainer(run, mesh), 0).params
     translator = Translator(run.config, run.model, params, tokenizer=None)
     rng = np.random.default_rng(1)
     count, length = (8, 8) if dry else (256, 32)

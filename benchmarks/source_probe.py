@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 from transformer.data import make_source  # noqa: E402
 from transformer.data.tokenizer import FIRST_ORDINARY_ID  # noqa: E402
 from transformer.inference.runs import open_run  # noqa: E402
-from transformer.training import step as step_lib  # noqa: E402
+from transformer.training import train_state  # noqa: E402
 from transformer.util import cli  # noqa: E402, F401  (the CLIs' quiet start-up)
 
 GROUPS = {"output projection": ("logits",), "embeddings": ("embed",),
@@ -97,9 +97,9 @@ def probe(workdir: str, batches: int, seed: int = 0, step: int | None = None,
                          f"{run.model.architecture!r} has no source to probe; give an "
                          f"encoder-decoder run")
     source = make_source(run.config, workdir)
-    trainer = step_lib.build_trainer(run.resolved, run.mesh)
+    trainer = train_state.build_trainer(run.resolved, run.mesh)
     params = jax.device_put(run.params, trainer.state_shardings.params)
-    eval_step = step_lib.make_eval_step(trainer)
+    eval_step = train_state.make_eval_step(trainer)
     rng = np.random.default_rng(seed)
     first_piece = FIRST_ORDINARY_ID + len(run.tokenizer.sentinel_ids)
     totals = {"true": {}, "random": {}}
@@ -111,11 +111,11 @@ def probe(workdir: str, batches: int, seed: int = 0, step: int | None = None,
         probed.append(local)
         for kind, batch in (("true", local), ("random", randomize_sources(
                 local, run.model.vocab_size, first_piece, rng))):
-            sums = jax.device_get(eval_step(params, step_lib.global_batch(trainer.mesh, batch)))
+            sums = jax.device_get(eval_step(params, train_state.global_batch(trainer.mesh, batch)))
             totals[kind] = {k: totals[kind].get(k, 0.0) + float(v) for k, v in sums.items()}
     return {"workdir": workdir, "step": run.step, "batches": batches,
-            "perplexity_true_sources": step_lib.eval_metrics(totals["true"])["perplexity"],
-            "perplexity_random_sources": step_lib.eval_metrics(totals["random"])["perplexity"],
+            "perplexity_true_sources": train_state.eval_metrics(totals["true"])["perplexity"],
+            "perplexity_random_sources": train_state.eval_metrics(totals["random"])["perplexity"],
             "perplexity_unigram": unigram_perplexity(
                 (source.train_batch(i, (0, source.rows_per_batch))
                  for i in range(unigram_batches)), probed, run.model.vocab_size,

@@ -3,14 +3,14 @@
     python benchmarks/train_step.py --config=configs/tiny.py [--config.a.b=v ...] [--steps 20]
         [--warmup 2] [--devices N]
 
-Builds what `train.py` builds (the mesh from `mesh.*`, `step_lib.build_trainer`, `init_state`,
+Builds what `train.py` builds (the mesh from `mesh.*`, `train_state.build_trainer`, `init_state`,
 `make_train_step`, `transformer.data.make_source` batches of `process_rows` rows), then:
 
 - compile: `lower` and `compile` of the train step, timed apart from any run;
 - memory: the compiled step's `memory_analysis()` per device: temporaries + arguments + outputs
   (the donated state is counted as an argument and as an output; `alias` shows how much of it
   XLA reuses in place);
-- data: every batch is built before timing (`source.train_batch`, then `step_lib.global_batch`),
+- data: every batch is built before timing (`source.train_batch`, then `train_state.global_batch`),
   and the build time per batch is reported on its own;
 - run: `--warmup` steps, then `--steps` steps each blocked on its result; steps/s and tokens/s
   (non-pad target tokens, the step metrics' `target_tokens`) are medians over those steps. The
@@ -70,8 +70,7 @@ from transformer.config import resolve  # noqa: E402
 from transformer.data import make_source  # noqa: E402
 from transformer.parallel import sharding  # noqa: E402
 from transformer.sizing import flops  # noqa: E402
-from transformer.training import metrics  # noqa: E402
-from transformer.training import step as step_lib  # noqa: E402
+from transformer.training import metrics, train_state  # noqa: E402
 
 config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).", lock_config=True)
 flags.DEFINE_integer("steps", 20, "Timed steps (after the warm-up).")
@@ -135,22 +134,22 @@ def benchmark(cfg, steps: int, warmup: int, *, gemm_size: int = 1024,
            "grad_accum_steps": int(cfg.grad_accum_steps),
            "source_length": source.source_length, "target_length": source.target_length}
 
-    trainer = step_lib.build_trainer(run, mesh)
+    trainer = train_state.build_trainer(run, mesh)
     row["loss_chunk_tokens"] = trainer.loss_chunk_tokens
     start = time.perf_counter()
-    state = jax.block_until_ready(step_lib.init_state(trainer, int(cfg.seed)))
+    state = jax.block_until_ready(train_state.init_state(trainer, int(cfg.seed)))
     row["init_s"] = time.perf_counter() - start
-    train_step = step_lib.make_train_step(trainer, cfg)
+    train_step = train_state.make_train_step(trainer, cfg)
 
     # Every batch before any timing: host rows (numpy), then the global device arrays.
-    rows = step_lib.process_rows(mesh, source.rows_per_batch)
+    rows = train_state.process_rows(mesh, source.rows_per_batch)
     host_times, put_times, batches = [], [], []
     for index in range(warmup + steps):
         start = time.perf_counter()
         local = source.train_batch(index, rows)
         host_times.append(time.perf_counter() - start)
         start = time.perf_counter()
-        batches.append(jax.block_until_ready(step_lib.global_batch(mesh, local)))
+        batches.append(jax.block_until_ready(train_state.global_batch(mesh, local)))
         put_times.append(time.perf_counter() - start)
     row["data_host_ms_per_batch"] = 1e3 * statistics.median(host_times)
     row["data_put_ms_per_batch"] = 1e3 * statistics.median(put_times)

@@ -154,7 +154,7 @@ def _untrained_run(path: pathlib.Path, **overrides) -> pathlib.Path:
     from transformer.config import resolve
     from transformer.data import tokenizer as tokenizer_lib
     from transformer.parallel import sharding
-    from transformer.training import step as step_lib
+    from transformer.training import train_state
 
     tokenizer = tokenizer_lib.train(TRANSLATION_SENTENCES, 96, seed=0)
     tokenizer.save(str(path / "vocab"))
@@ -162,9 +162,9 @@ def _untrained_run(path: pathlib.Path, **overrides) -> pathlib.Path:
                                       "model.max_len": 24, **overrides})
     (path / "config.json").write_text(json.dumps(cfg.to_dict()))
     mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
-    trainer = step_lib.build_trainer(resolve(cfg, 1), mesh)
+    trainer = train_state.build_trainer(resolve(cfg, 1), mesh)
     checkpointer = Checkpointer(str(path), keep=2)
-    checkpointer.save(1, step_lib.init_state(trainer, 0), {"next_batch_index": 1})
+    checkpointer.save(1, train_state.init_state(trainer, 0), {"next_batch_index": 1})
     checkpointer.close()
     return path
 
@@ -222,7 +222,7 @@ def untrained_vision_workdir(tmp_path_factory):
     from transformer.checkpoint.checkpointer import Checkpointer
     from transformer.config import resolve
     from transformer.parallel import sharding
-    from transformer.training import step as step_lib
+    from transformer.training import train_state
 
     path = tmp_path_factory.mktemp("vision_run")
     cfg = _load_config("vit_fashion_mnist.py", **{
@@ -232,8 +232,8 @@ def untrained_vision_workdir(tmp_path_factory):
                              "std": [VISION_STD]}}
     (path / "config.json").write_text(json.dumps(cfg.to_dict() | {"provenance": provenance}))
     mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
-    trainer = step_lib.build_trainer(resolve(cfg, 1), mesh)
-    state = step_lib.init_state(trainer, 0)
+    trainer = train_state.build_trainer(resolve(cfg, 1), mesh)
+    state = train_state.init_state(trainer, 0)
     head = jax.tree.map(lambda x: jax.random.normal(jax.random.key(1), x.shape, x.dtype),
                         state.params["head"])
     state = state.replace(params=state.params | {"head": head})
@@ -248,18 +248,18 @@ def train_steps(cfg, mesh, num_steps, state=None, first_batch=0):
     `mesh`, from `state` (default: a fresh init) and batch `first_batch` on."""
     from transformer.config import resolve
     from transformer.data import make_source
-    from transformer.training import step as step_lib
+    from transformer.training import train_state
 
     run = resolve(cfg, mesh.size)
-    trainer = step_lib.build_trainer(run, mesh)
+    trainer = train_state.build_trainer(run, mesh)
     if state is None:
-        state = step_lib.init_state(trainer, cfg.seed)
-    step_fn = step_lib.make_train_step(trainer, run.config)
+        state = train_state.init_state(trainer, cfg.seed)
+    step_fn = train_state.make_train_step(trainer, run.config)
     source = make_source(cfg)
-    rows = step_lib.process_rows(mesh, source.rows_per_batch)
+    rows = train_state.process_rows(mesh, source.rows_per_batch)
     lines = []
     for index in range(first_batch, first_batch + num_steps):
-        state, metrics = step_fn(state, step_lib.global_batch(
+        state, metrics = step_fn(state, train_state.global_batch(
             mesh, source.train_batch(index, rows)))
         lines.append(jax.device_get(metrics))
     return state, lines, trainer

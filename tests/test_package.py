@@ -15,8 +15,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def test_core_imports_no_tensorflow():
-    code = ("import sys, transformer, transformer.parallel.sharding, transformer.training.step, "
-            "transformer.training.loop, transformer.sizing.flops\n"
+    code = ("import sys, transformer, transformer.parallel.sharding, transformer.sizing.flops, "
+            "transformer.training.train_state, transformer.training.loop\n"
             "heavy = [m for m in sys.modules if m.split('.')[0] in ('tensorflow', "
             "'tensorflow_datasets')]\n"
             "assert not heavy, heavy")
@@ -198,13 +198,13 @@ def test_every_folder_has_a_row_in_the_table():
 
 
 def test_layering_finder_finds_an_upward_import_and_passes_the_listed_ones():
-    graph = {"transformer.ops.ring": {"transformer.training.step"},
+    graph = {"transformer.ops.ring": {"transformer.training.train_state"},
              "transformer.training.loop": {"transformer.sizing.flops", "transformer.ops.ring"},
              "transformer.inference.decoding": {PLOTTING},
              "transformer.visualize": {PLOTTING, "transformer.training.curves"}}
     assert _layering_breaks(graph, {"transformer.visualize"}) == [
         "transformer.inference.decoding -> transformer.util.plotting (only commands draw)",
-        "transformer.ops.ring -> transformer.training.step (ops may not import training)"]
+        "transformer.ops.ring -> transformer.training.train_state (ops may not import training)"]
 
 
 def test_every_import_follows_the_layering_table():

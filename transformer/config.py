@@ -41,7 +41,7 @@ TOP_LEVEL: dict[str, tuple[type | tuple[type, ...], object]] = {
     "params_keep": (int, 0),
     "z_loss": ((int, float), 0.0),
     # Target tokens per device whose logits the loss computes at once: 0 all, -1 by backend
-    # (step_lib.resolve_loss_chunk_tokens).
+    # (train_state.resolve_loss_chunk_tokens).
     "loss_chunk_tokens": (int, -1),
     "skip_nonfinite_updates": (bool, False),
     "profile_start_step": (int, 0),

@@ -18,7 +18,7 @@ from transformer.checkpoint.averaging import ParamsSeries
 from transformer.checkpoint.checkpointer import Checkpointer
 from transformer.config import resolve
 from transformer.parallel import sharding
-from transformer.training import step as step_lib
+from transformer.training import train_state
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 STEPS = (10, 20, 30)
@@ -34,7 +34,7 @@ def host_params(k: int) -> dict:
                                      "norm_ffn": {"scale": 1.0 + normal(8)}}}}
 
 
-def sharded_state(mesh, params: dict, step: int) -> step_lib.TrainState:
+def sharded_state(mesh, params: dict, step: int) -> train_state.TrainState:
     """A TrainState (with Adam moments) sharded over `mesh` like the real one."""
     def put(x):
         spec = P("fsdp", "tensor") if x.ndim == 2 else P("tensor") if x.ndim else P()
@@ -42,7 +42,7 @@ def sharded_state(mesh, params: dict, step: int) -> step_lib.TrainState:
 
     params = jax.tree.map(put, params)
     opt_state = jax.tree.map(put, optax.adam(1e-3).init(params))
-    return step_lib.TrainState(step=jnp.asarray(step, jnp.int32), params=params,
+    return train_state.TrainState(step=jnp.asarray(step, jnp.int32), params=params,
                                 opt_state=opt_state)
 
 
@@ -148,7 +148,7 @@ def test_real_train_state(tmp_path, load_config):
     """The tiny model's TrainState from build_trainer/init_state on one device."""
     cfg = load_config("tiny.py")
     mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
-    state = step_lib.init_state(step_lib.build_trainer(resolve(cfg, 1), mesh), cfg.seed)
+    state = train_state.init_state(train_state.build_trainer(resolve(cfg, 1), mesh), cfg.seed)
     checkpointer = Checkpointer(str(tmp_path), keep=3)
     trees = []
     for k in (1, 2, 3):

@@ -426,12 +426,12 @@ def test_a_large_export_is_written_in_shards_with_their_index(tmp_path):
 def test_padding_is_read_from_segment_ids_where_a_batch_has_them():
     """Id 0 is an ordinary token of some imported vocabularies (GPT-2's "!"): where a batch
     has segment ids they alone say what counts in the loss."""
-    from transformer.training import step as step_lib
+    from transformer.training import train_state
 
     targets = np.array([[0, 5, 0, 0]], np.int32)
     packed = {"targets": targets, "targets_segmentation": np.array([[1, 1, 2, 0]], np.int32)}
-    np.testing.assert_array_equal(step_lib.loss_weights(packed), [[1, 1, 1, 0]])
-    np.testing.assert_array_equal(step_lib.loss_weights({"targets": targets}), [[0, 1, 0, 0]])
+    np.testing.assert_array_equal(train_state.loss_weights(packed), [[1, 1, 1, 0]])
+    np.testing.assert_array_equal(train_state.loss_weights({"targets": targets}), [[0, 1, 0, 0]])
 
 
 @pytest.mark.slow

@@ -19,8 +19,7 @@ from transformer.config import resolve
 from transformer.inference import classifier as classify
 from transformer.model.vit import VisionTransformer
 from transformer.parallel import sharding
-from transformer.training import evaluation
-from transformer.training import step as step_lib
+from transformer.training import evaluation, train_state
 from transformer.util import plotting
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -145,7 +144,7 @@ def test_confusion_matrix_counts_label_and_top1_pairs(untrained_vision_workdir, 
 
     mesh = sharding.make_mesh({"data": 4, "fsdp": 1, "tensor": 1}, jax.devices()[:4])
     cfg["data"]["test_time_flip"] = test_time_flip
-    trainer = step_lib.build_trainer(resolve(ConfigDict(cfg), 4), mesh)
+    trainer = train_state.build_trainer(resolve(ConfigDict(cfg), 4), mesh)
     params = jax.device_put(classifier.params, trainer.state_shardings.params)
     figures, confusion = evaluation.evaluate_split(trainer, params, _Batches(images, labels),
                                                  (0, 4), "test")

@@ -213,7 +213,7 @@ def test_sharded_forward_equals_unsharded():
 
 
 def test_adam_on_the_fixture_makes_the_loss_fall():
-    """A few steps of plain optax Adam on the committed Fashion-MNIST images: no step_lib."""
+    """A few steps of plain optax Adam on the committed Fashion-MNIST images: no train_state."""
     from transformer.data.offline import fashion_mnist as ofm
 
     images, labels = ofm.read_split(str(FIXTURE), "train")

@@ -15,7 +15,7 @@ from transformer.config import resolve
 from transformer.model.transformer import TransformerConfig
 from transformer.parallel import sharding
 from transformer.sizing import flops, memory
-from transformer.training import step as step_lib
+from transformer.training import train_state
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def test_state_bytes_on_one_device_are_the_parameter_count_times_four(load_config):
     cfg = load_config("tiny.py")
     mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
-    state = step_lib.build_trainer(resolve(cfg, 1), mesh).abstract_state
+    state = train_state.build_trainer(resolve(cfg, 1), mesh).abstract_state
     count = flops.param_counts(TransformerConfig.from_dict(cfg.model))["total"]
     assert memory.device_bytes(state.params) == 4 * count
     # Adam's two float32 moments, plus two int32 step counts (Adam's and the schedule's)
@@ -142,7 +142,7 @@ def _check_report(tmp_path, load_config, config_name: str,
     figures = _figures(report)
 
     cfg = load_config(config_name, **overrides)
-    state = step_lib.build_trainer(resolve(cfg, 8), sharding.make_mesh(cfg.mesh)).abstract_state
+    state = train_state.build_trainer(resolve(cfg, 8), sharding.make_mesh(cfg.mesh)).abstract_state
     leaves = jax.tree.leaves(state.params)
     full = 4 * sum(leaf.size for leaf in leaves)
     replicated = 4 * sum(leaf.size for leaf in leaves if leaf.sharding.is_fully_replicated)

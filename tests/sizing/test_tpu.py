@@ -26,8 +26,7 @@ from transformer.model.transformer import OutputHead, Transformer, TransformerCo
 from transformer.ops import attention, expert_parallel, moe, splash
 from transformer.parallel import sharding
 from transformer.sizing import flops, memory, tpu
-from transformer.training import optim
-from transformer.training import step as step_lib
+from transformer.training import optim, train_state
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -318,13 +317,13 @@ def test_auto_attention_is_the_splash_kernel_in_a_tpu_train_step(libtpu, load_co
         devices = tpu.abstract_devices(tpu.parse_topology("v5e:2x2"))
         run = resolve(cfg, len(devices))
         mesh = sharding.make_mesh(run.config.mesh, devices)
-        trainer = step_lib.build_trainer(run, mesh)
+        trainer = train_state.build_trainer(run, mesh)
         assert trainer.model.config.attention_implementation == "splash"
-        step = step_lib.make_train_step(trainer, run.config)
+        step = train_state.make_train_step(trainer, run.config)
         text = step.lower(trainer.abstract_state, memory.abstract_batch(run.config, mesh)) \
             .compile().as_text()
     assert text.count("tpu_custom_call") >= 3
-    cpu = step_lib.build_trainer(run, sharding.make_mesh(run.config.mesh, jax.devices()[:4]))
+    cpu = train_state.build_trainer(run, sharding.make_mesh(run.config.mesh, jax.devices()[:4]))
     assert cpu.model.config.attention_implementation == "auto"
 
 

@@ -17,7 +17,7 @@ from transformer.checkpoint.checkpointer import Checkpointer
 from transformer.config import resolve
 from transformer.model.transformer import Transformer, TransformerConfig
 from transformer.parallel import sharding
-from transformer.training import step as step_lib
+from transformer.training import train_state
 
 B, T, V = 4, 32, 64
 
@@ -161,7 +161,7 @@ def test_training_with_context_4_matches_context_1(load_config, tmp_path):
     checkpointer.close()
     cfg.mesh.context = 1
     restored, _ = Checkpointer(str(tmp_path), keep=1).restore(
-        3, step_lib.build_trainer(resolve(cfg, 2), unsplit).abstract_state)
+        3, train_state.build_trainer(resolve(cfg, 2), unsplit).abstract_state)
     state, losses, _ = _train(cfg, unsplit, 2, state=restored, first_batch=3)
     np.testing.assert_allclose(losses, expected[3:], rtol=1e-5)
     got, want = (flax.traverse_util.flatten_dict(jax.device_get(s.params), sep="/")

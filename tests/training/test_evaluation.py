@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 import sacrebleu
 
-from transformer.training import scores
-from transformer.training import step as step_lib
+from transformer.training import scores, train_state
 
 # Detokenized German: hyphenated compounds, quotes, abbreviations, numbers, casing.
 REFERENCES = [
@@ -185,5 +184,5 @@ def test_perplexity():
     assert scores.perplexity(math.log(4.92)) == pytest.approx(4.92)
     assert math.isfinite(scores.perplexity(1e6))
     for loss in (0.5, 1.59, 1e6):
-        assert scores.perplexity(loss) == step_lib.eval_metrics(
+        assert scores.perplexity(loss) == train_state.eval_metrics(
             {"nll_sum": loss, "tokens": 1.0})["perplexity"]

@@ -14,8 +14,7 @@ from transformer.config import resolve
 from transformer.data import make_source
 from transformer.model.transformer import Transformer
 from transformer.parallel import sharding
-from transformer.training import metrics, optim
-from transformer.training import step as step_lib
+from transformer.training import metrics, optim, train_state
 
 # The float16 and float32 tiny-config losses agree to this relative tolerance over
 # CURVE_STEPS steps (measured worst 2.4e-4 over 20 steps, 6.5e-4 over 30 with tiny.py's two
@@ -43,12 +42,12 @@ class OneDevice:
         self.mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
         run = resolve(cfg, 1)
         self.seed = cfg.seed
-        self.trainer = step_lib.build_trainer(run, self.mesh)
-        self.step_fn = step_lib.make_train_step(self.trainer, run.config)
+        self.trainer = train_state.build_trainer(run, self.mesh)
+        self.step_fn = train_state.make_train_step(self.trainer, run.config)
         self.source = make_source(cfg)
 
     def init(self):
-        return step_lib.init_state(self.trainer, self.seed)
+        return train_state.init_state(self.trainer, self.seed)
 
     def run(self, num_steps, state=None, first_batch=0):
         """(state, [metrics per step]) of `num_steps` steps from `state` (None: a fresh one)."""
@@ -56,7 +55,7 @@ class OneDevice:
         fetched = []
         for index in range(first_batch, first_batch + num_steps):
             batch = self.source.train_batch(index, (0, self.source.rows_per_batch))
-            state, metrics = self.step_fn(state, step_lib.global_batch(self.mesh, batch))
+            state, metrics = self.step_fn(state, train_state.global_batch(self.mesh, batch))
             fetched.append(jax.device_get(metrics))
         return state, fetched
 
@@ -157,8 +156,8 @@ def test_float16_curve_matches_float32(tiny, float16_tiny):
     assert {float(m["loss_scale"]) for m in metrics16} == {2.0**15}
     assert int(metrics16[-1]["skipped_overflow_steps"]) == 0
     assert state16.loss_scale.finite_steps == CURVE_STEPS
-    assert type(state32) is step_lib.TrainState
-    assert not set(step_lib.LOSS_SCALE_METRICS) & set(metrics32[0])
+    assert type(state32) is train_state.TrainState
+    assert not set(train_state.LOSS_SCALE_METRICS) & set(metrics32[0])
 
 
 def test_float16_checkpoint_restores_the_scale_and_continues_exactly(float16_tiny, tmp_path):
@@ -216,7 +215,7 @@ def test_float16_run_logs_the_scale_and_resumes_exactly(tiny, tmp_path):
             record = json.loads(line)
             if record["split"] == "train":
                 found[record["step"]] = [record[k] for k in ("loss", "grad_norm",
-                                                             *step_lib.LOSS_SCALE_METRICS)]
+                                                             *train_state.LOSS_SCALE_METRICS)]
         return found
 
     straight = loop.train_and_evaluate(cfg(7), str(tmp_path / "straight"))

@@ -18,7 +18,7 @@ from transformer.data.objectives import apply_objective, cut_pieces
 from transformer.inference import decoding
 from transformer.model import transformer as M
 from transformer.ops import attention
-from transformer.training import step as step_lib
+from transformer.training import train_state
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 V, MASK_ID = 64, 4
@@ -94,7 +94,7 @@ def test_prefix_draws_a_proper_prefix_per_segment_and_the_loss_skips_it():
             seen.add(k)
         assert not prefix[segments == 0].any()
     assert len(seen) > 2  # drawn, not fixed
-    weights = np.asarray(step_lib.loss_weights(jax.tree.map(jnp.asarray, batch)))
+    weights = np.asarray(train_state.loss_weights(jax.tree.map(jnp.asarray, batch)))
     np.testing.assert_array_equal(weights, (packed["targets"] != 0) & (batch["targets_prefix"]
                                                                         == 0))
 
@@ -124,7 +124,7 @@ def model_logits(cfg, batch):
     batch = jax.tree.map(jnp.asarray, batch)
     return np.asarray(M.Transformer(cfg).apply(
         {"params": params}, batch.get("inputs"), batch["targets"],
-        **{k: batch[k] for k in step_lib.BATCH_KEYS[2:] if k in batch}))
+        **{k: batch[k] for k in train_state.BATCH_KEYS[2:] if k in batch}))
 
 
 @pytest.mark.parametrize("objective", ["causal", "prefix", "masked"])

@@ -16,7 +16,7 @@ from transformer.model import experts
 from transformer.model import transformer as M
 from transformer.model.transformer import Transformer, TransformerConfig
 from transformer.parallel import sharding
-from transformer.training import step as step_lib
+from transformer.training import train_state
 
 MOE = {"model.num_experts": 4, "model.experts_per_token": 2, "model.dropout_rate": 0.0,
        "model.d_model": 32, "model.d_ff": 32, "data.batch_size": 8, "data.max_length": 15,
@@ -68,7 +68,7 @@ def test_train_py_writes_the_routers_metrics_on_every_train_line(load_config, tm
         assert [line["step"] for line in train] == [1, 2]
         for line in train:
             if name == "dense":
-                assert not set(step_lib.MOE_METRICS) & set(line)
+                assert not set(train_state.MOE_METRICS) & set(line)
                 continue
             assert 0 < line["expert_load_min"] <= 0.25 <= line["expert_load_max"] <= 1
             assert line["router_z_loss"] > 0 and line["moe_aux_loss"] > 0
@@ -120,7 +120,7 @@ def test_expert_parallel_matches_one_device(load_config, tmp_path, capacity_fact
     cfg.mesh.update({"data": 1, "fsdp": 2, "expert": 4})
     other = _mesh(8, fsdp=2, expert=4)
     restored, _ = Checkpointer(str(tmp_path), keep=1).restore(
-        3, step_lib.build_trainer(resolve(cfg, 8), other).abstract_state)
+        3, train_state.build_trainer(resolve(cfg, 8), other).abstract_state)
     assert restored.params["decoder"]["layers_0"]["moe"]["ff_in"].sharding.spec == P(
         "expert", "fsdp", "tensor")
     state, lines, _ = train_steps(cfg, other, 2, state=restored, first_batch=3)

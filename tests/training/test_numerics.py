@@ -12,8 +12,7 @@ from transformer.checkpoint.checkpointer import stack_layers
 from transformer.config import resolve
 from transformer.data import make_source
 from transformer.model.config import REMAT_POLICIES
-from transformer.training import optim
-from transformer.training import step as step_lib
+from transformer.training import optim, train_state
 
 # bfloat16 keeps 8 significant bits: one rounding is off by at most 2**-8 relatively.
 BF16_UNIT_ROUNDOFF = 2.0 ** -8
@@ -36,8 +35,8 @@ def first_batch(cfg) -> dict:
 def loss_and_grads(cfg, params, batch, dropout_seed=None):
     """The train loss (label-smoothed, per target token) and its gradients, through the model
     the config builds (remat and scan included: they act under differentiation)."""
-    model = step_lib.Transformer(resolve(cfg).model)
-    weights = step_lib.loss_weights(batch)
+    model = train_state.Transformer(resolve(cfg).model)
+    weights = train_state.loss_weights(batch)
 
     def loss_fn(p):
         rngs = None if dropout_seed is None else {"dropout": jax.random.key(dropout_seed)}
@@ -52,7 +51,7 @@ def loss_and_grads(cfg, params, batch, dropout_seed=None):
 
 def init_params(cfg):
     trainer = trainer_for(cfg, mesh_of((1, 1, 1), 1))
-    return jax.device_get(step_lib.init_state(trainer, 0).params)
+    return jax.device_get(train_state.init_state(trainer, 0).params)
 
 
 def flat(tree) -> dict:
@@ -176,17 +175,17 @@ def test_train_step_with_scan_and_remat_matches_the_plain_step(tiny):
     mesh = mesh_of((2, 2, 2))
     one = mesh_of((1, 1, 1), 1)
     plain_trainer = trainer_for(plain_cfg, one)
-    state = step_lib.init_state(plain_trainer, 0)
+    state = train_state.init_state(plain_trainer, 0)
     scan_trainer = trainer_for(scan_cfg, mesh)
     # Adam's initial state is zeros whatever the params: only the params need converting.
-    scan_state = step_lib.init_state(scan_trainer, 0).replace(params=jax.device_put(
+    scan_state = train_state.init_state(scan_trainer, 0).replace(params=jax.device_put(
         stack_layers(jax.device_get(state.params)), scan_trainer.state_shardings.params))
     source = make_source(plain_cfg)
-    plain_step = step_lib.make_train_step(plain_trainer, resolve(plain_cfg, 1).config)
-    scan_step = step_lib.make_train_step(scan_trainer, resolve(scan_cfg, 8).config)
-    state, plain_metrics = plain_step(state, step_lib.global_batch(
+    plain_step = train_state.make_train_step(plain_trainer, resolve(plain_cfg, 1).config)
+    scan_step = train_state.make_train_step(scan_trainer, resolve(scan_cfg, 8).config)
+    state, plain_metrics = plain_step(state, train_state.global_batch(
         one, source.train_batch(0, (0, 16))))
-    scan_state, scan_metrics = scan_step(scan_state, step_lib.global_batch(
+    scan_state, scan_metrics = scan_step(scan_state, train_state.global_batch(
         mesh, source.train_batch(0, (0, 16))))
     for key in ("loss", "grad_norm"):
         np.testing.assert_allclose(float(scan_metrics[key]), float(plain_metrics[key]),

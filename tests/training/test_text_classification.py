@@ -26,8 +26,7 @@ from transformer.data.offline import (
 from transformer.model.config import TransformerConfig
 from transformer.model.transformer import Transformer
 from transformer.parallel import sharding
-from transformer.training import loop
-from transformer.training import step as step_lib
+from transformer.training import loop, train_state
 
 FIXTURE = pathlib.Path(__file__).parents[1] / "data" / "offline_help_topics"
 TINY = dict(vocab_size=40, num_encoder_layers=2, num_decoder_layers=0, d_model=16, d_ff=32,
@@ -115,8 +114,8 @@ def test_text_loss_and_accuracy_against_numpy(load_config):
         "data.vocab_size": 40, "model.max_len": 16, "model.num_classes": 5,
         "data.batch_size": 8, "mesh.data": 4, "mesh.fsdp": 2, "label_smoothing": 0.1})
     run = resolve(cfg, 8)
-    trainer = step_lib.build_trainer(run, sharding.make_mesh(cfg.mesh))
-    state = step_lib.init_state(trainer, 0)
+    trainer = train_state.build_trainer(run, sharding.make_mesh(cfg.mesh))
+    state = train_state.init_state(trainer, 0)
     params = _with_random_head(jax.device_get(state.params), np.random.default_rng(2))
     rng = np.random.default_rng(3)
     tokens = np.concatenate([_tokens(), rng.integers(5, 40, (4, 8)).astype(np.int32)])
@@ -124,15 +123,15 @@ def test_text_loss_and_accuracy_against_numpy(load_config):
     labels = np.array([4, 0, 2, -1, 1, 3, 3, 0], np.int32)
     logits = np.asarray(Transformer(run.model).apply({"params": params}, tokens,
                                                      method="classify"), np.float64)
-    batch = step_lib.global_batch(trainer.mesh, {"inputs": tokens[None], "label": labels[None]})
+    batch = train_state.global_batch(trainer.mesh, {"inputs": tokens[None], "label": labels[None]})
     placed = jax.device_put(params, trainer.state_shardings.params)
-    sums = jax.device_get(step_lib.make_eval_step(trainer)(placed, batch))
+    sums = jax.device_get(train_state.make_eval_step(trainer)(placed, batch))
     loss, correct = _numpy_sums(logits, labels, 0.0)
     np.testing.assert_allclose(sums["nll_sum"], loss, rtol=1e-5)
     assert (sums["tokens"], sums["correct"]) == (7.0, correct)
     assert 0 < correct < 7 and "top5_correct" not in sums  # 5 classes: no top-5
     state = state.replace(params=placed)
-    _, step_metrics = step_lib.make_train_step(trainer, run.config)(state, batch)
+    _, step_metrics = train_state.make_train_step(trainer, run.config)(state, batch)
     smoothed, _ = _numpy_sums(logits, labels, 0.1)
     np.testing.assert_allclose(float(step_metrics["loss"]), smoothed / 7, rtol=1e-5)
     assert float(step_metrics["sequence_tokens"]) == 7.0  # labelled rows

@@ -15,7 +15,7 @@ from transformer.checkpoint.checkpointer import Checkpointer
 from transformer.config import resolve
 from transformer.data import make_source
 from transformer.parallel import sharding
-from transformer.training import step as step_lib
+from transformer.training import train_state
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -26,8 +26,8 @@ def tiny_config(load_config):
     return lambda **overrides: load_config("tiny.py", **{"data.batch_size": 16, **overrides})
 
 
-def trainer_for(cfg, mesh) -> step_lib.Trainer:
-    return step_lib.build_trainer(resolve(cfg, mesh.size), mesh)
+def trainer_for(cfg, mesh) -> train_state.Trainer:
+    return train_state.build_trainer(resolve(cfg, mesh.size), mesh)
 
 
 def mesh_of(shape, num_devices=8):
@@ -39,13 +39,13 @@ def run(cfg, mesh, num_steps, state=None, first_batch=0):
     """(final state, per-step losses) of `num_steps` train steps on `mesh`."""
     trainer = trainer_for(cfg, mesh)
     if state is None:
-        state = step_lib.init_state(trainer, cfg.seed)
-    step_fn = step_lib.make_train_step(trainer, resolve(cfg, mesh.size).config)
+        state = train_state.init_state(trainer, cfg.seed)
+    step_fn = train_state.make_train_step(trainer, resolve(cfg, mesh.size).config)
     source = make_source(cfg)
-    rows = step_lib.process_rows(mesh, source.rows_per_batch)
+    rows = train_state.process_rows(mesh, source.rows_per_batch)
     losses = []
     for index in range(first_batch, first_batch + num_steps):
-        batch = step_lib.global_batch(mesh, source.train_batch(index, rows))
+        batch = train_state.global_batch(mesh, source.train_batch(index, rows))
         state, metrics = step_fn(state, batch)
         losses.append(float(metrics["loss"]))
     return state, np.array(losses), trainer
@@ -87,7 +87,7 @@ def test_param_and_optimizer_shardings_follow_rules(tiny_config):
     cfg = tiny_config()
     mesh = mesh_of((2, 2, 2))
     trainer = trainer_for(cfg, mesh)
-    state = step_lib.init_state(trainer, cfg.seed)
+    state = train_state.init_state(trainer, cfg.seed)
     attn = state.params["encoder"]["layers_0"]["self_attention"]
     assert attn["query"]["kernel"].sharding.spec == P("fsdp", "tensor", None)  # [D, N, H]
     assert attn["out"]["kernel"].sharding.spec == P("tensor", None, "fsdp")  # [N, Hv, D]
@@ -133,9 +133,9 @@ def test_chunked_loss_trains_as_the_whole_logits(shape, tiny_config):
 
 
 def test_loss_chunks_are_sized_by_backend_unless_set():
-    assert step_lib.resolve_loss_chunk_tokens(-1) == step_lib.AUTO_LOSS_CHUNK_TOKENS["cpu"]
-    assert step_lib.resolve_loss_chunk_tokens(0) == 0
-    assert step_lib.resolve_loss_chunk_tokens(96) == 96
+    assert train_state.resolve_loss_chunk_tokens(-1) == train_state.AUTO_LOSS_CHUNK_TOKENS["cpu"]
+    assert train_state.resolve_loss_chunk_tokens(0) == 0
+    assert train_state.resolve_loss_chunk_tokens(96) == 96
 
 
 def test_gradient_accumulation_equals_large_batch(tiny_config):
@@ -172,11 +172,11 @@ def test_nonfinite_update_is_not_applied(tiny_config):
     cfg = tiny_config(**{"optimizer.learning_rate": float("inf"), "optimizer.clip_norm": 0.0})
     mesh = mesh_of((1, 1, 1), 1)
     trainer = trainer_for(cfg, mesh)
-    state = step_lib.init_state(trainer, cfg.seed)
+    state = train_state.init_state(trainer, cfg.seed)
     before = jax.device_get(state.params)
-    step_fn = step_lib.make_train_step(trainer, resolve(cfg, 1).config)
+    step_fn = train_state.make_train_step(trainer, resolve(cfg, 1).config)
     source = make_source(cfg)
-    batch = step_lib.global_batch(mesh, source.train_batch(0, (0, 16)))
+    batch = train_state.global_batch(mesh, source.train_batch(0, (0, 16)))
     state, metrics = step_fn(state, batch)  # the update is inf * gradient
     assert bool(metrics["nonfinite"])
     assert int(state.step) == 1
@@ -213,12 +213,12 @@ def test_skipped_update_leaves_the_optimizer_and_the_logged_rate_behind(tiny_con
     bad_cfg = tiny_config(**{"optimizer.learning_rate": float("inf")})
     mesh = mesh_of((1, 1, 1), 1)
     trainer, bad_trainer = trainer_for(cfg, mesh), trainer_for(bad_cfg, mesh)
-    step_fn = step_lib.make_train_step(trainer, resolve(cfg, 1).config)
-    bad_step_fn = step_lib.make_train_step(bad_trainer, resolve(bad_cfg, 1).config)
+    step_fn = train_state.make_train_step(trainer, resolve(cfg, 1).config)
+    bad_step_fn = train_state.make_train_step(bad_trainer, resolve(bad_cfg, 1).config)
     source = make_source(cfg)
-    batches = [step_lib.global_batch(mesh, source.train_batch(i, (0, 16))) for i in (0, 1)]
+    batches = [train_state.global_batch(mesh, source.train_batch(i, (0, 16))) for i in (0, 1)]
 
-    state, skipped = bad_step_fn(step_lib.init_state(trainer, cfg.seed), batches[0])
+    state, skipped = bad_step_fn(train_state.init_state(trainer, cfg.seed), batches[0])
     assert bool(skipped["nonfinite"])
     state, applied = step_fn(state, batches[1])
     assert not bool(applied["nonfinite"])
@@ -228,7 +228,7 @@ def test_skipped_update_leaves_the_optimizer_and_the_logged_rate_behind(tiny_con
     assert float(applied["learning_rate"]) == float(trainer.schedule(0))
     assert float(trainer.schedule(1)) > float(trainer.schedule(0))  # warmup: they differ
 
-    fresh = step_lib.init_state(trainer, cfg.seed)
+    fresh = train_state.init_state(trainer, cfg.seed)
     never_bad, metrics = step_fn(fresh.replace(step=fresh.step + 1), batches[1])
     assert float(metrics["loss"]) == float(applied["loss"])  # the same dropout key
     for a, b in zip(jax.tree.leaves(jax.device_get(never_bad)),

@@ -10,8 +10,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 from transformer.data.offline import fashion_mnist as ofm
-from transformer.training import evaluation, loop
-from transformer.training import step as step_lib
+from transformer.training import evaluation, loop, train_state
 
 FIXTURE = pathlib.Path(__file__).parents[1] / "data" / "offline_fashion_mnist"
 
@@ -39,7 +38,7 @@ def test_classification_sums_against_numpy(eps):
     logits = rng.normal(size=(6, 12)).astype(np.float32)
     logits[3] = 0.0  # uniform row: class 0 ranks first
     labels = np.array([4, -1, 0, 0, 11, 7], np.int32)
-    sums, correct, top5 = step_lib.classification_sums(
+    sums, correct, top5 = train_state.classification_sums(
         jnp.asarray(logits), jnp.asarray(labels), label_smoothing=eps)
     loss, want_correct, want_top5 = _numpy_sums(logits.astype(np.float64), labels, eps)
     np.testing.assert_allclose(float(sums.loss_sum), loss, rtol=1e-5)
@@ -49,9 +48,9 @@ def test_classification_sums_against_numpy(eps):
 
 
 def test_eval_metrics_of_classification_sums():
-    figures = step_lib.eval_metrics({"nll_sum": 6.0, "tokens": 4.0, "correct": 3.0})
+    figures = train_state.eval_metrics({"nll_sum": 6.0, "tokens": 4.0, "correct": 3.0})
     assert figures == {"loss": 1.5, "accuracy": 0.75}
-    figures = step_lib.eval_metrics({"nll_sum": 6.0, "tokens": 4.0, "correct": 3.0,
+    figures = train_state.eval_metrics({"nll_sum": 6.0, "tokens": 4.0, "correct": 3.0,
                                       "top5_correct": 4.0})
     assert figures["top5_accuracy"] == 1.0
 

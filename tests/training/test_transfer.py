@@ -15,8 +15,7 @@ from transformer.checkpoint import checkpointer as checkpoint
 from transformer.config import resolve
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.parallel import sharding
-from transformer.training import step as step_lib
-from transformer.training import transfer
+from transformer.training import train_state, transfer
 
 
 def _fresh_params(workdir, mesh_shape, **model_overrides):
@@ -29,7 +28,7 @@ def _fresh_params(workdir, mesh_shape, **model_overrides):
 
     n = int(np.prod(list(mesh_shape.values())))
     mesh = sharding.make_mesh(mesh_shape, jax.devices()[:n])
-    trainer = step_lib.build_trainer(resolve(ConfigDict(cfg), n), mesh)
+    trainer = train_state.build_trainer(resolve(ConfigDict(cfg), n), mesh)
     rng = np.random.default_rng(7)
     return jax.tree.map(lambda a: jax.device_put(rng.standard_normal(a.shape).astype(a.dtype),
                                                  a.sharding), trainer.abstract_state.params)

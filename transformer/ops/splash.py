@@ -11,7 +11,7 @@ batch axes and "tensor" (heads). Where the program is lowered for another platfo
 compiling for TPU devices (`train.py --compile_only --topology`) gets the real kernel.
 
 `self_attention` is what `model.attention_implementation="splash"` runs (and "auto" on a TPU
-mesh, `step_lib.build_trainer`) in the self-attention layers it fits (`blocks`).
+mesh, `train_state.build_trainer`) in the self-attention layers it fits (`blocks`).
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from transformer.model.config import TransformerConfig
 from transformer.ops import attention, linear_attention, moe
 from transformer.parallel import sharding
 from transformer.sizing import flops, step_time
-from transformer.training import step as step_lib
+from transformer.training import train_state
 
 GiB = 1024 ** 3
 TRANSLATION_KEYS = ("inputs", "targets", "inputs_positions", "targets_positions",
@@ -300,16 +300,16 @@ def plan(run: Resolved, mesh) -> MemoryPlan:
     """Lowers and compiles the real train step on abstract state and batch (nothing is
     allocated) and accounts for its memory. `run` must be resolved for the mesh's devices."""
     cfg = run.config
-    trainer = step_lib.build_trainer(run, mesh)
+    trainer = train_state.build_trainer(run, mesh)
     model = trainer.model.config  # with "auto" attention resolved for the mesh's platform
     if jax.default_backend() == "cpu" and cfg.loss_chunk_tokens == -1:
         # Fake CPU devices (or abstract TPU ones) stand in for accelerators: size the loss's
         # chunks as there.
         trainer = trainer.replace(
-            loss_chunk_tokens=step_lib.AUTO_LOSS_CHUNK_TOKENS_ACCELERATOR)
+            loss_chunk_tokens=train_state.AUTO_LOSS_CHUNK_TOKENS_ACCELERATOR)
     batch = abstract_batch(cfg, mesh)
     started = time.perf_counter()
-    lowered = step_lib.make_train_step(trainer, cfg).lower(trainer.abstract_state, batch)
+    lowered = train_state.make_train_step(trainer, cfg).lower(trainer.abstract_state, batch)
     lowered_at = time.perf_counter()
     executable = lowered.compile()
     compiled_at = time.perf_counter()

@@ -22,8 +22,7 @@ from transformer.data import make_source
 from transformer.inference.runs import Run, open_run
 from transformer.inference.translator import from_run
 from transformer.parallel import sharding
-from transformer.training import metrics, scores
-from transformer.training import step as step_lib
+from transformer.training import metrics, scores, train_state
 from transformer.training.metrics import MetricWriter
 from transformer.util import atomic, progress
 
@@ -32,16 +31,16 @@ log = logging.getLogger("transformer")
 
 def evaluate(trainer, eval_step, params, source, rows, split="validation") -> dict:
     """Unsmoothed eval loss and perplexity (a classifier: loss and accuracy,
-    `step_lib.eval_metrics`) over the source's eval batches of `split` (progress on stderr
+    `train_state.eval_metrics`) over the source's eval batches of `split` (progress on stderr
     from process 0)."""
     totals = {"nll_sum": 0.0, "tokens": 0.0}
     with progress.bar(None, f"evaluating on {split}", unit="batch",
                       show=jax.process_index() == 0) as bar:
         for local in source.eval_batches(split, rows):
-            sums = jax.device_get(eval_step(params, step_lib.global_batch(trainer.mesh, local)))
+            sums = jax.device_get(eval_step(params, train_state.global_batch(trainer.mesh, local)))
             totals = {k: totals.get(k, 0.0) + float(v) for k, v in sums.items()}
             bar.update()
-    return step_lib.eval_metrics(totals)
+    return train_state.eval_metrics(totals)
 
 
 def evaluate_run(workdir: str, split: str, *, step=None, average=None, num_sentences=None,
@@ -60,9 +59,9 @@ def evaluate_translation(run: Run, split: str, *, num_sentences=None, beam_size=
     translator = from_run(run)
     cfg = run.config
     source = make_source(cfg, run.workdir)
-    trainer = step_lib.build_trainer(run.resolved, run.mesh)
+    trainer = train_state.build_trainer(run.resolved, run.mesh)
     params = jax.device_put(run.params, trainer.state_shardings.params)
-    figures = evaluate(trainer, step_lib.make_eval_step(trainer), params, source,
+    figures = evaluate(trainer, train_state.make_eval_step(trainer), params, source,
                        (0, source.eval_rows_per_batch), split)
 
     pairs = source.raw_pairs(split, num_sentences)
@@ -94,17 +93,17 @@ def save_texts(workdir: str, stem: str, texts: dict[str, list[str]]) -> None:
 
 def _scoring_step(trainer):
     """`step(params, batch [1, B, ...]) -> (sums, confusion)`: the eval step's sums
-    (`step_lib.classification_figures`) and the [C, C] counts of (label, top-1 class) over the
+    (`train_state.classification_figures`) and the [C, C] counts of (label, top-1 class) over the
     rows labelled >= 0, both summed over the global batch, from one pass of the model."""
     def step(params, batch):
         batch = jax.tree.map(lambda x: x[0], batch)
-        logits = step_lib.classifier_logits(trainer, params, batch, None)
+        logits = train_state.classifier_logits(trainer, params, batch, None)
         classes = logits.shape[-1]
         labels = batch["label"]
         truth = jax.nn.one_hot(jnp.maximum(labels, 0), classes) * (labels >= 0)[:, None]
         predicted = jax.nn.one_hot(jnp.argmax(logits, axis=-1), classes)
         confusion = jnp.einsum("BC,BK->CK", truth, predicted).astype(jnp.int32)
-        return step_lib.classification_figures(logits, labels), confusion
+        return train_state.classification_figures(logits, labels), confusion
 
     batch_sharding = jax.NamedSharding(trainer.mesh, jax.P(None, sharding.BATCH_AXES))
     return jax.jit(step, in_shardings=(trainer.state_shardings.params, batch_sharding),
@@ -113,18 +112,18 @@ def _scoring_step(trainer):
 
 def evaluate_split(trainer, params, source, rows: tuple[int, int],
                    split: str) -> tuple[dict, np.ndarray]:
-    """(figures, confusion [C, C]) of `split` in one pass: `step_lib.eval_metrics` (loss,
+    """(figures, confusion [C, C]) of `split` in one pass: `train_state.eval_metrics` (loss,
     accuracy, top5_accuracy) and counts of (true class, predicted class). `rows`: this
-    process's rows of an eval batch (`step_lib.process_rows`)."""
+    process's rows of an eval batch (`train_state.process_rows`)."""
     scoring_step = _scoring_step(trainer)
     totals: dict[str, float] = {}
     confusion = 0
     for local in source.eval_batches(split, rows):
         sums, counts = jax.device_get(
-            scoring_step(params, step_lib.global_batch(trainer.mesh, local)))
+            scoring_step(params, train_state.global_batch(trainer.mesh, local)))
         totals = {k: totals.get(k, 0.0) + float(v) for k, v in sums.items()}
         confusion = confusion + np.asarray(counts)
-    return step_lib.eval_metrics(totals), np.asarray(confusion, np.int64)
+    return train_state.eval_metrics(totals), np.asarray(confusion, np.int64)
 
 
 def evaluate_test_split(trainer, params, source, rows: tuple[int, int], step: int, writer,
@@ -167,7 +166,7 @@ def evaluate_classifier(run: Run, split: str) -> dict:
     to metrics.jsonl and keeps the confusion matrix in `<workdir>/eval/confusion_<split>.json`
     (the command draws it)."""
     source = make_source(run.config, run.workdir)
-    trainer = step_lib.build_trainer(run.resolved, run.mesh)
+    trainer = train_state.build_trainer(run.resolved, run.mesh)
     params = jax.device_put(run.params, trainer.state_shardings.params)
     figures, confusion = evaluate_split(trainer, params, source,
                                         (0, source.eval_rows_per_batch), split)

@@ -30,8 +30,7 @@ from transformer.data.workers import TrainBatches
 from transformer.inference.translator import Translator
 from transformer.parallel import distributed, sharding
 from transformer.sizing import flops
-from transformer.training import evaluation, metrics, scores, transfer
-from transformer.training import step as step_lib
+from transformer.training import evaluation, metrics, scores, train_state, transfer
 
 log = logging.getLogger("transformer")
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "transformer")
@@ -173,7 +172,7 @@ def _check_bleu_source(cfg, source) -> None:
 
 
 def train_and_evaluate(cfg, workdir: str, *,
-                       config_file: str | None = None) -> step_lib.TrainState:
+                       config_file: str | None = None) -> train_state.TrainState:
     """Trains `cfg` in `workdir` (resuming if it holds a checkpoint); returns the final state.
     `config_file`, where `cfg` came from, is named in errors about its keys. With several
     processes, an error in one stops all within seconds, naming it (`distributed.FailureNotices`):
@@ -183,7 +182,7 @@ def train_and_evaluate(cfg, workdir: str, *,
 
 
 def _train(cfg, workdir: str, config_file: str | None,
-           notices: distributed.FailureNotices) -> step_lib.TrainState:
+           notices: distributed.FailureNotices) -> train_state.TrainState:
     run = resolve(cfg, jax.device_count(), config_file=config_file)
     if not cfg.grad_accum_steps:
         log.info("grad_accum_steps=0: %d microbatches of %d rows per update on %d devices",
@@ -198,7 +197,7 @@ def _train(cfg, workdir: str, config_file: str | None,
     source = _prepared_source(cfg, workdir, batch_shards=sharding.batch_shards(run.mesh_shape))
     _check_bleu_source(cfg, source)
     mesh = sharding.make_mesh(cfg.mesh)
-    trainer = step_lib.build_trainer(run, mesh)
+    trainer = train_state.build_trainer(run, mesh)
     _write_config(cfg, workdir, mesh, source)
     checkpointer = Checkpointer(workdir, keep=int(cfg.keep_checkpoints))
     series = (ParamsSeries(workdir, every_minutes=float(cfg.params_every_minutes),
@@ -206,7 +205,7 @@ def _train(cfg, workdir: str, config_file: str | None,
               if cfg.params_every_minutes else None)
     restored = checkpointer.restore_latest(trainer.abstract_state)
     if restored is None:
-        latest, state, next_batch = None, step_lib.init_state(trainer, int(cfg.seed)), 0
+        latest, state, next_batch = None, train_state.init_state(trainer, int(cfg.seed)), 0
         if cfg.init_from:  # only before the run's own first checkpoint
             init = init or transfer.parse(cfg.init_from)
             params, _ = transfer.load(init, state.params, has_class_token=(
@@ -218,18 +217,18 @@ def _train(cfg, workdir: str, config_file: str | None,
         log.info("resuming from %s/%d", checkpointer.directory, latest)
         next_batch = int(data_state["next_batch_index"])
     step = int(jax.device_get(state.step))
-    rows = step_lib.process_rows(mesh, source.rows_per_batch)
-    eval_rows = step_lib.process_rows(mesh, source.eval_rows_per_batch)
+    rows = train_state.process_rows(mesh, source.rows_per_batch)
+    eval_rows = train_state.process_rows(mesh, source.eval_rows_per_batch)
     total = int(cfg.num_train_steps)
     batches = TrainBatches(source, cfg, workdir, rows, start=next_batch, count=total - step,
                            workers=int(cfg.data.get("workers") or 0))
     try:  # data.workers start up behind the compile
-        train_step = _compile(step_lib.make_train_step(trainer, cfg), "train step",
-                              state, step_lib.global_batch(mesh, source.train_batch(0, rows)))
+        train_step = _compile(train_state.make_train_step(trainer, cfg), "train step",
+                              state, train_state.global_batch(mesh, source.train_batch(0, rows)))
     except BaseException:
         batches.close()
         raise
-    eval_step = step_lib.make_eval_step(trainer)
+    eval_step = train_state.make_eval_step(trainer)
     eval_split = source.validation_split  # a language model's data.eval_split (lm1b: "test")
     translator = (Translator(cfg, run.model, state.params, source.tokenizer)
                   if cfg.bleu_every_steps else None)
@@ -248,7 +247,7 @@ def _train(cfg, workdir: str, config_file: str | None,
             if profile_steps and step == profile_start:
                 jax.profiler.start_trace(workdir_lib.path(workdir, workdir_lib.PROFILE))
             started = time.perf_counter()
-            batch = step_lib.global_batch(mesh, next(batches))
+            batch = train_state.global_batch(mesh, next(batches))
             progress.add_step(time.perf_counter() - started)
             state, step_metrics = train_step(state, batch)
             step, next_batch = step + 1, next_batch + 1
@@ -369,7 +368,7 @@ def _flush(pending, progress, writer, step, total, flops_per_token, peak, cfg, l
                 "nonfinite_skipped": int(m["nonfinite"])}
         if "mfu" in window:
             line["mfu"] = window["mfu"]
-        line |= {k: m[k] for k in step_lib.LOSS_SCALE_METRICS if k in m}  # float16 runs
-        line |= {k: m[k] for k in step_lib.MOE_METRICS if k in m}  # routed layers
+        line |= {k: m[k] for k in train_state.LOSS_SCALE_METRICS if k in m}  # float16 runs
+        line |= {k: m[k] for k in train_state.MOE_METRICS if k in m}  # routed layers
         writer.write(s, "train", line)
     metrics.log_progress(step, total, fetched[-1] | window, progress.unit)

@@ -1,4 +1,5 @@
-"""The train step: the train state, sharded init, the jitted train and eval steps, batches.
+"""The train state and its steps (after flax.training.train_state): `TrainState`, `Trainer`
+and `build_trainer`, sharded init, the jitted train and eval steps, global batches.
 
 Shapes are written in the package's legend (`transformer/__init__.py`): A microbatches per
 step, B global rows per microbatch, S source and T target length.
