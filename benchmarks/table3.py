@@ -29,7 +29,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from transformer import config as config_lib  # noqa: E402
-from transformer.checkpoint import workdir as workdir_lib  # noqa: E402
+from transformer.checkpoint import layout  # noqa: E402
 from transformer.sizing import flops  # noqa: E402
 from transformer.training.curves import read_metrics  # noqa: E402
 
@@ -56,8 +56,8 @@ def row_config(row: str, scale: str):
 
 def finished(workdir: pathlib.Path) -> dict | None:
     """The row's last validation figures, once its run has evaluated its last step."""
-    recorded = workdir_lib.read_config_file(str(workdir))
-    if recorded is None or not (workdir / workdir_lib.METRICS).exists():
+    recorded = layout.read_config_file(str(workdir))
+    if recorded is None or not (workdir / layout.METRICS).exists():
         return None
     total_steps = recorded["num_train_steps"]
     validation = read_metrics(str(workdir)).get("validation", {})
@@ -82,7 +82,7 @@ def setting(cfg) -> dict:
 def record(row: str, workdir: pathlib.Path, figures: dict, minutes: float | None) -> dict:
     """A results-file entry: the setting the row's run recorded, its figures, its wall time
     (None when it was found finished rather than trained by this runner)."""
-    return {"row": row, **setting(workdir_lib.load_config(str(workdir))),
+    return {"row": row, **setting(layout.load_config(str(workdir))),
             "perplexity": figures["perplexity"], "bleu": figures.get("bleu"),
             "minutes": minutes}
 

@@ -101,11 +101,10 @@ def byte_level_bpe(texts, *, vocab_size: int, special_tokens=(), added_tokens=()
 def params_run(workdir: pathlib.Path, cfg, params) -> pathlib.Path:
     """`workdir` (created) as a run holding `params` at step 1 as its params series, with
     config.json from `cfg`: what the Hugging Face export reads."""
-    from transformer.checkpoint import averaging
-    from transformer.checkpoint import workdir as workdir_lib
+    from transformer.checkpoint import averaging, layout
 
     workdir.mkdir()
-    workdir_lib.write_config(str(workdir), cfg.to_dict(), {})
+    layout.write_config(str(workdir), cfg.to_dict(), {})
     series = averaging.ParamsSeries(str(workdir), every_minutes=1.0, keep=1, use_async=False)
     series.save(1, params)
     series.close()

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import pytest
 
 from transformer import config as config_lib
-from transformer.checkpoint import workdir as workdir_lib
+from transformer.checkpoint import layout
 from transformer.model.transformer import Transformer
 from transformer.sizing import flops
 
@@ -127,7 +127,7 @@ def _finished_row(root, row, figures):
     workdir = root / row
     workdir.mkdir(parents=True)
     cfg = TABLE3["get_config"](row)
-    workdir_lib.write_config(str(workdir), cfg.to_dict(), {})
+    layout.write_config(str(workdir), cfg.to_dict(), {})
     lines = [dict(step=cfg.num_train_steps // 2, split="validation", loss=2.0, perplexity=7.39),
              dict(step=cfg.num_train_steps, split="train", loss=1.5)]
     if figures:

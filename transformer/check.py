@@ -8,7 +8,7 @@ Prints one line per problem and a summary line per workdir; exits 1 if any workd
 import os
 import sys
 
-from transformer.checkpoint import workdir as workdir_lib
+from transformer.checkpoint import layout
 
 
 def main(argv: list[str]) -> int:
@@ -21,7 +21,7 @@ def main(argv: list[str]) -> int:
             print(f"error: {workdir} is not a directory: give a training run's workdir")
             failed = True
             continue
-        problems = workdir_lib.check(workdir)
+        problems = layout.check(workdir)
         for problem in problems:
             print(f"{workdir}: {problem}")
         print(f"{workdir}: {len(problems)} problem(s)")

@@ -30,7 +30,7 @@ import argparse
 import os
 import sys
 
-from transformer.checkpoint import workdir as workdir_lib
+from transformer.checkpoint import layout
 from transformer.util import cli, plotting
 
 # --------------------------------------------------------------------------- images
@@ -89,21 +89,21 @@ def run(args: argparse.Namespace) -> list[str]:
         from transformer.inference.translator import load
 
         maps = attention_maps(load(args.workdir, step=args.step), args.source, args.target)
-        return plotting.plot_attention(maps, args.out_dir or workdir_lib.path(
-            args.workdir, workdir_lib.PLOTS, "attention"))
+        return plotting.plot_attention(maps, args.out_dir or layout.path(
+            args.workdir, layout.PLOTS, "attention"))
     if args.command == "image_attention":
         from transformer.inference.attention_maps import image_attention
         from transformer.inference.classifier import load
 
         found = image_attention(load(args.workdir, step=args.step), args.image)
         name = os.path.splitext(os.path.basename(args.image))[0]
-        return plotting.plot_image_attention(found, args.out_dir or workdir_lib.path(
-            args.workdir, workdir_lib.PLOTS, "image_attention", name))
+        return plotting.plot_image_attention(found, args.out_dir or layout.path(
+            args.workdir, layout.PLOTS, "image_attention", name))
     if args.command == "curves":
         from transformer.training import curves
 
         workdirs = args.workdir + args.extra_workdirs
-        out = args.out or workdir_lib.path(workdirs[0], workdir_lib.PLOTS, "curves.png")
+        out = args.out or layout.path(workdirs[0], layout.PLOTS, "curves.png")
         return [plotting.plot_curves(curves.collect(workdirs, args.x), out, x=args.x)]
     return [plot_positions(args.d_model, args.length, args.out)]
 

@@ -119,11 +119,11 @@ def main(argv=None) -> None:
     # loads after jaxlib has initialised (seen here: dmesg, faulthandler in triton/knobs.py).
     from transformers import MarianMTModel  # noqa: F401
 
-    from transformer.checkpoint import workdir as workdir_lib
+    from transformer.checkpoint import layout
     from transformer.config import resolve
     from transformer.data import make_source
 
-    run = resolve(workdir_lib.load_config(args.workdir))
+    run = resolve(layout.load_config(args.workdir))
     pairs = make_source(run.config, args.workdir).raw_pairs(args.split, args.num_sentences)
     alpha = float(run.config.decode.alpha if args.alpha is None else args.alpha)
     records = compare(args.workdir, [s for s, _ in pairs], [t for _, t in pairs],

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from etils import epath
 
-from transformer.checkpoint import workdir as workdir_lib
+from transformer.checkpoint import layout
 from transformer.training import evaluation, metrics
 
 
 def _train_line(step):
-    return {name: float(step) for name in workdir_lib.TRAIN_METRICS} | {"loss": np.float32(step)}
+    return {name: float(step) for name in layout.TRAIN_METRICS} | {"loss": np.float32(step)}
 
 
 @pytest.mark.parametrize("remote", [False, True])
@@ -29,17 +29,17 @@ def test_config_and_metrics_land_in_the_workdir_whatever_its_scheme(remote, buck
         return sorted(bucket) + local if remote else local
 
     def metric_lines():
-        text = epath.Path(workdir_lib.path(workdir, workdir_lib.METRICS)).read_text()
+        text = epath.Path(layout.path(workdir, layout.METRICS)).read_text()
         return [(line["step"], line["split"], line["loss"]) for line in map(json.loads,
                                                                             text.splitlines())]
 
     values = {"seed": 3, "model": {"d_model": 8}, "mesh": {"data": 1, "fsdp": -1, "tensor": 1},
               "num_train_steps": 3, "checkpoint_every_steps": 2}
     provenance = {"vocabulary": "sentencepiece sha256=" + "ab" * 32}
-    workdir_lib.write_config(workdir, values, provenance)
-    assert workdir_lib.read_config_file(workdir) == values | {"provenance": provenance}
-    assert workdir_lib.load_config(workdir).to_dict() == values
-    assert workdir_lib.recorded_vocabulary(workdir) == "ab" * 32
+    layout.write_config(workdir, values, provenance)
+    assert layout.read_config_file(workdir) == values | {"provenance": provenance}
+    assert layout.load_config(workdir).to_dict() == values
+    assert layout.recorded_vocabulary(workdir) == "ab" * 32
 
     writer = metrics.MetricWriter(workdir)
     writer.write(1, "train", _train_line(1))
@@ -53,7 +53,7 @@ def test_config_and_metrics_land_in_the_workdir_whatever_its_scheme(remote, buck
     resumed.close()
     assert metric_lines() == [(1, "train", 1.0), (2, "train", 2.0), (3, "train", 3.0),
                               (3, "validation", 0.5)]
-    assert workdir_lib.check(workdir) == []
+    assert layout.check(workdir) == []
 
     written = files()
     events = [name for name in written if name.startswith("gs://bucket/run/tensorboard/events.")]
@@ -70,7 +70,7 @@ def test_eval_texts_land_in_the_workdir_whatever_its_scheme(remote, bucket, tmp_
     texts = {"source": ["Guten Morgen.", "Grüß Gott!"], "translation": ["Good morning.", ""]}
     evaluation.save_texts(workdir, "test.step4", texts)
     evaluation.save_texts(workdir, "test.step4", texts)  # again: the same files, replaced
-    eval_dir = epath.Path(workdir_lib.path(workdir, workdir_lib.EVAL))
+    eval_dir = epath.Path(layout.path(workdir, layout.EVAL))
     assert sorted(path.name for path in eval_dir.iterdir()) == [
         "test.step4.source.txt", "test.step4.translation.txt"]
     source = (eval_dir / "test.step4.source.txt").read_bytes()
@@ -116,7 +116,7 @@ def test_tensorboard_is_uploaded_on_a_cadence_and_at_sync_not_per_line(bucket, t
     assert len(uploads) <= 1  # its first event only; was 40, one per line
     writer.sync()
     writer.close()
-    assert uploads[-1] == 1 + 40 * len(workdir_lib.TRAIN_METRICS)  # file version + scalars
+    assert uploads[-1] == 1 + 40 * len(layout.TRAIN_METRICS)  # file version + scalars
     text = epath.Path("gs://bucket/run/metrics.jsonl").read_text()
     assert [json.loads(line)["step"] for line in text.splitlines()] == list(range(1, 41))
 
@@ -127,10 +127,10 @@ def test_tensorboard_is_uploaded_on_a_cadence_and_at_sync_not_per_line(bucket, t
     time.sleep(0.4)
     writer.write(42, "train", _train_line(42))
     deadline = time.monotonic() + 10
-    while (not uploads or uploads[-1] < 1 + 2 * len(workdir_lib.TRAIN_METRICS)) \
+    while (not uploads or uploads[-1] < 1 + 2 * len(layout.TRAIN_METRICS)) \
             and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert uploads[-1] == 1 + 2 * len(workdir_lib.TRAIN_METRICS)
+    assert uploads[-1] == 1 + 2 * len(layout.TRAIN_METRICS)
     writer.close()
 
 

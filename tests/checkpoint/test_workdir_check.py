@@ -1,11 +1,11 @@
-"""`python -m transformer.check` (`checkpoint.workdir.check`): a workdir that keeps the contract
+"""`python -m transformer.check` (`checkpoint.layout.check`): a workdir that keeps the contract
 passes, and each way of breaking it is named on its own line."""
 
 import json
 import subprocess
 import sys
 
-from transformer.checkpoint import workdir as workdir_lib
+from transformer.checkpoint import layout
 
 TRAIN = {"step": 1, "split": "train", "loss": 9.1, "learning_rate": 1e-4, "grad_norm": 2.0,
          "tokens_per_sec": 900.0, "data_wait_fraction": 0.01}
@@ -26,7 +26,7 @@ def write_run(path, config=CONFIG, lines=(TRAIN, VALIDATION), checkpoints=("1",)
 
 def test_a_workdir_that_keeps_the_contract_passes(tmp_path):
     run = write_run(tmp_path / "run", checkpoints=("1", "2.orbax-checkpoint-tmp-5"))
-    assert workdir_lib.check(run) == []
+    assert layout.check(run) == []
     result = subprocess.run([sys.executable, "-m", "transformer.check", run],
                             capture_output=True, text=True)
     assert (result.returncode, result.stdout) == (0, f"{run}: 0 problem(s)\n")
@@ -38,7 +38,7 @@ def test_each_breach_is_one_line(tmp_path):
              VALIDATION | {"split": "dev"}, {k: v for k, v in VALIDATION.items()
                                              if k not in ("perplexity", "bleu_signature")}]
     run = write_run(tmp_path / "run", config, lines, checkpoints=("3", "latest"))
-    assert workdir_lib.check(run) == [
+    assert layout.check(run) == [
         "config.json lacks the keys ['seed']",
         "config.json's mesh lacks the axes ['fsdp', 'tensor']",
         "metrics.jsonl:1: step 0 is not an int >= 1",
@@ -54,9 +54,9 @@ def test_each_breach_is_one_line(tmp_path):
 
 
 def test_missing_files_and_a_damaged_line(tmp_path):
-    assert workdir_lib.check(str(tmp_path)) == ["config.json is missing",
+    assert layout.check(str(tmp_path)) == ["config.json is missing",
                                                 "metrics.jsonl is missing"]
     run = write_run(tmp_path / "run")
     with open(f"{run}/metrics.jsonl", "a") as f:
         f.write('{"step": 2, "spl')
-    assert workdir_lib.check(run) == ["metrics.jsonl:3 is not a JSON object"]
+    assert layout.check(run) == ["metrics.jsonl:3 is not a JSON object"]

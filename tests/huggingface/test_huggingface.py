@@ -12,8 +12,7 @@ import pytest
 from conftest import TRANSLATION_SENTENCES, byte_level_bpe, params_run
 from safetensors.numpy import load_file
 
-from transformer.checkpoint import averaging
-from transformer.checkpoint import workdir as workdir_lib
+from transformer.checkpoint import averaging, layout
 from transformer.config import resolve
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.huggingface import convert, families
@@ -67,7 +66,7 @@ def _hf_logits(model, tokens, padded=True):
 def _import(tmp_path, hf_dir):
     workdir = str(tmp_path / "run")
     convert.import_checkpoint(str(hf_dir), workdir, overrides={"model.dtype": "float32"})
-    run = resolve(workdir_lib.load_config(workdir))
+    run = resolve(layout.load_config(workdir))
     return workdir, run, averaging.load_params(workdir)
 
 

@@ -53,8 +53,7 @@ def copy_model(tmp_path_factory, load_config, request):
     """configs/tiny.py (post-LN or pre-LN) trained for 100 updates on the copy task
     (test_train_translation's recipe): outputs that follow the source, half right, so searches
     have real choices."""
-    from transformer.checkpoint import averaging
-    from transformer.checkpoint import workdir as workdir_lib
+    from transformer.checkpoint import averaging, layout
     from transformer.data.synthetic import SyntheticTask
     from transformer.training.loop import train_and_evaluate
 
@@ -69,7 +68,7 @@ def copy_model(tmp_path_factory, load_config, request):
         "model.norm_position": request.param})
     workdir = str(tmp_path_factory.mktemp("copy"))
     train_and_evaluate(cfg, workdir)
-    run = resolve(workdir_lib.load_config(workdir))
+    run = resolve(layout.load_config(workdir))
     sources = [list(map(int, task.example("test", i)[0])) for i in range(12)]
     return run, averaging.load_params(workdir), sources
 

@@ -14,8 +14,10 @@ import pytest
 import scipy.special
 from conftest import SHRUNK_DEFAULT  # noqa: E402
 
-from transformer.checkpoint import averaging  # noqa: E402
-from transformer.checkpoint import workdir as workdir_lib  # noqa: E402
+from transformer.checkpoint import (
+    averaging,  # noqa: E402
+    layout,  # noqa: E402
+)
 from transformer.checkpoint.checkpointer import list_steps  # noqa: E402
 from transformer.config import resolve  # noqa: E402
 from transformer.data import make_source  # noqa: E402
@@ -205,7 +207,7 @@ def test_a_trained_tiny_model_translates(tmp_path, load_config):
         "model.num_decoder_layers": 1, "model.dropout_rate": 0.0, "label_smoothing": 0.0,
         "optimizer.learning_rate": 1e-2, "optimizer.warmup_steps": 10})
     train_and_evaluate(cfg, str(tmp_path))
-    run = resolve(workdir_lib.load_config(str(tmp_path)))
+    run = resolve(layout.load_config(str(tmp_path)))
     translator = Translator(run.config, run.model, averaging.load_params(str(tmp_path)),
                             IdTokenizer())
     pairs = [task.example("test", i) for i in range(32)]

@@ -24,7 +24,7 @@ from jax.experimental import multihost_utils
 
 from transformer.checkpoint import faults
 from transformer.checkpoint.checkpointer import list_steps, one_line
-from transformer.checkpoint.workdir import AVERAGED, CHECKPOINTS, PARAMS_SERIES, absolute
+from transformer.checkpoint.layout import AVERAGED, CHECKPOINTS, PARAMS_SERIES, absolute
 from transformer.util import progress
 
 

@@ -37,7 +37,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from transformer.checkpoint import faults
-from transformer.checkpoint.workdir import CHECKPOINTS, SKIPPED_CHECKPOINTS, absolute, is_remote
+from transformer.checkpoint.layout import CHECKPOINTS, SKIPPED_CHECKPOINTS, absolute, is_remote
 
 _LAYER = re.compile(r"^layers_(\d+)$")
 CHECKSUMS = "state_checksums"  # key of the data item: `checksums` of the saved state

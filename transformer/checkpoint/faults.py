@@ -20,7 +20,7 @@ import sys
 
 import orbax.checkpoint as ocp
 
-from transformer.checkpoint.workdir import absolute
+from transformer.checkpoint.layout import absolute
 
 FAULT_ENV = "TRANSFORMER_FAULT_INJECT"
 FAULTS = ("kill", "enospc", "killafter", "error")

@@ -48,7 +48,7 @@ import threading
 
 import numpy as np
 
-from transformer.checkpoint import workdir as workdir_lib
+from transformer.checkpoint import layout
 from transformer.data import batching, files, records, span_corruption
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.data.datasets import (
@@ -125,7 +125,7 @@ class LanguageModelSource:
             if not eval_dataset:
                 raise ValueError(f"data.dataset={dataset!r} is files: set data.eval_dataset "
                                  f"to the files to evaluate on (<format>:<glob>)")
-            record = workdir_lib.path(workdir, workdir_lib.VOCAB) if workdir else None
+            record = layout.path(workdir, layout.VOCAB) if workdir else None
             opts = dict(fields=(text_field,), seed=self.seed, shuffle_window=shuffle_window,
                         skip_bad_lines=skip_bad_lines, record_dir=record)
             grouped = {**opts, "groups": self.pack_groups}  # eval reads every shard
@@ -219,15 +219,15 @@ class LanguageModelSource:
         if self._given:  # used as is; a run keeps a copy in <workdir>/vocab/
             return tokenizer_lib.keep_given(
                 self._given, self.vocab_path,
-                self.workdir and workdir_lib.path(self.workdir, workdir_lib.VOCAB), vocab_size,
-                expected_sha256=self.workdir and workdir_lib.recorded_vocabulary(self.workdir),
+                self.workdir and layout.path(self.workdir, layout.VOCAB), vocab_size,
+                expected_sha256=self.workdir and layout.recorded_vocabulary(self.workdir),
                 num_sentinels=self.num_sentinels)
         if self.workdir is None:
             return tokenizer_lib.train(sentences(), vocab_size, seed=self.seed,
                                        num_sentinels=self.num_sentinels)
         return tokenizer_lib.load_or_train(
-            workdir_lib.path(self.workdir, workdir_lib.VOCAB), vocab_size, seed=self.seed,
-            sentences=sentences, expected_sha256=workdir_lib.recorded_vocabulary(self.workdir),
+            layout.path(self.workdir, layout.VOCAB), vocab_size, seed=self.seed,
+            sentences=sentences, expected_sha256=layout.recorded_vocabulary(self.workdir),
             info=info, num_sentinels=self.num_sentinels)
 
     def _docs_per_batch(self) -> int:
@@ -251,7 +251,7 @@ class LanguageModelSource:
         record = None
         if train and self.workdir:
             record = records.Record(
-                workdir_lib.path(self.workdir, workdir_lib.VOCAB), "lengths",
+                layout.path(self.workdir, layout.VOCAB), "lengths",
                 [self.name, self.num_train_documents, self.vocabulary_fingerprint(),
                  LENGTH_SAMPLE, eos, self.seed])
             if kept := record.read():

@@ -31,7 +31,7 @@ import logging
 
 import numpy as np
 
-from transformer.checkpoint import workdir as workdir_lib
+from transformer.checkpoint import layout
 from transformer.data import files
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.data.datasets import CHUNK, DataUnavailable, prepare_dataset
@@ -117,7 +117,7 @@ class TextClassificationSource:
                 f"data.vocab_path={vocab_path!r} has no padding token at id "
                 f"{tokenizer_lib.PAD_ID}, which pads a classifier's rows: give one with <pad> "
                 f"or [PAD] at id {tokenizer_lib.PAD_ID}, or leave data.vocab_path empty")
-        record = workdir_lib.path(workdir, workdir_lib.VOCAB) if workdir else None
+        record = layout.path(workdir, layout.VOCAB) if workdir else None
         if files.parse_spec(dataset):
             texts = self._read_files(dataset, eval_dataset, text_feature, label_feature,
                                      record)
@@ -129,7 +129,7 @@ class TextClassificationSource:
         if given:
             self.tokenizer = tokenizer_lib.keep_given(
                 given, vocab_path, record, int(vocab_size),
-                expected_sha256=workdir and workdir_lib.recorded_vocabulary(workdir))
+                expected_sha256=workdir and layout.recorded_vocabulary(workdir))
         else:
             self.tokenizer = self._tokenizer(texts["train"][0], int(vocab_size),
                                              int(vocab_sample_documents), workdir)
@@ -220,8 +220,8 @@ class TextClassificationSource:
             return tokenizer_lib.train(sentences(), vocab_size, seed=self.seed)
         info = {"dataset": self._name, "sample_documents": int(len(chosen))}
         return tokenizer_lib.load_or_train(
-            workdir_lib.path(workdir, workdir_lib.VOCAB), vocab_size, seed=self.seed,
-            sentences=sentences, expected_sha256=workdir_lib.recorded_vocabulary(workdir),
+            layout.path(workdir, layout.VOCAB), vocab_size, seed=self.seed,
+            sentences=sentences, expected_sha256=layout.recorded_vocabulary(workdir),
             info=info)
 
     @property

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 
 from etils import epath
 
-from transformer.checkpoint import workdir as workdir_lib
+from transformer.checkpoint import layout
 from transformer.util import atomic, progress
 
 log = logging.getLogger("transformer")
@@ -413,7 +413,7 @@ def load_run(workdir: str, vocab_size: int,
     """A run's vocabulary from `<workdir>/vocab/`: its SentencePiece model, or an imported
     checkpoint's tokenizer.json. It is refused unless it is the vocabulary the run was trained
     with: `vocab_size` pieces, and the sha256 its config.json recorded (None: not recorded)."""
-    directory = workdir_lib.path(workdir, workdir_lib.VOCAB)
+    directory = layout.path(workdir, layout.VOCAB)
     vocab = vocabulary_file(directory)
     if not epath.Path(vocab).exists():
         raise ValueError(f"{vocab} is missing: this run has no vocabulary (was it trained on "

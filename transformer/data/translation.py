@@ -37,7 +37,7 @@ import jax
 import numpy as np
 from etils import epath
 
-from transformer.checkpoint import workdir as workdir_lib
+from transformer.checkpoint import layout
 from transformer.data import batching, files
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.data.datasets import (
@@ -131,7 +131,7 @@ class TokenizedSplit:
 
 
 def _read_array(path: str) -> np.ndarray:
-    if workdir_lib.is_remote(path):
+    if layout.is_remote(path):
         with epath.Path(path).open("rb") as f:
             return np.load(f)
     return np.asarray(np.load(path, mmap_mode="r"))
@@ -173,7 +173,7 @@ class TranslationSource:
                 raise ValueError(f"data.dataset={dataset!r} is files: set data.eval_dataset "
                                  f"to the files to evaluate on (<format>:<glob>)")
             fields = (source_field, target_field)
-            record = workdir_lib.path(workdir, workdir_lib.VOCAB) if workdir else None
+            record = layout.path(workdir, layout.VOCAB) if workdir else None
             for split, spec, setting in (("train", dataset, "data.dataset"),
                                          (self.validation_split, eval_dataset,
                                           "data.eval_dataset")):
@@ -198,9 +198,9 @@ class TranslationSource:
                                       f"dataset again (or point data.data_dir elsewhere)")
         if given:
             self.tokenizer = tokenizer_lib.keep_given(
-                given, vocab_path, workdir and workdir_lib.path(workdir, workdir_lib.VOCAB),
+                given, vocab_path, workdir and layout.path(workdir, layout.VOCAB),
                 int(vocab_size),
-                expected_sha256=workdir and workdir_lib.recorded_vocabulary(workdir))
+                expected_sha256=workdir and layout.recorded_vocabulary(workdir))
         else:
             self.tokenizer = tokenizer or self._tokenizer(int(vocab_size),
                                                           int(vocab_sample_pairs))
@@ -254,8 +254,8 @@ class TranslationSource:
         if self.workdir is None:
             return tokenizer_lib.train(sentences(), vocab_size, seed=self.seed)
         return tokenizer_lib.load_or_train(
-            workdir_lib.path(self.workdir, workdir_lib.VOCAB), vocab_size, seed=self.seed,
-            sentences=sentences, expected_sha256=workdir_lib.recorded_vocabulary(self.workdir),
+            layout.path(self.workdir, layout.VOCAB), vocab_size, seed=self.seed,
+            sentences=sentences, expected_sha256=layout.recorded_vocabulary(self.workdir),
             info=info)
 
     def _tokenized(self, split: str) -> TokenizedSplit:
@@ -264,7 +264,7 @@ class TranslationSource:
                 "examples": len(self._source(split)),
                 "languages": [self.source_lang, self.target_lang],
                 "vocabulary": self.tokenizer.sha256}
-        directory = (workdir_lib.path(self.workdir, workdir_lib.VOCAB, "tokens",
+        directory = (layout.path(self.workdir, layout.VOCAB, "tokens",
                                       f"{self.dataset_name.replace('/', '-')}-{split}")
                      if self.workdir and split == "train" else None)
         if directory and (cached := TokenizedSplit.load(directory, meta)) is not None:

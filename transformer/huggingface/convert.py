@@ -44,9 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 from ml_collections import ConfigDict
 
-from transformer.checkpoint import averaging
+from transformer.checkpoint import averaging, layout
 from transformer.checkpoint import checkpointer as checkpoint
-from transformer.checkpoint import workdir as workdir_lib
 from transformer.config import resolve
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.data.tokenizer import MODEL_FILE
@@ -201,8 +200,8 @@ def import_checkpoint(hf_dir: str, workdir: str, *, config_file: str | None = No
     groups = _import_groups(family, run.model, hf_config, reader.names())
     _check_tensors(family, groups, reader, hf_dir)
     tokenizer = _vocabulary(hf_dir, run.model, hf_config)
-    if workdir_lib.read_config_file(workdir) is not None or checkpoint.list_steps(
-            workdir_lib.path(workdir, workdir_lib.PARAMS_SERIES)):
+    if layout.read_config_file(workdir) is not None or checkpoint.list_steps(
+            layout.path(workdir, layout.PARAMS_SERIES)):
         raise ValueError(f"--workdir={workdir} already holds a run: import into a new "
                          f"directory")
 
@@ -214,7 +213,7 @@ def import_checkpoint(hf_dir: str, workdir: str, *, config_file: str | None = No
     series.close()
     if jax.process_index() == 0:
         if tokenizer is not None:
-            vocab_dir = workdir_lib.path(workdir, workdir_lib.VOCAB)
+            vocab_dir = layout.path(workdir, layout.VOCAB)
             tokenizer.save(vocab_dir)
             if family is families.T5 and os.path.isfile(os.path.join(hf_dir, t5.SPIECE_FILE)):
                 shutil.copyfile(os.path.join(hf_dir, t5.SPIECE_FILE),  # exported back as is
@@ -222,9 +221,9 @@ def import_checkpoint(hf_dir: str, workdir: str, *, config_file: str | None = No
         provenance = {"huggingface": {"source": os.path.abspath(hf_dir),
                                       "model_type": hf_config["model_type"],
                                       "config": hf_config}, "mesh": dict(mesh.shape)}
-        workdir_lib.write_config(workdir, run.config.to_dict(), provenance)  # last: complete
+        layout.write_config(workdir, run.config.to_dict(), provenance)  # last: complete
     log.info("imported %s (%s) into %s", hf_dir, hf_config["model_type"], workdir)
-    return workdir_lib.path(workdir, workdir_lib.PARAMS_SERIES, str(IMPORTED_STEP))
+    return layout.path(workdir, layout.PARAMS_SERIES, str(IMPORTED_STEP))
 
 
 def read_params(reader: TensorReader, family, model_cfg: TransformerConfig, mesh,
@@ -345,7 +344,7 @@ def export_workdir(workdir: str, out_dir: str, *, step: int | None = None,
     hf_config = family.hf_config(model_cfg) | {"dtype": "float32"}
     with open(os.path.join(out_dir, HF_CONFIG), "w") as f:
         json.dump(hf_config, f, indent=2)
-    vocab_dir = workdir_lib.path(workdir, workdir_lib.VOCAB)
+    vocab_dir = layout.path(workdir, layout.VOCAB)
     vocab = tokenizer_lib.vocabulary_file(vocab_dir)
     if run.tokenizer is not None and family is families.Marian:
         marian.write_vocabulary(vocab, out_dir, model_cfg)

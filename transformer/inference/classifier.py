@@ -23,7 +23,7 @@ import os
 
 import numpy as np
 
-from transformer.checkpoint import workdir as workdir_lib
+from transformer.checkpoint import layout
 
 MODES = {1: "L", 3: "RGB"}  # Pillow's mode for the model's channel count
 
@@ -112,7 +112,7 @@ def load(workdir: str, *, step: int | None = None) -> Classifier:
                          f"transformer.translate or transformer.generate for it")
     recorded = run.provenance.get("images")
     if not recorded:
-        raise ValueError(f"{workdir_lib.path(workdir, workdir_lib.CONFIG)} records no image "
+        raise ValueError(f"{layout.path(workdir, layout.CONFIG)} records no image "
                          f"preprocessing (provenance.images: classes, mean, std); it was "
                          f"written by an older version: train the run again")
     return Classifier(run.model, run.params, tuple(recorded["class_names"]),

@@ -16,8 +16,7 @@ from etils import epath
 from jax.sharding import Mesh
 from ml_collections import ConfigDict
 
-from transformer.checkpoint import averaging
-from transformer.checkpoint import workdir as workdir_lib
+from transformer.checkpoint import averaging, layout
 from transformer.config import Resolved, resolve
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.model.config import TransformerConfig
@@ -60,7 +59,7 @@ def open_run(workdir: str, *, step: int | None = None, average: int | None = Non
     """
     if vocabulary not in VOCABULARY_CHOICES:
         raise ValueError(f"vocabulary={vocabulary!r} must be one of {VOCABULARY_CHOICES}")
-    values = workdir_lib.read_run_config(workdir)
+    values = layout.read_run_config(workdir)
     provenance = values.pop("provenance", {})
     devices = list(jax.devices()[:1] if devices is None else devices)
     mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1}, devices)
@@ -69,10 +68,10 @@ def open_run(workdir: str, *, step: int | None = None, average: int | None = Non
     params = averaging.load_params(workdir, step=step, average=average)
     at_step = averaging.params_step(workdir, step=step, average=average)
     tokenizer = None
-    vocab = tokenizer_lib.vocabulary_file(workdir_lib.path(workdir, workdir_lib.VOCAB))
+    vocab = tokenizer_lib.vocabulary_file(layout.path(workdir, layout.VOCAB))
     if vocabulary == "required" or (vocabulary == "optional" and epath.Path(vocab).is_file()):
         tokenizer = tokenizer_lib.load_run(workdir, run.model.vocab_size,
-                                           workdir_lib.vocabulary_sha256(provenance))
+                                           layout.vocabulary_sha256(provenance))
     return Run(workdir, resolved, provenance, params, at_step, _label(step, average),
                tokenizer, mesh)
 

@@ -9,7 +9,7 @@ import os
 import numpy as np
 from etils import epath
 
-from transformer.checkpoint import workdir as workdir_lib
+from transformer.checkpoint import layout
 
 
 def read_metrics(workdir: str) -> dict[str, dict[str, list[tuple[int, float]]]]:
@@ -17,7 +17,7 @@ def read_metrics(workdir: str) -> dict[str, dict[str, list[tuple[int, float]]]]:
     per (step, split) winning, steps ascending; `workdir` local or remote (gs://)."""
     if not epath.Path(workdir).is_dir():
         raise ValueError(f"--workdir={workdir} is not a directory: give a training run's workdir")
-    path = workdir_lib.path(workdir, workdir_lib.METRICS)
+    path = layout.path(workdir, layout.METRICS)
     if not epath.Path(path).exists():
         raise ValueError(f"{path} does not exist: is {workdir} a training workdir?")
     last: dict[tuple[int, str], dict] = {}

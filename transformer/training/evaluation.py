@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from etils import epath
 
-from transformer.checkpoint import workdir as workdir_lib
+from transformer.checkpoint import layout
 from transformer.data import make_source
 from transformer.inference.runs import Run, open_run
 from transformer.inference.translator import from_run
@@ -84,7 +84,7 @@ def evaluate_translation(run: Run, split: str, *, num_sentences=None, beam_size=
 def save_texts(workdir: str, stem: str, texts: dict[str, list[str]]) -> None:
     """`<workdir>/eval/<stem>.<kind>.txt` for each kind in `texts`, a line per sentence, in
     UTF-8 (the workdir may be remote: gs://)."""
-    out_dir = epath.Path(workdir_lib.path(workdir, workdir_lib.EVAL))
+    out_dir = epath.Path(layout.path(workdir, layout.EVAL))
     out_dir.mkdir(parents=True, exist_ok=True)
     for kind, lines in texts.items():
         (out_dir / f"{stem}.{kind}.txt").write_text("".join(line + "\n" for line in lines),
@@ -146,8 +146,8 @@ def evaluate_test_split(trainer, params, source, rows: tuple[int, int], step: in
 def confusion_files(workdir: str, split: str) -> tuple[str, str]:
     """Where a split's confusion matrix is kept, `<workdir>/eval/confusion_<split>.json`, and
     where the commands draw it, `<workdir>/plots/confusion_<split>.png`."""
-    return (workdir_lib.path(workdir, workdir_lib.EVAL, f"confusion_{split}.json"),
-            workdir_lib.path(workdir, workdir_lib.PLOTS, f"confusion_{split}.png"))
+    return (layout.path(workdir, layout.EVAL, f"confusion_{split}.json"),
+            layout.path(workdir, layout.PLOTS, f"confusion_{split}.png"))
 
 
 def save_confusion(workdir: str, split: str, counts: np.ndarray, class_names, title: str) -> str:

@@ -20,8 +20,7 @@ import numpy as np
 from etils import epath
 from jax.experimental import multihost_utils
 
-from transformer.checkpoint import faults
-from transformer.checkpoint import workdir as workdir_lib
+from transformer.checkpoint import faults, layout
 from transformer.checkpoint.averaging import ParamsSeries
 from transformer.checkpoint.checkpointer import Checkpointer, list_steps
 from transformer.config import resolve
@@ -115,17 +114,17 @@ def _provenance(cfg, mesh, source) -> dict:
 def _write_config(cfg, workdir: str, mesh, source) -> None:
     """config.json: the resolved config and provenance. On resume the model must not change."""
     resolved = cfg.to_dict()
-    previous = workdir_lib.read_config_file(workdir)
+    previous = layout.read_config_file(workdir)
     if previous is not None:
         changed = sorted(k for k in set(previous.get("model", {})) | set(resolved["model"])
                          if previous["model"].get(k) != resolved["model"].get(k))
         if changed:
-            raise ValueError(f"{workdir_lib.path(workdir, workdir_lib.CONFIG)} was written with "
+            raise ValueError(f"{layout.path(workdir, layout.CONFIG)} was written with "
                              f"other model settings ({', '.join(changed)}); resume with the same "
                              f"model or use a new --workdir")
         return
     if jax.process_index() == 0:
-        workdir_lib.write_config(workdir, resolved, _provenance(cfg, mesh, source))
+        layout.write_config(workdir, resolved, _provenance(cfg, mesh, source))
 
 
 class _Preemption:
@@ -189,7 +188,7 @@ def _train(cfg, workdir: str, config_file: str | None,
                  run.config.grad_accum_steps,
                  run.config.data.batch_size // run.config.grad_accum_steps, jax.device_count())
     cfg = run.config
-    starting = not list_steps(workdir_lib.path(workdir, workdir_lib.CHECKPOINTS))
+    starting = not list_steps(layout.path(workdir, layout.CHECKPOINTS))
     init = transfer.parse(cfg.init_from) if cfg.init_from and starting else None
     epath.Path(workdir).mkdir(parents=True, exist_ok=True)
     if init is not None and cfg.data.dataset != "synthetic":  # before the data pipeline
@@ -245,7 +244,7 @@ def _train(cfg, workdir: str, config_file: str | None,
     try:
         while step < total:
             if profile_steps and step == profile_start:
-                jax.profiler.start_trace(workdir_lib.path(workdir, workdir_lib.PROFILE))
+                jax.profiler.start_trace(layout.path(workdir, layout.PROFILE))
             started = time.perf_counter()
             batch = train_state.global_batch(mesh, next(batches))
             progress.add_step(time.perf_counter() - started)

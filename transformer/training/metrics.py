@@ -31,7 +31,7 @@ import time
 import jax
 from etils import epath
 
-from transformer.checkpoint import workdir as workdir_lib
+from transformer.checkpoint import layout
 
 log = logging.getLogger("transformer")
 TENSORBOARD_FLUSH_SECS = 30  # between the flushes of the event file, besides `sync` and close
@@ -66,11 +66,11 @@ class MetricWriter:
 
     def __init__(self, workdir: str):
         self.active = jax.process_index() == 0
-        self._path = workdir_lib.path(workdir, workdir_lib.METRICS)
-        self._tb_dir = workdir_lib.path(workdir, workdir_lib.TENSORBOARD)
+        self._path = layout.path(workdir, layout.METRICS)
+        self._tb_dir = layout.path(workdir, layout.TENSORBOARD)
         self._tb = self._file = None
         self._opened = 0  # event files opened so far
-        self._remote = workdir_lib.is_remote(workdir)
+        self._remote = layout.is_remote(workdir)
         if self.active:
             if self._remote:
                 target = epath.Path(self._path)

@@ -35,9 +35,8 @@ import jax
 import numpy as np
 from etils import epath
 
-from transformer.checkpoint import averaging
+from transformer.checkpoint import averaging, layout
 from transformer.checkpoint import checkpointer as checkpoint
-from transformer.checkpoint import workdir as workdir_lib
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.util import atomic
 
@@ -62,23 +61,23 @@ class InitSource:
 def _run_root(path: str) -> str | None:
     """The training workdir at or above `path` (the first directory holding config.json; in a
     bucket, up to the bucket)."""
-    path = workdir_lib.absolute(path)
+    path = layout.absolute(path)
     while True:
-        if epath.Path(workdir_lib.path(path, workdir_lib.CONFIG)).is_file():
+        if epath.Path(layout.path(path, layout.CONFIG)).is_file():
             return path
         parent = os.path.dirname(path)
-        if parent == path or (workdir_lib.is_remote(path) and not workdir_lib.is_remote(parent)):
+        if parent == path or (layout.is_remote(path) and not layout.is_remote(parent)):
             return None
         path = parent
 
 
 def _check_saved(spec: str, source: InitSource) -> InitSource:
     """`source`, once its run is known to hold its step (or any step: the latest)."""
-    saved = sorted({step for kind in (workdir_lib.CHECKPOINTS, workdir_lib.PARAMS_SERIES)
-                    for step in checkpoint.list_steps(workdir_lib.path(source.workdir, kind))})
+    saved = sorted({step for kind in (layout.CHECKPOINTS, layout.PARAMS_SERIES)
+                    for step in checkpoint.list_steps(layout.path(source.workdir, kind))})
     if not saved:
         raise ValueError(f"init_from={spec!r}: {source.workdir} holds no checkpoint (no finished "
-                         f"step in {workdir_lib.CHECKPOINTS}/ or {workdir_lib.PARAMS_SERIES}/): "
+                         f"step in {layout.CHECKPOINTS}/ or {layout.PARAMS_SERIES}/): "
                          f"give a run that has saved one, or train it first")
     if source.step is not None and source.step not in saved:
         raise ValueError(f"init_from={spec!r}: step {source.step} is not saved in "
@@ -96,18 +95,18 @@ def parse(spec: str) -> InitSource:
     root = _run_root(path) if epath.Path(path).is_dir() else None
     if root is None:
         raise ValueError(f"init_from={spec!r} is not a training workdir (one with "
-                         f"{workdir_lib.CONFIG}), workdir:step, or a params directory inside one")
-    relative = os.path.relpath(workdir_lib.absolute(path), root).split(os.sep)
+                         f"{layout.CONFIG}), workdir:step, or a params directory inside one")
+    relative = os.path.relpath(layout.absolute(path), root).split(os.sep)
     if relative == ["."]:
         return _check_saved(spec, InitSource(root, step))
-    if step is None and len(relative) == 2 and relative[0] == workdir_lib.AVERAGED:
-        return InitSource(root, params_dir=workdir_lib.absolute(path))
+    if step is None and len(relative) == 2 and relative[0] == layout.AVERAGED:
+        return InitSource(root, params_dir=layout.absolute(path))
     if step is None and len(relative) == 2 and relative[1].isdigit() and relative[0] in (
-            workdir_lib.CHECKPOINTS, workdir_lib.PARAMS_SERIES):
+            layout.CHECKPOINTS, layout.PARAMS_SERIES):
         return _check_saved(spec, InitSource(root, int(relative[1])))
     raise ValueError(f"init_from={spec!r}: give the workdir {root}, {root}:<step>, or a "
-                     f"directory of its {workdir_lib.AVERAGED}/, {workdir_lib.CHECKPOINTS}/ or "
-                     f"{workdir_lib.PARAMS_SERIES}/")
+                     f"directory of its {layout.AVERAGED}/, {layout.CHECKPOINTS}/ or "
+                     f"{layout.PARAMS_SERIES}/")
 
 
 def copy_vocabulary(source: InitSource, workdir: str, vocab_size: int) -> None:
@@ -115,7 +114,7 @@ def copy_vocabulary(source: InitSource, workdir: str, vocab_size: int) -> None:
     tokenizer.json, and the files beside it: `tokenizer.FILES`) into `<workdir>/vocab/` (once);
     not the records of its data kept there, nor a crashed writer's temporary files. Either
     workdir may be remote (gs://)."""
-    src_dir = workdir_lib.path(source.workdir, workdir_lib.VOCAB)
+    src_dir = layout.path(source.workdir, layout.VOCAB)
     src = tokenizer_lib.vocabulary_file(src_dir)
     if not epath.Path(src).is_file():
         raise ValueError(f"init_from={source.describe()}: {src} is missing; the pretrained "
@@ -125,7 +124,7 @@ def copy_vocabulary(source: InitSource, workdir: str, vocab_size: int) -> None:
         raise ValueError(f"init_from={source.describe()} has a {pretrained.vocab_size}-piece "
                          f"vocabulary but data.vocab_size={vocab_size}: set "
                          f"--config.data.vocab_size={pretrained.vocab_size}")
-    target_dir = workdir_lib.path(workdir, workdir_lib.VOCAB)
+    target_dir = layout.path(workdir, layout.VOCAB)
     target = tokenizer_lib.vocabulary_file(target_dir)
     if epath.Path(target).is_file():
         if tokenizer_lib.load(target_dir).sha256 != pretrained.sha256:

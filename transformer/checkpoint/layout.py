@@ -1,5 +1,5 @@
-"""A run's workdir: every path in it, and the functions that read and write its config.
-The layout (docs/architecture.md, "The workdir"):
+"""The layout of a run's workdir: every path in it, its contract (`check`), and the
+functions that read and write its config (docs/architecture.md, "The workdir"):
 
     config.json           the resolved config plus provenance (versions, mesh, fingerprints)
     metrics.jsonl         one JSON object a line with "step" and "split"
