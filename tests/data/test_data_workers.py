@@ -1,13 +1,18 @@
 """`data.workers` (`transformer/data/workers.py`): batches from Grain worker processes are those
 the loop makes itself, bit for bit, from any start index; a run resumed with workers continues
 at its checkpoint's index with the same losses; a worker's error is one line naming it, and a
-SIGTERM (a preemption) is the main process' to handle."""
+SIGTERM (a preemption) is the main process' to handle. Closed, they leave no shared memory
+behind."""
 
 import json
+import pickle
+import subprocess
+import sys
 import time
 
 import numpy as np
 import pytest
+from conftest import ROOT, subprocess_env
 from test_data_files import small_lm_files_config
 
 
@@ -73,6 +78,37 @@ def test_workers_leave_sigterm_to_the_main_process(config, tmp_path):
                                       source.train_batch(1, (0, 8))["targets"])
     finally:
         batches.close()
+
+
+# Reads every batch, so that each worker's prefetch thread runs out, then exits at once.
+READ_ALL_AND_EXIT = """
+import pickle, sys
+from transformer.data import make_source
+from transformer.data.workers import TrainBatches
+with open(sys.argv[1], "rb") as f:
+    cfg = pickle.load(f)
+workdir = sys.argv[2]
+batches = TrainBatches(make_source(cfg, workdir), cfg, workdir, (0, 8), start=0, count=4,
+                       workers=2)
+for _ in range(4):
+    next(batches)
+batches.close()
+"""
+
+
+def test_closed_workers_leave_no_shared_memory_to_the_resource_tracker(config, tmp_path):
+    """Python's resource tracker unlinks, at the process' exit, the shared memory still linked
+    and warns of it: the warning is looked for in the stderr of a process of its own."""
+    from transformer.data import make_source
+
+    workdir = str(tmp_path / "run")
+    make_source(config, workdir)  # the vocabulary and row counts the workers read
+    (tmp_path / "config.pkl").write_bytes(pickle.dumps(config))
+    done = subprocess.run(
+        [sys.executable, "-c", READ_ALL_AND_EXIT, str(tmp_path / "config.pkl"), workdir],
+        cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "leaked" not in done.stderr, done.stderr
 
 
 def _losses(workdir) -> dict[int, float]:

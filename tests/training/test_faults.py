@@ -17,8 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer.checkpoint import averaging, faults
-from transformer.checkpoint import checkpointer as checkpoint
+from transformer.checkpoint import averaging, checkpointer, faults
 from transformer.checkpoint.checkpointer import Checkpointer, CheckpointSaveError
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -36,10 +35,10 @@ def abstract(state):
 
 
 def save_steps(workdir, steps, width: int = 8) -> None:
-    checkpointer = Checkpointer(str(workdir), keep=5)
+    checkpoints = Checkpointer(str(workdir), keep=5)
     for step in steps:
-        checkpointer.save(step, tree(step, width), {"next_batch_index": step})
-    checkpointer.close()
+        checkpoints.save(step, tree(step, width), {"next_batch_index": step})
+    checkpoints.close()
 
 
 def files_of(workdir) -> dict[str, bytes]:
@@ -72,9 +71,9 @@ def test_a_damaged_latest_checkpoint_is_skipped_for_the_previous_one(tmp_path, k
     name, damage = DAMAGE[kind]
     damage(tmp_path / "checkpoints" / "2" / name)
     damaged = files_of(tmp_path / "checkpoints" / "2")
-    checkpointer = Checkpointer(str(tmp_path), keep=5)
+    checkpoints = Checkpointer(str(tmp_path), keep=5)
     with caplog.at_level(logging.WARNING, logger="transformer"):
-        step, state, data_state = checkpointer.restore_latest(abstract(tree(0)))
+        step, state, data_state = checkpoints.restore_latest(abstract(tree(0)))
     assert (step, data_state) == (1, {"next_batch_index": 1})
     for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(tree(1)), strict=True):
         np.testing.assert_array_equal(got, want)
@@ -84,10 +83,10 @@ def test_a_damaged_latest_checkpoint_is_skipped_for_the_previous_one(tmp_path, k
     assert f"moved to {tmp_path / 'skipped_checkpoints' / '2'}" in warning
     # Nothing is lost: the damaged step is kept, byte for byte, beside the checkpoints.
     assert files_of(tmp_path / "skipped_checkpoints" / "2") == damaged
-    assert checkpointer.all_steps() == [1]
-    checkpointer.save(2, tree(2), {"next_batch_index": 2})  # training goes on past it
-    checkpointer.close()
-    assert checkpoint.list_steps(str(tmp_path / "checkpoints")) == [1, 2]
+    assert checkpoints.all_steps() == [1]
+    checkpoints.save(2, tree(2), {"next_batch_index": 2})  # training goes on past it
+    checkpoints.close()
+    assert checkpointer.list_steps(str(tmp_path / "checkpoints")) == [1, 2]
 
 
 def test_bytes_changed_inside_array_data_are_never_restored_silently(tmp_path, caplog):
@@ -102,10 +101,10 @@ def test_bytes_changed_inside_array_data_are_never_restored_silently(tmp_path, c
         shutil.copytree(tmp_path / "checkpoints" / "1", tmp_path / "checkpoints" / "2")
         garbage(tmp_path / "checkpoints" / "2" / chunk.relative_to(
             tmp_path / "checkpoints" / "1"))
-        checkpointer = Checkpointer(str(tmp_path), keep=5)
+        checkpoints = Checkpointer(str(tmp_path), keep=5)
         with caplog.at_level(logging.WARNING, logger="transformer"):
-            step, state, _ = checkpointer.restore_latest(abstract(tree(0, width=400)))
-        checkpointer.close()
+            step, state, _ = checkpoints.restore_latest(abstract(tree(0, width=400)))
+        checkpoints.close()
         for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(tree(1, 400)), strict=True):
             np.testing.assert_array_equal(got, want)  # the copy of step 1, or step 1 itself
         outcomes.add("harmless" if step == 2 else "skipped")
@@ -120,11 +119,11 @@ def test_checksums_are_the_same_on_any_mesh():
     sharded = jax.tree.map(lambda x: jax.device_put(x, jax.sharding.NamedSharding(
         mesh, jax.P("a") if x.ndim == 2 else jax.P())), state)
     assert len(sharded["params"]["dense"]["kernel"].sharding.device_set) == 8
-    assert checkpoint.checksums(sharded) == checkpoint.checksums(state)
+    assert checkpointer.checksums(sharded) == checkpointer.checksums(state)
     changed = jax.tree.map(lambda x: x, state)
     kernel = state["params"]["dense"]["kernel"]  # the second leaf: bias, kernel, step
     changed["params"]["dense"]["kernel"] = kernel.at[5, 1].set(jnp.nextafter(kernel[5, 1], 9))
-    before, after = checkpoint.checksums(state), checkpoint.checksums(changed)
+    before, after = checkpointer.checksums(state), checkpointer.checksums(changed)
     assert after[0] == before[0] and after[1] != before[1] and after[2] == before[2]
 
 
@@ -273,7 +272,7 @@ def test_a_killed_coordinator_stops_its_peer_and_the_run_resumes_exactly(tmp_pat
     assert DEAD_PEER_MESSAGE in survivor, survivor[-3000:]
     assert "Failed to send RPC to coordination service" in survivor, survivor[-3000:]
     procs[0].wait()
-    steps = checkpoint.list_steps(str(tmp_path / "checkpoints"))
+    steps = checkpointer.list_steps(str(tmp_path / "checkpoints"))
     assert steps[-1] >= 3
     averaging.load_params(str(tmp_path), step=steps[-1])  # the latest complete one restores
     procs = launch(tmp_path, processes=2, devices=4, overrides=overrides)

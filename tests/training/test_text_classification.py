@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from transformer.checkpoint import checkpointer as checkpoint
+from transformer.checkpoint import checkpointer
 from transformer.config import resolve
 from transformer.data import text_classification as tc
 from transformer.data import tokenizer as tokenizer_lib
@@ -85,7 +85,7 @@ def test_the_classifier_is_the_masked_lms_encoder_plus_a_head():
         model = Transformer(TransformerConfig(architecture=architecture, **TINY))
         params = nn.unbox(jax.eval_shape(model.init, jax.random.key(0), _tokens(),
                                          _tokens())["params"])
-        return {checkpoint.path_name(path): leaf.shape
+        return {checkpointer.path_name(path): leaf.shape
                 for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
 
     classifier, encoder = shapes("classifier"), shapes("encoder")

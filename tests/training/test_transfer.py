@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 from etils import epath
 
-from transformer.checkpoint import averaging
-from transformer.checkpoint import checkpointer as checkpoint
+from transformer.checkpoint import averaging, checkpointer
 from transformer.config import resolve
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.parallel import sharding
@@ -69,7 +68,7 @@ def test_a_scanned_model_starts_from_a_per_layer_run(untrained_translation_workd
     fresh = _fresh_params(untrained_translation_workdir, {"data": 1, "fsdp": 1, "tensor": 1},
                           scan_layers=True)
     params, _ = transfer.load(transfer.parse(root), fresh)
-    want = checkpoint.stack_layers(averaging.load_params(root))
+    want = checkpointer.stack_layers(averaging.load_params(root))
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), params, want)
 
 
@@ -117,7 +116,7 @@ def test_excluded_parameters_stay_fresh(untrained_translation_workdir):
     for (path, got), want, new in zip(jax.tree_util.tree_flatten_with_path(params)[0],
                                       jax.tree.leaves(saved), jax.tree.leaves(fresh),
                                       strict=True):
-        name = checkpoint.path_name(path)
+        name = checkpointer.path_name(path)
         expected = new if name.startswith("decoder/layers_1/") else want
         np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
     with pytest.raises(ValueError, match=r"init_from_exclude='\^decoder/logits' matches no "
@@ -232,7 +231,7 @@ def test_a_run_starts_from_another_once_then_resumes_from_its_own(tmp_path, capl
         jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-20), a, b)
     shutil.rmtree(pretrained)  # resuming reads the run's own checkpoint, never init_from
     train_and_evaluate(_tiny(**frozen | {"num_train_steps": 3}), str(finetuned))
-    assert checkpoint.list_steps(str(finetuned / "checkpoints"))[-1] == 3
+    assert checkpointer.list_steps(str(finetuned / "checkpoints"))[-1] == 3
 
 
 @pytest.mark.slow  # two runs: span corruption, then translation

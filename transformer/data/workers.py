@@ -11,6 +11,7 @@ its checkpoint's index. A worker's error ends the run as one line naming the wor
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import itertools
 import signal
 from collections.abc import Iterator
@@ -58,6 +59,22 @@ def check_workers(workers: int) -> None:
     if workers < 0:
         raise ValueError(f"data.workers={workers} must be >= 0 (0: the training loop "
                          f"produces each batch itself)")
+
+
+def _unlink_dropped_batches() -> None:
+    """Unlinks the shared memory of the batches Grain's closed iterator dropped.
+
+    Each of Grain's prefetch threads ends on an exception whose traceback holds the last batch
+    it fetched: a reference cycle that only the garbage collector frees. Collected here, the
+    batch's arrays queue their unlinking on Grain's deletion thread, which is then waited for.
+    Left to the exit, the shared memory stays linked and Python's resource tracker warns.
+    """
+    from grain.multiprocessing import SharedMemoryArray
+
+    gc.collect()
+    deletions = SharedMemoryArray._del_thread_pool  # one thread, started with the workers
+    if deletions is not None:
+        deletions.apply(int)  # returns once the deletions queued before it are done
 
 
 class TrainBatches(Iterator[Batch]):
@@ -114,10 +131,13 @@ class TrainBatches(Iterator[Batch]):
         return batch
 
     def close(self) -> None:
-        """Stops the worker processes (once the first batch asked for has come)."""
+        """Stops the worker processes, once the first batch asked for has come, and frees the
+        shared memory of the batches they made."""
         if self._first is not None:
             concurrent.futures.wait([self._first])
             self._first = None
         if self._iterator is not None:
             self._iterator.close()
             self._iterator = None
+            self._batches = None
+            _unlink_dropped_batches()

@@ -44,8 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from ml_collections import ConfigDict
 
-from transformer.checkpoint import averaging, layout
-from transformer.checkpoint import checkpointer as checkpoint
+from transformer.checkpoint import averaging, checkpointer, layout
 from transformer.config import resolve
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.data.tokenizer import MODEL_FILE
@@ -200,7 +199,7 @@ def import_checkpoint(hf_dir: str, workdir: str, *, config_file: str | None = No
     groups = _import_groups(family, run.model, hf_config, reader.names())
     _check_tensors(family, groups, reader, hf_dir)
     tokenizer = _vocabulary(hf_dir, run.model, hf_config)
-    if layout.read_config_file(workdir) is not None or checkpoint.list_steps(
+    if layout.read_config_file(workdir) is not None or checkpointer.list_steps(
             layout.path(workdir, layout.PARAMS_SERIES)):
         raise ValueError(f"--workdir={workdir} already holds a run: import into a new "
                          f"directory")
@@ -302,7 +301,8 @@ def _vocabulary(hf_dir: str, model_cfg: TransformerConfig, hf_config: dict):
 
 
 def _names(tree) -> list[str]:
-    return [checkpoint.path_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [checkpointer.path_name(path) for path, _ in leaves]
 
 
 def export_workdir(workdir: str, out_dir: str, *, step: int | None = None,
@@ -322,7 +322,7 @@ def export_workdir(workdir: str, out_dir: str, *, step: int | None = None,
         raise ValueError(f"max_shard_bytes={max_shard_bytes} must be positive")
     params = run.params
     if model_cfg.scan_layers:
-        params = checkpoint.unstack_layers(params)
+        params = checkpointer.unstack_layers(params)
     ours = dict(zip(_names(params), jax.tree.leaves(params), strict=True))
     groups = family.tensors(model_cfg)
     unused = sorted(set(ours) - {name for group in groups for name in group.ours})

@@ -35,8 +35,7 @@ import jax
 import numpy as np
 from etils import epath
 
-from transformer.checkpoint import averaging, layout
-from transformer.checkpoint import checkpointer as checkpoint
+from transformer.checkpoint import averaging, checkpointer, layout
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.util import atomic
 
@@ -74,7 +73,7 @@ def _run_root(path: str) -> str | None:
 def _check_saved(spec: str, source: InitSource) -> InitSource:
     """`source`, once its run is known to hold its step (or any step: the latest)."""
     saved = sorted({step for kind in (layout.CHECKPOINTS, layout.PARAMS_SERIES)
-                    for step in checkpoint.list_steps(layout.path(source.workdir, kind))})
+                    for step in checkpointer.list_steps(layout.path(source.workdir, kind))})
     if not saved:
         raise ValueError(f"init_from={spec!r}: {source.workdir} holds no checkpoint (no finished "
                          f"step in {layout.CHECKPOINTS}/ or {layout.PARAMS_SERIES}/): "
@@ -147,7 +146,7 @@ def _read(source: InitSource) -> dict:
 
 def _flat(tree) -> dict[str, object]:
     """{path name: leaf}, in the tree's leaf order."""
-    return {checkpoint.path_name(path): leaf
+    return {checkpointer.path_name(path): leaf
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
@@ -156,9 +155,9 @@ def _same_layout(saved: dict, fresh) -> dict:
     def scanned(tree):
         return any(re.search(r"(^|/)layers/", path) for path in _flat(tree))
     if scanned(fresh) and not scanned(saved):
-        return checkpoint.stack_layers(saved)
+        return checkpointer.stack_layers(saved)
     if scanned(saved) and not scanned(fresh):
-        return checkpoint.unstack_layers(saved)
+        return checkpointer.unstack_layers(saved)
     return saved
 
 
