@@ -10,17 +10,19 @@ them this host's). The main process builds the source once in a workdir (vocabul
 as the loop does; each variant then reads `--updates` batches after `max(1, workers)` warm-up
 batches (a worker's start: building its source, decoding its first window of shards). Variants
 run interleaved, `--repeats` times each. Tokens are the batches' non-padding tokens. Prints and
-writes one JSON record with the load average around each measurement.
+writes one JSON record with the load average around each measurement. A rate over no measured
+time, as the CPU time of a few updates can be, is null.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import runpy
 import shutil
 import time
+
+from absl import app, flags
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -52,6 +54,14 @@ def _cpu_seconds() -> float:
     return total
 
 
+def _per_second(count: int, seconds: float) -> int | None:
+    """`count / seconds` rounded, or None when no time was counted: the CPU time, read in clock
+    ticks from /proc, can be 0 over a few updates."""
+    if seconds <= 0:
+        return None
+    return round(count / seconds)
+
+
 def _measure(source, cfg, workdir: str, rows: int, workers: int, start: int,
              updates: int) -> dict:
     from transformer.data.workers import TrainBatches
@@ -64,31 +74,49 @@ def _measure(source, cfg, workdir: str, rows: int, workers: int, start: int,
     try:
         for _ in range(warmup):
             next(batches)
-        warm, cpu = time.perf_counter(), _cpu_seconds()
+        warm = time.perf_counter()
+        cpu_at_warm = _cpu_seconds()
         tokens = 0
         for _ in range(updates):
             tokens += int((next(batches)["targets_segmentation"] > 0).sum())
-        seconds, cpu = time.perf_counter() - warm, _cpu_seconds() - cpu
+        seconds = time.perf_counter() - warm
+        cpu = _cpu_seconds() - cpu_at_warm
     finally:
         batches.close()
-    return {"workers": workers, "tokens_per_s": round(tokens / seconds),
-            "cpu_s": round(cpu, 1), "tokens_per_cpu_s": round(tokens / cpu),
+    return {"workers": workers, "tokens_per_s": _per_second(tokens, seconds),
+            "cpu_s": round(cpu, 1), "tokens_per_cpu_s": _per_second(tokens, cpu),
             "warmup_s": round(warm - began, 1), "seconds": round(seconds, 1),
             "tokens": tokens, "load_1min": [round(load_before, 2),
                                             round(os.getloadavg()[0], 2)]}
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--documents", type=int, default=200_000)
-    parser.add_argument("--per_shard", type=int, default=25_000)
-    parser.add_argument("--rows", type=int, default=32, help="rows of 2,048 tokens per update")
-    parser.add_argument("--updates", type=int, default=100, help="timed updates per variant")
-    parser.add_argument("--workers", default="0,1,2")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--dir", default="/tmp/input_workers")
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args(argv)
+def _by_workers(runs: list[dict], key: str) -> dict[int, list[int]]:
+    """Each worker count's figures of `key`, sorted. Runs without the figure, None, are left
+    out."""
+    figures = {}
+    for run in runs:
+        if run[key] is not None:
+            figures.setdefault(run["workers"], []).append(run[key])
+    return {workers: sorted(values) for workers, values in figures.items()}
+
+
+def define_flags() -> None:
+    """The command line's flags: defined only when run as a script."""
+    flags.DEFINE_integer("documents", 200_000, "Documents written.", lower_bound=1)
+    flags.DEFINE_integer("per_shard", 25_000, "Documents per shard.", lower_bound=1)
+    flags.DEFINE_integer("rows", 32, "Rows of 2,048 tokens per update.", lower_bound=1)
+    flags.DEFINE_integer("updates", 100, "Timed updates per variant.", lower_bound=1)
+    flags.DEFINE_string("workers", "0,1,2", "Worker counts to time, comma-separated.")
+    flags.DEFINE_integer("repeats", 2, "Rounds over the worker counts.", lower_bound=1)
+    flags.DEFINE_string("dir", "/tmp/input_workers", "Where the corpus and run are written "
+                        "(and removed after).")
+    flags.DEFINE_string("out", None, "Write the record (JSON) here.")
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    args = flags.FLAGS
     import sys
 
     sys.path.insert(0, HERE)
@@ -120,12 +148,10 @@ def main(argv=None) -> None:
     finally:
         shutil.rmtree(args.dir, ignore_errors=True)
     for key in ("tokens_per_s", "tokens_per_cpu_s"):
-        by = {}
-        for run in record["runs"]:
-            by.setdefault(run["workers"], []).append(run[key])
-        record[f"{key}_by_workers"] = {w: sorted(v) for w, v in by.items()}
+        record[f"{key}_by_workers"] = _by_workers(record["runs"], key)
     write_record(record, args.out)
 
 
 if __name__ == "__main__":
-    main()
+    define_flags()
+    app.run(main)

@@ -111,6 +111,23 @@ def test_closed_workers_leave_no_shared_memory_to_the_resource_tracker(config, t
     assert "leaked" not in done.stderr, done.stderr
 
 
+def test_the_input_benchmark_gives_no_rate_over_no_cpu_time(monkeypatch):
+    """benchmarks/input_workers.py reads CPU time in clock ticks: over a few updates it can
+    count none, and the rate per CPU second is then null, not a division by zero."""
+    from benchmarks import input_workers
+
+    class Source:
+        def train_batch(self, index, rows):
+            return {"targets_segmentation": np.ones((2, 4), np.int32)}
+
+    monkeypatch.setattr(input_workers, "_cpu_seconds", lambda: 12.0)
+    run = input_workers._measure(Source(), None, None, 2, workers=0, start=0, updates=2)
+    assert run["tokens"] == 16
+    assert run["tokens_per_cpu_s"] is None
+    runs = [run, dict(run, tokens_per_cpu_s=5)]
+    assert input_workers._by_workers(runs, "tokens_per_cpu_s") == {0: [5]}
+
+
 def _losses(workdir) -> dict[int, float]:
     with open(workdir / "metrics.jsonl") as f:
         return {r["step"]: r["loss"] for r in map(json.loads, f) if r["split"] == "train"}
