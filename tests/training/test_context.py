@@ -1,7 +1,15 @@
 """Context parallelism end to end on 8 fake CPU devices: the model with its positions split over
 `mesh.context` (decoder-only, encoder-decoder, encoder; causal, packed, windowed, prefix LM)
 gives the unsplit model's logits and gradients, and training steps with context 4 the losses
-and parameters of context 1, its checkpoint restoring onto a mesh without context."""
+and parameters of context 1, its checkpoint restoring onto a mesh without context.
+
+Equality with the unsplit model alone would also hold if the split model took the plain
+attention (XLA's automatic sharding gathers what it needs), so each test also proves that
+`ops/ring.py` ran: its `self_attention` is called once per self-attention layer, and the
+program as lowered (before XLA partitions it, so before any collective of its own) holds the
+strategy's collective, a collective_permute for "ring" and an all_gather for "all_gather"."""
+
+from unittest import mock
 
 import flax
 import flax.linen as nn
@@ -16,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from transformer.checkpoint.checkpointer import Checkpointer
 from transformer.config import resolve
 from transformer.model.transformer import Transformer, TransformerConfig
+from transformer.ops import ring
 from transformer.parallel import sharding
 from transformer.training import train_state
 
@@ -76,7 +85,26 @@ def _loss_and_grads(cfg: TransformerConfig, params, batch, mesh=None):
             return fn(params, batch)
 
     rows = NamedSharding(mesh, P(sharding.BATCH_AXES))
-    return jax.jit(on_mesh, in_shardings=(sharding.replicated(mesh), rows))(params, batch)
+    step = jax.jit(on_mesh, in_shardings=(sharding.replicated(mesh), rows))
+    with mock.patch.object(ring, "self_attention", wraps=ring.self_attention) as spy:
+        lowered = step.lower(params, batch)
+    _assert_ring_ran(cfg, spy.call_count, lowered.as_text())
+    return step(params, batch)
+
+
+def _self_attention_layers(cfg: TransformerConfig) -> int:
+    return ((cfg.num_encoder_layers if cfg.architecture != "decoder" else 0)
+            + (cfg.num_decoder_layers if cfg.architecture != "encoder" else 0))
+
+
+def _assert_ring_ran(cfg: TransformerConfig, calls: int, lowered: str, steps: int = 1):
+    """`ops/ring.py`'s attention took every self-attention layer (traced `steps` times), and
+    its strategy's collective is in the lowered program (none is there otherwise: XLA adds
+    its own collectives later, when it partitions)."""
+    assert calls == steps * _self_attention_layers(cfg), calls
+    collective = {"ring": "stablehlo.collective_permute",
+                  "all_gather": "stablehlo.all_gather"}[cfg.context_parallel_strategy]
+    assert collective in lowered
 
 
 def _assert_same(cfg, kind, mesh_cfg):
@@ -149,9 +177,14 @@ def test_training_with_context_4_matches_context_1(load_config, tmp_path):
         "model.dropout_rate": 0.0, "model.max_len": 16, "mesh.data": 2,
         "model.context_parallel_strategy": "ring"})
     unsplit = sharding.make_mesh({"data": 2, "fsdp": 1, "tensor": 1}, jax.devices()[:2])
-    expected_state, expected, _ = _train(cfg, unsplit, 5)
-    cfg.mesh.context = 4
-    state, losses, trainer = _train(cfg, sharding.make_mesh(cfg.mesh), 3)
+    with mock.patch.object(ring, "self_attention", wraps=ring.self_attention) as spy:
+        expected_state, expected, _ = _train(cfg, unsplit, 5)
+        assert spy.call_count == 0
+        cfg.mesh.context = 4
+        state, losses, trainer = _train(cfg, sharding.make_mesh(cfg.mesh), 3)
+    # ops/ring.py took each of the decoder's self-attention layers, in each trace of the step
+    layers = cfg.model.num_decoder_layers
+    assert spy.call_count >= layers and spy.call_count % layers == 0, spy.call_count
     np.testing.assert_allclose(losses, expected[:3], rtol=1e-5)
     kernel = state.params["decoder"]["layers_0"]["ffn"]["ff_in"]["kernel"]
     assert kernel.sharding.spec == P(("fsdp", "context"), "tensor")  # embed: fsdp x context
