@@ -6,6 +6,7 @@ layers: imported, its logits and greedy tokens are ours, export gives its tensor
 import dataclasses
 import json
 
+import flax
 import flax.linen as nn
 import jax
 import numpy as np
@@ -51,24 +52,38 @@ def test_gemma2_logits_generation_and_round_trip(tmp_path):
     np.testing.assert_array_equal(_hf_logits(reloaded, TOKENS), _hf_logits(hf_model, TOKENS))
 
 
-def test_without_the_caps_the_logits_differ():
+def test_without_the_caps_or_the_post_norms_the_logits_differ():
     """The caps, the attention scale and the post-sublayer norms each change the numbers,
-    so the test above would see one dropped."""
+    so the test above would see one dropped: the post norms left out, or their scales ignored
+    (left at 1: Gemma stores scale - 1, which the test above draws at random)."""
     hf = transformers.Gemma2Config(**GEMMA).to_dict()
     fields = families.Gemma2.config(hf)
     cfg = TransformerConfig(**fields, dtype="float32")
     assert (cfg.attention_logit_softcap, cfg.logits_softcap, cfg.attention_scale) == (
         2.0, 3.0, pytest.approx(24 ** -0.5))
+    assert cfg.post_sublayer_norm and cfg.norm_scale_offset == 1.0
     params = nn.unbox(Transformer(cfg).init(jax.random.key(0), None, TOKENS[:, :4])["params"])
     params = jax.tree.map(lambda x: x * 3.0, params)
+    post = [path for path, _ in flax.traverse_util.flatten_dict(params, sep="/").items()
+            if "/post_norm_" in path]
+    assert len(post) == 2 * GEMMA["num_hidden_layers"], post  # attention and ffn, a layer
+    stored = jax.random.normal(jax.random.key(1), (len(post), GEMMA["hidden_size"])) * 0.3
+    flat = flax.traverse_util.flatten_dict(params, sep="/")
+    flat |= {path: stored[i] for i, path in enumerate(post)}  # scales 1 + N(0, 0.3)
+    params = flax.traverse_util.unflatten_dict(flat, sep="/")
 
-    def logits(**change):
+    def logits(params=params, **change):
         model = Transformer(dataclasses.replace(cfg, **change))
         return np.asarray(model.apply({"params": params}, None, TOKENS))
 
     base = logits()
+    unit_scales = flax.traverse_util.unflatten_dict(
+        flat | {path: np.zeros_like(flat[path]) for path in post}, sep="/")
     for change in (dict(attention_logit_softcap=None), dict(logits_softcap=None),
-                   dict(attention_scale_dim=None)):
+                   dict(attention_scale_dim=None), dict(post_sublayer_norm=False),
+                   dict(params=unit_scales)):
+        # float32 logits of size ~3 (the cap) agree to ~1e-6; a dropped part moves them by
+        # more than 1e-2
         assert np.abs(logits(**change) - base).max() > 1e-2, change
 
 
