@@ -1,4 +1,4 @@
-"""The decoder-only families beyond Llama's defaults (transformer/huggingface/families.py):
+"""The decoder-only families beyond Llama's defaults (transformer/huggingface/llama.py):
 Llama 3.1's, linear and YaRN RoPE scaling, Mistral's sliding window, Qwen2's query, key and
 value biases and its local and global layers. Tiny random models built by `transformers`
 (nothing downloaded): the RoPE frequencies equal `transformers`' own, the imported logits and
@@ -52,13 +52,13 @@ def test_rope_frequencies_equal_transformers_rope_init_functions(rope_type):
     `transformers` computes each rope_type's frequencies and cos/sin scale with."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from transformer.huggingface import families
+    from transformer.huggingface import llama
 
     rope = dict(ROPE[rope_type], rope_theta=10000.0)
     hf = transformers.LlamaConfig(**SIZES, head_dim=32, num_attention_heads_=None,
                                   rope_parameters=rope)
     theirs, scale = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
-    fields = families.Llama.config(hf.to_dict())
+    fields = llama.Llama.config(hf.to_dict())
     ours = TransformerConfig(**fields).rope_arguments()
     np.testing.assert_allclose(ours["inv_freq"], theirs.numpy(), rtol=1e-6, atol=0)
     assert ours["scale"] == pytest.approx(scale)

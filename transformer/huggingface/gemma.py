@@ -12,25 +12,21 @@ Checkpoint layout (`torch.nn.Linear` weight [out, in]): Llama's tensors, and per
 
 from __future__ import annotations
 
+from transformer.huggingface.llama import WINDOWED, Llama
 from transformer.huggingface.mapping import (
     Tensors,
-    heads_in,
-    heads_out,
     mismatches,
     norm,
     require,
     rope_fields,
     rope_parameters,
-    same,
     token_ids,
     token_ids_config,
-    transposed,
     unsupported,
 )
 from transformer.model.config import TransformerConfig
 
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
-LAYER_TYPES = {"sliding_attention": "local", "full_attention": "global"}
 
 
 class Gemma2:
@@ -48,7 +44,7 @@ class Gemma2:
         heads, layers = hf["num_attention_heads"], hf["num_hidden_layers"]
         types = hf.get("layer_types") or [
             "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
-        pattern = ",".join(LAYER_TYPES[t] for t in types)
+        pattern = ",".join(WINDOWED[t] for t in types)
         window = hf.get("sliding_window")
         if "local" in pattern and (window is None or window < 2):
             raise unsupported(kind, "sliding_window", window, "a window of at least 2 keys")
@@ -102,21 +98,18 @@ class Gemma2:
 
     @staticmethod
     def tensors(cfg: TransformerConfig) -> list[Tensors]:
-        n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.d_k
-        out = [same("model.embed_tokens.weight", "embedding/embedding")]
-        for i in range(cfg.num_decoder_layers):
-            hf, ours = f"model.layers.{i}", f"decoder/layers_{i}"
-            attn, mlp = f"{hf}.self_attn", f"{hf}.mlp"
+        """Llama's tensors with a norm after each sublayer: Llama's post_attention_layernorm
+        (our norm_ffn) is Gemma's norm after the attention, and pre_feedforward_layernorm
+        takes its place before the feed-forward."""
+        out = []
+        for group in Llama.tensors(cfg):
+            if not group.hf[0].endswith(".post_attention_layernorm.weight"):
+                out.append(group)
+                continue
+            hf = group.hf[0].removesuffix(".post_attention_layernorm.weight")
+            ours = group.ours[0].removesuffix("/norm_ffn/scale")
             out += [
-                heads_in(f"{attn}.q_proj.weight", f"{ours}/self_attention/query/kernel", n, h),
-                heads_in(f"{attn}.k_proj.weight", f"{ours}/self_attention/key/kernel", k, h),
-                heads_in(f"{attn}.v_proj.weight", f"{ours}/self_attention/value/kernel", k, h),
-                heads_out(f"{attn}.o_proj.weight", f"{ours}/self_attention/out/kernel", n, h),
-                transposed(f"{mlp}.gate_proj.weight", f"{ours}/ffn/ff_gate/kernel"),
-                transposed(f"{mlp}.up_proj.weight", f"{ours}/ffn/ff_in/kernel"),
-                transposed(f"{mlp}.down_proj.weight", f"{ours}/ffn/ff_out/kernel"),
-                *norm(f"{hf}.input_layernorm", f"{ours}/norm_attention", False),
                 *norm(f"{hf}.post_attention_layernorm", f"{ours}/post_norm_attention", False),
                 *norm(f"{hf}.pre_feedforward_layernorm", f"{ours}/norm_ffn", False),
                 *norm(f"{hf}.post_feedforward_layernorm", f"{ours}/post_norm_ffn", False)]
-        return out + norm("model.norm", "decoder/norm", False)
+        return out

@@ -1,0 +1,155 @@
+"""Llama's family: `LlamaForCausalLM`, `MistralForCausalLM` and `Qwen2ForCausalLM`. Mixtral
+and Gemma 2 build on its tensors (`families.py`, `gemma.py`).
+
+Checkpoint layout (`torch.nn.Linear` weight [out, in]): q_proj [N*H, D], k_proj/v_proj
+[K*H, D], o_proj [D, N*H], gate/up_proj [F, D], down_proj [D, F], RMSNorm weights, lm_head
+[V, D] (absent when tied); Mistral the same; Qwen2 adds q_proj/k_proj/v_proj biases [N*H],
+[K*H].
+"""
+
+from __future__ import annotations
+
+from transformer.huggingface.mapping import (
+    Tensors,
+    bias_heads,
+    heads_in,
+    heads_out,
+    mismatches,
+    norm,
+    require,
+    rope_fields,
+    rope_parameters,
+    same,
+    token_ids,
+    token_ids_config,
+    transposed,
+    unsupported,
+)
+from transformer.model.config import TransformerConfig
+
+WINDOWED = {"sliding_attention": "local", "full_attention": "global"}  # layer_types entries
+
+
+def _window_fields(hf: dict, kind: str) -> dict:
+    """`attention_window` and `attention_pattern` of a sliding window: Mistral's (every layer)
+    or Qwen2's (`use_sliding_window`, the layers its `layer_types` say, else those from
+    `max_window_layers` on). `transformers`' window of w keys (the query's own included) is
+    our attention_window w - 1 (the keys before it)."""
+    window = hf.get("sliding_window")
+    if kind == "qwen2" and not hf.get("use_sliding_window"):
+        window = None
+    if window is None:
+        return {}
+    if window < 2:
+        raise unsupported(kind, "sliding_window", window, "a window of at least 2 keys")
+    layers = hf["num_hidden_layers"]
+    if kind == "qwen2":
+        types = hf.get("layer_types") or [
+            "sliding_attention" if i >= hf.get("max_window_layers", 28) else "full_attention"
+            for i in range(layers)]
+        pattern = ",".join(WINDOWED[t] for t in types)
+    else:
+        pattern = "local"
+    if "local" not in pattern:
+        return {}
+    return dict(attention_window=int(window) - 1, attention_pattern=pattern)
+
+
+class Llama:
+    """`LlamaForCausalLM`, `MistralForCausalLM` and `Qwen2ForCausalLM`: pre-RMSNorm,
+    half-split RoPE (scaled as Llama 3.1's, linearly or by YaRN), SwiGLU, grouped-query
+    attention; Mistral's sliding window and Qwen2's (the project's local attention, layer by
+    layer) and Qwen2's query, key and value biases."""
+
+    model_types = ("llama", "mistral", "qwen2")
+
+    @staticmethod
+    def config(hf: dict) -> dict:
+        kind = hf["model_type"]
+        require(hf, kind, "hidden_act", ("silu",), "only SwiGLU's silu gate")
+        for option in ("attention_bias", "mlp_bias"):
+            require(hf, kind, option, (None, False), "our Llama blocks have no biases but "
+                     "Qwen2's on the query, key and value")
+        if kind == "llama":
+            require(hf, kind, "sliding_window", (None,), "a sliding window is Mistral's")
+        require(hf, kind, "pretraining_tp", (1,), "save the checkpoint unsplit")
+        heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+        return dict(
+            architecture="decoder", vocab_size=hf["vocab_size"], num_encoder_layers=0,
+            num_decoder_layers=hf["num_hidden_layers"], d_model=hf["hidden_size"],
+            d_ff=hf["intermediate_size"], num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads, d_k=head_dim, d_v=head_dim,
+            dropout_rate=0.0, attention_dropout_rate=float(hf.get("attention_dropout", 0.0)),
+            relu_dropout_rate=0.0, positional="rope", norm="rms_norm", norm_position="pre",
+            activation="swiglu", use_bias=False, qkv_bias=kind == "qwen2",
+            tie_output_embedding=bool(hf.get("tie_word_embeddings", False)),
+            max_len=hf["max_position_embeddings"], norm_eps=float(hf["rms_norm_eps"]),
+            scale_embeddings=False, **rope_fields(hf, kind), **_window_fields(hf, kind),
+            **token_ids(hf))
+
+    @staticmethod
+    def hf_config(cfg: TransformerConfig) -> dict:
+        """Qwen2 where the projections carry biases, else Mistral where every layer has a
+        window, else Llama."""
+        out = dict(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
+            num_hidden_layers=cfg.num_decoder_layers, num_attention_heads=cfg.num_heads,
+            num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.d_k, hidden_act="silu",
+            max_position_embeddings=cfg.max_len, rms_norm_eps=cfg.norm_eps,
+            rope_parameters=rope_parameters(cfg), attention_dropout=cfg.attention_dropout_rate,
+            tie_word_embeddings=cfg.tie_output_embedding, **token_ids_config(cfg))
+        windows = [cfg.layer_window(i) for i in range(cfg.num_decoder_layers)]
+        if cfg.qkv_bias:
+            out.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"],
+                       use_sliding_window=cfg.attention_window is not None,
+                       sliding_window=None if cfg.attention_window is None
+                       else cfg.attention_window + 1,
+                       layer_types=["full_attention" if w is None else "sliding_attention"
+                                    for w in windows])
+        elif cfg.attention_window is not None:
+            out.update(model_type="mistral", architectures=["MistralForCausalLM"],
+                       sliding_window=cfg.attention_window + 1)
+        else:
+            out.update(model_type="llama", architectures=["LlamaForCausalLM"],
+                       attention_bias=False, mlp_bias=False)
+        return out
+
+    @staticmethod
+    def matches(cfg: TransformerConfig) -> list[str]:
+        out = mismatches(cfg, windows=True, qkv_bias=cfg.qkv_bias,
+                          rope_scaling=cfg.rope_scaling, architecture="decoder",
+                          positional="rope", norm="rms_norm", norm_position="pre",
+                          activation="swiglu", use_bias=False, scale_embeddings=False)
+        windows = {cfg.layer_window(i) for i in range(cfg.num_decoder_layers)}
+        if not cfg.qkv_bias and None in windows and len(windows) > 1:
+            out.append(f"model.attention_pattern={cfg.attention_pattern!r} (Mistral's window "
+                       f"is in every layer; local and global layers are Qwen2's, with "
+                       f"model.qkv_bias=True)")
+        return out
+
+    @staticmethod
+    def tensors(cfg: TransformerConfig) -> list[Tensors]:
+        n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.d_k
+        out = [same("model.embed_tokens.weight", "embedding/embedding")]
+        for i in range(cfg.num_decoder_layers):
+            hf, ours = f"model.layers.{i}", f"decoder/layers_{i}"
+            attn, mlp = f"{hf}.self_attn", f"{hf}.mlp"
+            out += [
+                heads_in(f"{attn}.q_proj.weight", f"{ours}/self_attention/query/kernel", n, h),
+                heads_in(f"{attn}.k_proj.weight", f"{ours}/self_attention/key/kernel", k, h),
+                heads_in(f"{attn}.v_proj.weight", f"{ours}/self_attention/value/kernel", k, h),
+                heads_out(f"{attn}.o_proj.weight", f"{ours}/self_attention/out/kernel", n, h),
+                transposed(f"{mlp}.gate_proj.weight", f"{ours}/ffn/ff_gate/kernel"),
+                transposed(f"{mlp}.up_proj.weight", f"{ours}/ffn/ff_in/kernel"),
+                transposed(f"{mlp}.down_proj.weight", f"{ours}/ffn/ff_out/kernel"),
+                *norm(f"{hf}.input_layernorm", f"{ours}/norm_attention", False),
+                *norm(f"{hf}.post_attention_layernorm", f"{ours}/norm_ffn", False)]
+            if cfg.qkv_bias:
+                out += [bias_heads(f"{attn}.{name[0]}_proj.bias",
+                                    f"{ours}/self_attention/{name}/bias", heads, h)
+                        for name, heads in (("query", n), ("key", k), ("value", k))]
+        out += norm("model.norm", "decoder/norm", False)
+        if not cfg.tie_output_embedding:
+            out.append(transposed("lm_head.weight", "decoder/logits/kernel"))
+        return out
