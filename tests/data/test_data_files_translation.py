@@ -74,6 +74,35 @@ def test_flat_columns_and_named_fields(tmp_path):
         _file_split(str(tmp_path / "named.parquet"), "data.dataset", ("en", "de"), (None, None))
 
 
+def test_the_nested_layout_is_found_once_and_recorded(tmp_path, monkeypatch):
+    """jsonl shards of Hugging Face's nested `translation.<code>`: the first construction tries
+    the flat columns and falls back, the second reads no shard, from the recorded layout."""
+    import json
+
+    from transformer.data.translation import _file_split
+
+    (tmp_path / "train").mkdir()
+    for k in range(2):
+        (tmp_path / f"train/part-{k}.jsonl").write_text("".join(
+            json.dumps({"translation": p}) + "\n" for p in _pairs(5, k)))
+    counted = []
+    count = files.FileDocuments._count
+    monkeypatch.setattr(files.FileDocuments, "_count",
+                        lambda self, k: counted.append(self.fields) or count(self, k))
+
+    def split():
+        return _file_split(f"jsonl:{tmp_path}/train/*.jsonl", "data.dataset", ("en", "de"),
+                           (None, None), record_dir=str(tmp_path / "vocab"))
+
+    first = split()
+    assert counted == [("en", "de")] + [("translation.en", "translation.de")] * 2
+    assert first[6] == _pairs(5, 1)[1]
+    counted.clear()
+    again = split()
+    assert counted == []  # neither the flat columns tried nor a shard counted
+    assert again[6] == first[6]
+
+
 @pytest.mark.slow
 def test_wmt14_files_trains_from_the_layout_and_resumes_after_kill9(hub, tmp_path):
     spec = importlib.util.spec_from_file_location("multihost",

@@ -38,7 +38,7 @@ import numpy as np
 from etils import epath
 
 from transformer.checkpoint import layout
-from transformer.data import batching, files
+from transformer.data import batching, files, records
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.data.datasets import (
     CHUNK,
@@ -178,9 +178,8 @@ class TranslationSource:
                                          (self.validation_split, eval_dataset,
                                           "data.eval_dataset")):
                 self._sources[split] = _file_split(spec, setting, (source_lang, target_lang),
-                                                   fields, seed=self.seed,
-                                                   skip_bad_lines=skip_bad_lines,
-                                                   record_dir=record)
+                                                   fields, record_dir=record, seed=self.seed,
+                                                   skip_bad_lines=skip_bad_lines)
             self._name = self._sources["train"].documents.name
         else:
             self.builder = prepare_dataset(dataset, data_dir, manual_dir)
@@ -353,21 +352,39 @@ class TranslationSource:
 
 
 def _file_split(spec: str, setting: str, languages: tuple[str, str],
-                fields: tuple[str | None, str | None], **options) -> files.Split:
-    """A split of pairs from files: fields `data.source_field`/`data.target_field`, by default
-    the language codes as columns, else Hugging Face's nested `translation.<code>`."""
-    explicit = tuple(f or lang for f, lang in zip(fields, languages, strict=True))
-    try:
-        documents = files.FileDocuments(spec, fields=explicit, setting=setting, **options)
-    except files.BadData as e:
-        if any(fields) or not ("no column" in str(e) or "no field" in str(e)):
-            raise
+                fields: tuple[str | None, str | None], *, record_dir: str | None = None,
+                **options) -> files.Split:
+    """A split of pairs from files. The fields are `data.source_field` and
+    `data.target_field` when set. Else the layout is found: the language codes as columns, or
+    Hugging Face's nested `translation.<code>`. With `record_dir`, the layout found is recorded
+    there with the rows, and a later construction tries it first: it reads no shard to find it
+    again."""
+    if any(fields):
+        explicit = tuple(f or lang for f, lang in zip(fields, languages, strict=True))
+        documents = files.FileDocuments(spec, fields=explicit, setting=setting,
+                                        record_dir=record_dir, **options)
+        return documents.split(languages)
+    columns = tuple(languages)
+    nested = tuple(f"translation.{lang}" for lang in languages)
+    candidates = [columns, nested]
+    record = records.Record(record_dir, "layout", [spec, columns]) if record_dir else None
+    kept = record.read() if record else None
+    if kept and tuple(kept["fields"]) == nested:
+        candidates.reverse()
+    errors = {}
+    for candidate in candidates:
         try:
-            documents = files.FileDocuments(spec, fields=tuple(
-                f"translation.{lang}" for lang in languages), setting=setting, **options)
-        except files.BadData:
-            raise e from None
-    return documents.split(languages)
+            documents = files.FileDocuments(spec, fields=candidate, setting=setting,
+                                            record_dir=record_dir, **options)
+        except files.BadData as e:
+            if not ("no column" in str(e) or "no field" in str(e)):
+                raise
+            errors[candidate] = e
+            continue
+        if record and (kept or {}).get("fields") != list(candidate):
+            record.write({"fields": list(candidate)})
+        return documents.split(languages)
+    raise errors[columns] from None
 
 
 def _counted(chunks, bar):
