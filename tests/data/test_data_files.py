@@ -147,6 +147,18 @@ def test_a_path_that_is_no_file_and_no_tfds_name_is_one_line(tmp_path, monkeypat
                                 f"({str(tmp_path / path)!r}); check the path")
 
 
+def test_a_hub_layout_directory_reads_bare_or_as_parquet(tmp_path):
+    """A directory in the Hugging Face hub's layout is found by split name whether it is named
+    bare or as `parquet:<dir>`."""
+    for split, docs in (("train", documents(12)), ("validation", documents(4, seed=1))):
+        pq.write_table(pa.table({"text": docs}), tmp_path / f"{split}-00000-of-00001.parquet")
+    for spec in (str(tmp_path), f"parquet:{tmp_path}", f"parquet:{tmp_path}/"):
+        assert files.parse_spec(spec) == ("parquet", f"{tmp_path}/train-*.parquet"), spec
+        assert files.split_spec(spec, "validation") == (
+            f"parquet:{tmp_path}/validation-*.parquet")
+        assert files.FileDocuments(spec).texts(range(12)) == documents(12)
+
+
 # --------------------------------------------------------------------------- order
 
 

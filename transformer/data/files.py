@@ -63,14 +63,17 @@ class BadData(ValueError):
 
 def parse_spec(spec: str, setting: str = "data.dataset") -> tuple[str, str] | None:
     """(format, glob) when `spec` names files (`<format>:<glob>`, a path with a known
-    extension, or a hub-layout directory), else None (a TFDS name such as `c4/en:3.0.1`).
+    extension, or a hub-layout directory, bare or as `parquet:<dir>`), else None (a TFDS
+    name such as `c4/en:3.0.1`).
     A path that is neither (remote, absolute, or not of TFDS's name grammar) is one line:
     the path matches nothing, or its format needs the `<format>:` prefix."""
     head, sep, rest = spec.partition(":")
-    if sep and head in FORMATS:
-        return head, rest
-    if hub_directory(spec):
-        return "parquet", f"{spec.rstrip('/')}/train-*.parquet"
+    named = head if sep and head in FORMATS else None
+    directory = hub_directory(spec) if named in (None, "parquet") else None
+    if directory:
+        return "parquet", f"{directory}/train-*.parquet"
+    if named:
+        return named, rest
     inferred = infer_format(spec)
     if inferred:
         return inferred, spec
