@@ -200,10 +200,10 @@ def offline_fixture_data_dir(tmp_path_factory):
     installs it, so its absence is a broken install to report."""
     import tensorflow_datasets as tfds
 
-    from transformer.data.offline import de_en as offline_de_en
+    from transformer.data.offline import de_en
 
     data_dir = tmp_path_factory.mktemp("offline_tfds")
-    offline_de_en.OfflineDeEn(data_dir=str(data_dir)).download_and_prepare(
+    de_en.OfflineDeEn(data_dir=str(data_dir)).download_and_prepare(
         file_format="array_record", download_config=tfds.download.DownloadConfig(
             manual_dir=str(ROOT / "tests" / "data" / "offline_de_en")))
     return data_dir

@@ -4,8 +4,7 @@ import pathlib
 
 import pytest
 
-from transformer.data.offline import corpus as offline_corpus
-from transformer.data.offline import help_paragraphs as help_topics
+from transformer.data.offline import corpus, help_paragraphs
 
 FIXTURE = pathlib.Path(__file__).parent / "offline_help_topics"
 
@@ -31,42 +30,42 @@ def test_labels_come_from_the_module_folder_and_ambiguous_paragraphs_drop(tmp_pa
     }
     for (module, page), paragraphs in pages.items():
         for lang, side in (("en-US", 0), ("de", 1)):
-            path = tmp_path / offline_corpus.HELP_DIR / lang / "text" / module / page
+            path = tmp_path / corpus.HELP_DIR / lang / "text" / module / page
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(_page(page, {k: v[side] for k, v in paragraphs.items()}))
-    pairs = help_topics.labelled_pairs(str(tmp_path))
-    writer, calc = help_topics.LABELS.index("Writer"), help_topics.LABELS.index("Calc")
+    pairs = help_paragraphs.labelled_pairs(str(tmp_path))
+    writer, calc = help_paragraphs.LABELS.index("Writer"), help_paragraphs.LABELS.index("Calc")
     assert pairs == [("Inserts a table into the text.", "Fügt eine Tabelle in den Text ein.",
                       writer),
                      ("Sums the cells of a range.", "Summiert die Zellen eines Bereichs.", calc)]
 
 
 def test_splits_keep_a_paragraph_and_its_translation_together():
-    pairs = help_topics.labelled_pairs(str(FIXTURE))
-    assert {label for _, _, label in pairs} == set(range(len(help_topics.LABELS)))
-    splits = help_topics.split_examples(pairs)
+    pairs = help_paragraphs.labelled_pairs(str(FIXTURE))
+    assert {label for _, _, label in pairs} == set(range(len(help_paragraphs.LABELS)))
+    splits = help_paragraphs.split_examples(pairs)
     assert sum(map(len, splits.values())) == 2 * len(pairs)
     where = {}
     for split, examples in splits.items():
         for en_example, de_example in zip(examples[::2], examples[1::2], strict=True):
             assert (en_example["language"], de_example["language"]) == ("en", "de")
             assert en_example["label"] == de_example["label"]
-            assert offline_corpus.normalise(en_example["text"]) not in where
-            where[offline_corpus.normalise(en_example["text"])] = split
+            assert corpus.normalise(en_example["text"]) not in where
+            where[corpus.normalise(en_example["text"])] = split
     for en, _, _ in pairs:
-        u = offline_corpus.hash_unit(en)
-        assert where[offline_corpus.normalise(en)] == (
+        u = corpus.hash_unit(en)
+        assert where[corpus.normalise(en)] == (
             "test" if u < 0.1 else "validation" if u < 0.2 else "train")
 
 
 def test_the_tfds_builder_on_the_fixture(tmp_path):
     tfds = pytest.importorskip("tensorflow_datasets")
-    from transformer.data.offline import help_topics as offline_help_topics
+    from transformer.data.offline import help_topics
 
-    builder = offline_help_topics.OfflineHelpTopics(data_dir=str(tmp_path))
+    builder = help_topics.OfflineHelpTopics(data_dir=str(tmp_path))
     builder.download_and_prepare(file_format="array_record", download_config=(
         tfds.download.DownloadConfig(manual_dir=str(FIXTURE))))
-    expected = help_topics.split_examples(help_topics.labelled_pairs(str(FIXTURE)))
+    expected = help_paragraphs.split_examples(help_paragraphs.labelled_pairs(str(FIXTURE)))
     for split, examples in expected.items():
         source = tfds.data_source("offline_help_topics", split=split, data_dir=str(tmp_path),
                                   download=False)
@@ -74,7 +73,7 @@ def test_the_tfds_builder_on_the_fixture(tmp_path):
         assert sorted((g["text"].decode(), int(g["label"])) for g in got) == sorted(
             (e["text"], e["label"]) for e in examples)  # TFDS stores them shuffled
     info = builder.info
-    assert info.features["label"].names == list(help_topics.LABELS)
+    assert info.features["label"].names == list(help_paragraphs.LABELS)
     assert info.metadata["examples"] == {k: len(v) for k, v in expected.items()}
     assert (pathlib.Path(builder.data_dir) / "licenses" /
             "libreoffice-help-en-us.copyright").exists()

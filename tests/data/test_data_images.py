@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from transformer.data import images as images_lib
-from transformer.data.offline import fashion_mnist as ofm
+from transformer.data.offline import fashion_mnist
 
 FIXTURE = pathlib.Path(__file__).parent / "offline_fashion_mnist"
 
@@ -20,7 +20,7 @@ def data_dir(tmp_path_factory):
     import tensorflow_datasets as tfds
 
     path = tmp_path_factory.mktemp("fashion_tfds")
-    ofm.OfflineFashionMnist(data_dir=str(path)).download_and_prepare(
+    fashion_mnist.OfflineFashionMnist(data_dir=str(path)).download_and_prepare(
         file_format="array_record",
         download_config=tfds.download.DownloadConfig(manual_dir=str(FIXTURE)))
     return path
@@ -33,14 +33,14 @@ def source(data_dir, **kwargs):
 
 
 def test_idx_files_round_trip(tmp_path):
-    images, labels = ofm.read_split(str(FIXTURE), "train")
+    images, labels = fashion_mnist.read_split(str(FIXTURE), "train")
     assert images.shape == (360, 28, 28, 1) and images.dtype == np.uint8
     assert labels.shape == (360,) and set(labels.tolist()) == set(range(10))
     path = tmp_path / "x.gz"
-    ofm.write_idx(str(path), images[:5, ..., 0])
-    np.testing.assert_array_equal(ofm.read_idx(str(path)), images[:5, ..., 0])
-    assert path.read_bytes()[:10] == (FIXTURE / ofm.DATA_DIR / ofm.FILES["train"][0]).read_bytes(
-    )[:10]  # gzip header, mtime 0, as the fixture was written
+    fashion_mnist.write_idx(str(path), images[:5, ..., 0])
+    np.testing.assert_array_equal(fashion_mnist.read_idx(str(path)), images[:5, ..., 0])
+    fixture = FIXTURE / fashion_mnist.DATA_DIR / fashion_mnist.FILES["train"][0]
+    assert path.read_bytes()[:10] == fixture.read_bytes()[:10]  # gzip header, mtime 0, as written
 
 
 def test_builder_on_the_fixture(data_dir):
@@ -48,11 +48,11 @@ def test_builder_on_the_fixture(data_dir):
 
     builder = tfds.builder("offline_fashion_mnist", data_dir=str(data_dir))
     sizes = {name: split.num_examples for name, split in builder.info.splits.items()}
-    expected, dropped = ofm.split_examples(str(FIXTURE))
+    expected, dropped = fashion_mnist.split_examples(str(FIXTURE))
     assert sizes == {name: len(labels) for name, (_, labels) in expected.items()}
     assert sizes == {"train": 326, "validation": 34, "test": 120} and dropped == 0
     assert builder.info.metadata["examples"] == sizes
-    assert builder.info.features["label"].names == list(ofm.CLASS_NAMES)
+    assert builder.info.features["label"].names == list(fashion_mnist.CLASS_NAMES)
     licence = pathlib.Path(builder.data_dir) / "licenses" / "dataset-fashion-mnist.copyright"
     assert "License: Expat" in licence.read_text()
     seen = {}
@@ -65,30 +65,32 @@ def test_builder_on_the_fixture(data_dir):
             key = record["image"].tobytes()
             assert seen.setdefault(key, split) == split, "an image in two splits"
             if split != "test":
-                assert (ofm.hash_unit(record["image"]) < ofm.VALIDATION_FRACTION) == (
-                    split == "validation")
+                held = fashion_mnist.hash_unit(record["image"]) < fashion_mnist.VALIDATION_FRACTION
+                assert held == (split == "validation")
     assert len(seen) == 480
 
 
 def test_training_copies_of_test_images_are_dropped(tmp_path):
     root = tmp_path / "root"
-    (root / ofm.DATA_DIR).mkdir(parents=True)
-    train, train_labels = ofm.read_split(str(FIXTURE), "train")
-    test, test_labels = ofm.read_split(str(FIXTURE), "test")
+    (root / fashion_mnist.DATA_DIR).mkdir(parents=True)
+    train, train_labels = fashion_mnist.read_split(str(FIXTURE), "train")
+    test, test_labels = fashion_mnist.read_split(str(FIXTURE), "test")
     train = np.concatenate([train[:20], test[:3]])
     train_labels = np.concatenate([train_labels[:20], test_labels[:3]])
+    files = fashion_mnist.FILES.values()
     for (images_file, labels_file), (x, y) in zip(
-            ofm.FILES.values(), [(train, train_labels), (test, test_labels)], strict=True):
-        ofm.write_idx(str(root / ofm.DATA_DIR / images_file), x[..., 0])
-        ofm.write_idx(str(root / ofm.DATA_DIR / labels_file), y)
-    splits, dropped = ofm.split_examples(str(root))
+            files, [(train, train_labels), (test, test_labels)], strict=True):
+        fashion_mnist.write_idx(str(root / fashion_mnist.DATA_DIR / images_file), x[..., 0])
+        fashion_mnist.write_idx(str(root / fashion_mnist.DATA_DIR / labels_file), y)
+    splits, dropped = fashion_mnist.split_examples(str(root))
     assert dropped == 3 and len(splits["train"][0]) + len(splits["validation"][0]) == 20
 
 
 def test_statistics_and_normalisation(data_dir):
     src = source(data_dir)
-    train, _ = ofm.read_split(str(FIXTURE), "train")
-    kept = np.array([ofm.hash_unit(x) >= ofm.VALIDATION_FRACTION for x in train])
+    train, _ = fashion_mnist.read_split(str(FIXTURE), "train")
+    kept = np.array([fashion_mnist.hash_unit(x) >= fashion_mnist.VALIDATION_FRACTION
+                     for x in train])
     pixels = train[kept] / 255.0
     np.testing.assert_allclose(src.mean, [pixels.mean()], rtol=1e-5)
     np.testing.assert_allclose(src.std, [pixels.std()], rtol=1e-5)
@@ -136,7 +138,7 @@ def test_eval_batches_cover_the_split_once_with_padding_rows(data_dir):
     assert len(labels) == 128 and (labels[120:] == -1).all()
     # every test image once (TFDS stores a split in its own shuffled order)
     np.testing.assert_array_equal(np.sort(labels[:120]),
-                                  np.sort(ofm.read_split(str(FIXTURE), "test")[1]))
+                                  np.sort(fashion_mnist.read_split(str(FIXTURE), "test")[1]))
     last = halves[1][-1]["image"][0]
     assert not last[2:].any()  # padding rows are zeros
     again = [b["image"] for b in src.eval_batches("test", (0, 10))]

@@ -8,14 +8,13 @@ import subprocess
 
 import pytest
 
-from transformer.data.offline import corpus as oc
-from transformer.data.offline import debian
+from transformer.data.offline import corpus, debian
 
 FIXTURE = pathlib.Path(__file__).parent / "offline_de_en"
 
 
 def test_help_pages_pair_by_id_and_skip_hidden_text():
-    pairs = oc.libreoffice_pairs(str(FIXTURE))
+    pairs = corpus.libreoffice_pairs(str(FIXTURE))
     assert len(pairs) == 75
     assert ("Find Bar", "Suchleiste") in pairs
     shortcut = [p for p in pairs if p[0].startswith("Use the shortcut")]
@@ -34,27 +33,27 @@ def test_ding_lines_align_senses_and_variants(tmp_path):
         "Ungleich.; Zwei Teile hier. :: Three parts here.\n"  # variant counts differ
         "Das ist gut [ugs.]. {adj} :: That is good. [coll.]\n"
         "klein geschrieben hier. :: lower case here.\n", encoding="utf-8")
-    assert oc.ding_pairs(str(path)) == [
+    assert corpus.ding_pairs(str(path)) == [
         ("The house is big.", "Das Haus ist groß."),
         ("He comes tomorrow.", "Er kommt morgen."), ("She comes today.", "Sie kommt heute."),
         ("That is good.", "Das ist gut.")]
 
 
 def test_split_is_a_stable_hash_of_the_normalised_english_side():
-    assert oc.normalise("  Open  the\tFILE ") == "open the file"
-    assert oc.hash_unit("Open the file") == oc.hash_unit("open  the FILE")
+    assert corpus.normalise("  Open  the\tFILE ") == "open the file"
+    assert corpus.hash_unit("Open the file") == corpus.hash_unit("open  the FILE")
     pairs = [(f"Sentence number {i}.", f"Satz Nummer {i}.") for i in range(3000)]
     pairs.append(("SENTENCE number 7.", "Ein anderer Satz."))  # same English, other German
-    splits = oc.split_pairs(pairs)
+    splits = corpus.split_pairs(pairs)
     assert sum(map(len, splits.values())) == len(pairs)
     where = {en.casefold(): name for name, ps in splits.items() for en, _ in ps}
     assert len(where) == 3000  # the two "sentence number 7." pairs share one split
     assert 0.07 * 3000 <= len(splits["test"]) <= 0.13 * 3000  # raised towards 2,000 (cap 10%)
     assert 0.01 * 3000 <= len(splits["validation"]) <= 0.03 * 3000
-    again = oc.split_pairs(list(reversed(pairs)))
+    again = corpus.split_pairs(list(reversed(pairs)))
     assert {k: sorted(v) for k, v in again.items()} == {k: sorted(v) for k, v in splits.items()}
     big = [(f"Line {i}", f"Zeile {i}") for i in range(60_000)]
-    sizes = {k: len(v) for k, v in oc.split_pairs(big).items()}
+    sizes = {k: len(v) for k, v in corpus.split_pairs(big).items()}
     assert sizes["test"] >= 2000 and abs(sizes["test"] / 60_000 - 0.04) < 0.005
     assert abs(sizes["validation"] / 60_000 - 0.02) < 0.004
 
@@ -62,16 +61,16 @@ def test_split_is_a_stable_hash_of_the_normalised_english_side():
 def test_builder_on_the_fixture(tmp_path):
     import tensorflow_datasets as tfds
 
-    from transformer.data.offline import de_en as offline_de_en
+    from transformer.data.offline import de_en
 
-    builder = offline_de_en.OfflineDeEn(data_dir=str(tmp_path))
+    builder = de_en.OfflineDeEn(data_dir=str(tmp_path))
     builder.download_and_prepare(
         file_format="array_record",
         download_config=tfds.download.DownloadConfig(manual_dir=str(FIXTURE)))
     sizes = {name: info.num_examples for name, info in builder.info.splits.items()}
     # Every pair the fixture's pages give, in the split its hash assigns (64 distinct pairs
     # today: 56, 2 and 6); each split non-empty so that each is exercised.
-    expected = {name: len(pairs) for name, pairs in oc.corpus_pairs(str(FIXTURE)).items()}
+    expected = {name: len(pairs) for name, pairs in corpus.corpus_pairs(str(FIXTURE)).items()}
     assert sizes == expected and min(expected.values()) > 0
     assert builder.info.supervised_keys == ("en", "de")
     assert builder.info.metadata["pairs"] == sizes
@@ -86,8 +85,8 @@ def test_builder_on_the_fixture(tmp_path):
 
 
 def _fetch(tmp_path):
-    return debian.fetch(str(tmp_path), oc.PACKAGES, dataset="offline_de_en",
-                        alternative=oc.WMT_HINT)
+    return debian.fetch(str(tmp_path), corpus.PACKAGES, dataset="offline_de_en",
+                        alternative=corpus.WMT_HINT)
 
 
 def test_without_apt_the_error_is_one_line(tmp_path, monkeypatch):
@@ -109,7 +108,7 @@ def test_without_package_lists_the_error_says_apt_get_update(tmp_path, monkeypat
 
 def _apt_has_lists() -> bool:
     try:
-        out = subprocess.run(["apt-cache", "policy", *oc.PACKAGES], capture_output=True,
+        out = subprocess.run(["apt-cache", "policy", *corpus.PACKAGES], capture_output=True,
                              text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError):
         return False
@@ -123,9 +122,9 @@ def test_build_from_debian_packages(tmp_path):
         pytest.skip("apt has no package lists (run `apt-get update` as root)")
     import tensorflow_datasets as tfds
 
-    from transformer.data.offline import de_en as offline_de_en
+    from transformer.data.offline import de_en
 
-    builder = offline_de_en.OfflineDeEn(data_dir=str(tmp_path))
+    builder = de_en.OfflineDeEn(data_dir=str(tmp_path))
     try:
         builder.download_and_prepare(file_format="array_record")
     except debian.PackagesUnavailable as e:  # lists but no route to the mirror
@@ -135,7 +134,7 @@ def test_build_from_debian_packages(tmp_path):
     assert total > 45_000 and sizes["test"] >= 2000
     assert 0.015 < sizes["validation"] / total < 0.025
     packages = builder.info.metadata["packages"]
-    assert [p["name"] for p in packages] == list(oc.PACKAGES)
+    assert [p["name"] for p in packages] == list(corpus.PACKAGES)
     assert all(len(p["sha256"]) == 64 and p["version"] for p in packages)
     assert len(glob.glob(str(tmp_path / "offline_de_en/1.0.0/licenses/*.copyright"))) == 3
     source = tfds.data_source("offline_de_en", split="validation", data_dir=str(tmp_path),

@@ -6,14 +6,14 @@ import pathlib
 import pytest
 
 from transformer.data import tokenizer as tk
-from transformer.data.offline import corpus as offline_corpus
+from transformer.data.offline import corpus
 
 FIXTURE = pathlib.Path(__file__).parent / "offline_de_en"
 
 
 @pytest.fixture(scope="module")
 def sentences():
-    return [s for pair in offline_corpus.libreoffice_pairs(str(FIXTURE)) for s in pair]
+    return [s for pair in corpus.libreoffice_pairs(str(FIXTURE)) for s in pair]
 
 
 @pytest.fixture(scope="module")

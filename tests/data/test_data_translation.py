@@ -11,7 +11,7 @@ import tensorflow_datasets as tfds
 
 from transformer.data import datasets, make_source, translation
 from transformer.data import tokenizer as tk  # noqa: E402
-from transformer.data.offline import corpus as offline_corpus  # noqa: E402
+from transformer.data.offline import corpus  # noqa: E402
 from transformer.model.transformer import Transformer, TransformerConfig  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -52,7 +52,7 @@ def _wmt_source(pairs, tmp, workdir, **overrides):
 
 @pytest.fixture(scope="module")
 def pairs():
-    return offline_corpus.corpus_pairs(str(FIXTURE))
+    return corpus.corpus_pairs(str(FIXTURE))
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +180,7 @@ def test_make_source_dispatches_offline_config(offline_fixture_data_dir, tmp_pat
     cfg.data.data_dir, cfg.data.vocab_size, cfg.data.max_length = str(data_dir), 200, 32
     cfg.model.max_len, cfg.data.batch_size, cfg.data.tokens_per_batch = 32, 4, 128
     source = make_source(cfg, workdir=str(tmp_path / "run"))
-    train_pairs = len(offline_corpus.corpus_pairs(
+    train_pairs = len(corpus.corpus_pairs(
         str(pathlib.Path(__file__).parent / "offline_de_en"))["train"])
     assert source.fingerprint().startswith(f"offline_de_en/1.0.0 en->de train={train_pairs} ")
     assert "packages=" in source.fingerprint()

@@ -214,9 +214,9 @@ def test_sharded_forward_equals_unsharded():
 
 def test_adam_on_the_fixture_makes_the_loss_fall():
     """A few steps of plain optax Adam on the committed Fashion-MNIST images: no train_state."""
-    from transformer.data.offline import fashion_mnist as ofm
+    from transformer.data.offline import fashion_mnist
 
-    images, labels = ofm.read_split(str(FIXTURE), "train")
+    images, labels = fashion_mnist.read_split(str(FIXTURE), "train")
     x = jnp.asarray(images[:32], jnp.float32) / 255.0 - 0.3
     y = jnp.asarray(labels[:32])
     cfg = tiny(image_size=28, patch_size=7, num_channels=1, num_classes=10, d_model=32,

@@ -17,12 +17,7 @@ from transformer.checkpoint import checkpointer
 from transformer.config import resolve
 from transformer.data import text_classification as tc
 from transformer.data import tokenizer as tokenizer_lib
-from transformer.data.offline import (
-    help_paragraphs as help_topics,
-)
-from transformer.data.offline import (
-    help_topics as offline_help_topics,
-)
+from transformer.data.offline import help_paragraphs, help_topics
 from transformer.model.config import TransformerConfig
 from transformer.model.transformer import Transformer
 from transformer.parallel import sharding
@@ -141,7 +136,7 @@ def test_text_loss_and_accuracy_against_numpy(load_config):
 def help_data_dir(tmp_path_factory):
     """A TFDS data_dir holding offline_help_topics built from the fixture (no apt)."""
     path = tmp_path_factory.mktemp("help_tfds")
-    offline_help_topics.OfflineHelpTopics(data_dir=str(path)).download_and_prepare(
+    help_topics.OfflineHelpTopics(data_dir=str(path)).download_and_prepare(
         file_format="array_record",
         download_config=tfds.download.DownloadConfig(manual_dir=str(FIXTURE)))
     return path
@@ -155,8 +150,8 @@ def _source(data_dir, **overrides):
 
 def test_the_source_tokenizes_one_labelled_example_a_row(help_data_dir, tmp_path):
     source = _source(help_data_dir, workdir=str(tmp_path))
-    assert source.class_names == help_topics.LABELS and source.validation_split == "validation"
-    expected = help_topics.split_examples(help_topics.labelled_pairs(str(FIXTURE)))
+    assert source.class_names == help_paragraphs.LABELS and source.validation_split == "validation"
+    expected = help_paragraphs.split_examples(help_paragraphs.labelled_pairs(str(FIXTURE)))
     rows, labels = source.split("train")
     assert len(rows) == len(expected["train"])
     wanted = collections.Counter()  # the fixture's texts, tokenized as the docstring says
@@ -229,7 +224,7 @@ def test_a_masked_lm_fine_tuned_through_the_loop(load_config, offline_fixture_da
     assert len(train) == 30 and train[0] == pytest.approx(np.log(8), rel=1e-4)  # zero head
     assert np.mean(train[-5:]) < np.mean(train[:5]) - 0.1
     (validation,) = [m for m in lines if m["split"] == "validation"]
-    size = len(help_topics.split_examples(help_topics.labelled_pairs(str(FIXTURE)))[
+    size = len(help_paragraphs.split_examples(help_paragraphs.labelled_pairs(str(FIXTURE)))[
         "validation"])
     assert validation["accuracy"] * size == pytest.approx(round(validation["accuracy"] * size),
                                                           abs=1e-6)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from transformer.data.offline import fashion_mnist as ofm
+from transformer.data.offline import fashion_mnist
 from transformer.training import evaluation, loop, train_state
 
 FIXTURE = pathlib.Path(__file__).parents[1] / "data" / "offline_fashion_mnist"
@@ -59,7 +59,7 @@ def test_eval_metrics_of_classification_sums():
 def data_dir(tmp_path_factory):
     """A TFDS data_dir holding offline_fashion_mnist built from the fixture (no apt)."""
     path = tmp_path_factory.mktemp("fashion_tfds")
-    ofm.OfflineFashionMnist(data_dir=str(path)).download_and_prepare(
+    fashion_mnist.OfflineFashionMnist(data_dir=str(path)).download_and_prepare(
         file_format="array_record",
         download_config=tfds.download.DownloadConfig(manual_dir=str(FIXTURE)))
     return path

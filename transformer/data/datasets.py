@@ -77,7 +77,7 @@ def prepare_dataset(name: str, data_dir: str | None = None, manual_dir: str | No
     `DataUnavailable` with one line naming what to provide."""
     tfds = _tfds()
     if name.split("/")[0] == "offline_de_en":
-        from transformer.data.offline import de_en as offline_de_en  # noqa: F401  (registers the builder)
+        from transformer.data.offline import de_en  # noqa: F401  (registers the builder)
     try:
         with _tfds_quietly():
             builder = tfds.builder(name, data_dir=data_dir)

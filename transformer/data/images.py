@@ -76,7 +76,7 @@ def open_builder(name: str, data_dir: str | None, manual_dir: str | None):
     import tensorflow_datasets as tfds
 
     if name == "offline_fashion_mnist":
-        from transformer.data.offline import fashion_mnist as offline_fashion_mnist  # noqa: F401  (registers it)
+        from transformer.data.offline import fashion_mnist  # noqa: F401  (registers it)
     elif not tfds.builder(name, data_dir=data_dir).is_prepared() and not (
             name == "imagenet2012" and manual_dir):
         raise DataUnavailable(
@@ -222,7 +222,7 @@ class ImageSource:
 
     def _open_splits(self) -> dict[str, _Images]:
         """{"train", "validation", "test"}: a TFDS split and the record indices it keeps."""
-        from transformer.data.offline import fashion_mnist as ofm
+        from transformer.data.offline import fashion_mnist
 
         size = self.image_shape[0]
         names = ("train", "validation" if self.spec.has_validation else None,
@@ -238,7 +238,7 @@ class ImageSource:
             return {"train": whole("train"), "validation": whole("validation"),
                     "test": whole(self.spec.test_split)}
         if self.spec.in_memory:
-            held = np.array([ofm.hash_unit(image) < ofm.VALIDATION_FRACTION
+            held = np.array([fashion_mnist.hash_unit(image) < fashion_mnist.VALIDATION_FRACTION
                              for image in arrays["train"][0]], bool)
         else:
             held = np.array([_unit(str(i).encode()) < IMAGENET_VALIDATION_FRACTION

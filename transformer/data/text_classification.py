@@ -46,7 +46,7 @@ def open_builder(name: str, data_dir: str | None, manual_dir: str | None):
     import tensorflow_datasets as tfds
 
     if name == OFFLINE:
-        from transformer.data.offline import help_topics as offline_help_topics  # noqa: F401  (registers it)
+        from transformer.data.offline import help_topics  # noqa: F401  (registers it)
     else:
         try:
             prepared = tfds.builder(name, data_dir=data_dir).is_prepared()

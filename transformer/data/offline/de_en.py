@@ -17,8 +17,7 @@ import os
 
 import tensorflow_datasets as tfds
 
-from transformer.data.offline import corpus as offline_corpus
-from transformer.data.offline import debian
+from transformer.data.offline import corpus, debian
 
 _DESCRIPTION = """Real German-English translations built offline from Debian packages: the
 LibreOffice help pages (MPL-2.0), paragraphs aligned by their ids, and the sentence pairs of the
@@ -29,13 +28,13 @@ Ding dictionary (GPL-2+). Deduplicated; split by a stable hash of the normalised
 def unpacked_root(dl_manager) -> tuple[str, list[dict]]:
     """The unpacked packages (a manual_dir's tree, else fetched once into the download dir,
     shared by the builders that read them) and the packages' records."""
-    return debian.unpacked_root(dl_manager, offline_corpus.PACKAGES, cache="offline_de_en",
+    return debian.unpacked_root(dl_manager, corpus.PACKAGES, cache="offline_de_en",
                                 marker="usr", dataset="offline_de_en",
-                                alternative=offline_corpus.WMT_HINT)
+                                alternative=corpus.WMT_HINT)
 
 
 MANUAL_DOWNLOAD_INSTRUCTIONS = f"""Optional. Without a manual_dir the builder runs
-    `apt-get download {' '.join(offline_corpus.PACKAGES)}` itself. A
+    `apt-get download {' '.join(corpus.PACKAGES)}` itself. A
     manual_dir may hold the packages already unpacked with `dpkg-deb -x` (usr/share/...)."""
 
 
@@ -59,14 +58,14 @@ class OfflineDeEn(tfds.core.GeneratorBasedBuilder):
 
     def _split_generators(self, dl_manager):
         root, packages = unpacked_root(dl_manager)
-        splits = offline_corpus.corpus_pairs(root)
+        splits = corpus.corpus_pairs(root)
         self.info.metadata.update({
             "packages": packages,
             "pairs": {name: len(pairs) for name, pairs in splits.items()},
             "split_rule": "sha256 of the NFKC-casefolded English side: test < 4% (>= 2000 "
                           "pairs), validation next 2%",
         })
-        debian.copy_licences(root, offline_corpus.PACKAGES, os.fspath(self.data_dir))
+        debian.copy_licences(root, corpus.PACKAGES, os.fspath(self.data_dir))
         return {name: self._generate_examples(pairs) for name, pairs in splits.items()}
 
     def _generate_examples(self, pairs):

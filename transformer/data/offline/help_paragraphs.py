@@ -7,14 +7,14 @@ Basic (`sbasic`); `text/shared/` belongs to none and is left out. A paragraph of
 `MIN_WORDS` English words becomes two examples, the English text and its German translation
 (paired by paragraph id), both with the module's label. An English paragraph found under two
 modules is ambiguous and dropped; repeats within a module are kept once. Splits follow a stable
-hash of the normalised English text (`offline_corpus.hash_unit`), so no paragraph is in two
+hash of the normalised English text (`corpus.hash_unit`), so no paragraph is in two
 splits and a paragraph and its translation are always in the same one. Pure Python: the TFDS
 builder over this is `transformer.data.offline.help_topics`.
 """
 
 from __future__ import annotations
 
-from transformer.data.offline import corpus as offline_corpus
+from transformer.data.offline import corpus
 
 MODULES = {"swriter": "Writer", "scalc": "Calc", "simpress": "Impress", "sdraw": "Draw",
            "sdatabase": "Base", "smath": "Math", "schart": "Chart", "sbasic": "Basic"}
@@ -27,10 +27,10 @@ def labelled_pairs(root: str) -> list[tuple[str, str, int]]:
     """(en, de, label index) for the help paragraphs under an unpacked root, in a stable order."""
     found: dict[str, list[tuple[str, str, int]]] = {}
     for label, module in enumerate(MODULES):
-        for _, pairs in offline_corpus.help_page_pairs(root, f"text/{module}"):
+        for _, pairs in corpus.help_page_pairs(root, f"text/{module}"):
             for en, de in pairs:
                 if len(en.split()) >= MIN_WORDS and en != de:
-                    found.setdefault(offline_corpus.normalise(en), []).append((en, de, label))
+                    found.setdefault(corpus.normalise(en), []).append((en, de, label))
     kept = []
     for examples in found.values():
         if len({label for _, _, label in examples}) == 1:
@@ -43,7 +43,7 @@ def split_examples(pairs) -> dict[str, list[dict]]:
     of a pair in the split its English text hashes to."""
     splits = {"train": [], "validation": [], "test": []}
     for en, de, label in pairs:
-        u = offline_corpus.hash_unit(en)
+        u = corpus.hash_unit(en)
         split = ("test" if u < TEST_FRACTION else
                  "validation" if u < TEST_FRACTION + VALIDATION_FRACTION else "train")
         splits[split] += [{"text": en, "label": label, "language": "en"},

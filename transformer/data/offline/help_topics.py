@@ -16,18 +16,7 @@ import os
 
 import tensorflow_datasets as tfds
 
-from transformer.data.offline import (
-    corpus as offline_corpus,
-)
-from transformer.data.offline import (
-    de_en as offline_de_en,
-)
-from transformer.data.offline import (
-    debian,
-)
-from transformer.data.offline import (
-    help_paragraphs as help_topics,
-)
+from transformer.data.offline import corpus, de_en, debian, help_paragraphs
 
 _DESCRIPTION = """Paragraphs of the LibreOffice help (MPL-2.0) in English and German, each
 labelled by the module whose help holds it: Writer, Calc, Impress, Draw, Base, Math, Chart,
@@ -41,7 +30,7 @@ class OfflineHelpTopics(tfds.core.GeneratorBasedBuilder):
 
     VERSION = tfds.core.Version("1.0.0")
     RELEASE_NOTES = {"1.0.0": "Help paragraphs of 8 modules, en and de, hash splits."}
-    MANUAL_DOWNLOAD_INSTRUCTIONS = offline_de_en.MANUAL_DOWNLOAD_INSTRUCTIONS  # same packages
+    MANUAL_DOWNLOAD_INSTRUCTIONS = de_en.MANUAL_DOWNLOAD_INSTRUCTIONS  # same packages
 
     def _info(self) -> tfds.core.DatasetInfo:
         return tfds.core.DatasetInfo(
@@ -49,7 +38,7 @@ class OfflineHelpTopics(tfds.core.GeneratorBasedBuilder):
             description=_DESCRIPTION,
             features=tfds.features.FeaturesDict({
                 "text": tfds.features.Text(),
-                "label": tfds.features.ClassLabel(names=help_topics.LABELS),
+                "label": tfds.features.ClassLabel(names=help_paragraphs.LABELS),
                 "language": tfds.features.Text(),
             }),
             supervised_keys=("text", "label"),
@@ -59,21 +48,21 @@ class OfflineHelpTopics(tfds.core.GeneratorBasedBuilder):
         )
 
     def _split_generators(self, dl_manager):
-        root, packages = offline_de_en.unpacked_root(dl_manager)
-        splits = help_topics.split_examples(help_topics.labelled_pairs(root))
+        root, packages = de_en.unpacked_root(dl_manager)
+        splits = help_paragraphs.split_examples(help_paragraphs.labelled_pairs(root))
         if not splits["train"]:
             raise FileNotFoundError(f"{root} holds no help pages of the modules "
-                                    f"{', '.join(help_topics.MODULES)}")
+                                    f"{', '.join(help_paragraphs.MODULES)}")
         self.info.metadata.update({
             "packages": packages,
             "examples": {name: len(examples) for name, examples in splits.items()},
             "labels": {name: dict(collections.Counter(
-                help_topics.LABELS[e["label"]] for e in examples))
+                help_paragraphs.LABELS[e["label"]] for e in examples))
                 for name, examples in splits.items()},
             "split_rule": "sha256 of the NFKC-casefolded English text: test < 10%, validation "
                           "next 10%",
         })
-        debian.copy_licences(root, offline_corpus.PACKAGES, os.fspath(self.data_dir))
+        debian.copy_licences(root, corpus.PACKAGES, os.fspath(self.data_dir))
         return {name: self._generate_examples(examples) for name, examples in splits.items()}
 
     def _generate_examples(self, examples):
