@@ -28,8 +28,8 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from transformer import config as config_lib  # noqa: E402
 from transformer.checkpoint import layout  # noqa: E402
+from transformer.config import resolve  # noqa: E402
 from transformer.sizing import flops  # noqa: E402
 from transformer.training.curves import read_metrics  # noqa: E402
 
@@ -69,7 +69,7 @@ def finished(workdir: pathlib.Path) -> dict | None:
 
 def setting(cfg) -> dict:
     """What a row trains (the paper's columns, the positions and the updates) from its config."""
-    model = config_lib.resolve(cfg).model
+    model = resolve(cfg).model
     return {"N": model.num_encoder_layers, "d_model": model.d_model, "d_ff": model.d_ff,
             "h": model.num_heads, "d_k": model.d_k, "d_v": model.d_v,
             "P_drop": model.dropout_rate, "ls": cfg.label_smoothing,
@@ -129,7 +129,7 @@ def train_row(row: str, scale: str, workdir: pathlib.Path, extra: list[str]) -> 
 
 
 def _cost(cfg) -> float:
-    model = config_lib.resolve(cfg).model
+    model = resolve(cfg).model
     length = int(cfg.data.max_length)
     return flops.train_flops_per_token(model, source_length=length,
                                        target_length=length) * cfg.num_train_steps

@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from transformer import config as config_lib
 from transformer.checkpoint import layout
+from transformer.config import resolve
 from transformer.model.transformer import Transformer
 from transformer.sizing import flops
 
@@ -31,11 +31,11 @@ def _model(row: str, vocab_size: int | None = None):
     cfg = TABLE3["get_config"](f"{row},wmt14")
     if vocab_size:
         cfg.data.vocab_size = vocab_size
-    return config_lib.resolve(cfg).model
+    return resolve(cfg).model
 
 
 def _model_reduced(row: str):
-    return config_lib.resolve(TABLE3["get_config"](row)).model
+    return resolve(TABLE3["get_config"](row)).model
 
 
 @pytest.mark.parametrize("row", [row for row in PAPER_MILLIONS if row != "big"])
@@ -94,7 +94,7 @@ def test_rows_change_the_papers_base_as_table3_says(row, expected):
 
 
 def test_reduced_rows_scale_the_same_way():
-    base = config_lib.resolve(TABLE3["get_config"]("base")).model
+    base = resolve(TABLE3["get_config"]("base")).model
     for row, paper_row in (("A_h4", "A_h4"), ("B_dk16", "B_dk16"), ("C_d1024", "C_d1024"),
                            ("big", "big")):
         small, paper = _model_reduced(row), _model(paper_row)

@@ -17,7 +17,7 @@ from typing import NoReturn
 
 from ml_collections import ConfigDict
 
-from transformer import data as data_lib
+from transformer import data
 from transformer.data import workers
 from transformer.model.config import TransformerConfig
 from transformer.parallel import sharding
@@ -55,7 +55,7 @@ TOP_LEVEL: dict[str, tuple[type | tuple[type, ...], object]] = {
 SECTIONS: dict[str, frozenset[str]] = {
     "model": frozenset(f.name for f in dataclasses.fields(TransformerConfig)),
     "mesh": sharding.CONFIG_KEYS,
-    "data": data_lib.CONFIG_KEYS,
+    "data": data.CONFIG_KEYS,
     "optimizer": frozenset({"name", "schedule", "learning_rate", "warmup_steps", "end_fraction",
                             "b1", "b2", "eps", "weight_decay", "clip_norm",
                             "loss_scale_initial", "loss_scale_period"}),  # float16 runs

@@ -8,7 +8,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from transformer.data import images as images_lib
+from transformer.data.images import DataUnavailable, ImageSource, augment, resize_and_crop
 from transformer.data.offline import fashion_mnist
 
 FIXTURE = pathlib.Path(__file__).parent / "offline_fashion_mnist"
@@ -29,7 +29,7 @@ def data_dir(tmp_path_factory):
 def source(data_dir, **kwargs):
     values = dict(image_size=28, num_channels=1, batch_size=8, crop_padding=2,
                   random_flip=True, seed=3, data_dir=str(data_dir))
-    return images_lib.ImageSource("offline_fashion_mnist", **(values | kwargs))
+    return ImageSource("offline_fashion_mnist", **(values | kwargs))
 
 
 def test_idx_files_round_trip(tmp_path):
@@ -101,11 +101,11 @@ def test_statistics_and_normalisation(data_dir):
 
 def test_augment_against_hand_crops_and_flips():
     images = np.arange(2 * 3 * 3, dtype=np.uint8).reshape(2, 3, 3, 1) + 1
-    out = images_lib.augment(images, np.array([[0, 0], [2, 1]]), np.array([False, True]), 1)
+    out = augment(images, np.array([[0, 0], [2, 1]]), np.array([False, True]), 1)
     padded = np.pad(images[..., 0], ((0, 0), (1, 1), (1, 1)))
     np.testing.assert_array_equal(out[0, ..., 0], padded[0, 0:3, 0:3])
     np.testing.assert_array_equal(out[1, ..., 0], padded[1, 2:5, 1:4][:, ::-1])
-    same = images_lib.augment(images, np.zeros((2, 2), int), np.zeros(2, bool), 0)
+    same = augment(images, np.zeros((2, 2), int), np.zeros(2, bool), 0)
     np.testing.assert_array_equal(same, images)
 
 
@@ -147,17 +147,15 @@ def test_eval_batches_cover_the_split_once_with_padding_rows(data_dir):
 
 def test_bad_settings_are_one_line(tmp_path):
     with pytest.raises(ValueError, match="data.random_flip=True mirrors mnist's images"):
-        images_lib.ImageSource("mnist", image_size=28, num_channels=1, batch_size=8,
-                               random_flip=True)
+        ImageSource("mnist", image_size=28, num_channels=1, batch_size=8, random_flip=True)
     with pytest.raises(ValueError, match="data.test_time_flip=True mirrors mnist's images"):
-        images_lib.ImageSource("mnist", image_size=28, num_channels=1, batch_size=8,
-                               test_time_flip=True)
+        ImageSource("mnist", image_size=28, num_channels=1, batch_size=8, test_time_flip=True)
     with pytest.raises(ValueError, match="'svhn' is not an image dataset"):
-        images_lib.ImageSource("svhn", image_size=32, num_channels=3, batch_size=8)
-    with pytest.raises(images_lib.DataUnavailable, match="fashion_mnist is not prepared in .* "
+        ImageSource("svhn", image_size=32, num_channels=3, batch_size=8)
+    with pytest.raises(DataUnavailable, match="fashion_mnist is not prepared in .* "
                        "never downloaded here") as error:
-        images_lib.ImageSource("fashion_mnist", image_size=28, num_channels=1, batch_size=8,
-                               data_dir=str(tmp_path))
+        ImageSource("fashion_mnist", image_size=28, num_channels=1, batch_size=8,
+                    data_dir=str(tmp_path))
     assert "\n" not in str(error.value)
 
 
@@ -170,7 +168,7 @@ def test_model_and_data_disagree_is_one_line(data_dir):
 def test_resize_and_crop_keeps_the_centre():
     image = np.zeros((40, 60, 3), np.uint8)
     image[:, 20:40] = 255  # the centre third of the columns
-    out = images_lib.resize_and_crop(image, 20)
+    out = resize_and_crop(image, 20)
     assert out.shape == (20, 20, 3)
     # 40x60 -> 20x30, white columns 10..19; the crop keeps columns 5..24: white at 5..14
     assert (out[:, 6:14] == 255).all() and not out[:, :4].any() and not out[:, 16:].any()

@@ -5,7 +5,7 @@ import pathlib
 
 import pytest
 
-from transformer.data import tokenizer as tk
+from transformer.data import tokenizer as tokenizer_lib
 from transformer.data.offline import corpus
 
 FIXTURE = pathlib.Path(__file__).parent / "offline_de_en"
@@ -18,7 +18,7 @@ def sentences():
 
 @pytest.fixture(scope="module")
 def tokenizer(sentences):
-    return tk.train(sentences, 300, seed=0)
+    return tokenizer_lib.train(sentences, 300, seed=0)
 
 
 def test_special_ids_and_mask(tokenizer):
@@ -31,16 +31,17 @@ def test_special_ids_and_mask(tokenizer):
 
 def test_round_trip(tokenizer, sentences):
     ids = tokenizer.encode(sentences)
-    assert all(min(seq) >= 4 and tk.EOS_ID not in seq for seq in ids if seq)
+    assert all(min(seq) >= 4 and tokenizer_lib.EOS_ID not in seq for seq in ids if seq)
     for text, seq in zip(sentences, ids, strict=True):
         assert tokenizer.decode(seq) == text
     seq = ids[0]
-    assert tokenizer.decode([tk.BOS_ID, *seq, tk.EOS_ID, 17, 18, 0, 0]) == sentences[0]
-    assert tokenizer.decode(seq + [tk.PAD_ID] * 3) == sentences[0]
+    bos, eos = tokenizer_lib.BOS_ID, tokenizer_lib.EOS_ID
+    assert tokenizer.decode([bos, *seq, eos, 17, 18, 0, 0]) == sentences[0]
+    assert tokenizer.decode(seq + [tokenizer_lib.PAD_ID] * 3) == sentences[0]
 
 
 def test_training_is_seeded_and_deterministic(sentences, tokenizer):
-    assert tk.train(sentences, 300, seed=0).sha256 == tokenizer.sha256
+    assert tokenizer_lib.train(sentences, 300, seed=0).sha256 == tokenizer.sha256
 
 
 def test_load_or_train_reuses_and_refuses_mismatches(tmp_path, sentences):
@@ -51,21 +52,24 @@ def test_load_or_train_reuses_and_refuses_mismatches(tmp_path, sentences):
         return iter(sentences)
 
     vocab = tmp_path / "vocab"
-    first = tk.load_or_train(str(vocab), 300, seed=0, sentences=source, info={"dataset": "x"})
-    assert (vocab / tk.MODEL_FILE).exists() and (vocab / "sentencepiece.vocab").exists()
+    first = tokenizer_lib.load_or_train(str(vocab), 300, seed=0, sentences=source,
+                                        info={"dataset": "x"})
+    assert (vocab / tokenizer_lib.MODEL_FILE).exists() and (vocab / "sentencepiece.vocab").exists()
     assert json.loads((vocab / "info.json").read_text())["sha256"] == first.sha256
-    again = tk.load_or_train(str(vocab), 300, seed=0, sentences=source,
-                             expected_sha256=first.sha256)
+    again = tokenizer_lib.load_or_train(str(vocab), 300, seed=0, sentences=source,
+                                        expected_sha256=first.sha256)
     assert again.sha256 == first.sha256 and len(calls) == 1  # reused, not retrained
-    with pytest.raises(tk.VocabularyMismatch, match="data.vocab_size=400"):
-        tk.load_or_train(str(vocab), 400, seed=0, sentences=source)
-    with pytest.raises(tk.VocabularyMismatch, match="not the vocabulary this run was trained"):
-        tk.load_or_train(str(vocab), 300, seed=0, sentences=source, expected_sha256="0" * 64)
+    with pytest.raises(tokenizer_lib.VocabularyMismatch, match="data.vocab_size=400"):
+        tokenizer_lib.load_or_train(str(vocab), 400, seed=0, sentences=source)
+    with pytest.raises(tokenizer_lib.VocabularyMismatch,
+                       match="not the vocabulary this run was trained"):
+        tokenizer_lib.load_or_train(str(vocab), 300, seed=0, sentences=source,
+                                    expected_sha256="0" * 64)
 
 
 def test_impossible_vocab_size_is_one_line(sentences):
-    with pytest.raises(tk.VocabularyMismatch, match="data.vocab_size=100000") as error:
-        tk.train(sentences[:20], 100_000, seed=0)
+    with pytest.raises(tokenizer_lib.VocabularyMismatch, match="data.vocab_size=100000") as error:
+        tokenizer_lib.train(sentences[:20], 100_000, seed=0)
     assert "\n" not in str(error.value)
 
 
@@ -73,10 +77,11 @@ def test_the_model_reads_the_special_ids_of_its_vocabulary(tokenizer):
     """Ours are pad 0, unk 1, bos 2, eos 3; a model section that says otherwise is one line
     naming the key and the value to set."""
     assert (tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id) == (0, 2, 3)
-    tk.check_special_ids(tokenizer, {})  # the defaults are ours
-    with pytest.raises(tk.VocabularyMismatch, match=r"^model.eos_id=2 but the vocabulary's "
-                       r"eos_id is 3: set --config.model.eos_id=3$"):
-        tk.check_special_ids(tokenizer, {"bos_id": 2, "eos_id": 2, "pad_id": 0})
+    tokenizer_lib.check_special_ids(tokenizer, {})  # the defaults are ours
+    with pytest.raises(tokenizer_lib.VocabularyMismatch,
+                       match=r"^model.eos_id=2 but the vocabulary's "
+                             r"eos_id is 3: set --config.model.eos_id=3$"):
+        tokenizer_lib.check_special_ids(tokenizer, {"bos_id": 2, "eos_id": 2, "pad_id": 0})
 
 
 @pytest.mark.parametrize("remote", [False, True])
@@ -90,21 +95,24 @@ def test_a_workdirs_vocabulary_may_be_remote(remote, bucket, sentences, tokenize
                        for p in tmp_path.rglob("*") if p.is_file())
         return sorted(bucket) + local if remote else local
 
-    first = tk.load_or_train(f"{root}/vocab", 300, seed=0, sentences=lambda: iter(sentences))
+    first = tokenizer_lib.load_or_train(f"{root}/vocab", 300, seed=0,
+                                        sentences=lambda: iter(sentences))
     assert first.sha256 == tokenizer.sha256
     assert files() == [f"gs://bucket/run/vocab/{name}" for name in
                        ("info.json", "sentencepiece.model", "sentencepiece.vocab")]
-    assert tk.vocabulary_file(f"{root}/vocab") == f"{root}/vocab/{tk.MODEL_FILE}"
-    again = tk.load_or_train(f"{root}/vocab", 300, seed=0, sentences=lambda: 1 / 0,
-                             expected_sha256=first.sha256)  # read back, not retrained
+    model_file = f"{root}/vocab/{tokenizer_lib.MODEL_FILE}"
+    assert tokenizer_lib.vocabulary_file(f"{root}/vocab") == model_file
+    again = tokenizer_lib.load_or_train(f"{root}/vocab", 300, seed=0, sentences=lambda: 1 / 0,
+                                        expected_sha256=first.sha256)  # read back, not retrained
     assert again.sha256 == first.sha256
-    imported = tk.HuggingFaceTokenizer(b'{"version": "1.0", "model": {"type": "WordLevel", '
-                                       b'"vocab": {"<pad>": 0, "a": 1, "</s>": 2}, '
-                                       b'"unk_token": "a"}}', bos_id=2, eos_id=2, pad_id=0)
+    imported = tokenizer_lib.HuggingFaceTokenizer(
+        b'{"version": "1.0", "model": {"type": "WordLevel", '
+        b'"vocab": {"<pad>": 0, "a": 1, "</s>": 2}, '
+        b'"unk_token": "a"}}', bos_id=2, eos_id=2, pad_id=0)
     imported.save(f"{root}/imported")
     assert files()[:2] == ["gs://bucket/run/imported/special_ids.json",
                            "gs://bucket/run/imported/tokenizer.json"]
-    for loaded in (tk.load(f"{root}/imported"),
-                   tk.read_given(f"{root}/imported/tokenizer.json")):
+    for loaded in (tokenizer_lib.load(f"{root}/imported"),
+                   tokenizer_lib.read_given(f"{root}/imported/tokenizer.json")):
         assert loaded.sha256 == imported.sha256 and (loaded.bos_id, loaded.pad_id) == (2, 0)
-    assert tk.read_given(f"{root}/vocab/{tk.MODEL_FILE}").sha256 == first.sha256
+    assert tokenizer_lib.read_given(model_file).sha256 == first.sha256

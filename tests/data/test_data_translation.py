@@ -10,7 +10,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 from transformer.data import datasets, make_source, translation
-from transformer.data import tokenizer as tk  # noqa: E402
+from transformer.data import tokenizer as tokenizer_lib  # noqa: E402
 from transformer.data.offline import corpus  # noqa: E402
 from transformer.model.transformer import Transformer, TransformerConfig  # noqa: E402
 
@@ -74,7 +74,7 @@ def test_mock_pipeline_batches(source, pairs):
     assert (text, source.tokenizer.decode(source.train.pair(examples[0])[1])) in pairs["train"]
     assert "wmt14_translate/de-en/1.0.0 en->de" in source.fingerprint()
     workdir = pathlib.Path(source.workdir)
-    assert (workdir / "vocab" / tk.MODEL_FILE).exists()
+    assert (workdir / "vocab" / tokenizer_lib.MODEL_FILE).exists()
     assert list((workdir / "vocab" / "tokens").glob("*-train/meta.json"))
 
 

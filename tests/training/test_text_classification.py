@@ -15,9 +15,9 @@ import tensorflow_datasets as tfds
 
 from transformer.checkpoint import checkpointer
 from transformer.config import resolve
-from transformer.data import text_classification as tc
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.data.offline import help_paragraphs, help_topics
+from transformer.data.text_classification import TextClassificationSource
 from transformer.model.config import TransformerConfig
 from transformer.model.transformer import Transformer
 from transformer.parallel import sharding
@@ -145,7 +145,7 @@ def help_data_dir(tmp_path_factory):
 def _source(data_dir, **overrides):
     kwargs = dict(vocab_size=120, max_length=12, batch_size=8, grad_accum_steps=2,
                   eval_batch_size=8, seed=0, data_dir=str(data_dir)) | overrides
-    return tc.TextClassificationSource("offline_help_topics", **kwargs)
+    return TextClassificationSource("offline_help_topics", **kwargs)
 
 
 def test_the_source_tokenizes_one_labelled_example_a_row(help_data_dir, tmp_path):
@@ -190,8 +190,8 @@ def test_bad_settings_are_one_line_before_tokenizing(help_data_dir):
     with pytest.raises(ValueError, match="data.text_feature='body' is not a feature"):
         _source(help_data_dir, text_feature="body")
     with pytest.raises(ValueError, match="imdb_reviews is not prepared"):
-        tc.TextClassificationSource("imdb_reviews", vocab_size=120, max_length=12, batch_size=8,
-                                    data_dir=str(help_data_dir))
+        TextClassificationSource("imdb_reviews", vocab_size=120, max_length=12, batch_size=8,
+                                 data_dir=str(help_data_dir))
 
 
 @pytest.mark.slow  # two runs: pretraining, then fine-tuning

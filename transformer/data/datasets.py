@@ -117,11 +117,10 @@ def prepare_dataset(name: str, data_dir: str | None = None, manual_dir: str | No
 def _ensure_array_record(builder):
     """Converts a dataset prepared in TFRecord to array_record once, in place (the same shards,
     record for record, and `array_record` added to dataset_info.json's alternative formats)."""
-    from tensorflow_datasets.core import dataset_info as info_lib
-    from tensorflow_datasets.core import file_adapters
+    from tensorflow_datasets.core import dataset_info, file_adapters
 
     info = builder.info
-    proto = info_lib.read_proto_from_builder_dir(builder.data_dir)
+    proto = dataset_info.read_proto_from_builder_dir(builder.data_dir)
     if "array_record" not in {proto.file_format, *proto.alternative_file_formats}:
         log.info("converting %s to array_record once (random access)", builder.data_dir)
         reader = file_adapters.ADAPTER_FOR_FORMAT[info.file_format]
@@ -136,7 +135,7 @@ def _ensure_array_record(builder):
                     writer.write_examples(tmp, records)
                     os.replace(tmp, target)
             proto.alternative_file_formats.append("array_record")
-            info_lib.write_dataset_info_proto(proto, dataset_info_dir=builder.data_dir)
+            dataset_info.write_dataset_info_proto(proto, dataset_info_dir=builder.data_dir)
         except OSError as e:
             raise DataUnavailable(
                 f"{builder.data_dir} is in {info.file_format.value} format and could not be "

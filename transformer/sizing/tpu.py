@@ -21,8 +21,7 @@ import time
 
 import jax
 
-from transformer import config as config_lib
-from transformer.config import Resolved, resolve
+from transformer.config import Resolved, grad_accum_steps, resolve
 from transformer.parallel import sharding
 from transformer.sizing import memory, step_time
 from transformer.util import progress
@@ -242,8 +241,8 @@ def sweep_microbatches(cfg, num_devices: int, context: int) -> list[int]:
     """The microbatch counts tried with `context`: the count `data.max_rows_per_device` sizes
     (`grad_accum_steps`: a split row counts whole, so the count grows with the split), then
     each half of it down to the count of context 1: the same memory spent on more rows."""
-    most = config_lib.grad_accum_steps(cfg, num_devices // context)
-    least = config_lib.grad_accum_steps(cfg, num_devices)
+    most = grad_accum_steps(cfg, num_devices // context)
+    least = grad_accum_steps(cfg, num_devices)
     counts = [most]
     while counts[-1] % 2 == 0 and counts[-1] // 2 >= least:
         counts.append(counts[-1] // 2)
