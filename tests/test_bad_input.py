@@ -447,10 +447,14 @@ VISUALIZE_MISTAKES = {
     "odd d_model": (["positions", "--d_model=63"], "error: --d_model=63 must be even, from 2 "
                                                    "to 8192"),
     "d_model not a number": (["positions", "--d_model=abc"],
-                             "error: python -m transformer.visualize positions: argument "
-                             "--d_model: invalid int value: 'abc' (--help lists the flags)"),
-    "no command": ([], "error: python -m transformer.visualize: the following arguments are "
-                       "required: command"),
+                             "flag --d_model=abc: invalid literal for int() with base 10: 'abc'"),
+    "no command": ([], "error: give a command: attention, image_attention, curves, positions "
+                       "(--help lists the flags)"),
+    "flag of another command": (["positions", "--workdir={tmp}"],
+                                "error: positions takes no --workdir; its flags: --d_model, "
+                                "--length, --out"),
+    "attention without a source": (["attention", "--workdir={tmp}"],
+                                   "error: attention needs --source"),
     "curves of a missing workdir": (["curves", "--workdir={tmp}/missing"],
                                     "error: --workdir={tmp}/missing is not a directory: give a "
                                     "training run's workdir"),

@@ -8,15 +8,20 @@ Prints one line per problem and a summary line per workdir; exits 1 if any workd
 import os
 import sys
 
+from absl import app
+
 from transformer.checkpoint import layout
+from transformer.util import cli
 
 
 def main(argv: list[str]) -> int:
-    if not argv or any(arg.startswith("-") for arg in argv):
+    workdirs = argv[1:]  # absl took the flags (--help)
+    if not workdirs:
         print("usage: python -m transformer.check WORKDIR [WORKDIR ...]", file=sys.stderr)
         return 2
+    cli.start(argv[:1])
     failed = False
-    for workdir in argv:
+    for workdir in workdirs:
         if not os.path.isdir(workdir):
             print(f"error: {workdir} is not a directory: give a training run's workdir")
             failed = True
@@ -30,4 +35,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    app.run(main)

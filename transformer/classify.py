@@ -9,37 +9,18 @@ is read, resized and normalised as in training: `transformer.inference.classifie
 
 from __future__ import annotations
 
-import argparse
 import logging
-import sys
 
 import numpy as np
+from absl import app, flags
 
 from transformer.util import cli
 
 log = logging.getLogger("transformer")
 
-
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse reporting a bad command line as one line with exit status 1."""
-
-    def error(self, message: str):
-        sys.exit(f"error: {self.prog}: {message} (--help lists the flags)")
-
-
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = _Parser(prog="python -m transformer.classify",
-                     description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", required=True, help="a trained vision run's workdir")
-    parser.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
-    parser.add_argument("--top", type=int, default=5, help="classes shown per image")
-    parser.add_argument("images", nargs="+", help="image files (PNG, JPEG, ...)")
-    args = parser.parse_args(argv)
-    if args.top < 1:
-        parser.error(f"--top={args.top} must be >= 1")
-    return args
+cli.define_run_flags(average=False)
+flags.DEFINE_integer("top", 5, "Classes shown per image.", lower_bound=1)
+FLAGS = flags.FLAGS
 
 
 def format_results(paths: list[str], results: list[list[tuple[str, float]]]) -> str:
@@ -49,19 +30,20 @@ def format_results(paths: list[str], results: list[list[tuple[str, float]]]) -> 
 
 
 def main(argv: list[str]) -> None:
-    logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's INFO chatter
-    cli.quiet_native_logs(["python -m transformer.classify", *argv])
-    args = parse_args(argv)
+    paths = argv[1:]
+    if not paths:
+        cli.usage_error("give one or more image files (PNG, JPEG, ...)")
+    cli.start(argv[:1])
     with cli.one_line_errors():
         from transformer.inference.classifier import load, read_image
 
-        classifier = load(args.workdir, step=args.step)
+        classifier = load(FLAGS.workdir, step=FLAGS.step)
         cfg = classifier.model_config
         images = np.stack([read_image(p, cfg.image_size, cfg.num_channels)
-                           for p in args.images])  # every file checked before the model runs
-        results = classifier.classify(images, top=min(args.top, len(classifier.class_names)))
-    print(format_results(args.images, results))
+                           for p in paths])  # every file checked before the model runs
+        results = classifier.classify(images, top=min(FLAGS.top, len(classifier.class_names)))
+    print(format_results(paths, results))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    app.run(main)

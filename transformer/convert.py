@@ -31,7 +31,7 @@ FLAGS = flags.FLAGS
 
 def main(argv):
     if len(argv) < 2 or argv[1] not in COMMANDS:
-        raise app.UsageError(f"give a command: {' or '.join(COMMANDS)}")
+        cli.usage_error(f"give a command: {' or '.join(COMMANDS)}")
     cli.start(argv[1:])
     from transformer.huggingface import convert
 

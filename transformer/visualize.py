@@ -26,86 +26,84 @@ patch grid's side.
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
+
+from absl import app, flags
 
 from transformer.checkpoint import layout
 from transformer.util import cli, plotting
 
-# --------------------------------------------------------------------------- images
-
 MAX_POSITIONS = 4096  # `positions` draws a [length, length] matrix
 MAX_D_MODEL = 8192
 
+# Each command's flags, the required ones first: a flag of another command is refused.
+COMMANDS = {"attention": (("workdir", "source"), ("target", "step", "out_dir")),
+            "image_attention": (("workdir", "image"), ("step", "out_dir")),
+            "curves": (("workdir",), ("out", "x")),
+            "positions": ((), ("d_model", "length", "out"))}
+flags.DEFINE_string("workdir", None, "attention, image_attention, curves: the training run's "
+                    "workdir (curves: one or more, `--workdir W W2 ...`).")
+flags.DEFINE_string("source", None, "attention: the source sentence.")
+flags.DEFINE_string("target", None, "attention: the target sentence (default: the translation).")
+flags.DEFINE_string("image", None, "image_attention: an image file (PNG, JPEG).")
+flags.DEFINE_integer("step", None, "attention, image_attention: checkpoint step (default: the "
+                     "latest).", lower_bound=0)
+flags.DEFINE_string("out_dir", None, "attention: default <workdir>/plots/attention; "
+                    "image_attention: default <workdir>/plots/image_attention/<image name>.")
+flags.DEFINE_string("out", None, "curves: default <first workdir>/plots/curves.png; positions: "
+                    "default plots/positions_d<d_model>.png.")
+flags.DEFINE_enum("x", "step", ["step", "hours"], "curves: horizontal axis: update step, or "
+                  "hours of training (the train steps' times summed; evaluations and pauses "
+                  "left out).")
+flags.DEFINE_integer("d_model", 512, "positions: the encoding's width.")
+flags.DEFINE_integer("length", 100, "positions: how many positions.")
+FLAGS = flags.FLAGS
 
 
+def check_command_line(argv: list[str]) -> tuple[str, list[str]]:
+    """The command and the extra workdirs `curves` takes after `--workdir W` (`argv`: what absl
+    left, the program first); a bad command line ends the program as one line."""
+    if len(argv) < 2 or argv[1] not in COMMANDS:
+        cli.usage_error((f"{argv[1]!r} is not a command; " if len(argv) > 1 else "") +
+                        f"give a command: {', '.join(COMMANDS)}")
+    command, rest = argv[1], argv[2:]
+    required, optional = COMMANDS[command]
+    if command != "curves" and rest:
+        cli.usage_error(f"unexpected arguments: {' '.join(rest)}")
+    others = sorted({name for names in COMMANDS.values() for group in names for name in group}
+                    - {*required, *optional})
+    if wrong := [f"--{name}" for name in others if FLAGS[name].present]:
+        cli.usage_error(f"{command} takes no {', '.join(wrong)}; its flags: "
+                        f"{', '.join(f'--{name}' for name in (*required, *optional))}")
+    if missing := [f"--{name}" for name in required if FLAGS[name].value is None]:
+        cli.usage_error(f"{command} needs {', '.join(missing)}")
+    return command, rest
 
 
-
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad command line as one line, exit status 1, like the other
-    CLIs (not its usage text and status 2)."""
-
-    def error(self, message: str):
-        sys.exit(f"error: {self.prog}: {message} (--help lists the flags)")
-
-
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = _Parser(prog="python -m transformer.visualize", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    attention = commands.add_parser("attention", help="attention maps of one sentence pair")
-    attention.add_argument("--workdir", required=True)
-    attention.add_argument("--source", required=True, help="the source sentence")
-    attention.add_argument("--target", help="the target sentence (default: the translation)")
-    attention.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
-    attention.add_argument("--out_dir", help="default: <workdir>/plots/attention")
-    image = commands.add_parser("image_attention", help="a Vision Transformer's attention "
-                                "over an image's patches, per head and rolled out")
-    image.add_argument("--workdir", required=True)
-    image.add_argument("--image", required=True, help="an image file (PNG, JPEG)")
-    image.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
-    image.add_argument("--out_dir", help="default: <workdir>/plots/image_attention/<image name>")
-    curves = commands.add_parser("curves", help="training curves of one or more runs")
-    curves.add_argument("--workdir", required=True, nargs="+", help="one or more workdirs")
-    curves.add_argument("extra_workdirs", nargs="*", help=argparse.SUPPRESS)
-    curves.add_argument("--out", help="default: <first workdir>/plots/curves.png")
-    curves.add_argument("--x", default="step", choices=["step", "hours"],
-                        help="horizontal axis: update step, or hours of training (the train "
-                             "steps' times summed; evaluations and pauses left out)")
-    positions = commands.add_parser("positions", help="the sinusoidal positional encoding")
-    positions.add_argument("--d_model", type=int, default=512)
-    positions.add_argument("--length", type=int, default=100)
-    positions.add_argument("--out", help="default: plots/positions_d<d_model>.png")
-    return parser.parse_args(argv)
-
-
-def run(args: argparse.Namespace) -> list[str]:
-    """Writes the figures `args` ask for; returns their paths."""
-    if args.command == "attention":
+def run(command: str, extra_workdirs: list[str]) -> list[str]:
+    """Writes the figures `command` and the flags ask for; returns their paths."""
+    if command == "attention":
         from transformer.inference.attention_maps import attention_maps
         from transformer.inference.translator import load
 
-        maps = attention_maps(load(args.workdir, step=args.step), args.source, args.target)
-        return plotting.plot_attention(maps, args.out_dir or layout.path(
-            args.workdir, layout.PLOTS, "attention"))
-    if args.command == "image_attention":
+        maps = attention_maps(load(FLAGS.workdir, step=FLAGS.step), FLAGS.source, FLAGS.target)
+        return plotting.plot_attention(maps, FLAGS.out_dir or layout.path(
+            FLAGS.workdir, layout.PLOTS, "attention"))
+    if command == "image_attention":
         from transformer.inference.attention_maps import image_attention
         from transformer.inference.classifier import load
 
-        found = image_attention(load(args.workdir, step=args.step), args.image)
-        name = os.path.splitext(os.path.basename(args.image))[0]
-        return plotting.plot_image_attention(found, args.out_dir or layout.path(
-            args.workdir, layout.PLOTS, "image_attention", name))
-    if args.command == "curves":
+        found = image_attention(load(FLAGS.workdir, step=FLAGS.step), FLAGS.image)
+        name = os.path.splitext(os.path.basename(FLAGS.image))[0]
+        return plotting.plot_image_attention(found, FLAGS.out_dir or layout.path(
+            FLAGS.workdir, layout.PLOTS, "image_attention", name))
+    if command == "curves":
         from transformer.training import curves
 
-        workdirs = args.workdir + args.extra_workdirs
-        out = args.out or layout.path(workdirs[0], layout.PLOTS, "curves.png")
-        return [plotting.plot_curves(curves.collect(workdirs, args.x), out, x=args.x)]
-    return [plot_positions(args.d_model, args.length, args.out)]
+        workdirs = [FLAGS.workdir, *extra_workdirs]
+        out = FLAGS.out or layout.path(workdirs[0], layout.PLOTS, "curves.png")
+        return [plotting.plot_curves(curves.collect(workdirs, FLAGS.x), out, x=FLAGS.x)]
+    return [plot_positions(FLAGS.d_model, FLAGS.length, FLAGS.out)]
 
 
 def plot_positions(d_model: int, length: int, out: str | None) -> str:
@@ -122,16 +120,15 @@ def plot_positions(d_model: int, length: int, out: str | None) -> str:
 
 
 def main(argv: list[str]) -> None:
-    import logging
-
-    logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's INFO chatter
-    cli.quiet_native_logs(["python -m transformer.visualize", *argv])
+    command, extra_workdirs = check_command_line(argv)
+    cli.start(argv[:1])
     with cli.one_line_errors():
-        written = run(parse_args(argv))
+        written = run(command, extra_workdirs)
     overviews = [p for p in written if not os.path.basename(p).startswith("layer")]
     print(f"wrote {len(written)} figure(s)" + (f", per layer and head under "
           f"{os.path.dirname(overviews[0])}/" if len(written) > len(overviews) else "") + ":")
     print("\n".join(f"  {p}" for p in overviews))
 
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    app.run(main)

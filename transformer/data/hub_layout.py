@@ -10,12 +10,13 @@ and then `--config.data.dataset=data/wmt14/de-en` (configs/wmt14_files.py).
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import numpy as np
+from absl import app, flags
 
 SPLITS = ("train", "validation", "test")
+FLAGS = flags.FLAGS
 
 
 def write_split(pairs: list[tuple[str, str]], directory: str, split: str,
@@ -51,17 +52,24 @@ def from_tfds(dataset: str, out: str, config: str, *, data_dir: str | None = Non
     return directory
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dataset", default="offline_de_en")
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--config", default="de-en")
-    parser.add_argument("--data_dir", default=None)
-    parser.add_argument("--shards", type=int, default=4)
-    args = parser.parse_args(argv)
-    print(from_tfds(args.dataset, args.out, args.config, data_dir=args.data_dir,
-                    shards=args.shards))
+def define_flags() -> None:
+    """The command line's flags: defined only when run as a command, not on import."""
+    flags.DEFINE_string("dataset", "offline_de_en", "The TFDS translation dataset to write.")
+    flags.DEFINE_string("out", None, "The directory to write the layout under.", required=True)
+    flags.DEFINE_string("config", "de-en", "The hub config's name: the subdirectory of --out.")
+    flags.DEFINE_string("data_dir", None, "TFDS data_dir (default: TFDS's).")
+    flags.DEFINE_integer("shards", 4, "Parquet files of the train split.", lower_bound=1)
+
+
+def main(argv: list[str]) -> None:
+    from transformer.util import cli
+
+    cli.start(argv)
+    with cli.one_line_errors():
+        print(from_tfds(FLAGS.dataset, FLAGS.out, FLAGS.config, data_dir=FLAGS.data_dir,
+                        shards=FLAGS.shards))
 
 
 if __name__ == "__main__":
-    main()
+    define_flags()
+    app.run(main)

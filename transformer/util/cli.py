@@ -24,8 +24,9 @@ import importlib.util
 import logging
 import os
 import sys
+from typing import NoReturn
 
-from absl import app, flags
+from absl import flags
 from absl import logging as absl_logging
 
 FLAGS = flags.FLAGS
@@ -71,6 +72,8 @@ def cpu_unless_an_accelerator() -> None:
 
 quiet_native_logs(sys.argv)
 cpu_unless_an_accelerator()
+# The flags `define_run_flags` defines belong to the command that calls it: its --help lists them.
+flags.disclaim_key_flags()
 
 
 def define_run_flags(*, average: bool) -> None:
@@ -88,10 +91,16 @@ def start(argv: list[str], *, level: int = logging.WARNING, timestamps: bool = F
     """Refuses stray arguments and sets up logging: our lines at `level` (`show_our_lines`),
     absl's (orbax's INFO chatter) at WARNING unless --verbosity says otherwise."""
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+        usage_error(f"unexpected arguments: {' '.join(argv[1:])}")
     if not FLAGS["verbosity"].present:
         absl_logging.set_verbosity(absl_logging.WARNING)
     show_our_lines(level, timestamps=timestamps)
+
+
+def usage_error(message: str) -> NoReturn:
+    """Ends the program on a bad command line: `error: <message>` on stderr as one line (not
+    absl's usage text), exit status 1, as absl's own flag errors."""
+    sys.exit(f"error: {message} (--help lists the flags)")
 
 
 def show_our_lines(level: int, *, timestamps: bool) -> None:
