@@ -28,7 +28,6 @@ took more than --stop_after_s is not run at the longer ones (its rows say "skipp
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
@@ -38,6 +37,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+from absl import app, flags
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
@@ -151,37 +151,47 @@ def plot(rows: list[dict], path: str) -> None:
     plotting.save(fig, path, dpi=120)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--lengths", default="512,1024,2048,4096,8192")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--head_dim", type=int, default=64)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--implementations", default=",".join(DEFAULT_IMPLEMENTATIONS),
-                        help=f"of {', '.join(IMPLEMENTATIONS)} (any chunked/window=W)")
-    parser.add_argument("--key_chunk_size", type=int, default=attention.DEFAULT_KEY_CHUNK_SIZE)
-    parser.add_argument("--runs", type=int, default=3, help="timed runs after one warm-up")
-    parser.add_argument("--row_budget_s", type=float, default=10.0,
-                        help="stop timing a row after this many seconds (at least one run)")
-    parser.add_argument("--stop_after_s", type=float, default=60.0,
-                        help="skip an implementation's longer lengths after a run this long")
-    parser.add_argument("--plot", default=None, help="write a plot of the table here (.png)")
-    parser.add_argument("--memory_budget_gib", type=float, default=None,
-                        help="run only programs needing less (default: the device's limit, "
-                             "or half the host RAM on CPU)")
-    args = parser.parse_args(argv)
-    budget = (int(args.memory_budget_gib * 2**30) if args.memory_budget_gib is not None
-              else _memory_budget())
-    implementations = args.implementations.split(",")
+def _known_implementations(implementations: list[str]) -> bool:
     for impl in implementations:
         if impl.partition("/")[0] not in attention.IMPLEMENTATIONS + ("linear",):
-            parser.error(f"--implementations: {impl!r} is not one of "
-                         f"{', '.join(IMPLEMENTATIONS)} (or cudnn on a GPU)")
+            raise flags.ValidationError(f"{impl!r} is not one of {', '.join(IMPLEMENTATIONS)} "
+                                        f"(or cudnn on a GPU)")
+    return True
+
+
+def define_flags() -> None:
+    """The command line's flags: defined only when run as a script."""
+    flags.DEFINE_list("lengths", "512,1024,2048,4096,8192", "Sequence lengths S (= T).")
+    flags.DEFINE_integer("batch", 1, "Rows.", lower_bound=1)
+    flags.DEFINE_integer("heads", 4, "Attention heads.", lower_bound=1)
+    flags.DEFINE_integer("head_dim", 64, "Width of a head.", lower_bound=1)
+    flags.DEFINE_string("dtype", "float32", "Of q, k and v.")
+    flags.DEFINE_list("implementations", ",".join(DEFAULT_IMPLEMENTATIONS),
+                      f"Of {', '.join(IMPLEMENTATIONS)} (any chunked/window=W).")
+    flags.register_validator("implementations", _known_implementations)
+    flags.DEFINE_integer("key_chunk_size", attention.DEFAULT_KEY_CHUNK_SIZE,
+                         "The chunked path's key block.", lower_bound=1)
+    flags.DEFINE_integer("runs", 3, "Timed runs after one warm-up.", lower_bound=1)
+    flags.DEFINE_float("row_budget_s", 10.0, "Stop timing a row after this many seconds (at "
+                       "least one run).")
+    flags.DEFINE_float("stop_after_s", 60.0, "Skip an implementation's longer lengths after a "
+                       "run this long.")
+    flags.DEFINE_string("plot", None, "Write a plot of the table here (.png).")
+    flags.DEFINE_float("memory_budget_gib", None, "Run only programs needing less (default: the "
+                       "device's limit, or half the host RAM on CPU).")
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    args = flags.FLAGS
+    budget = (int(args.memory_budget_gib * 2**30) if args.memory_budget_gib is not None
+              else _memory_budget())
+    implementations = args.implementations
     print(f"# backend {jax.default_backend()}, {jax.device_count()} device(s), memory budget "
           f"{budget / 2**30:.1f} GiB", flush=True)
     rows, too_slow = [], {}
-    for length in (int(x) for x in args.lengths.split(",")):
+    for length in map(int, args.lengths):
         for impl in implementations:
             if impl in too_slow:
                 rows.append({"implementation": impl, "length": length,
@@ -198,4 +208,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    define_flags()
+    app.run(main)

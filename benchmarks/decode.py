@@ -12,22 +12,21 @@ outputs (EOS excluded). Prints a table, then one JSON line per beam size.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys
 import time
 
+from absl import app, flags
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", required=True, help="A training run's workdir.")
-    parser.add_argument("--split", default="test", choices=["validation", "test"])
-    parser.add_argument("--num_sentences", type=int, default=500,
-                        help="Decode the first N sentences of the split.")
-    parser.add_argument("--beam_sizes", default="4,1", help="Beam sizes to time (1: greedy).")
-    parser.add_argument("--batch_size", type=int, default=32, help="Sentences per search call.")
-    return parser.parse_args(argv)
+
+def define_flags() -> None:
+    """The command line's flags: defined only when run as a script (tests run_path this file)."""
+    flags.DEFINE_string("workdir", None, "A training run's workdir.", required=True)
+    flags.DEFINE_enum("split", "test", ["validation", "test"], "The split to read.")
+    flags.DEFINE_integer("num_sentences", 500, "Decode the first N sentences of the split.")
+    flags.DEFINE_string("beam_sizes", "4,1", "Beam sizes to time (1: greedy).")
+    flags.DEFINE_integer("batch_size", 32, "Sentences per search call.")
 
 
 def benchmark(workdir: str, split: str, num_sentences: int, beam_sizes: list[int],
@@ -60,7 +59,9 @@ def benchmark(workdir: str, split: str, num_sentences: int, beam_sizes: list[int
 
 
 def main(argv: list[str]) -> None:
-    args = parse_args(argv)
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    args = flags.FLAGS
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's INFO chatter
     beams = [int(b) for b in args.beam_sizes.split(",")]
     if args.num_sentences < 1 or args.batch_size < 1 or min(beams) < 1:
@@ -79,4 +80,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    define_flags()
+    app.run(main)

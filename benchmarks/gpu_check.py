@@ -30,7 +30,6 @@ whole script runs in a minute or two on a CPU (the test suite runs it that way).
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import pathlib
@@ -43,6 +42,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import app, flags
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -194,29 +194,40 @@ def decode_speed(dry: bool) -> list[dict]:
     return rows
 
 
-CHECKS = {  # run in this order
-    "attention": lambda args: attention_parity(args.dry_run),
-    "decode": lambda args: decode_speed(args.dry_run),
-    "lm_train_step": lambda args: lm_throughput(args.dry_run, args.steps),
-    "train_step": lambda args: train_throughput(args.dry_run, args.steps),
-    "loss_chunks": lambda args: loss_chunks(args.dry_run, args.steps)}
+CHECKS = {  # run in this order; each given (dry_run, steps)
+    "attention": lambda dry_run, steps: attention_parity(dry_run),
+    "decode": lambda dry_run, steps: decode_speed(dry_run),
+    "lm_train_step": lm_throughput,
+    "train_step": train_throughput,
+    "loss_chunks": loss_chunks}
+
+
+def _known_checks(chosen: list[str]) -> bool:
+    if unknown := sorted(set(chosen) - set(CHECKS)):
+        raise flags.ValidationError(f"unknown {', '.join(unknown)}; choose from "
+                                    f"{', '.join(CHECKS)}")
+    return True
+
+
+def define_flags() -> None:
+    """The command line's flags: defined only when run as a script."""
+    flags.DEFINE_boolean("dry-run", False, "Tiny sizes (runs on a CPU).")
+    flags.DEFINE_string("out", "gpu_check.json", "Where the JSON goes.")
+    flags.DEFINE_integer("steps", 10, "Timed train steps per setting.", lower_bound=1)
+    flags.DEFINE_list("checks", ",".join(CHECKS), f"A subset of {','.join(CHECKS)} (all by "
+                      f"default).")
+    flags.register_validator("checks", _known_checks)
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dry-run", action="store_true", help="tiny sizes (runs on a CPU)")
-    parser.add_argument("--out", default="gpu_check.json", help="where the JSON goes")
-    parser.add_argument("--steps", type=int, default=10, help="timed train steps per setting")
-    parser.add_argument("--checks", default=",".join(CHECKS),
-                        help=f"comma-separated subset of {','.join(CHECKS)} (all by default)")
-    args = parser.parse_args(argv)
-    chosen = args.checks.split(",")
-    if unknown := sorted(set(chosen) - set(CHECKS)):
-        parser.error(f"--checks: unknown {', '.join(unknown)}; choose from {', '.join(CHECKS)}")
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    args = flags.FLAGS
+    chosen, dry_run = args.checks, args["dry-run"].value
     device = jax.devices()[0]
     header = {"check": "device", "backend": jax.default_backend(), "device": str(device),
               "device_kind": device.device_kind, "jax": jax.__version__,
-              "dry_run": args.dry_run}
+              "dry_run": dry_run}
     print(json.dumps(header))
     results, failed = [header], []
     for name, check in CHECKS.items():
@@ -224,7 +235,7 @@ def main(argv: list[str]) -> int:
             continue
         started = time.perf_counter()
         try:
-            rows = check(args)
+            rows = check(dry_run, args.steps)
         except Exception as error:  # noqa: BLE001 - record it, go on with the other checks
             traceback.print_exc()
             rows = [{"check": name, "error": f"{type(error).__name__}: {error}"}]
@@ -240,4 +251,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    define_flags()
+    app.run(main)

@@ -16,12 +16,12 @@ dataset is built (offline_help_topics) or read as the training source does
 
 from __future__ import annotations
 
-import argparse
 import pathlib
 import sys
 import time
 
 import numpy as np
+from absl import app, flags
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -66,14 +66,20 @@ def baselines(splits, seed: int = 0) -> dict[str, dict[str, float]]:
     return results
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dataset", default="offline_help_topics")
-    parser.add_argument("--data_dir", default=None, help="TFDS data_dir (default: TFDS's)")
-    parser.add_argument("--text_feature", default="text")
-    parser.add_argument("--label_feature", default="label")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+def define_flags() -> None:
+    """The command line's flags: defined only when run as a script."""
+    flags.DEFINE_string("dataset", "offline_help_topics", "The TFDS text classification "
+                        "dataset.")
+    flags.DEFINE_string("data_dir", None, "TFDS data_dir (default: TFDS's).")
+    flags.DEFINE_string("text_feature", "text", "The feature holding the text.")
+    flags.DEFINE_string("label_feature", "label", "The feature holding the label.")
+    flags.DEFINE_integer("seed", 0, "Seed of the baselines' randomness.")
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    args = flags.FLAGS
     try:
         import sklearn  # noqa: F401
     except ImportError:
@@ -88,4 +94,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    define_flags()
+    app.run(main)

@@ -23,7 +23,6 @@ update's rows (`train_batch`), reading only its packing groups' shards when
 
 from __future__ import annotations
 
-import argparse
 import json
 import multiprocessing
 import os
@@ -31,6 +30,7 @@ import shutil
 import time
 
 import numpy as np
+from absl import app, flags
 
 _LETTERS = np.array(list("etaoinshrdlcumwfgypbvkjxqz"))
 SUFFIX = {"jsonl": "jsonl.zst", "parquet": "parquet"}
@@ -127,23 +127,29 @@ def _worker(args) -> tuple[int, float, int, float, int]:
         _peak_rss(), setup, len(set(decoded))
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--documents", type=int, default=1_000_000)
-    parser.add_argument("--per_shard", type=int, default=100_000)
-    parser.add_argument("--rows", type=int, default=32, help="rows of 2,048 tokens per update")
-    parser.add_argument("--updates", type=int, default=8)
-    parser.add_argument("--workers", default="1,2")
-    parser.add_argument("--dir", default="/tmp/input_pipeline")
-    parser.add_argument("--format", default="jsonl", choices=sorted(SUFFIX))
-    parser.add_argument("--copies", type=int, default=1,
-                        help="hard-linked copies of the corpus' shards: --documents x --copies "
-                             "documents read, --documents written")
-    parser.add_argument("--pack_groups", type=int, default=1, help="data.pack_groups")
-    parser.add_argument("--processes", type=int, default=1,
-                        help="measure process 0 of this many: the first N-th of the rows")
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args(argv)
+def define_flags() -> None:
+    """The command line's flags: defined only when run as a script (input_workers.py imports
+    this file)."""
+    flags.DEFINE_integer("documents", 1_000_000, "Documents written.", lower_bound=1)
+    flags.DEFINE_integer("per_shard", 100_000, "Documents per shard.", lower_bound=1)
+    flags.DEFINE_integer("rows", 32, "Rows of 2,048 tokens per update.", lower_bound=1)
+    flags.DEFINE_integer("updates", 8, "Timed updates per worker count.", lower_bound=1)
+    flags.DEFINE_string("workers", "1,2", "Worker counts to time, comma-separated.")
+    flags.DEFINE_string("dir", "/tmp/input_pipeline", "Where the corpus is written (and "
+                        "removed after).")
+    flags.DEFINE_enum("format", "jsonl", sorted(SUFFIX), "The shards' file format.")
+    flags.DEFINE_integer("copies", 1, "Hard-linked copies of the corpus' shards: --documents x "
+                         "--copies documents read, --documents written.", lower_bound=1)
+    flags.DEFINE_integer("pack_groups", 1, "data.pack_groups.", lower_bound=1)
+    flags.DEFINE_integer("processes", 1, "Measure process 0 of this many: the first N-th of the "
+                         "rows.", lower_bound=1)
+    flags.DEFINE_string("out", None, "Write the record (JSON) here.")
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    args = flags.FLAGS
     import runpy
 
     corpus = os.path.join(args.dir, f"corpus-{args.documents}x{args.copies}")
@@ -186,4 +192,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    define_flags()
+    app.run(main)

@@ -22,7 +22,6 @@ whole summary written as JSON (`--out`); the exit status is 0 when every check p
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import os
@@ -34,6 +33,8 @@ import socket
 import subprocess
 import sys
 import time
+
+from absl import app, flags
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -312,30 +313,41 @@ def progress(faults: Faults, total: int, started: float) -> None:
           f" min, {len(faults.problems)} problems", file=sys.stderr, flush=True)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--faults", type=int, default=100)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--kinds", default=None,
-                        help=f"comma-separated subset of {', '.join(KINDS)} (default: all)")
-    parser.add_argument("--steps", type=int, default=None,
-                        help="train steps (default: 5 per fault + 20)")
-    parser.add_argument("--checkpoint_every", type=int, default=5)
-    parser.add_argument("--log_every", type=int, default=2,
-                        help="steps between log flushes (2: lines are buffered at saves)")
-    parser.add_argument("--eval_every", type=int, default=10)
-    parser.add_argument("--processes", type=int, choices=(1, 2), default=1)
-    parser.add_argument("--heartbeat", type=int, default=5,
-                        help="distributed.heartbeat_timeout_seconds with 2 processes")
-    parser.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
-                        help="another --config.KEY=VALUE for every train.py run, after the "
-                             "soak's own (repeatable; the tests shrink the model with it)")
-    parser.add_argument("--workdir", default=None, help="default: a new temporary directory")
-    parser.add_argument("--out", default="soak.json")
-    args = parser.parse_args(argv)
-    kinds = args.kinds.split(",") if args.kinds else list(KINDS)
-    if args.faults < 0 or not kinds or set(kinds) - set(KINDS):
-        parser.error(f"--faults must be >= 0 and --kinds a subset of {','.join(KINDS)}")
+def _known_kinds(kinds: list[str] | None) -> bool:
+    if unknown := sorted(set(kinds or ()) - set(KINDS)):
+        raise flags.ValidationError(f"unknown {', '.join(unknown)}; --kinds is a subset of "
+                                    f"{','.join(KINDS)}")
+    return True
+
+
+def define_flags() -> None:
+    """The command line's flags: defined only when run as a script."""
+    flags.DEFINE_integer("faults", 100, "Faults to inject.", lower_bound=0)
+    flags.DEFINE_integer("seed", 0, "Seed of the faults' kinds and moments.")
+    flags.DEFINE_list("kinds", None, f"A subset of {', '.join(KINDS)} (default: all).")
+    flags.register_validator("kinds", _known_kinds)
+    flags.DEFINE_integer("steps", None, "Train steps (default: 5 per fault + 20).")
+    flags.DEFINE_integer("checkpoint_every", 5, "checkpoint_every_steps of the runs.",
+                         lower_bound=1)
+    flags.DEFINE_integer("log_every", 2, "Steps between log flushes (2: lines are buffered at "
+                         "saves).", lower_bound=1)
+    flags.DEFINE_integer("eval_every", 10, "eval_every_steps of the runs.", lower_bound=1)
+    flags.DEFINE_integer("processes", 1, "Training processes (1 or 2).", lower_bound=1,
+                         upper_bound=2)
+    flags.DEFINE_integer("heartbeat", 5, "distributed.heartbeat_timeout_seconds with 2 "
+                         "processes.")
+    flags.DEFINE_multi_string("config", [], "KEY=VALUE: another --config.KEY=VALUE for every "
+                              "train.py run, after the soak's own (repeatable; the tests shrink "
+                              "the model with it).")
+    flags.DEFINE_string("workdir", None, "Default: a new temporary directory.")
+    flags.DEFINE_string("out", "soak.json", "Where the summary (JSON) goes.")
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    args = flags.FLAGS
+    kinds = args.kinds or list(KINDS)
     total = args.steps or 5 * args.faults + 20
     base = pathlib.Path(args.workdir or f"/tmp/soak-{os.getpid()}")
     if base.exists():
@@ -406,4 +418,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    define_flags()
+    app.run(main)

@@ -20,10 +20,11 @@ Prints one line per figure and writes them as JSON to `--out` (the record a resu
 Used for docs/results/2026-12-04-span-corruption-transfer.md.
 """
 
-import argparse
 import json
 import os
 import sys
+
+from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -123,16 +124,23 @@ def probe(workdir: str, batches: int, seed: int = 0, step: int | None = None,
             "unigram_batches": unigram_batches, "weight_rms": weight_rms(params)}
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workdir", required=True)
-    parser.add_argument("--step", type=int, help="a checkpoint's step (default: the latest)")
-    parser.add_argument("--batches", type=int, default=5)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--unigram_batches", type=int, default=1000,
-                        help="training batches the unigram floor is counted on")
-    parser.add_argument("--out", help="write the figures as JSON here")
-    args = parser.parse_args()
+def define_flags() -> None:
+    """The command line's flags: defined only when run as a script (the tests import this
+    file)."""
+    flags.DEFINE_string("workdir", None, "A trained translation run's workdir.", required=True)
+    flags.DEFINE_integer("step", None, "A checkpoint's step (default: the latest).",
+                         lower_bound=0)
+    flags.DEFINE_integer("batches", 5, "Validation batches probed.", lower_bound=1)
+    flags.DEFINE_integer("seed", 0, "Seed of the random sources.")
+    flags.DEFINE_integer("unigram_batches", 1000, "Training batches the unigram floor is "
+                         "counted on.", lower_bound=1)
+    flags.DEFINE_string("out", None, "Write the figures as JSON here.")
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    args = flags.FLAGS
     figures = probe(args.workdir, args.batches, args.seed, args.step, args.unigram_batches)
     print(f"{args.workdir} (step {figures['step']}): validation perplexity "
           f"{figures['perplexity_true_sources']:.1f} with the true sources, "
@@ -146,4 +154,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    define_flags()
+    app.run(main)

@@ -11,11 +11,12 @@ per batch size. Prints one JSON line per point and a table; the figure needs mat
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import runpy
 import sys
+
+from absl import app, flags
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -64,14 +65,19 @@ def plot(points: list[dict], title: str, out: str) -> None:
     plotting.save(fig, out, dpi=100)
 
 
+def define_flags() -> None:
+    """The command line's flags: defined only when run as a script."""
+    flags.DEFINE_string("config", None, "A synthetic-data config file.", required=True)
+    flags.DEFINE_string("lengths", "32,64,128", "Sequence lengths, comma-separated.")
+    flags.DEFINE_string("batches", "8,16,32", "Rows per step, comma-separated.")
+    flags.DEFINE_integer("steps", 5, "Timed steps per point.")
+    flags.DEFINE_string("out", "sweep.png", "Where the plot goes.")
+
+
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="a synthetic-data config file")
-    parser.add_argument("--lengths", default="32,64,128")
-    parser.add_argument("--batches", default="8,16,32", help="rows per step")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per point")
-    parser.add_argument("--out", default="sweep.png")
-    args = parser.parse_args(argv)
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    args = flags.FLAGS
     lengths = [int(x) for x in args.lengths.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
     if min(lengths) < 2 or min(batches) < 1 or args.steps < 1:
@@ -90,4 +96,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    define_flags()
+    app.run(main)

@@ -17,13 +17,14 @@ their training FLOPs.
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import runpy
 import subprocess
 import sys
 import time
+
+from absl import app, flags
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -209,14 +210,30 @@ def plot(results: dict, out: pathlib.Path) -> None:
     plotting.save(fig, str(out), dpi=110)
 
 
+def define_flags() -> None:
+    """The command line's flags: defined only when run as a script (the tests run_path this
+    file)."""
+    flags.DEFINE_string("workdir", None, "One subdirectory per row.", required=True)
+    flags.DEFINE_string("rows", ",".join(TABLE3["ROWS"]), "The rows to train, comma-separated.")
+    flags.DEFINE_enum("scale", "reduced", ["reduced", "wmt14"], "The rows' data and length.")
+    flags.DEFINE_string("results", None, "The rows' figures, read and extended (JSON); default "
+                        "<workdir>/table3.json.")
+
+
+def parse_known_flags(argv: list[str]) -> list[str]:
+    """absl's parsing of our flags, with its one-line errors; flags of no one here are left in
+    the list returned, for train.py."""
+    try:
+        return flags.FLAGS(argv, known_only=True)
+    except flags.Error as error:
+        sys.exit(f"FATAL Flags parsing error: {error}\n"
+                 f"Pass --helpshort or --helpfull to see help on flags.")
+
+
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", required=True, help="one subdirectory per row")
-    parser.add_argument("--rows", default=",".join(TABLE3["ROWS"]))
-    parser.add_argument("--scale", choices=("reduced", "wmt14"), default="reduced")
-    parser.add_argument("--results", help="the rows' figures, read and extended (JSON); "
-                        "default <workdir>/table3.json")
-    args, extra = parser.parse_known_args(argv)
+    """`argv`: the program, then what absl left: flags of no one here, passed on to every
+    row's train.py."""
+    args, extra = flags.FLAGS, argv[1:]
     rows = args.rows.split(",")
     unknown = [row for row in rows if row not in TABLE3["ROWS"]]
     if unknown:
@@ -237,4 +254,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    define_flags()
+    app.run(main, flags_parser=parse_known_flags)

@@ -72,15 +72,22 @@ from transformer.parallel import sharding  # noqa: E402
 from transformer.sizing import flops  # noqa: E402
 from transformer.training import metrics, train_state  # noqa: E402
 
-config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).", lock_config=True)
-flags.DEFINE_integer("steps", 20, "Timed steps (after the warm-up).")
-flags.DEFINE_integer("warmup", 2, "Untimed steps first (the first run of a program is slower).")
-flags.DEFINE_integer("devices", None, "Fake this many CPU devices (default: what JAX sees).")
-flags.DEFINE_integer("gemm_size", 1024, "Side of the square float32 matmul that measures the "
-                     "CPU's rate (where the device's peak is unknown).")
-flags.DEFINE_integer("gemm_runs", 10, "Timed matmuls for the CPU rate.")
-flags.mark_flags_as_required(["config"])
 FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The command line's flags: defined only when run as a script (gpu_check.py, sweep.py and
+    peers/compare.py run_path this file for `benchmark`, under flags of their own)."""
+    config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).",
+                                    lock_config=True)
+    flags.DEFINE_integer("steps", 20, "Timed steps (after the warm-up).")
+    flags.DEFINE_integer("warmup", 2, "Untimed steps first (the first run of a program is "
+                         "slower).")
+    flags.DEFINE_integer("devices", None, "Fake this many CPU devices (default: what JAX sees).")
+    flags.DEFINE_integer("gemm_size", 1024, "Side of the square float32 matmul that measures "
+                         "the CPU's rate (where the device's peak is unknown).")
+    flags.DEFINE_integer("gemm_runs", 10, "Timed matmuls for the CPU rate.")
+    flags.mark_flags_as_required(["config"])
 
 
 def _times(fn, runs: int) -> list[float]:
@@ -288,4 +295,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

@@ -16,7 +16,6 @@ reaches, then one JSON line.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
@@ -24,6 +23,8 @@ import runpy
 import statistics
 import sys
 import time
+
+from absl import app, flags
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -56,13 +57,19 @@ def peer_steps_per_sec(cfg, shape: tuple[int, int, int], steps: int, warmup: int
     return 1 / statistics.median(times)
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workloads", default="cpu_small,cpu_base")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--warmup", type=int, default=2)
-    args = parser.parse_args(argv)
+def define_flags() -> None:
+    """The command line's flags: defined only when run as a script."""
+    flags.DEFINE_string("workloads", "cpu_small,cpu_base", "benchmarks/workloads/<name>.py, "
+                        "comma-separated.")
+    flags.DEFINE_integer("rounds", 3, "Rounds of ours then the peer, per workload.")
+    flags.DEFINE_integer("steps", 6, "Timed steps per round.")
+    flags.DEFINE_integer("warmup", 2, "Untimed steps first, per round.")
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    args = flags.FLAGS
     try:
         import torch  # noqa: F401
     except ImportError:
@@ -107,4 +114,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    define_flags()
+    app.run(main)

@@ -18,13 +18,14 @@ sinusoidal positions, ReLU and a tied output.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
 import statistics
 import sys
 import time
+
+from absl import app, flags
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -101,15 +102,21 @@ def compare(workdir: str, split: str, num_sentences: int, beam_sizes: list[int],
     return results
 
 
+def define_flags() -> None:
+    """The command line's flags: defined only when run as a script (the tests run_path this
+    file)."""
+    flags.DEFINE_string("workdir", None, "A trained translation run.", required=True)
+    flags.DEFINE_enum("split", "test", ["validation", "test"], "The split to read.")
+    flags.DEFINE_integer("num_sentences", 200, "Decode the first N sentences of the split.")
+    flags.DEFINE_string("beam_sizes", "4,1", "Beam sizes to time (1: greedy).")
+    flags.DEFINE_integer("batch_size", 32, "Sentences per search call.")
+    flags.DEFINE_integer("rounds", 2, "Timed rounds, ours and the peer interleaved (medians).")
+
+
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", required=True, help="A trained translation run.")
-    parser.add_argument("--split", default="test", choices=["validation", "test"])
-    parser.add_argument("--num_sentences", type=int, default=200)
-    parser.add_argument("--beam_sizes", default="4,1", help="Beam sizes to time (1: greedy).")
-    parser.add_argument("--batch_size", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=2)
-    args = parser.parse_args(argv)
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    args = flags.FLAGS
     beams = [int(b) for b in args.beam_sizes.split(",")]
     if min(args.num_sentences, args.batch_size, args.rounds, *beams) < 1:
         sys.exit("error: --num_sentences, --batch_size, --rounds and --beam_sizes must be >= 1")
@@ -129,4 +136,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    define_flags()
+    app.run(main)

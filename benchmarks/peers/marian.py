@@ -23,13 +23,14 @@ identical), then one JSON line per beam size.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
 import sys
 import tempfile
 import time
+
+from absl import app, flags
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -103,18 +104,23 @@ def compare(workdir: str, sources: list[str], references: list[str] | None, *,
     return records
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workdir", required=True, help="A post-LN translation run.")
-    parser.add_argument("--split", default="test", choices=["validation", "test"])
-    parser.add_argument("--num_sentences", type=int, default=500)
-    parser.add_argument("--beam_sizes", default="4,1", help="Beam sizes (1: greedy).")
-    parser.add_argument("--batch_size", type=int, default=32)
-    parser.add_argument("--alpha", type=float, default=None,
-                        help="Length penalty of both (default: the run's decode.alpha).")
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="Those before the last run ours alone, to compile it.")
-    args = parser.parse_args(argv)
+def define_flags() -> None:
+    """The command line's flags: defined only when run as a script (the tests run_path this
+    file)."""
+    flags.DEFINE_string("workdir", None, "A post-LN translation run.", required=True)
+    flags.DEFINE_enum("split", "test", ["validation", "test"], "The split to read.")
+    flags.DEFINE_integer("num_sentences", 500, "Translate the first N sentences of the split.")
+    flags.DEFINE_string("beam_sizes", "4,1", "Beam sizes (1: greedy).")
+    flags.DEFINE_integer("batch_size", 32, "Sentences per search call.")
+    flags.DEFINE_float("alpha", None, "Length penalty of both (default: the run's "
+                       "decode.alpha).")
+    flags.DEFINE_integer("rounds", 2, "Those before the last run ours alone, to compile it.")
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    args = flags.FLAGS
     # First: MarianMTModel's import loads torch's triton, whose libtriton.so segfaults when it
     # loads after jaxlib has initialised (seen here: dmesg, faulthandler in triton/knobs.py).
     from transformers import MarianMTModel  # noqa: F401
@@ -141,4 +147,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    define_flags()
+    app.run(main)
