@@ -1,16 +1,19 @@
-"""The paper's WMT14 recipe as one ConfigDict, shared by the `wmt14_*` configs.
+"""What the configs share: the mesh section, the data keys of files, and the paper's recipe.
 
-Not a config itself (it has no `get_config`): the config files load it by path, since
-ml_collections' `config_flags` loads a config as a file and `configs/` is not a package:
+Not a config itself (it has no `get_config`). The config files import it as a module:
 
-    paper_config = runpy.run_path(str(pathlib.Path(__file__).with_name("common.py")))[
-        "paper_config"]
+    from configs import common
 
-Values follow "Attention Is All You Need" (arXiv 1706.03762 v7) and
-`docs/paper-recipe.md`: post-norm, sinusoidal positions, one embedding shared by
-source, target and the pre-softmax projection, Adam(0.9, 0.98, 1e-9) with the paper's
-d_model^-0.5 · min(step^-0.5, step · 4000^-1.5) schedule, label smoothing 0.1, ~25k target tokens
-per update, beam 4 with length penalty 0.6.
+Every config builds its `mesh` section with `mesh()`, so each mesh axis can be set from the
+command line on any config (`--config.mesh.expert=2`). A config whose data can come from files
+takes the keys of files from `language_model_files()`, `translation_files()` or
+`classification_files()`, so that `--config.data.text_field=body` works on every language model.
+
+`paper_config` is the paper's WMT14 recipe, shared by the `wmt14_*` configs. Its values follow
+"Attention Is All You Need" (arXiv 1706.03762 v7) and `docs/paper-recipe.md`: post-norm,
+sinusoidal positions, one embedding shared by source, target and the pre-softmax projection,
+Adam(0.9, 0.98, 1e-9) with the paper's d_model^-0.5 · min(step^-0.5, step · 4000^-1.5)
+schedule, label smoothing 0.1, ~25k target tokens per update, beam 4 with length penalty 0.6.
 """
 
 from ml_collections import config_dict
@@ -27,11 +30,73 @@ LANGUAGE_PAIRS = {  # target language -> TFDS dataset and shared vocabulary size
 }
 
 
-# Dense feed-forward layers (num_experts 0); the rest is read where num_experts > 0 (docs/moe.md).
-# Held by every model config so that --config.model.num_experts=8 reaches it (lm_common.py too).
+# Dense feed-forward layers (num_experts 0). The other keys are read where num_experts > 0
+# (docs/moe.md). The paper's configs and the language models (lm_common.py) hold them all, so
+# that --config.model.num_experts=8 reaches those configs.
 EXPERTS_OFF = dict(num_experts=0, experts_per_token=2, moe_layer_interval=1,
                    moe_router_scores="softmax", moe_renormalize=True, moe_shared_expert=False,
                    moe_capacity_factor=0.0, moe_aux_loss_coef=0.01, moe_z_loss_coef=0.001)
+
+# The mesh axes, in the order of transformer/parallel/sharding.py. This module imports no JAX
+# (train.py sets up fake devices before JAX starts), so it names the axes itself, and
+# tests/test_config.py checks them against sharding.CONFIG_KEYS.
+MESH_AXES = ("data", "fsdp", "context", "tensor", "expert")
+
+
+def mesh(**sizes: int) -> config_dict.ConfigDict:
+    """The `mesh` section of a config: each axis's size within a TPU slice, and across slices.
+
+    Unless `sizes` says otherwise, `data` takes the devices that the other axes leave (-1) and
+    every other axis is 1. Across slices (the `dcn_` keys), data parallelism takes all the
+    slices. A size of -1 takes whatever the other axes leave.
+    """
+    section = {axis: 1 for axis in MESH_AXES}
+    section["data"] = -1
+    for axis in MESH_AXES:
+        section[f"dcn_{axis}"] = 1
+    section["dcn_data"] = -1
+    unknown = sorted(set(sizes) - set(section))
+    if unknown:
+        raise ValueError(f"mesh(): unknown axes {unknown}; the keys are {sorted(section)}")
+    section.update(sizes)
+    return config_dict.ConfigDict(section)
+
+
+def language_model_files() -> dict:
+    """The data keys a language model reads when `data.dataset` names files (docs/data.md).
+
+    They are set on every language model, so that any of them can train on files. With a TFDS
+    dataset and no `sources`, only `vocab_path` is read.
+    """
+    return dict(
+        eval_dataset="",  # "": the dataset's own validation files (a hub-layout directory)
+        text_field="text",  # the field of a document, dotted for nested fields: meta.text
+        shuffle_window=8,  # shards read together (and held decoded) per host
+        skip_bad_lines=False,  # True: skip and count malformed jsonl lines
+        sources=(),  # several datasets mixed by token share: ({"dataset": .., "weight": ..}, ..)
+        vocab_path="",  # "": train SentencePiece on a sample of the documents
+    )
+
+
+def translation_files() -> dict:
+    """The data keys a translation model reads when `data.dataset` names files."""
+    return dict(
+        eval_dataset="",  # "": the directory's validation-*.parquet
+        source_field="",  # "": the source language code (or translation.<code>)
+        target_field="",  # "": the target language code (or translation.<code>)
+        skip_bad_lines=False,  # True: skip and count malformed jsonl lines
+        vocab_path="",  # "": train SentencePiece on the training pairs
+    )
+
+
+def classification_files() -> dict:
+    """The data keys a text classifier reads when `data.dataset` names files."""
+    return dict(
+        eval_dataset="",  # "": the dataset's own validation files
+        text_field="",  # "": data.text_feature's name
+        label_field="",  # "": data.label_feature's name
+        vocab_path="",  # "": train SentencePiece on the texts
+    )
 
 
 def paper_config(*, size: str, target_lang: str, dropout_rate: float) -> config_dict.ConfigDict:
@@ -43,7 +108,7 @@ def paper_config(*, size: str, target_lang: str, dropout_rate: float) -> config_
     cfg.init_from = ""  # a run (workdir, workdir:step, or params dir) to start from
     cfg.init_from_exclude = ""  # a regex of parameter paths init_from leaves fresh
     cfg.num_train_steps = shape["num_train_steps"]
-    cfg.mesh = config_dict.ConfigDict(dict(data=-1, fsdp=1, context=1, tensor=1))
+    cfg.mesh = mesh()
     cfg.checkpoint_every_steps = 1000  # full checkpoints (params, Adam moments, data position)
     cfg.checkpoint_every_minutes = 10  # for resuming after preemption
     cfg.keep_checkpoints = 3
@@ -67,7 +132,8 @@ def paper_config(*, size: str, target_lang: str, dropout_rate: float) -> config_
         data_dir=config_dict.placeholder(str),  # TFDS data_dir; None: TFDS's default
         manual_dir=config_dict.placeholder(str),  # raw WMT archives (docs/data.md)
         vocab_sample_pairs=500_000,  # SentencePiece trains on this many training pairs
-        workers=0))  # Grain processes producing this process's batches; 0: the loop itself
+        workers=0,  # Grain processes producing this process's batches; 0: the loop itself
+        **translation_files()))
     cfg.data.max_rows_per_device = 32  # one microbatch, one device; lower it if memory binds
     cfg.grad_accum_steps = 0  # 0: sized from the device count, the fewest microbatches that
     # keep each device within data.max_rows_per_device: 1 on 8 devices, 4 on one

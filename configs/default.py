@@ -29,6 +29,8 @@ Expected: test sacreBLEU 25.0 (tokenized compound-split BLEU 26.0), test perplex
 
 from ml_collections import config_dict
 
+from configs import common
+
 
 def get_config():
     cfg = config_dict.ConfigDict()
@@ -37,7 +39,7 @@ def get_config():
     cfg.init_from_exclude = ""  # a regex of parameter paths init_from leaves fresh
     cfg.num_train_steps = 5000
     cfg.log_every_steps = 50
-    cfg.mesh = config_dict.ConfigDict(dict(data=-1, fsdp=1, context=1, tensor=1))
+    cfg.mesh = common.mesh()
     cfg.checkpoint_every_steps = 500
     cfg.checkpoint_every_minutes = 10
     cfg.keep_checkpoints = 3
@@ -55,7 +57,8 @@ def get_config():
         data_dir=config_dict.placeholder(str),  # TFDS data_dir; None: TFDS's default
         manual_dir=config_dict.placeholder(str),  # an unpacked tree instead of apt (tests)
         vocab_sample_pairs=100_000,  # more than the corpus: the whole training split
-        workers=0))  # Grain processes producing this process's batches; 0: the loop itself
+        workers=0,  # Grain processes producing this process's batches; 0: the loop itself
+        **common.translation_files()))
     cfg.grad_accum_steps = 1
     cfg.model = config_dict.ConfigDict(dict(
         architecture="encoder_decoder", vocab_size=cfg.data.get_ref("vocab_size"),

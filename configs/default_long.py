@@ -13,15 +13,11 @@ Hardware, time and expected result (seed 0, a 2-core CPU VM): 3.3 hours of train
 test sacreBLEU 36.35, test perplexity 7.43 (docs/results/2026-12-02-default-long.md).
 """
 
-import pathlib
-import runpy
-
-default_config = runpy.run_path(str(pathlib.Path(__file__).with_name("default.py")))[
-    "get_config"]
+from configs import default
 
 
 def get_config():
-    cfg = default_config()
+    cfg = default.get_config()
     cfg.num_train_steps = 30_000
     cfg.bleu_every_steps = 5000
     cfg.log_every_steps = 100

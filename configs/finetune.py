@@ -14,11 +14,10 @@ tokens, 16 rows per update, float32; no dropout unless the checkpoint's config a
 
 import json
 import pathlib
-import runpy
 
 from ml_collections import config_dict
 
-HERE = pathlib.Path(__file__).parent
+from configs.lm_default import cpu_config
 
 
 def get_config(pretrained: str = ""):
@@ -32,8 +31,7 @@ def get_config(pretrained: str = ""):
         raise ValueError(f"configs/finetune.py:{pretrained}: {path} is missing; give a run's "
                          f"workdir (python -m transformer.convert import writes one)")
     recorded = json.loads(path.read_text())
-    cfg = runpy.run_path(str(HERE / "lm_default.py"))["cpu_config"](
-        "causal", num_train_steps=500, learning_rate=1e-4, warmup_steps=50)
+    cfg = cpu_config("causal", num_train_steps=500, learning_rate=1e-4, warmup_steps=50)
     cfg.model = config_dict.ConfigDict(recorded["model"])
     cfg.data.vocab_size = cfg.model.vocab_size
     cfg.data.max_length = min(cfg.data.max_length, cfg.model.max_len)

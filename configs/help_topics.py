@@ -25,16 +25,13 @@ docs/results/2026-12-01-help-topics.md (with the baselines of
 `benchmarks/help_topics_baselines.py` on the same splits).
 """
 
-import pathlib
-import runpy
-
 from ml_collections import config_dict
 
-_mlm = runpy.run_path(str(pathlib.Path(__file__).with_name("mlm_default.py")))
+from configs import common, mlm_default
 
 
 def get_config():
-    cfg = _mlm["get_config"]()
+    cfg = mlm_default.get_config()
     cfg.model.architecture = "classifier"
     cfg.model.num_classes = 8
     cfg.model.pooling = "gap"
@@ -47,7 +44,8 @@ def get_config():
         data_dir=config_dict.placeholder(str),  # TFDS data_dir; None: TFDS's default
         manual_dir=config_dict.placeholder(str),  # an unpacked LibreOffice help tree
         vocab_sample_documents=200_000,  # from scratch: SentencePiece's training texts
-        workers=0))  # Grain processes producing this process's batches; 0: the loop itself
+        workers=0,  # Grain processes producing this process's batches; 0: the loop itself
+        **common.classification_files()))
     cfg.model.vocab_size = cfg.data.get_ref("vocab_size")
     cfg.init_from = ""  # --config.init_from=runs/mlm_default to fine-tune the masked LM
     cfg.num_train_steps = 600

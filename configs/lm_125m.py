@@ -10,17 +10,15 @@ temporaries; 4 (8 micro-batches, the same update) take 8.46 GiB
 (docs/results/2026-12-05-input-need.md). Data: TFDS `c4/en` (prepare it with
 TFDS on a machine with internet; 365M documents), SentencePiece 32k trained on 200k of them.
 12 layers, d_model 768, 12 heads (4 key/value heads), SwiGLU d_ff 2048, rows of 2,048 tokens,
-256 rows (524k tokens) per update, 10,000 updates (5.2B tokens, about Chinchilla's 20 tokens
-per parameter), bfloat16 compute, AdamW 6e-4.
+256 rows (524k tokens) per update, bfloat16 compute, AdamW 6e-4. The 10,000 updates see 5.2B
+tokens. That is about 42 tokens for each of the 124.7M parameters (`--summary`), twice the 20
+per parameter that Chinchilla found compute-optimal.
 
 Expected: C4 validation perplexity in the low 20s (GPT-style 125M models at ~5B tokens);
 not yet run by this project. Throughput on this project's CPU: `benchmarks/workloads/lm_125m.py`.
 """
 
-import pathlib
-import runpy
-
-lm_config = runpy.run_path(str(pathlib.Path(__file__).with_name("lm_common.py")))["lm_config"]
+from configs.lm_common import lm_config
 
 
 def get_config():

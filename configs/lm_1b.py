@@ -12,10 +12,7 @@ tokens per device per microbatch, remat of everything but the matmuls without a 
 Expected: C4 validation perplexity in the mid teens; not yet run by this project.
 """
 
-import pathlib
-import runpy
-
-lm_config = runpy.run_path(str(pathlib.Path(__file__).with_name("lm_common.py")))["lm_config"]
+from configs.lm_common import lm_config
 
 
 def get_config():

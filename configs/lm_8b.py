@@ -14,10 +14,7 @@ test), but its 16 bytes per parameter (float32 params, gradients, Adam moments) 
 Expected: not yet run by this project.
 """
 
-import pathlib
-import runpy
-
-lm_config = runpy.run_path(str(pathlib.Path(__file__).with_name("lm_common.py")))["lm_config"]
+from configs.lm_common import lm_config
 
 
 def get_config():

@@ -1,11 +1,9 @@
 """The language-model recipe as one ConfigDict, shared by the `lm_*` configs (and
 `mlm_default.py` through `lm_default.py`).
 
-Not a config itself (no `get_config`); the config files load it by path, as the `wmt14_*`
-configs load `common.py`:
+Not a config itself (it has no `get_config`). The config files import it as a module:
 
-    lm_config = runpy.run_path(str(pathlib.Path(__file__).with_name("lm_common.py")))[
-        "lm_config"]
+    from configs import lm_common
 
 The block is the paper's with the options its successors settled on (Llama-style): pre-LN with
 RMSNorm, RoPE, SwiGLU feed-forward, grouped-query attention, no biases, an untied output
@@ -14,12 +12,9 @@ warmup then cosine decay to 10%, no dropout, no label smoothing. Packed rows of
 `data.max_length` tokens, no attention across documents (`transformer/data/language_model.py`).
 """
 
-import pathlib
-import runpy
-
 from ml_collections import config_dict
 
-EXPERTS_OFF = runpy.run_path(str(pathlib.Path(__file__).with_name("common.py")))["EXPERTS_OFF"]
+from configs import common
 
 OBJECTIVE_ARCHITECTURE = {"causal": "decoder", "prefix": "decoder", "masked": "encoder",
                           "span_corruption": "encoder_decoder"}
@@ -32,7 +27,9 @@ def lm_config(*, objective: str, dataset: str, vocab_size: int, max_length: int,
               remat_policy: str = "none", eval_split: str = "validation",
               max_rows_per_device: int = 0) -> config_dict.ConfigDict:
     """A `data.objective` ("causal", "prefix", "masked" or "span_corruption") language model
-    on TFDS `dataset`; span corruption trains an encoder-decoder of `num_layers` + `num_layers`."""
+    on TFDS `dataset`. Span corruption trains an encoder-decoder of `num_layers` + `num_layers`.
+    `mesh` gives the sizes of the mesh axes. The keys it leaves out keep `common.mesh()`'s
+    defaults."""
     architecture = OBJECTIVE_ARCHITECTURE[objective]
     cfg = config_dict.ConfigDict()
     cfg.seed = 0
@@ -40,7 +37,7 @@ def lm_config(*, objective: str, dataset: str, vocab_size: int, max_length: int,
     cfg.init_from_exclude = ""  # a regex of parameter paths init_from leaves fresh
     cfg.num_train_steps = num_train_steps
     cfg.log_every_steps = 50
-    cfg.mesh = config_dict.ConfigDict({"context": 1, **mesh})  # context: sequence split
+    cfg.mesh = common.mesh(**mesh)
     cfg.checkpoint_every_steps = 1000
     cfg.checkpoint_every_minutes = 30  # for resuming after preemption
     cfg.keep_checkpoints = 3
@@ -61,7 +58,8 @@ def lm_config(*, objective: str, dataset: str, vocab_size: int, max_length: int,
         manual_dir=config_dict.placeholder(str),
         vocab_sample_documents=200_000,  # SentencePiece trains on this many documents
         pack_groups=1,  # packing groups: a process reads only its groups' shards and documents
-        workers=0))  # Grain processes producing this process's batches; 0: the loop itself
+        workers=0,  # Grain processes producing this process's batches; 0: the loop itself
+        **common.language_model_files()))
     cfg.data.max_rows_per_device = max_rows_per_device
     cfg.grad_accum_steps = 0 if max_rows_per_device else 1  # 0: sized from the device count
     cfg.model = config_dict.ConfigDict(dict(
@@ -77,7 +75,7 @@ def lm_config(*, objective: str, dataset: str, vocab_size: int, max_length: int,
         max_len=max_length, dtype=dtype, scan_layers=scan_layers, remat_policy=remat_policy,
         attention_implementation="auto", norm_eps=1e-6, rope_theta=10000.0,
         scale_embeddings=True,  # an imported Llama (python -m transformer.convert): False
-        **EXPERTS_OFF))
+        **common.EXPERTS_OFF))
     cfg.optimizer = config_dict.ConfigDict(dict(
         name="adamw", schedule="cosine", learning_rate=learning_rate,
         warmup_steps=warmup_steps, end_fraction=0.1,

@@ -18,12 +18,9 @@ machine is free, 1.7 GB peak host memory. Expected: validation perplexity 46 at 
 (docs/results/2026-11-29-lm-default.md).
 """
 
-import pathlib
-import runpy
-
 from ml_collections import config_dict
 
-lm_config = runpy.run_path(str(pathlib.Path(__file__).with_name("lm_common.py")))["lm_config"]
+from configs.lm_common import lm_config
 
 
 def cpu_config(objective: str, *, num_train_steps: int, learning_rate: float,

@@ -16,32 +16,26 @@ directory in the Hugging Face hub's parquet layout (`<dir>/train-*.parquet`,
 computed on the fly (shards shuffled, rows shuffled within windows of `data.shuffle_window`
 shards), so batch i is a function of (seed, i) and a run resumes exactly. SentencePiece trains
 on `data.vocab_sample_documents` documents drawn across all shards, or `data.vocab_path` names
-a SentencePiece model to use as is. `data.sources` mixes several globs by token share, e.g.
-[{"dataset": "jsonl:/d/web/*.zst", "weight": 0.7}, {"dataset": "parquet:/d/code/*", "weight":
-0.3}] (docs/data.md). Model and cadence without a size: `lm_default.py`'s (d_model 256, 4
+a SentencePiece model to use as is. `data.sources` mixes several globs by token share
+(docs/data.md). On the command line it is a tuple:
+
+    --config.data.sources='({"dataset": "jsonl:/d/web/*.zst", "weight": 0.7},
+                            {"dataset": "parquet:/d/code/*", "weight": 0.3})'
+
+Every language model config holds these keys (configs/common.py), so any of them trains on
+files as well. Without a size, the model and cadence are `lm_default.py`'s (d_model 256, 4
 layers).
 """
 
-import pathlib
-import runpy
+from configs import lm_1b, lm_8b, lm_125m, lm_default
 
-HERE = pathlib.Path(__file__).parent
+SIZES = {"125m": lm_125m, "1b": lm_1b, "8b": lm_8b}
 
 
 def get_config(size: str = ""):
-    if size:
-        if size not in ("125m", "1b", "8b"):
-            raise ValueError(f"--config=configs/lm_files.py:{size}: the size is 125m, 1b or 8b")
-        cfg = runpy.run_path(str(HERE / f"lm_{size}.py"))["get_config"]()
-    else:
-        cpu_config = runpy.run_path(str(HERE / "lm_default.py"))["cpu_config"]
-        cfg = cpu_config("causal", num_train_steps=1500, learning_rate=3e-3, warmup_steps=100)
-        cfg.generate.max_new_tokens = 40
+    if size and size not in SIZES:
+        raise ValueError(f"--config=configs/lm_files.py:{size}: the size is 125m, 1b or 8b")
+    cfg = SIZES[size].get_config() if size else lm_default.get_config()
     cfg.data.dataset = "jsonl:corpus/train-*.jsonl.zst"
     cfg.data.eval_dataset = "jsonl:corpus/validation-*.jsonl.zst"
-    cfg.data.eval_split = "validation"
-    cfg.data.text_field = "text"
-    cfg.data.shuffle_window = 8  # shards read together (and held decoded) per host
-    cfg.data.skip_bad_lines = False  # True: skip and count malformed jsonl lines
-    cfg.data.vocab_path = ""  # "": train SentencePiece on a sample across all shards
     return cfg

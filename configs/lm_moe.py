@@ -14,10 +14,7 @@ CPU): fits, 12.76 GiB peak of 14.90 GiB per chip; estimated 2.39 s an update, 17
 (docs/moe.md, "TPU compiles"). With 16 rows per device and no remat it does not fit.
 """
 
-import pathlib
-import runpy
-
-lm_config = runpy.run_path(str(pathlib.Path(__file__).with_name("lm_common.py")))["lm_config"]
+from configs.lm_common import lm_config
 
 
 def get_config():

@@ -16,10 +16,7 @@ update, bfloat16.
 Expected: not yet run by this project; see docs/moe.md for its compile on v5p-128.
 """
 
-import pathlib
-import runpy
-
-lm_config = runpy.run_path(str(pathlib.Path(__file__).with_name("lm_common.py")))["lm_config"]
+from configs.lm_common import lm_config
 
 
 def get_config():

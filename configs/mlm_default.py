@@ -7,10 +7,7 @@ The data and block of `configs/lm_default.py`, encoder-only: 15% of the tokens a
 perplexity) counts the selected positions alone (`transformer/data/language_model.py`).
 """
 
-import pathlib
-import runpy
-
-cpu_config = runpy.run_path(str(pathlib.Path(__file__).with_name("lm_default.py")))["cpu_config"]
+from configs.lm_default import cpu_config
 
 
 def get_config():

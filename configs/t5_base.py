@@ -14,10 +14,7 @@ root schedule). Data: TFDS `c4/en`, prepared with TFDS where there is internet.
 Not yet run by this project.
 """
 
-import pathlib
-import runpy
-
-lm_config = runpy.run_path(str(pathlib.Path(__file__).with_name("lm_common.py")))["lm_config"]
+from configs.lm_common import lm_config
 
 
 def get_config():

@@ -22,10 +22,7 @@ A run of this config is the starting point for fine-tuning the encoder-decoder o
 (`init_from`, docs/language-models.md).
 """
 
-import pathlib
-import runpy
-
-lm_config = runpy.run_path(str(pathlib.Path(__file__).with_name("lm_common.py")))["lm_config"]
+from configs.lm_common import lm_config
 
 
 def get_config():

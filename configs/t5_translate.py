@@ -24,15 +24,12 @@ Measured (2,000 updates each, a 2-core CPU VM): docs/results/2026-12-04-span-cor
 section 10.
 """
 
-import pathlib
-import runpy
-
-HERE = pathlib.Path(__file__).parent
+from configs import default, t5_default
 
 
 def get_config():
-    cfg = runpy.run_path(str(HERE / "default.py"))["get_config"]()
-    pretraining = runpy.run_path(str(HERE / "t5_default.py"))["get_config"]()
+    cfg = default.get_config()
+    pretraining = t5_default.get_config()
     cfg.model = pretraining.model
     cfg.model.vocab_size = cfg.data.get_ref("vocab_size")
     cfg.model.max_len = cfg.data.get_ref("max_length")

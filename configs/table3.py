@@ -25,10 +25,8 @@ B: d_k 16 and 32 with d_v unchanged; C: N 2/4/8, d_model 256/1024 (d_k = d_v sca
 d_ff 1024/4096; D: P_drop 0.0/0.2, label smoothing 0.0/0.2; E: learned positions; big.
 """
 
-import pathlib
-import runpy
+from configs import default, wmt14_ende_base
 
-HERE = pathlib.Path(__file__).parent
 REDUCED = dict(d_model=128, d_ff=512, num_heads=8, num_layers=3)
 REDUCED_STEPS = 2000
 REDUCED_LEARNING_RATE = 2e-3  # the base row's peak (configs/default.py's)
@@ -77,8 +75,8 @@ ROWS = {
 
 def _base(scale: str):
     if scale == "wmt14":
-        return runpy.run_path(str(HERE / "wmt14_ende_base.py"))["get_config"]()
-    cfg = runpy.run_path(str(HERE / "default.py"))["get_config"]()
+        return wmt14_ende_base.get_config()
+    cfg = default.get_config()
     cfg.model.update(d_model=REDUCED["d_model"], d_ff=REDUCED["d_ff"],
                      num_heads=REDUCED["num_heads"], num_encoder_layers=REDUCED["num_layers"],
                      num_decoder_layers=REDUCED["num_layers"],

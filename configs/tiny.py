@@ -11,6 +11,8 @@ It is also the fast workload of the tests and smoke runs.
 
 from ml_collections import config_dict
 
+from configs import common
+
 
 def get_config():
     cfg = config_dict.ConfigDict()
@@ -18,7 +20,7 @@ def get_config():
     cfg.init_from = ""  # a run (workdir, workdir:step, or params dir) to start from
     cfg.num_train_steps = 300
     cfg.log_every_steps = 10
-    cfg.mesh = config_dict.ConfigDict(dict(data=-1, fsdp=1, context=1, tensor=1))
+    cfg.mesh = common.mesh()
     cfg.checkpoint_every_steps = 100
     cfg.checkpoint_every_minutes = 0  # 0: off
     cfg.keep_checkpoints = 3

@@ -20,6 +20,8 @@ centre; docs/vision.md). `configs/vit_b16_imagenet.py` is this file's B/16.
 
 from ml_collections import config_dict
 
+from configs import common
+
 SIZES = {  # num_layers, d_model, d_ff, num_heads
     "Ti": (12, 192, 768, 3),
     "S": (12, 384, 1536, 6),
@@ -58,7 +60,7 @@ def base_config() -> config_dict.ConfigDict:
     cfg.seed = 0
     cfg.init_from = ""  # a run (workdir, workdir:step, or params dir) to start from
     cfg.init_from_exclude = ""  # a regex of parameter paths init_from leaves fresh
-    cfg.mesh = config_dict.ConfigDict(dict(data=-1, fsdp=1, context=1, tensor=1))
+    cfg.mesh = common.mesh()
     cfg.log_every_steps = 100
     cfg.checkpoint_every_steps = 2000
     cfg.checkpoint_every_minutes = 10

@@ -10,11 +10,8 @@ The sizes and the recipe live in `configs/vit.py` (this is its `B/16`); ImageNet
 where a user has prepared it (`transformer/data/images.py`).
 """
 
-import pathlib
-import runpy
-
-vit_config = runpy.run_path(str(pathlib.Path(__file__).with_name("vit.py")))["get_config"]
+from configs import vit
 
 
 def get_config():
-    return vit_config("B/16")
+    return vit.get_config("B/16")

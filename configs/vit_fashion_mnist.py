@@ -19,18 +19,15 @@ Hardware, time and expected result: a 2-core CPU VM, 8.5-18.5 minutes for the 4,
 (docs/results/2026-12-02-vit-fashion-mnist.md, with the recipes compared).
 """
 
-import pathlib
-import runpy
-
 from ml_collections import config_dict
 
-_vit = runpy.run_path(str(pathlib.Path(__file__).with_name("vit.py")))
+from configs import vit
 
 
 def get_config():
-    cfg = _vit["base_config"]()
-    cfg.model = _vit["vit_model"]((6, 64, 128, 4), 7, image_size=28, num_channels=1,
-                                  num_classes=10, dropout_rate=0.0, dtype="float32")
+    cfg = vit.base_config()
+    cfg.model = vit.vit_model((6, 64, 128, 4), 7, image_size=28, num_channels=1,
+                              num_classes=10, dropout_rate=0.0, dtype="float32")
     cfg.model.scan_layers = False
     cfg.data = config_dict.ConfigDict(dict(
         dataset="offline_fashion_mnist", batch_size=256, eval_batch_size=500,

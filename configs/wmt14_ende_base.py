@@ -16,10 +16,7 @@ see docs/paper-recipe.md). Dev (newstest2013) perplexity 4.92 per word-piece.
 63.1M parameters with a shared vocabulary of 37,000.
 """
 
-import pathlib
-import runpy
-
-paper_config = runpy.run_path(str(pathlib.Path(__file__).with_name("common.py")))["paper_config"]
+from configs.common import paper_config
 
 
 def get_config():

@@ -15,10 +15,7 @@ sacreBLEU (`bleu`; fairseq's big model: 28.6 sacreBLEU for 29.3 compound-split).
 4.33. 214.2M parameters with a shared vocabulary of 37,000.
 """
 
-import pathlib
-import runpy
-
-paper_config = runpy.run_path(str(pathlib.Path(__file__).with_name("common.py")))["paper_config"]
+from configs.common import paper_config
 
 
 def get_config():

@@ -13,10 +13,7 @@ Expected on newstest2014 (full), last 20 averaged, beam 4, alpha 0.6: 41.8 token
 40.5-41 detokenized sacreBLEU (`bleu`; detokenized scores run 1-1.5 below tokenized ones).
 """
 
-import pathlib
-import runpy
-
-paper_config = runpy.run_path(str(pathlib.Path(__file__).with_name("common.py")))["paper_config"]
+from configs.common import paper_config
 
 
 def get_config():

@@ -1,13 +1,19 @@
 """The top-level config (transformer/config.py): every check runs before device work and is
 one line naming the key; `resolve` fills defaults, sizes accumulation, types the model."""
 
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
+from conftest import subprocess_env
 from ml_collections import ConfigDict
 
+from configs import common, holders
 from transformer.config import TOP_LEVEL, resolve
 from transformer.model.transformer import TransformerConfig
+from transformer.parallel import sharding
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -64,6 +70,114 @@ def test_every_config_takes_data_workers_from_the_command_line(path, load_config
     cfg.lock()
     cfg.data.workers = 2
     assert resolve(cfg, POD_DEVICES.get(path, 1), config_file=path).config.data.workers == 2
+
+
+CONFIGS = [p for p in CONFIG_FILES if p.startswith("configs/")]
+SPLITS_EXPERTS = {"configs/lm_moe.py", "configs/mixtral_8x7b.py"}
+
+
+def test_the_mesh_section_of_the_configs_is_the_meshs():
+    """configs/common.py's `mesh()` holds every key that sharding reads, with its defaults."""
+    section = common.mesh()
+    assert common.MESH_AXES == sharding.MESH_AXES + (sharding.EXPERT_AXIS,)
+    assert set(section) == sharding.CONFIG_KEYS
+    for key, default in {**sharding.MESH_DEFAULTS, **sharding.DCN_DEFAULTS}.items():
+        assert section[key] == default
+
+
+@pytest.mark.parametrize("path", CONFIGS)
+def test_every_config_holds_every_mesh_key(path, load_config):
+    """`--config.mesh.expert` and the `dcn_` keys reach every config, and the mesh shape of a
+    config that does not split experts leaves the expert axis out, as before every config
+    declared it."""
+    cfg = load_config(path)
+    assert set(cfg.mesh) == sharding.CONFIG_KEYS
+    shape = resolve(cfg, POD_DEVICES.get(path, 1), config_file=path).mesh_shape
+    assert ("expert" in shape) == (path in SPLITS_EXPERTS)
+
+
+FILE_KEYS = {"language model": common.language_model_files,
+             "translation": common.translation_files,
+             "classification": common.classification_files}
+
+
+def _source(cfg) -> str | None:
+    """The kind of source a config's data builds (`transformer.data.make_source`), where it
+    can read files: None for images and the synthetic task."""
+    objective = cfg.data.get("objective")
+    if objective == "classification":
+        return "classification"
+    if objective:
+        return "language model"
+    if cfg.model.architecture == "vision" or cfg.data.dataset == "synthetic":
+        return None
+    return "translation"
+
+
+@pytest.mark.parametrize("path", CONFIGS)
+def test_every_config_holds_the_file_keys_of_its_source(path, load_config):
+    """`--config.data.text_field` reaches every language model, not only lm_files.py, and the
+    translation and classification configs hold their own keys of files."""
+    cfg = load_config(path)
+    source = _source(cfg)
+    expected = set(FILE_KEYS[source]()) if source else set()
+    assert expected <= set(cfg.data), f"{path} ({source}) lacks {expected - set(cfg.data)}"
+
+
+def test_every_kind_of_source_has_a_config(load_config):
+    """The test above checks every kind of source's keys on at least one config."""
+    assert set(FILE_KEYS) <= {_source(load_config(path)) for path in CONFIGS}
+
+
+def test_the_language_model_default_takes_the_expert_axis_and_the_text_field(load_config):
+    """The issue's two flags on configs/lm_default.py, as a locked config takes them."""
+    cfg = load_config("lm_default.py")
+    cfg.lock()
+    cfg.mesh.expert = 2
+    cfg.data.text_field = "body"
+    run = resolve(cfg, 8, config_file="configs/lm_default.py")
+    assert run.mesh_shape == {"data": 4, "fsdp": 1, "context": 1, "tensor": 1, "expert": 2}
+    assert run.config.data.text_field == "body"
+
+
+def test_no_config_runs_another_by_path():
+    """Configs import what they share as modules (`from configs import common`)."""
+    assert [p.name for p in (ROOT / "configs").glob("*.py") if "runpy" in p.read_text()] == []
+
+
+def test_a_config_loads_by_path_from_any_directory(tmp_path):
+    """convert.py and the benchmarks load a config by its path, from wherever they run: its
+    `from configs import ...` then needs the installed package (pyproject.toml)."""
+    config = ROOT / "configs" / "lm_files.py"
+    code = f"import runpy; runpy.run_path({str(config)!r})['get_config']('125m')"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, (
+        f"{result.stderr.strip().splitlines()[-1]}: install the project again "
+        f"(pip install -e .) so that the configs package imports")
+
+
+def test_train_py_takes_the_flags_from_another_directory(tmp_path):
+    """`--config.mesh.expert`, `--config.data.text_field` and `--config.data.sources` on
+    configs/lm_default.py, given to train.py by absolute paths from another directory."""
+    sources = '({"dataset": "jsonl:web/*.zst", "weight": 0.7},)'
+    flags = ["--config.mesh.expert=2", "--config.data.text_field=body",
+             f"--config.data.sources={sources}"]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), f"--config={ROOT / 'configs/lm_default.py'}",
+         "--summary", *flags],
+        cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert "total_params:" in result.stdout
+
+
+def test_a_key_names_the_configs_that_hold_it():
+    """`configs.holders`, for the line that says the config in use lacks a key."""
+    assert holders("data.label_field") == "configs/help_topics.py holds it"
+    assert holders("data.source_field").startswith("configs/default.py, ")
+    assert holders("data.source_field").endswith(" more hold it")
+    assert holders("data.no_such_key") == ""
 
 
 @pytest.mark.parametrize("key, value, message", [

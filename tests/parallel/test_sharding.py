@@ -46,3 +46,21 @@ def test_expert_axis_splits_the_batch_and_the_experts():
         "expert", "fsdp", "tensor")
     with pytest.raises(ValueError, match="mesh.expert=4 does not divide model.num_experts=6"):
         sharding.validate_mesh_for_model(shape, TransformerConfig(num_experts=6))
+
+
+def test_mesh_shape_names_the_expert_axis_only_where_experts_are_split():
+    """Every config declares `mesh.expert = 1`, and a run's config.json from before it has no
+    such key. Neither names the axis in `mesh_shape`, so summaries and run metadata stay as
+    they were. A size of -1 or above 1 names it, within a slice or across slices."""
+    declared = {"data": -1, "fsdp": 1, "context": 1, "tensor": 1, "expert": 1,
+                "dcn_data": -1, "dcn_fsdp": 1, "dcn_context": 1, "dcn_tensor": 1,
+                "dcn_expert": 1}
+    stored = {"data": -1, "fsdp": 1, "tensor": 1}
+    unsplit = {"data": 8, "fsdp": 1, "context": 1, "tensor": 1}
+    assert sharding.mesh_shape(declared, 8) == unsplit
+    assert sharding.mesh_shape(stored, 8) == unsplit
+    assert sharding.mesh_shape({**declared, "data": 1, "expert": -1}, 8)["expert"] == 8
+    assert sharding.mesh_shape({**declared, "data": 4, "expert": 2}, 8)["expert"] == 2
+    across = {**declared, "dcn_data": 1, "dcn_expert": 2}
+    assert sharding.mesh_shape(across, 16, num_slices=2)["expert"] == 2
+    assert dict(sharding.make_mesh(declared).shape)["expert"] == 1

@@ -11,12 +11,12 @@ divide is replicated instead (e.g. a single kv head under tensor parallelism: mu
 `mesh.context` defaults to 1 (configs and runs written before it).
 
 Expert parallelism (`mesh.expert`, a mixture-of-experts model, docs/moe.md): the mesh always
-ends with an "expert" axis (size 1 unless set; `mesh_shape` names it only when the config
-does). It splits the batch as data parallelism does and the experts' weights (logical axis
-`expert`) among its chips; capacity dispatch sends its [B, E, C, D] buffers all-to-all over
-it to the chips of their experts and back, dropless dispatch all-gathers the tokens over it and
-reduce-scatters the outputs (`ops/expert_parallel.py`). Where it is 1 the buffers keep the
-logical axes `expert_batch` (the batch axes but "expert") and `expert`.
+ends with an "expert" axis. Its size is 1 unless the config sets another, and only then does
+`mesh_shape` name it. It splits the batch as data parallelism does and the experts' weights
+(logical axis `expert`) among its chips. Capacity dispatch sends its [B, E, C, D] buffers
+all-to-all over it to the chips of their experts and back. Dropless dispatch all-gathers the
+tokens over it and reduce-scatters the outputs (`ops/expert_parallel.py`). Where it is 1, the
+buffers keep the logical axes `expert_batch` (the batch axes but "expert") and `expert`.
 
 Several TPU slices (multi-slice pods) talk over the data-center network (DCN), slower than the
 links within a slice (ICI): `mesh.data`, `mesh.fsdp`, `mesh.tensor` size each axis within one
@@ -45,6 +45,7 @@ EXPERT_AXIS = "expert"  # last in every mesh (`mesh_axes`)
 MESH_DEFAULTS = {"context": 1, EXPERT_AXIS: 1}  # the axes a config may leave out
 DCN_DEFAULTS = {"dcn_data": -1, "dcn_fsdp": 1, "dcn_context": 1, "dcn_tensor": 1,
                 f"dcn_{EXPERT_AXIS}": 1}
+# The keys of a config's `mesh` section. Every config holds them all (configs/common.py).
 CONFIG_KEYS = frozenset(MESH_AXES + DCN_AXES + (EXPERT_AXIS, f"dcn_{EXPERT_AXIS}"))
 BATCH_AXES = ("data", "fsdp", EXPERT_AXIS)
 LENGTH_AXIS = "context"  # the mesh axis of the activations' positions
@@ -87,9 +88,15 @@ def _fill(keys: Sequence[str], sizes: list[int], total: int, what: str) -> list[
 
 
 def mesh_axes(mesh_cfg) -> tuple[str, ...]:
-    """MESH_AXES, and "expert" where the config's `mesh` section sets it."""
-    sets_expert = EXPERT_AXIS in mesh_cfg or f"dcn_{EXPERT_AXIS}" in mesh_cfg
-    return MESH_AXES + ((EXPERT_AXIS,) if sets_expert else ())
+    """MESH_AXES, and "expert" where the config's `mesh` section sets it to anything but 1.
+
+    Every config declares `mesh.expert = 1`, and runs written before it have no such key. In
+    both, `mesh_shape` leaves the axis out, so summaries and run metadata name it only where
+    experts are split. A size of -1 names it too, as lm_moe.py's does on any device count.
+    """
+    expert_keys = (EXPERT_AXIS, f"dcn_{EXPERT_AXIS}")
+    splits_experts = any(int(mesh_cfg.get(key, 1)) != 1 for key in expert_keys)
+    return MESH_AXES + ((EXPERT_AXIS,) if splits_experts else ())
 
 
 def hybrid_shape(mesh_cfg, num_devices: int, num_slices: int = 1) -> tuple[list[int], list[int]]:
