@@ -16,11 +16,11 @@ import pytest
 from conftest import TRANSLATION_SENTENCES, params_run
 from test_huggingface import ATOL, _check_round_trip, _import, _save
 
+import transformer
 from transformer.checkpoint import averaging
 from transformer.config import resolve
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.huggingface import convert, marian
-from transformer.inference import translator as translator_lib
 from transformer.model.config import TransformerConfig
 from transformer.model.transformer import Transformer
 from transformer.ops import layers
@@ -92,7 +92,7 @@ def test_marian_logits_translations_and_round_trip(tmp_path):
         "silu", True, "post")
     # The source as MarianTokenizer reads it (pieces, then EOS) is ours.
     hf_tokenizer = transformers.MarianTokenizer.from_pretrained(str(hf_dir))
-    ours = translator_lib.load(workdir)
+    ours = transformer.load(workdir)
     assert hf_tokenizer(SOURCES)["input_ids"] == ours.encode(SOURCES)
     rng = np.random.default_rng(0)
     inputs = rng.integers(4, V, (2, 9)).astype(np.int64)
@@ -142,7 +142,7 @@ def test_a_marian_listing_two_ends_translates_as_generate(tmp_path):
     workdir, _, _ = _import(tmp_path, hf_dir)
     special = json.loads((tmp_path / "run" / "vocab" / "special_ids.json").read_text())
     assert special["eos_ids"] == [3, end]
-    ours = translator_lib.load(workdir)
+    ours = transformer.load(workdir)
     exported = tmp_path / "exported"
     convert.export_workdir(workdir, str(exported))
     assert json.loads((exported / convert.GENERATION_CONFIG).read_text())["eos_token_id"] == [
@@ -272,7 +272,7 @@ def test_the_papers_model_trained_here_exports_to_marian(tmp_path, load_config):
         "vocab.json"]
     hf_model = transformers.MarianMTModel.from_pretrained(str(tmp_path / "hf")).eval()
     _assert_same_logits(hf_model, model, params, target_ids=V)
-    translator = translator_lib.load(str(workdir))
+    translator = transformer.load(str(workdir))
     theirs = _hf_translations(hf_model, tmp_path / "hf", SOURCES, 1, extra=5)
     assert translator.translate(SOURCES, beam_size=1, alpha=0.0, max_extra_length=5,
                                 batch_size=1) == theirs
@@ -294,7 +294,7 @@ def test_a_padded_run_exports_to_marian_and_back(tmp_path, load_config):
     assert (config["vocab_size"], len(vocab), max(vocab.values())) == (rows, rows, rows - 1)
     hf_model = transformers.MarianMTModel.from_pretrained(str(out)).eval()
     _assert_same_logits(hf_model, model, params, target_ids=rows)
-    translator = translator_lib.load(str(workdir))
+    translator = transformer.load(str(workdir))
     generated = translator.translate_ids(translator.encode(SOURCES), beam_size=1, alpha=0.0,
                                          max_extra_length=5)
     assert (generated >= V).any()  # a padding row, which MarianTokenizer must decode
@@ -305,7 +305,7 @@ def test_a_padded_run_exports_to_marian_and_back(tmp_path, load_config):
     convert.import_checkpoint(str(out), str(back))
     vocabulary = tokenizer_lib.load(str(back / "vocab"))
     assert (vocabulary.vocab_size, vocabulary.pieces) == (rows, V)
-    assert translator_lib.load(str(back)).translate(
+    assert transformer.load(str(back)).translate(
         SOURCES, beam_size=1, alpha=0.0, max_extra_length=5, batch_size=1) == theirs
 
 
@@ -395,7 +395,7 @@ def test_an_imported_marian_fine_tunes_on_the_offline_corpus(tmp_path, load_conf
     before, after = (averaging.load_params(str(w))["embedding"]["embedding"]
                      for w in (pretrained, workdir))
     assert np.corrcoef(np.ravel(before), np.ravel(after))[0, 1] > 0.5
-    translator = translator_lib.load(str(workdir))
+    translator = transformer.load(str(workdir))
     assert dataclasses.asdict(translator.model_config)["logits_bias"]
     assert len(translator.translate(SOURCES, beam_size=2)) == 2
     convert.export_workdir(str(workdir), str(tmp_path / "exported"))
@@ -437,7 +437,7 @@ def test_a_marian_with_opus_mt_ids_imports_renumbered(tmp_path):
     assert run.model.vocab_size == pad + 2 == len(order)
     to_ours = np.argsort(order, kind="stable")[:pad + 1]  # Marian id -> ours
     hf_tokenizer = transformers.MarianTokenizer.from_pretrained(str(hf_dir))
-    ours = translator_lib.load(workdir)
+    ours = transformer.load(workdir)
     theirs_ids = hf_tokenizer(SOURCES)["input_ids"]
     assert [to_ours[row].tolist() for row in theirs_ids] == ours.encode(SOURCES)
     rng = np.random.default_rng(0)

@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 from test_huggingface import ATOL, _check_round_trip, _import
 
+import transformer
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.huggingface import convert, families, t5
 from transformer.inference import decoding
-from transformer.inference import translator as translator_lib
 from transformer.inference.runs import open_run
 from transformer.model.transformer import Transformer, init_cache
 
@@ -208,7 +208,7 @@ def test_an_imported_t5_translates_text_as_transformers(tmp_path):
     hf_model = _t5_dir(hf_dir)
     hf_tokenizer = _tokenizer_json(hf_dir)
     workdir, _, _ = _import(tmp_path, hf_dir)
-    translator = translator_lib.load(workdir)
+    translator = transformer.load(workdir)
     inputs, _ = _batch()
     sentences = [" ".join(f"w{i}" for i in row[:list(row).index(1)]) for row in inputs]
     assert translator.encode(sentences) == hf_tokenizer(sentences)["input_ids"]
@@ -306,7 +306,7 @@ def test_an_imported_spiece_t5_translates_as_transformers(tmp_path):
     hf_dir = tmp_path / "t5"
     hf_model, hf_tokenizer, _ = _spiece_dir(hf_dir)
     workdir, _, _ = _import(tmp_path, hf_dir)
-    translator = translator_lib.load(workdir)
+    translator = transformer.load(workdir)
     ours = translator.translate(SPIECE_SENTENCES[:2], beam_size=1, max_extra_length=EXTRA,
                                 batch_size=1)
     theirs = [hf_tokenizer.decode(_theirs(hf_model, ids, 1)[:-1])

@@ -16,7 +16,7 @@ from PIL import Image
 
 import transformer
 from transformer.config import resolve
-from transformer.inference import classifier as classify
+from transformer.inference.classifier import read_image
 from transformer.model.vit import VisionTransformer
 from transformer.parallel import sharding
 from transformer.training import evaluation, train_state
@@ -29,7 +29,7 @@ CLASSES, MEAN, STD = VISION_CLASSES, VISION_MEAN, VISION_STD
 
 def _by_hand(workdir, pixels: np.ndarray) -> np.ndarray:
     """Softmax of the model on uint8 [B, 28, 28, 1] normalised with the recorded statistics."""
-    classifier = classify.load(str(workdir))
+    classifier = transformer.load_classifier(str(workdir))
     images = ((pixels / 255.0 - MEAN) / STD).astype(np.float32)
     logits = VisionTransformer(classifier.model_config).apply(
         {"params": classifier.params}, images)
@@ -42,7 +42,7 @@ def test_png_and_jpeg_files_match_the_model_applied_by_hand(untrained_vision_wor
     Image.fromarray(grey).save(tmp_path / "a.png")
     colour = rng.integers(0, 256, (28, 28, 3), dtype=np.uint8)
     Image.fromarray(colour).save(tmp_path / "b.jpg", quality=95)
-    classifier = transformer.load_classifier(str(untrained_vision_workdir))  # classify.load
+    classifier = transformer.load_classifier(str(untrained_vision_workdir))
     # the JPEG as Pillow decodes it, to grey by Pillow's "L" conversion
     decoded = np.asarray(Image.open(tmp_path / "b.jpg").convert("L"))
     want = _by_hand(untrained_vision_workdir, np.stack([grey, decoded])[..., None])
@@ -63,7 +63,7 @@ def test_a_run_evaluated_with_the_mirror_classifies_with_it(untrained_vision_wor
     (workdir / "config.json").write_text(json.dumps(config))
     pixels = np.random.default_rng(5).integers(0, 256, (3, 28, 28, 1), dtype=np.uint8)
     want = (_by_hand(workdir, pixels) + _by_hand(workdir, pixels[:, :, ::-1])) / 2
-    got = classify.load(str(workdir)).probabilities(pixels)
+    got = transformer.load_classifier(str(workdir)).probabilities(pixels)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert np.abs(got - _by_hand(workdir, pixels)).max() > 1e-4  # the mirror changed them
 
@@ -73,7 +73,7 @@ def test_a_larger_image_is_resized_then_centre_cropped(untrained_vision_workdir,
     rng = np.random.default_rng(1)
     big = rng.integers(0, 256, (56, 84), dtype=np.uint8)
     Image.fromarray(big).save(tmp_path / "big.png")
-    pixels = classify.read_image(str(tmp_path / "big.png"), 28, 1)
+    pixels = read_image(str(tmp_path / "big.png"), 28, 1)
     resized = np.asarray(Image.fromarray(big).resize((42, 28), Image.BILINEAR))
     np.testing.assert_array_equal(pixels[..., 0], resized[:, 7:35])
 
@@ -132,7 +132,7 @@ class _Batches:
 def test_confusion_matrix_counts_label_and_top1_pairs(untrained_vision_workdir, test_time_flip):
     """The split's loss, accuracy and confusion (4 devices) against the classifier's
     probabilities; with `test_time_flip`, those of each image and its mirror averaged."""
-    classifier = dataclasses.replace(classify.load(str(untrained_vision_workdir)),
+    classifier = dataclasses.replace(transformer.load_classifier(str(untrained_vision_workdir)),
                                      test_time_flip=test_time_flip)
     rng = np.random.default_rng(3)
     pixels = rng.integers(0, 256, (8, 28, 28, 1), dtype=np.uint8)

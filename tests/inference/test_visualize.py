@@ -212,7 +212,7 @@ def test_image_attention_maps_are_the_class_tokens_rows(load_config, tmp_path):
     from PIL import Image
 
     from transformer.config import resolve
-    from transformer.inference import classifier as classify
+    from transformer.inference.classifier import Classifier
     from transformer.model.vit import VisionTransformer
 
     cfg = load_config("vit_fashion_mnist.py", **{
@@ -223,8 +223,7 @@ def test_image_attention_maps_are_the_class_tokens_rows(load_config, tmp_path):
     params = jax.tree.map(np.asarray, jax.tree.map(
         lambda x: x.value if hasattr(x, "value") else x, params["params"],
         is_leaf=lambda x: hasattr(x, "value")))
-    classifier = classify.Classifier(model, params, tuple("abcdefghij"), np.array([0.3]),
-                                     np.array([0.4]))
+    classifier = Classifier(model, params, tuple("abcdefghij"), np.array([0.3]), np.array([0.4]))
     pixels = np.random.default_rng(0).integers(0, 256, (28, 28), dtype=np.uint8)
     Image.fromarray(pixels).save(tmp_path / "x.png")
     found = attention_maps.image_attention(classifier, str(tmp_path / "x.png"))

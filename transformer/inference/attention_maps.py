@@ -126,14 +126,14 @@ def image_attention(classifier, image_path: str) -> ImageAttention:
     import jax
 
     from transformer.checkpoint.checkpointer import unstack_layers
-    from transformer.inference import classifier as classifier_lib
+    from transformer.inference.classifier import read_image
     from transformer.model.vit import VisionTransformer
 
     cfg = dataclasses.replace(classifier.model_config, scan_layers=False)
     params = classifier.params
     if classifier.model_config.scan_layers:
         params = unstack_layers(params)
-    pixels = classifier_lib.read_image(image_path, cfg.image_size, cfg.num_channels)
+    pixels = read_image(image_path, cfg.image_size, cfg.num_channels)
     logits, state = VisionTransformer(cfg).apply(
         {"params": params}, classifier.normalise(pixels[None]), mutable=["intermediates"])
     found = state["intermediates"]["encoder"]

@@ -18,8 +18,15 @@ import jax.numpy as jnp
 
 from transformer.model.config import TransformerConfig
 from transformer.model.experts import MixtureOfExperts
-from transformer.ops import attention, kv_cache, layers, linear_attention, relative_position, splash
-from transformer.ops import ring as context_attention
+from transformer.ops import (
+    attention,
+    kv_cache,
+    layers,
+    linear_attention,
+    relative_position,
+    ring,
+    splash,
+)
 
 
 class Weights(nn.Module):
@@ -176,11 +183,11 @@ class MultiHeadAttention(nn.Module):
                 [part[name] for part in parts]
                 + [kv_cache.heads_first(new).astype(cache[name].dtype)], axis=2)
                 for name, new in (("key", k), ("value", v)))
-            ring = kv_cache.write_ring(cache, k, v, new_positions)
+            buffer = kv_cache.write_ring(cache, k, v, new_positions)
             if "global" in cache:  # keeps the first attention_global_tokens positions
-                ring["global"] = kv_cache.write_ring(cache["global"], k, v, jnp.where(
+                buffer["global"] = kv_cache.write_ring(cache["global"], k, v, jnp.where(
                     new_positions < cfg.attention_global_tokens, new_positions, -1))
-            cache, k, v = ring, k_all, v_all
+            cache, k, v = buffer, k_all, v_all
         elif cache is not None:
             cache = kv_cache.write_cache(cache, k, v, cache_index)
             k, v = cache["key"], cache["value"]
@@ -199,7 +206,7 @@ class MultiHeadAttention(nn.Module):
             kwargs["bias"] = bias
         if cache is not None:  # k, v [B, K, S, H]
             y = attention.cache_attention(q, k, v, mask=mask, **kwargs)
-        elif cache is None and not is_cross and context_attention.context_shards() > 1:
+        elif cache is None and not is_cross and ring.context_shards() > 1:
             if bias is not None:
                 raise ValueError("model.positional='relative' with mesh.context > 1: context "
                                  "parallelism's attention takes no bias; set mesh.context=1")
@@ -233,7 +240,7 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"model.attention_dropout_rate={cfg.attention_dropout_rate} with "
                              f"mesh.context > 1: context parallelism's attention has no "
                              f"dropout; set it to 0 or mesh.context=1")
-        return context_attention.self_attention(
+        return ring.self_attention(
             q, k, v, causal=self.causal, strategy=cfg.context_parallel_strategy,
             local_window_size=window,
             global_tokens=cfg.attention_global_tokens if window is not None else 0,
