@@ -43,7 +43,7 @@ def sharded_state(mesh, params: dict, step: int) -> train_state.TrainState:
     params = jax.tree.map(put, params)
     opt_state = jax.tree.map(put, optax.adam(1e-3).init(params))
     return train_state.TrainState(step=jnp.asarray(step, jnp.int32), params=params,
-                                opt_state=opt_state)
+                                  opt_state=opt_state)
 
 
 def numpy_mean(trees: list[dict]) -> dict:

@@ -54,8 +54,7 @@ def test_each_breach_is_one_line(tmp_path):
 
 
 def test_missing_files_and_a_damaged_line(tmp_path):
-    assert layout.check(str(tmp_path)) == ["config.json is missing",
-                                                "metrics.jsonl is missing"]
+    assert layout.check(str(tmp_path)) == ["config.json is missing", "metrics.jsonl is missing"]
     run = write_run(tmp_path / "run")
     with open(f"{run}/metrics.jsonl", "a") as f:
         f.write('{"step": 2, "spl')

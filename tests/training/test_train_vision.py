@@ -51,7 +51,7 @@ def test_eval_metrics_of_classification_sums():
     figures = train_state.eval_metrics({"nll_sum": 6.0, "tokens": 4.0, "correct": 3.0})
     assert figures == {"loss": 1.5, "accuracy": 0.75}
     figures = train_state.eval_metrics({"nll_sum": 6.0, "tokens": 4.0, "correct": 3.0,
-                                      "top5_correct": 4.0})
+                                        "top5_correct": 4.0})
     assert figures["top5_accuracy"] == 1.0
 
 
