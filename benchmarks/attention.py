@@ -41,7 +41,7 @@ from absl import app, flags
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from transformer.ops import attention  # noqa: E402
+from transformer.ops import attention, masks  # noqa: E402
 
 IMPLEMENTATIONS = ("xla", "chunked", "chunked/nomask", "chunked/window=256",
                    "chunked/window=1024", "chunked/window=256+global=64", "linear")
@@ -69,7 +69,7 @@ def _loss(implementation: str, key_chunk_size: int):
                 q, k, v, implementation=impl, key_chunk_size=key_chunk_size,
                 local_window_size=(int(window), 0), global_tokens=int(global_tokens or 0))
         else:
-            mask = None if variant == "nomask" else attention.make_causal_mask(q.shape[1])
+            mask = None if variant == "nomask" else masks.make_causal_mask(q.shape[1])
             out = attention.dot_product_attention(q, k, v, mask=mask, implementation=impl,
                                                   key_chunk_size=key_chunk_size)
         return out.astype(jnp.float32).sum()

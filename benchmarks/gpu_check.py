@@ -47,7 +47,7 @@ from absl import app, flags
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from transformer.ops import attention  # noqa: E402
+from transformer.ops import attention, masks  # noqa: E402
 
 PAPER = {"base": dict(layers=6, d_model=512, d_ff=2048, num_heads=8, dropout=0.1),
          "big": dict(layers=6, d_model=1024, d_ff=4096, num_heads=16, dropout=0.3)}
@@ -70,8 +70,8 @@ def attention_parity(dry: bool) -> list[dict]:
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.normal(size=(b, t, n, h)), jnp.bfloat16) for _ in range(3))
     valid = jnp.asarray(np.arange(t)[None] < np.array([[t]] + [[t - 7]] * (b - 1)))
-    mask = attention.combine_masks(attention.make_causal_mask(t),
-                                   attention.make_padding_mask(valid, valid))
+    mask = masks.combine_masks(masks.make_causal_mask(t),
+                               masks.make_padding_mask(valid, valid))
     reference = attention.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)),
                                                 mask=mask)
     implementations = ["xla", "chunked"] + (["cudnn"] if attention.cudnn_supports(q, k, v)

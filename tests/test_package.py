@@ -134,6 +134,20 @@ def test_the_pure_function_modules_import_by_name():
     assert callable(decoding.beam_search)
 
 
+def test_the_masks_are_imported_by_one_path():
+    """A mask is `transformer.ops.masks`' and the package's (`transformer.make_causal_mask`):
+    no other module of the package offers it as its own."""
+    import sys
+
+    from transformer.ops import masks
+
+    names = [name for name in dir(masks) if name.startswith("make_") or name == "combine_masks"]
+    offered = [f"{module_name}.{name}" for module_name, module in sorted(sys.modules.items())
+               if module_name.startswith("transformer.") and module is not masks
+               for name in names if getattr(module, name, None) is getattr(masks, name)]
+    assert len(names) >= 10 and offered == []
+
+
 # Which folder may import which: the same table as docs/architecture.md's "Layering".
 # "config" is transformer/config.py; "commands" are the verbs at the top of the package,
 # train.py and transformer/__init__.py.

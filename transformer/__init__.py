@@ -37,10 +37,16 @@ from transformer.model.transformer import (
     shift_right,
 )
 from transformer.ops import attention, layers, masks  # noqa: F401 (the pure-function modules)
-from transformer.ops.attention import (
-    attention_weights,
+from transformer.ops.attention import attention_weights, dot_product_attention
+from transformer.ops.layers import (
+    apply_rope,
+    feed_forward,
+    layer_norm,
+    rms_norm,
+    sinusoidal_position_encoding,
+)
+from transformer.ops.masks import (
     combine_masks,
-    dot_product_attention,
     make_cache_mask,
     make_causal_mask,
     make_decoder_mask,
@@ -49,13 +55,6 @@ from transformer.ops.attention import (
     make_padding_mask,
     make_prefix_lm_mask,
     make_segment_mask,
-)
-from transformer.ops.layers import (
-    apply_rope,
-    feed_forward,
-    layer_norm,
-    rms_norm,
-    sinusoidal_position_encoding,
 )
 
 

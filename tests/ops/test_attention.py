@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer.ops import attention
+from transformer.ops import attention, masks
 
 pytestmark = pytest.mark.usefixtures("strict_dtype_promotion")
 
@@ -77,17 +77,17 @@ def np_segment(q_ids, kv_ids):
 
 
 def mask_case(name):
-    causal = attention.make_causal_mask(T)
-    padding = attention.make_padding_mask(jnp.asarray(Q_VALID), jnp.asarray(KV_VALID))
-    segment = attention.make_segment_mask(jnp.asarray(SEGMENTS), jnp.asarray(SEGMENTS))
+    causal = masks.make_causal_mask(T)
+    padding = masks.make_padding_mask(jnp.asarray(Q_VALID), jnp.asarray(KV_VALID))
+    segment = masks.make_segment_mask(jnp.asarray(SEGMENTS), jnp.asarray(SEGMENTS))
     per_head = jnp.asarray(np.random.default_rng(7).random((B, N, T, S)) < 0.6)
     return {
         "none": None,
         "causal": causal,
         "padding": padding,
         "segment": segment,
-        "causal+segment": attention.combine_masks(causal, segment),
-        "causal+padding": attention.combine_masks(causal, padding),
+        "causal+segment": masks.combine_masks(causal, segment),
+        "causal+padding": masks.combine_masks(causal, padding),
         "per_head": per_head,
     }[name]
 
@@ -100,7 +100,7 @@ MASK_NAMES = ["none", "causal", "padding", "segment", "causal+segment", "causal+
 
 
 def test_make_causal_mask():
-    mask = attention.make_causal_mask(5)
+    mask = masks.make_causal_mask(5)
     assert mask.shape == (1, 1, 5, 5) and mask.dtype == jnp.bool_
     np.testing.assert_array_equal(mask, np_causal(5))
     assert bool(mask[0, 0, 1, 0]) and not bool(mask[0, 0, 0, 1])
@@ -109,7 +109,7 @@ def test_make_causal_mask():
 def test_make_padding_mask_accepts_ints_and_bools():
     q_valid = np.array([[3, 5, 0]])  # nonzero = real token
     kv_valid = np.array([[1, 0, 7, 2]])
-    mask = attention.make_padding_mask(jnp.asarray(q_valid), jnp.asarray(kv_valid))
+    mask = masks.make_padding_mask(jnp.asarray(q_valid), jnp.asarray(kv_valid))
     assert mask.shape == (1, 1, 3, 4) and mask.dtype == jnp.bool_
     np.testing.assert_array_equal(mask, np_padding(q_valid != 0, kv_valid != 0))
     np.testing.assert_array_equal(
@@ -119,23 +119,23 @@ def test_make_padding_mask_accepts_ints_and_bools():
 def test_make_segment_mask_padding_never_attends_nor_is_attended():
     q_ids = np.array([[1, 1, 2, 0]])
     kv_ids = np.array([[1, 2, 2, 0, 0]])
-    mask = attention.make_segment_mask(jnp.asarray(q_ids), jnp.asarray(kv_ids))
+    mask = masks.make_segment_mask(jnp.asarray(q_ids), jnp.asarray(kv_ids))
     assert mask.shape == (1, 1, 4, 5)
     np.testing.assert_array_equal(mask[0, 0], [[1, 0, 0, 0, 0],
                                                [1, 0, 0, 0, 0],
                                                [0, 1, 1, 0, 0],
                                                [0, 0, 0, 0, 0]])  # id 0 == id 0 is no match
-    mask = attention.make_segment_mask(jnp.asarray(SEGMENTS), jnp.asarray(SEGMENTS))
+    mask = masks.make_segment_mask(jnp.asarray(SEGMENTS), jnp.asarray(SEGMENTS))
     np.testing.assert_array_equal(mask, np_segment(SEGMENTS, SEGMENTS))
 
 
 def test_make_decoder_mask_is_causal_within_segments():
-    mask = attention.make_decoder_mask(jnp.asarray(SEGMENTS))
+    mask = masks.make_decoder_mask(jnp.asarray(SEGMENTS))
     assert mask.shape == (B, 1, T, T) and mask.dtype == jnp.bool_
     np.testing.assert_array_equal(mask, np_causal(T) & np_segment(SEGMENTS, SEGMENTS))
     # A row of one sequence passes tokens != 0: causal over its real tokens.
     tokens = np.array([[7, 4, 9, 0]])
-    np.testing.assert_array_equal(attention.make_decoder_mask(jnp.asarray(tokens != 0))[0, 0],
+    np.testing.assert_array_equal(masks.make_decoder_mask(jnp.asarray(tokens != 0))[0, 0],
                                   [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0]])
 
 
@@ -143,7 +143,7 @@ def test_make_decoder_mask_of_a_prefix_lm():
     # Segment 1 = positions 0-3 with prefix 0-1; segment 2 = positions 4-5 with prefix 4.
     segments = np.array([[1, 1, 1, 1, 2, 2]])
     in_prefix = np.array([[1, 1, 0, 0, 1, 0]])
-    mask = attention.make_decoder_mask(jnp.asarray(segments), jnp.asarray(in_prefix))
+    mask = masks.make_decoder_mask(jnp.asarray(segments), jnp.asarray(in_prefix))
     np.testing.assert_array_equal(mask[0, 0], [[1, 1, 0, 0, 0, 0],
                                                [1, 1, 0, 0, 0, 0],
                                                [1, 1, 1, 0, 0, 0],
@@ -154,11 +154,11 @@ def test_make_decoder_mask_of_a_prefix_lm():
 
 def test_make_cache_mask_by_hand():
     # 2 new queries at positions 3 and 4 of a cache of 6: keys up to their own position.
-    mask = attention.make_cache_mask(jnp.asarray(3), 2, 6)
+    mask = masks.make_cache_mask(jnp.asarray(3), 2, 6)
     assert mask.shape == (1, 1, 2, 6) and mask.dtype == jnp.bool_
     np.testing.assert_array_equal(mask[0, 0], [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0]])
     # A prompt prefilled in one call (positions 0-3): its prefix (0-2) attends both ways.
-    prefixed = attention.make_cache_mask(0, 4, 6, jnp.array([[1, 1, 1, 0], [1, 0, 0, 0]]))
+    prefixed = masks.make_cache_mask(0, 4, 6, jnp.array([[1, 1, 1, 0], [1, 0, 0, 0]]))
     assert prefixed.shape == (2, 1, 4, 6)
     np.testing.assert_array_equal(prefixed[0, 0], [[1, 1, 1, 0, 0, 0],
                                                    [1, 1, 1, 0, 0, 0],
@@ -172,22 +172,22 @@ def test_make_cache_mask_equals_the_rows_of_the_full_mask():
     full prefix-LM mask of the row shows at those positions."""
     length, prompt = 7, 3
     in_prefix = np.arange(length) < prompt
-    full = np.asarray(attention.make_decoder_mask(jnp.ones((1, length), jnp.int32),
-                                                  jnp.asarray(in_prefix[None])))[0, 0]
-    first = attention.make_cache_mask(0, prompt, length, jnp.ones((1, prompt), bool))
+    full = np.asarray(masks.make_decoder_mask(jnp.ones((1, length), jnp.int32),
+                                              jnp.asarray(in_prefix[None])))[0, 0]
+    first = masks.make_cache_mask(0, prompt, length, jnp.ones((1, prompt), bool))
     np.testing.assert_array_equal(first[0, 0], full[:prompt])
     for index in range(prompt, length):
-        step = attention.make_cache_mask(jnp.asarray(index), 1, length)
+        step = masks.make_cache_mask(jnp.asarray(index), 1, length)
         np.testing.assert_array_equal(step[0, 0, 0], full[index])
 
 
 def test_combine_masks():
     a = jnp.asarray(np_causal(4))
     b = jnp.asarray(np.array([[1, 1, 0, 1], [1, 0, 1, 1]], bool))[:, None, None, :]
-    assert attention.combine_masks() is None
-    assert attention.combine_masks(None, None) is None
-    assert attention.combine_masks(None, a) is a
-    combined = attention.combine_masks(a, None, b)
+    assert masks.combine_masks() is None
+    assert masks.combine_masks(None, None) is None
+    assert masks.combine_masks(None, a) is a
+    combined = masks.combine_masks(a, None, b)
     assert combined.shape == (2, 1, 4, 4)
     np.testing.assert_array_equal(combined, np.asarray(a) & np.asarray(b))
 
@@ -226,8 +226,8 @@ def test_xla_matches_numpy_formula(mask_name, with_bias):
 def test_xla_matches_numpy_formula_cross_attention_gqa_and_value_dim():
     # T != S, K < N, Hv != H, explicit scale, padding mask [B, 1, T, S].
     q, k, v = qkv(2, t=3, s=7, kh=2, hv=5)
-    mask = attention.make_padding_mask(jnp.ones((B, 3), bool),
-                                       jnp.asarray(np.arange(7)[None] < np.array([[4], [7]])))
+    mask = masks.make_padding_mask(jnp.ones((B, 3), bool),
+                                   jnp.asarray(np.arange(7)[None] < np.array([[4], [7]])))
     out = attention.dot_product_attention(q, k, v, mask=mask, scale=0.3)
     assert out.shape == (B, 3, N, 5)
     np.testing.assert_allclose(out, reference_attention(q, k, v, mask, scale=0.3), atol=2e-6,
@@ -643,8 +643,8 @@ def test_cudnn_matches_xla_on_gpu():
     for t in (128, 255):  # 255: a 256-token row's source, odd (padded to even for cuDNN)
         q, k, v = qkv(25, t=t, s=t, kh=2, h=64, dtype=jnp.bfloat16)
         valid = jnp.asarray(np.arange(t)[None] < np.array([[t], [100]]))
-        mask = attention.combine_masks(attention.make_causal_mask(t),
-                                       attention.make_padding_mask(valid, valid))
+        mask = masks.combine_masks(masks.make_causal_mask(t),
+                                   masks.make_padding_mask(valid, valid))
         out = attend(q, k, v, mask, implementation="cudnn")
         expected = attend(q, k, v, mask, implementation="xla")
         assert out.dtype == jnp.bfloat16
@@ -691,7 +691,7 @@ def test_auto_picks_by_device_dtype_and_length(monkeypatch, capability, dtype, h
 def test_auto_gives_the_same_numbers_as_xla(s):
     q, k, v = qkv(26, t=3, s=s, n=2, kh=1, h=8)
     valid = jnp.asarray(np.arange(s)[None] < np.array([[s], [s - 2]]))
-    mask = attention.make_padding_mask(jnp.ones((B, 3), bool), valid)
+    mask = masks.make_padding_mask(jnp.ones((B, 3), bool), valid)
     out = attend(q, k, v, mask, implementation="auto", key_chunk_size=512)
     np.testing.assert_allclose(out, reference_attention(q, k, v, mask), atol=2e-5, rtol=1e-5)
     np.testing.assert_allclose(out, attend(q, k, v, mask), atol=2e-6, rtol=1e-5)
@@ -713,8 +713,8 @@ def test_unknown_implementation_and_bad_ranks_raise():
 def test_jit_grad_and_vmap_over_extra_leading_axis():
     e = 3
     q, k, v = (x.reshape((e, B) + x.shape[1:]) for x in qkv(23, b=e * B, kh=2, s=7))
-    mask = attention.make_padding_mask(jnp.ones((B, T), bool),
-                                       jnp.asarray(np.arange(7)[None] < np.array([[5], [7]])))
+    mask = masks.make_padding_mask(jnp.ones((B, T), bool),
+                                   jnp.asarray(np.arange(7)[None] < np.array([[5], [7]])))
 
     def value_and_grads(implementation, q, k, v):
         def f(q, k, v):

@@ -15,7 +15,7 @@ from test_attention import np_causal, np_segment, qkv, reference_attention
 from test_attention_patterns import LM, _scan_lengths, np_window
 
 from transformer.model.transformer import Transformer
-from transformer.ops import attention, chunked
+from transformer.ops import attention, chunked, masks
 
 pytestmark = pytest.mark.usefixtures("strict_dtype_promotion")
 
@@ -27,7 +27,7 @@ def np_global(t, s, global_tokens):
 
 
 def test_make_local_mask_with_global_tokens_by_hand():
-    mask = attention.make_local_mask(jnp.arange(6), jnp.arange(6), (1, 0), global_tokens=2)
+    mask = masks.make_local_mask(jnp.arange(6), jnp.arange(6), (1, 0), global_tokens=2)
     expected = [[1, 1, 1, 1, 1, 1],
                 [1, 1, 1, 1, 1, 1],
                 [1, 1, 1, 0, 0, 0],

@@ -15,7 +15,7 @@ from test_attention import np_causal, np_segment, qkv, reference_attention
 
 from transformer.inference import decoding
 from transformer.model.transformer import BOS_ID, Transformer, TransformerConfig, init_cache
-from transformer.ops import attention, chunked, linear_attention
+from transformer.ops import attention, chunked, linear_attention, masks
 
 pytestmark = pytest.mark.usefixtures("strict_dtype_promotion")
 
@@ -27,14 +27,14 @@ def np_window(t, s, left, right):
 
 
 def test_make_local_mask_by_hand_and_as_jax_nn_reads_local_window_size():
-    mask = attention.make_local_mask(jnp.arange(5), jnp.arange(5), (2, 1))
+    mask = masks.make_local_mask(jnp.arange(5), jnp.arange(5), (2, 1))
     expected = [[1, 1, 0, 0, 0],
                 [1, 1, 1, 0, 0],
                 [1, 1, 1, 1, 0],
                 [0, 1, 1, 1, 1],
                 [0, 0, 1, 1, 1]]
     np.testing.assert_array_equal(mask[0, 0], np.asarray(expected, bool))
-    np.testing.assert_array_equal(attention.make_local_mask(jnp.arange(4), jnp.arange(4), 1),
+    np.testing.assert_array_equal(masks.make_local_mask(jnp.arange(4), jnp.arange(4), 1),
                                   np_window(4, 4, 1, 1))
     q, k, v = qkv(0, t=7, s=7)
     ours = attend_window(q, k, v, window=(3, 1))
@@ -43,7 +43,7 @@ def test_make_local_mask_by_hand_and_as_jax_nn_reads_local_window_size():
 
 
 def test_make_global_mask_by_hand():
-    mask = attention.make_global_mask(jnp.array([[1, 0, 0, 1]]))
+    mask = masks.make_global_mask(jnp.array([[1, 0, 0, 1]]))
     expected = [[1, 1, 1, 1], [1, 0, 0, 1], [1, 0, 0, 1], [1, 1, 1, 1]]
     np.testing.assert_array_equal(mask[0, 0], np.asarray(expected, bool))
 
@@ -84,7 +84,7 @@ def test_chunked_window_gradients_equal_the_dense_paths(window, chunk):
     t = 11
     q, k, v = qkv(2, b=2, t=t, s=t, n=4, kh=2)
     segments = jnp.asarray(np.array([[1] * 6 + [2] * 5, [1] * 9 + [0] * 2], np.int32))
-    mask = attention.make_segment_mask(segments, segments)
+    mask = masks.make_segment_mask(segments, segments)
     weights = jnp.asarray(np.random.default_rng(0).normal(size=(2, t, 4, 8)), jnp.float32)
 
     def loss(implementation, window_arg, dense_mask):
@@ -96,8 +96,8 @@ def test_chunked_window_gradients_equal_the_dense_paths(window, chunk):
             return (out * weights).sum()
         return jax.jit(jax.grad(f, argnums=(0, 1, 2)))(q, k, v)
 
-    local = attention.combine_masks(mask, attention.make_local_mask(jnp.arange(t),
-                                                                    jnp.arange(t), window))
+    local = masks.combine_masks(mask, masks.make_local_mask(jnp.arange(t),
+                                                            jnp.arange(t), window))
     expected = loss("xla", None, local)  # the window as a dense mask
     for got in (loss("chunked", window, mask), loss("xla", window, mask)):
         for g, e in zip(got, expected, strict=True):
@@ -131,10 +131,10 @@ def test_global_tokens_with_a_window_match_the_dense_formula():
     q, k, v = qkv(3, b=2, t=t, s=t)
     is_global = np.zeros((2, t), bool)
     is_global[0, 0] = is_global[1, [0, 7]] = True
-    pattern = attention.combine_masks(
-        attention.make_causal_mask(t),
-        attention.make_local_mask(jnp.arange(t), jnp.arange(t), (2, 0))
-        | attention.make_global_mask(jnp.asarray(is_global)))
+    pattern = masks.combine_masks(
+        masks.make_causal_mask(t),
+        masks.make_local_mask(jnp.arange(t), jnp.arange(t), (2, 0))
+        | masks.make_global_mask(jnp.asarray(is_global)))
     dense = np_causal(t) & (np_window(t, t, 2, 0) | is_global[:, None, :, None]
                             | is_global[:, None, None, :])
     np.testing.assert_array_equal(pattern, np.broadcast_to(dense, pattern.shape))

@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from transformer.model.config import CONTEXT_STRATEGIES
-from transformer.ops import attention, ring
+from transformer.ops import attention, masks, ring
 from transformer.parallel import sharding
 
 B, T, N, K, H = 2, 32, 4, 2, 8
@@ -43,10 +43,10 @@ def _inputs(num_kv_heads=K):
 
 
 def _reference(q, k, v, segments, prefix, *, causal, window, global_tokens):
-    mask = attention.make_segment_mask(segments, segments)
+    mask = masks.make_segment_mask(segments, segments)
     if causal:
-        mask = attention.combine_masks(mask, attention.make_causal_mask(T) if prefix is None
-                                       else attention.make_prefix_lm_mask(prefix))
+        mask = masks.combine_masks(mask, masks.make_causal_mask(T) if prefix is None
+                                   else masks.make_prefix_lm_mask(prefix))
     return attention.dot_product_attention(q, k, v, mask=mask, local_window_size=window,
                                            global_tokens=global_tokens)
 

@@ -9,7 +9,7 @@ import pytest
 from transformer.config import resolve
 from transformer.model.config import VISION_FIELDS
 from transformer.model.transformer import TransformerConfig
-from transformer.ops import attention
+from transformer.ops import masks
 from transformer.sizing import flops, memory, summary
 
 BASE = TransformerConfig(vocab_size=37000)
@@ -152,7 +152,7 @@ def test_window_pairs_by_hand_and_as_the_mask_allows():
     assert flops.window_pairs(8, (2, 0), 2, causal=True) == 1 + 2 + 27 == 30
     assert flops.window_pairs(8, (10, 0)) == 36 and flops.window_pairs(8, (9, 9)) == 64
     for window, tokens in (((5, 3), 4), ((0, 0), 7), ((3, 0), 0)):
-        mask = attention.make_local_mask(jnp.arange(23), jnp.arange(23), window, tokens)
+        mask = masks.make_local_mask(jnp.arange(23), jnp.arange(23), window, tokens)
         assert flops.window_pairs(23, window, tokens) == int(mask.sum())
 
 

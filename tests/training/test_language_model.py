@@ -17,7 +17,7 @@ from conftest import subprocess_env
 from transformer.data.objectives import apply_objective, cut_pieces
 from transformer.inference import decoding
 from transformer.model import transformer as M
-from transformer.ops import attention
+from transformer.ops import masks
 from transformer.training import train_state
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -108,7 +108,7 @@ def test_cut_pieces_appends_eos_and_cuts_at_max_length():
 
 
 def test_prefix_lm_mask_and_prefix_inputs_by_hand():
-    mask = np.asarray(attention.make_prefix_lm_mask(jnp.array([[1, 1, 0, 0]])))[0, 0]
+    mask = np.asarray(masks.make_prefix_lm_mask(jnp.array([[1, 1, 0, 0]])))[0, 0]
     np.testing.assert_array_equal(mask, [[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0],
                                          [1, 1, 1, 1]])
     # Targets p p c c | p c c: decoder inputs BOS p p c | BOS p c; the prefix's inputs are

@@ -23,6 +23,7 @@ from transformer.ops import (
     kv_cache,
     layers,
     linear_attention,
+    masks,
     relative_position,
     ring,
     splash,
@@ -176,7 +177,7 @@ class MultiHeadAttention(nn.Module):
                 seen = (held["position"][:, :, None] == cache["position"][:, None]).any(-1)
                 parts.append(held)
                 positions.append(jnp.where(seen, -1, held["position"]))
-            mask = attention.make_window_cache_mask(
+            mask = masks.make_window_cache_mask(
                 cache_index, q.shape[1], jnp.concatenate(positions + [new_positions], axis=1),
                 window, in_prefix, global_tokens=cfg.attention_global_tokens)
             k_all, v_all = (jnp.concatenate(

@@ -38,7 +38,7 @@ from transformer.model.blocks import (
 )
 from transformer.model.config import REMAT_POLICIES, TransformerConfig
 from transformer.model.experts import COLLECTION
-from transformer.ops import attention, layers, linear_attention, ring
+from transformer.ops import attention, layers, linear_attention, masks, ring
 
 Cache = dict[str, Any]
 
@@ -150,7 +150,7 @@ class Encoder(nn.Module):
                     else inputs_segmentation).astype(jnp.int32)
         mask = None  # linear attention reads the segments alone, context attention too
         if cfg.attention_kind == "softmax" and ring.context_shards() == 1:
-            mask = attention.make_segment_mask(segments, segments)
+            mask = masks.make_segment_mask(segments, segments)
         return encoder_stack(cfg, self.attention_fn, x, mask, positions, segments,
                              deterministic)
 
@@ -361,7 +361,7 @@ class Transformer(nn.Module):
                          else prefix_inputs(targets_prefix, targets_segmentation))
             self_segments = segments.astype(jnp.int32)
             if cfg.attention_kind == "softmax":
-                self_mask = attention.make_decoder_mask(segments, in_prefix)
+                self_mask = masks.make_decoder_mask(segments, in_prefix)
         else:
             tokens = targets
             positions = _positions(targets, None, offset=cache["index"])
@@ -371,17 +371,17 @@ class Transformer(nn.Module):
                              else targets_segmentation).astype(bool).astype(jnp.int32)
             full = _full_cache_length(cfg, cache)
             if full is not None:
-                self_mask = attention.make_cache_mask(cache["index"], targets.shape[1], full,
-                                                      targets_prefix)
+                self_mask = masks.make_cache_mask(cache["index"], targets.shape[1], full,
+                                                  targets_prefix)
         cross_mask = None
         if encoded is not None:
             if inputs_segmentation is not None and cache is None:
-                cross_mask = attention.make_segment_mask(targets_segmentation,
-                                                         inputs_segmentation)
+                cross_mask = masks.make_segment_mask(targets_segmentation,
+                                                     inputs_segmentation)
             elif cache is not None:  # every query attends to the source's tokens
                 cross_mask = (inputs != 0)[:, None, None, :]  # [B, 1, 1, S]
             else:
-                cross_mask = attention.make_padding_mask(segments != 0, inputs != 0)
+                cross_mask = masks.make_padding_mask(segments != 0, inputs != 0)
         shards = ring.context_shards() if cache is None else 1  # > 1: ops/ring.py's masks
         balance = shards if cfg.context_load_balanced else 1  # 1: the row's order
         tokens, positions, self_segments, in_prefix, cross_mask = jax.tree.map(

@@ -1,5 +1,5 @@
-"""Scaled dot-product attention, as pure functions of arrays (the masks: `transformer.ops.masks`,
-re-exported here).
+"""Scaled dot-product attention, as pure functions of arrays. The masks it takes are built by
+`transformer.ops.masks`.
 
     Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V            (Vaswani et al., eq. 1)
 
@@ -14,9 +14,9 @@ Sparse patterns: `local_window_size` (w, or (left, right) as `jax.nn.dot_product
 spells it) lets query t attend keys t - left .. t + right only (with any mask; a causal sliding
 window is (w, 0)); `global_tokens` g beside a window lets the first g positions of a row
 attend to and from every position (Longformer's global tokens); `make_local_mask` and
-`make_global_mask` build the same patterns as masks. Linear attention (`linear_attention`,
-Katharopoulos et al., 2020) is importable from here (the research API,
-docs/research-api.md); its home is `transformer.ops.linear_attention`.
+`make_global_mask` of `transformer.ops.masks` build the same patterns as masks. Linear
+attention (`linear_attention`, Katharopoulos et al., 2020) is importable from here (the
+research API, docs/research-api.md); its home is `transformer.ops.linear_attention`.
 
 Three implementations give the same numbers:
   "xla"      the formula as einsums; materialises the [B, N, T, S] weights.
@@ -31,23 +31,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from transformer.ops import masks
 from transformer.ops.chunked import DEFAULT_KEY_CHUNK_SIZE, chunked_attention
 from transformer.ops.grouping import NEG_INF, as_5d, group_queries
 from transformer.ops.layers import dropout
 from transformer.ops.linear_attention import FEATURE_MAPS, linear_attention  # noqa: F401 (API)
-from transformer.ops.masks import (  # noqa: F401 (API: every mask importable from here)
-    combine_masks,
-    make_cache_mask,
-    make_causal_mask,
-    make_decoder_mask,
-    make_global_mask,
-    make_local_mask,
-    make_padding_mask,
-    make_prefix_lm_mask,
-    make_segment_mask,
-    make_window_cache_mask,
-    window_sizes,
-)
 
 IMPLEMENTATIONS = ("xla", "chunked", "cudnn", "auto")
 AUTO_CHUNKED_MIN_KEYS = 4096  # from here "auto" prefers the chunked kernel's linear memory
@@ -61,8 +49,9 @@ def _with_window(mask, local_window_size, t: int, s: int, global_tokens: int = 0
     as one mask."""
     if local_window_size is None:
         return mask
-    return combine_masks(mask, make_local_mask(jnp.arange(t), jnp.arange(s), local_window_size,
-                                               global_tokens))
+    window = masks.make_local_mask(jnp.arange(t), jnp.arange(s), local_window_size,
+                                   global_tokens)
+    return masks.combine_masks(mask, window)
 
 
 def attention_weights(
@@ -282,7 +271,7 @@ def dot_product_attention(
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k, v must be [B,T,N,H], [B,S,K,H], [B,S,K,Hv]; got shapes "
                          f"{q.shape}, {k.shape}, {v.shape}")
-    window = window_sizes(local_window_size)
+    window = masks.window_sizes(local_window_size)
     if global_tokens < 0 or (global_tokens and window is None):
         raise ValueError(f"global_tokens={global_tokens} must be >= 0 and widens a local window: "
                          f"set local_window_size (without one every position attends to all)")
