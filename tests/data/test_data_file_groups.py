@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from test_data_files import WORDS, documents, small_lm_files_config, write_shards
 
-from transformer.data import files
+from transformer.data import file_formats, file_specs, files
 
 
 @pytest.mark.parametrize("groups,window", [(1, 2), (3, 2), (4, 8)])
@@ -66,10 +66,10 @@ def test_a_process_opens_only_its_groups_shards(tmp_path):
         assert set((groups % 4).tolist()) == {g}
     cfg.data.pack_groups = 8
     cfg.grad_accum_steps = 1
-    with pytest.raises(files.BadData, match=r"^data.pack_groups=8 exceeds the 6 shard\(s\) of "
-                                            r"data.dataset='jsonl:.*': each group reads its "
-                                            r"own shards; lower data.pack_groups or split the "
-                                            r"corpus into more shards$"):
+    with pytest.raises(file_specs.BadData, match=r"^data.pack_groups=8 exceeds the 6 shard\(s\) of "
+                                                 r"data.dataset='jsonl:.*': each group reads its "
+                                                 r"own shards; lower data.pack_groups or split the "
+                                                 r"corpus into more shards$"):
         from_config(cfg, str(tmp_path / "other"))
 
 
@@ -114,7 +114,7 @@ def test_a_restart_decodes_no_shard_to_build_its_source(tmp_path, monkeypatch):
     def refuse(self, path):
         raise AssertionError(f"read {path}")
 
-    monkeypatch.setattr(files._Reader, "read", refuse)
+    monkeypatch.setattr(file_formats.ShardReader, "read", refuse)
     again = from_config(cfg, str(tmp_path / "run"))  # rows, vocabulary and lengths recorded
     assert again.docs_per_batch == first.docs_per_batch
     with pytest.raises(AssertionError, match="read"):

@@ -16,7 +16,7 @@ import pytest
 import zstandard
 from conftest import byte_level_bpe
 
-from transformer.data import files
+from transformer.data import file_formats, file_specs, files
 from transformer.data.permutation import Permutation
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -95,9 +95,9 @@ def test_every_format_reads_the_documents_written(fmt, tmp_path, monkeypatch):
                 writer.write(json.dumps({"meta": {"text": docs[i]}}).encode())
             writer.close()
     spec = {"txt": "text:", "txt_paragraphs": "text_paragraphs:"}.get(fmt, "")
-    read = files._Reader.read
+    read = file_formats.ShardReader.read
     decoded = []
-    monkeypatch.setattr(files._Reader, "read",
+    monkeypatch.setattr(file_formats.ShardReader, "read",
                         lambda self, path: decoded.append(path) or read(self, path))
     source = files.FileDocuments(f"{spec}{tmp_path}/shard-*.{ext}", fields=("meta.text",))
     assert len(source) == 30
@@ -109,21 +109,21 @@ def test_every_format_reads_the_documents_written(fmt, tmp_path, monkeypatch):
 
 
 def test_the_format_is_inferred_from_the_extension_and_tfds_names_stay_tfds():
-    assert files.parse_spec("/d/train-*.jsonl.zst") == ("jsonl", "/d/train-*.jsonl.zst")
-    assert files.parse_spec("gs://b/c4/en/*.json.gz") == ("jsonl", "gs://b/c4/en/*.json.gz")
-    assert files.parse_spec("data/*.parquet") == ("parquet", "data/*.parquet")
-    assert files.parse_spec("text:/d/books/*") == ("text", "/d/books/*")
+    assert file_specs.parse_spec("/d/train-*.jsonl.zst") == ("jsonl", "/d/train-*.jsonl.zst")
+    assert file_specs.parse_spec("gs://b/c4/en/*.json.gz") == ("jsonl", "gs://b/c4/en/*.json.gz")
+    assert file_specs.parse_spec("data/*.parquet") == ("parquet", "data/*.parquet")
+    assert file_specs.parse_spec("text:/d/books/*") == ("text", "/d/books/*")
     for name in ("c4/en", "c4/en:3.0.1", "c4/en.noblocklist:3.*.*", "wmt14_translate/de-en",
                  "huggingface:mnist/mnist", "offline_de_en"):
-        assert files.parse_spec(name) is None, name
+        assert file_specs.parse_spec(name) is None, name
 
 
 def test_a_path_that_is_no_file_and_no_tfds_name_is_one_line(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for spec in ("some/dir/data", "some/dir/*", "corpus/*.jsonl.bz2", "~/no-such-dir-x/*",
                  "/no/such/dir/*.bin", "shards/"):
-        with pytest.raises(files.BadData) as e:
-            files.parse_spec(spec)
+        with pytest.raises(file_specs.BadData) as e:
+            file_specs.parse_spec(spec)
         where = str(pathlib.Path(spec.replace("~", str(pathlib.Path.home()))).absolute())
         assert str(e.value) == (
             f"data.dataset={spec!r} is not a TFDS name and no file matches {where!r}; check "
@@ -134,13 +134,13 @@ def test_a_path_that_is_no_file_and_no_tfds_name_is_one_line(tmp_path, monkeypat
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine/train").write_text("a\n")  # TFDS's name shape, but a file here
     for spec in ("some/dir/data", "some/dir/*", "mine/train"):
-        with pytest.raises(files.BadData, match=r"cannot tell the format.*<format>:<glob>"):
-            files.parse_spec(spec)
-    with pytest.raises(files.BadData, match=r"data.eval_dataset='some/dir/\*': cannot tell"):
+        with pytest.raises(file_specs.BadData, match=r"cannot tell the format.*<format>:<glob>"):
+            file_specs.parse_spec(spec)
+    with pytest.raises(file_specs.BadData, match=r"data.eval_dataset='some/dir/\*': cannot tell"):
         files.FileDocuments("some/dir/*", setting="data.eval_dataset")
-    assert files.parse_spec("text:some/dir/*") == ("text", "some/dir/*")
+    assert file_specs.parse_spec("text:some/dir/*") == ("text", "some/dir/*")
     for spec in ("some/dir/*.jsonl", "some/dir/file.jsonl", "jsonl:some/dir"):
-        with pytest.raises(files.BadData) as e:
+        with pytest.raises(file_specs.BadData) as e:
             files.FileDocuments(spec)
         path = spec.removeprefix("jsonl:")
         assert str(e.value) == (f"data.dataset={path!r} matches no file "
@@ -153,8 +153,8 @@ def test_a_hub_layout_directory_reads_bare_or_as_parquet(tmp_path):
     for split, docs in (("train", documents(12)), ("validation", documents(4, seed=1))):
         pq.write_table(pa.table({"text": docs}), tmp_path / f"{split}-00000-of-00001.parquet")
     for spec in (str(tmp_path), f"parquet:{tmp_path}", f"parquet:{tmp_path}/"):
-        assert files.parse_spec(spec) == ("parquet", f"{tmp_path}/train-*.parquet"), spec
-        assert files.split_spec(spec, "validation") == (
+        assert file_specs.parse_spec(spec) == ("parquet", f"{tmp_path}/train-*.parquet"), spec
+        assert file_specs.split_spec(spec, "validation") == (
             f"parquet:{tmp_path}/validation-*.parquet")
         assert files.FileDocuments(spec).texts(range(12)) == documents(12)
 
@@ -196,8 +196,8 @@ def test_a_record_of_the_shards_rows_spares_later_readers_the_count(tmp_path, mo
     np.testing.assert_array_equal(first.counts, plain.counts)
     assert len(list((tmp_path / "vocab").glob("rows-*.json"))) == 1
     reads = []
-    read = files._Reader.read
-    monkeypatch.setattr(files._Reader, "read", lambda self, path: reads.append(path) or
+    read = file_formats.ShardReader.read
+    monkeypatch.setattr(file_formats.ShardReader, "read", lambda self, path: reads.append(path) or
                         read(self, path))
     again = files.FileDocuments(spec, seed=3, skip_bad_lines=True, record_dir=record)
     assert reads == [] and again.skipped_lines == plain.skipped_lines == 1
@@ -219,8 +219,8 @@ def test_a_sample_reads_a_bounded_number_of_shards_whatever_the_corpus(tmp_path,
                                   np.sort(Permutation(n, (4, 7))(np.arange(50))))
     monkeypatch.setattr(files, "SAMPLE_SHARDS", 3)
     reads = []
-    read = files._Reader.read
-    monkeypatch.setattr(files._Reader, "read", lambda self, path: reads.append(path) or
+    read = file_formats.ShardReader.read
+    monkeypatch.setattr(file_formats.ShardReader, "read", lambda self, path: reads.append(path) or
                         read(self, path))
     ids = source.sample(45, (7,))
     assert len(ids) == 45 and len(set(ids.tolist())) == 45 and np.all(np.diff(ids) > 0)
@@ -241,7 +241,7 @@ def test_bad_inputs_are_one_line_naming_the_file(tmp_path):
     write_jsonl(good, [{"text": "a b"}, {"text": "c d"}])
 
     def refused(spec, match, **kw):
-        with pytest.raises(files.BadData, match=match) as e:
+        with pytest.raises(file_specs.BadData, match=match) as e:
             files.FileDocuments(spec, **kw)
         assert "\n" not in str(e.value)
 
@@ -393,7 +393,7 @@ def test_a_mixture_draws_each_source_s_token_share_within_1_percent(lm_files_con
     again = from_config(lm_files_config)
     np.testing.assert_array_equal(again.batch_documents(123), source.batch_documents(123))
     lm_files_config.data.sources[1]["weight"] = 0.0
-    with pytest.raises(files.BadData, match=r"data.sources\[1\].weight=0.0 must be positive"):
+    with pytest.raises(file_specs.BadData, match=r"data.sources\[1\].weight=0.0 must be positive"):
         from_config(lm_files_config)
 
 
@@ -533,12 +533,12 @@ def test_text_classification_reads_labelled_files(tmp_path):
     batch = source.train_batch(2, (0, 8))
     assert batch["inputs"].shape == (1, 8, 96) and batch["label"].shape == (1, 8)
     write_jsonl(tmp_path / "odd.jsonl", [{"body": {"text": "a b"}, "topic": "poetry"}])
-    with pytest.raises(files.BadData, match="label 'poetry' is not a class"):
+    with pytest.raises(file_specs.BadData, match="label 'poetry' is not a class"):
         TextClassificationSource(
             str(tmp_path / "train.jsonl"), eval_dataset=str(tmp_path / "odd.jsonl"),
             vocab_size=48, max_length=16, batch_size=8, text_feature="body.text",
             label_feature="topic")
-    with pytest.raises(files.BadData, match=r"train.jsonl:1: no label field 'label'"):
+    with pytest.raises(file_specs.BadData, match=r"train.jsonl:1: no label field 'label'"):
         TextClassificationSource(
             str(tmp_path / "train.jsonl"), eval_dataset=str(tmp_path / "odd.jsonl"),
             vocab_size=48, max_length=16, batch_size=8, text_feature="body.text")

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from transformer.data import files, hub_layout
+from transformer.data import file_specs, files, hub_layout
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -41,7 +41,7 @@ def test_the_hub_layout_reads_back_pair_for_pair_by_split(hub, offline_fixture_d
 
     assert sorted(p.name for p in hub.iterdir())[:2] == ["test-00000-of-00001.parquet",
                                                           "train-00000-of-00003.parquet"]
-    assert files.split_spec(str(hub), "validation") == f"parquet:{hub}/validation-*.parquet"
+    assert file_specs.split_spec(str(hub), "validation") == f"parquet:{hub}/validation-*.parquet"
     source = from_config(small_config(hub), str(tmp_path / "run"))
     builder = prepare_dataset("offline_de_en", str(offline_fixture_data_dir))
     for split in ("train", "validation"):
@@ -70,7 +70,7 @@ def test_flat_columns_and_named_fields(tmp_path):
     named = _file_split(str(tmp_path / "named.parquet"), "data.dataset", ("en", "de"),
                         ("src", "tgt"))
     assert named[0] == {"en": "a dog", "de": "ein Hund"}
-    with pytest.raises(files.BadData, match=r"named.parquet: no column 'en' \(it has"):
+    with pytest.raises(file_specs.BadData, match=r"named.parquet: no column 'en' \(it has"):
         _file_split(str(tmp_path / "named.parquet"), "data.dataset", ("en", "de"), (None, None))
 
 

@@ -1,298 +1,41 @@
-"""Documents from the user's own files: `data.dataset="<format>:<glob>"` (or a glob whose
-extension names the format) with format `jsonl` (also `.gz`, `.zst`), `parquet`, `text` (one
-document a line; `text_paragraphs`: a blank line between documents) or `arrayrecord` (each
-record a JSON object, or UTF-8 text). Paths are local or anything fsspec reaches (`gs://`
-with gcsfs installed); each shard is read whole when a batch needs it, never the corpus.
+"""Documents from the user's own files, by global id, and each epoch's training order.
 
-A document is the value of a named field (`data.text_field`, dotted for nested fields such as
-`meta.text`). Document ids are global: shard k's rows follow those of shards 0..k-1 (shards
-in sorted path order). The training order of epoch e (`FileDocuments.order`) shuffles without
-materialising anything per document: a seeded permutation of the shards, cut into windows of
-`data.shuffle_window` shards, and within each window a seeded pseudo-random permutation of
-its rows (`permutation.Permutation`), so a batch reads from at most a window's shards and a
-host holds at most that many shards decoded. With `groups` G > 1 (a language model's
-`data.pack_groups`) the corpus is G streams, group g owning the shards k with k % G == g: each
-group has its own order of the same kind over its own shards (windows of
-max(1, shuffle_window // G) shards), so a process that packs only some groups' rows opens only
+`data.dataset` names the files (`file_specs.py`: `<format>:<glob>`, a glob whose extension
+names the format, or a hub-layout directory), and `file_formats.py` reads a shard of each
+format. Each shard is read whole when a batch needs it, never the corpus.
+
+Document ids are global: shard k's rows follow those of shards 0..k-1, the shards in sorted
+path order. The training order of epoch e (`FileDocuments.order`) shuffles without
+materialising anything per document. It is a seeded permutation of the shards, cut into
+windows of `data.shuffle_window` shards, and within each window a seeded pseudo-random
+permutation of its rows (`permutation.Permutation`). So a batch reads from at most a window's
+shards, and a host holds at most that many shards decoded. With `groups` G > 1, a language
+model's `data.pack_groups`, the corpus is G streams: group g owns the shards k with
+k % G == g and has its own order of the same kind over them, in windows of
+max(1, shuffle_window // G) shards. A process that packs only some groups' rows opens only
 those groups' shards.
 
-Rows per shard: parquet's metadata or ArrayRecord's index, else a read of the shard; with
-`record_dir` (a run's `<workdir>/vocab/`) the counts are recorded there and reused while the
-shards are unchanged.
-
-Bad input is one line naming the file: a glob matching nothing, a missing field (with the
-fields the file has), a malformed jsonl line (file:line; `data.skip_bad_lines=True` skips and
-counts them instead), a parquet column that is not text, a file without documents, non-UTF-8
-bytes, an unreachable remote path.
+Rows per shard come from parquet's metadata or ArrayRecord's index, else from a read of the
+shard. With `record_dir`, a run's `<workdir>/vocab/`, the counts are recorded there and reused
+while the shards are unchanged.
 """
 
 from __future__ import annotations
 
 import collections
-import glob
-import io
-import json
 import logging
-import os
-import re
 import threading
 
 import numpy as np
 
 from transformer.data import records
+from transformer.data.file_formats import ShardReader
+from transformer.data.file_specs import BadData, expand, parse_spec
 from transformer.data.permutation import Permutation
 
 log = logging.getLogger("transformer")
-FORMATS = ("jsonl", "parquet", "text", "text_paragraphs", "arrayrecord")
-_EXTENSIONS = ((".jsonl", "jsonl"), (".json", "jsonl"), (".jsonl.gz", "jsonl"),
-               (".json.gz", "jsonl"), (".jsonl.zst", "jsonl"), (".json.zst", "jsonl"),
-               (".parquet", "parquet"), (".txt", "text"), (".txt.gz", "text"),
-               (".txt.zst", "text"), (".array_record", "arrayrecord"),
-               (".arrayrecord", "arrayrecord"))
 CACHED_SHARDS = 2  # decoded shards kept per process when data.shuffle_window is smaller
 SAMPLE_SHARDS = 32  # shards a sample (vocabulary, mean length) reads at most, whatever the corpus
-# What TFDS accepts as a dataset name, [namespace:]name[/config][:x.y.z][/key=value,...]
-# (`_NAME_REG` of tensorflow_datasets/core/naming.py); a spec outside it names files.
-_TFDS_NAME = re.compile(r"^([\w\-]+:)?[a-zA-Z]\w*(/[\w+\-.]+)?(:(\d+|\*)(\.(\d+|\*)){2})?"
-                        r"(/(\w+=[^,]+,?)+)?$")
-
-
-class BadData(ValueError):
-    """A file the source cannot use; the message names it and the fix (one line)."""
-
-
-def parse_spec(spec: str, setting: str = "data.dataset") -> tuple[str, str] | None:
-    """(format, glob) when `spec` names files (`<format>:<glob>`, a path with a known
-    extension, or a hub-layout directory, bare or as `parquet:<dir>`), else None (a TFDS
-    name such as `c4/en:3.0.1`).
-    A path that is neither (remote, absolute, or not of TFDS's name grammar) is one line:
-    the path matches nothing, or its format needs the `<format>:` prefix."""
-    head, sep, rest = spec.partition(":")
-    named = head if sep and head in FORMATS else None
-    directory = hub_directory(spec) if named in (None, "parquet") else None
-    if directory:
-        return "parquet", f"{directory}/train-*.parquet"
-    if named:
-        return named, rest
-    inferred = infer_format(spec)
-    if inferred:
-        return inferred, spec
-    if ("://" in spec or spec.startswith(("/", "./", "~")) or not _TFDS_NAME.match(spec)
-            or ("/" in spec and os.path.exists(spec))):
-        if "://" not in spec and not glob.glob(os.path.expanduser(spec)):
-            raise BadData(f"{setting}={spec!r} is not a TFDS name and no file matches "
-                          f"{os.path.abspath(os.path.expanduser(spec))!r}; check the path, or "
-                          f"write it as <format>:<glob> with format one of {', '.join(FORMATS)}")
-        raise BadData(f"{setting}={spec!r}: cannot tell the format from the extension; "
-                      f"write it as <format>:<glob> with format one of {', '.join(FORMATS)}")
-    return None
-
-
-def hub_directory(spec: str) -> str | None:
-    """The directory `spec` names when it is one (the Hugging Face hub's parquet layout,
-    `<repo>/<config>/<split>-*.parquet`, found by split name; local or remote), else None."""
-    import fsspec
-
-    head, sep, rest = spec.partition(":")
-    path = rest if sep and head in FORMATS else spec
-    if any(c in path for c in "*?[") or infer_format(path) or not (
-            "/" in path or path.startswith(("~", "."))):
-        return None
-    try:
-        fs, _, roots = fsspec.core.get_fs_token_paths(path)
-        return path.rstrip("/") if len(roots) == 1 and fs.isdir(roots[0]) else None
-    except Exception:  # not reachable: expand() reports it when the files are read
-        return None
-
-
-def split_spec(spec: str, split: str) -> str | None:
-    """The `<format>:<glob>` of a split: a hub-layout directory's `<split>-*.parquet`, else
-    None (a glob names one split's files)."""
-    directory = hub_directory(spec)
-    return f"parquet:{directory}/{split}-*.parquet" if directory else None
-
-
-def infer_format(path: str) -> str | None:
-    path = path.lower()
-    for ext, fmt in sorted(_EXTENSIONS, key=lambda e: -len(e[0])):
-        if path.endswith(ext):
-            return fmt
-    return None
-
-
-def expand(pattern: str, setting: str = "data.dataset") -> list[str]:
-    """The sorted paths a glob matches (local or remote), or one line saying why none."""
-    import fsspec
-
-    try:
-        fs, _, paths = fsspec.core.get_fs_token_paths(pattern)
-        if not any(c in pattern for c in "*?["):  # a literal path is returned unchecked
-            paths = [p for p in paths if fs.isfile(p)]
-    except ImportError as e:
-        raise BadData(f"{setting}={pattern!r}: reading it needs {e.name or 'an fsspec backend'} "
-                      f"(e.g. pip install gcsfs for gs://)") from None
-    except Exception as e:  # credentials, network, permissions: the backend's first line
-        raise BadData(f"{setting}={pattern!r}: cannot list it ({type(e).__name__}: "
-                      f"{str(e).splitlines()[0] if str(e) else 'no detail'}); check the path "
-                      f"and the credentials for it") from None
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    prefix = "" if protocol in ("file", "local") else f"{protocol}://"
-    paths = sorted(p if "://" in p or not prefix else prefix + p for p in paths)
-    if not paths:
-        where = "" if prefix else f" ({os.path.abspath(os.path.expanduser(pattern))!r})"
-        raise BadData(f"{setting}={pattern!r} matches no file{where}; check the path")
-    return paths
-
-
-def _open(path: str, mode: str = "rb"):
-    import fsspec
-
-    return fsspec.open(path, mode, compression="infer")
-
-
-def _lookup(record, field: str, where: str, *, what: str, setting: str):
-    """record[a][b]... for `field` "a.b...", or one line naming what the record has."""
-    value = record
-    for part in field.split("."):
-        if not isinstance(value, dict) or part not in value:
-            have = sorted(value) if isinstance(value, dict) else type(value).__name__
-            raise BadData(f"{where}: no {what} {field!r} (it has {have}); set {setting} to "
-                          f"one of them")
-        value = value[part]
-    return value
-
-
-def _field(record, field: str, where: str) -> str:
-    value = _lookup(record, field, where, what="field",
-                    setting="the field setting (data.text_field, ...)")
-    if not isinstance(value, str):
-        raise BadData(f"{where}: field {field!r} is {type(value).__name__}, not text")
-    return value
-
-
-def _label(record, field: str, where: str) -> int | str:
-    value = _lookup(record, field, where, what="label field", setting="data.label_field")
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise BadData(f"{where}: label {field!r} is {type(value).__name__}, not an integer or "
-                      f"a class name")
-    return value
-
-
-def _decode(data: bytes, where: str) -> str:
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise BadData(f"{where}: not UTF-8 (byte {e.start}); re-encode the file as UTF-8") from None
-
-
-def check_parquet_schema(schema, fields: tuple[str, ...], path: str,
-                         label_field: str | None = None) -> None:
-    """Each (dotted) field is a string column of a parquet file's schema (the label an integer
-    or string one), else one line."""
-    import pyarrow as pa
-
-    for field in fields + ((label_field,) if label_field else ()):
-        parts = field.split(".")
-        if parts[0] not in schema.names:
-            raise BadData(f"{path}: no column {parts[0]!r} (it has {schema.names}); "
-                          f"set the field setting (data.text_field, ...) to one of them")
-        kind = schema.field(parts[0]).type
-        for depth, part in enumerate(parts[1:], 1):
-            if not pa.types.is_struct(kind) or kind.get_field_index(part) < 0:
-                raise BadData(f"{path}: column {'.'.join(parts[:depth])!r} ({kind}) has no "
-                              f"field {part!r}")
-            kind = kind.field(part).type
-        if field == label_field and pa.types.is_integer(kind):
-            continue
-        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-            raise BadData(f"{path}: column {field!r} is {kind}, not a string; choose a text "
-                          f"column")
-
-
-class _Reader:
-    """Reads one shard's documents as tuples of the wanted fields."""
-
-    def __init__(self, fmt: str, fields: tuple[str, ...], skip_bad_lines: bool,
-                 label_field: str | None = None):
-        self.fmt, self.fields, self.skip_bad_lines = fmt, fields, skip_bad_lines
-        self.label_field = label_field
-        self.skipped = 0
-        if label_field and fmt.startswith("text"):
-            raise BadData(f"data.label_field={label_field!r}: {fmt} files hold no labels; use "
-                          f"jsonl, parquet or arrayrecord")
-
-    def read(self, path: str) -> list[tuple[str, ...]]:
-        rows = getattr(self, f"_{self.fmt}")(path)
-        if not rows:
-            raise BadData(f"{path} has no documents; remove it or fix the glob")
-        return rows
-
-    def _record(self, record, where: str) -> tuple:
-        texts = tuple(_field(record, f, where) for f in self.fields)
-        return texts + (_label(record, self.label_field, where),) if self.label_field else texts
-
-    def _jsonl(self, path: str) -> list[tuple[str, ...]]:
-        rows = []
-        with _open(path) as f:
-            data = f.read()
-        for number, line in enumerate(data.split(b"\n"), 1):
-            text = _decode(line, f"{path}:{number}").strip()
-            if not text:
-                continue
-            try:
-                record = json.loads(text)
-            except json.JSONDecodeError as e:
-                if self.skip_bad_lines:
-                    self.skipped += 1
-                    continue
-                raise BadData(f"{path}:{number}: malformed JSON ({e.msg}); fix the line or "
-                              f"set data.skip_bad_lines=True to skip and count such lines"
-                              ) from None
-            rows.append(self._record(record, f"{path}:{number}"))
-        return rows
-
-    def _text(self, path: str) -> list[tuple[str, ...]]:
-        with _open(path) as f:
-            lines = _decode(f.read(), path).splitlines()
-        return [(line,) for line in lines if line.strip()]
-
-    def _text_paragraphs(self, path: str) -> list[tuple[str, ...]]:
-        with _open(path) as f:
-            text = _decode(f.read(), path)
-        paragraphs = (p.strip() for p in text.replace("\r\n", "\n").split("\n\n"))
-        return [(p,) for p in paragraphs if p]
-
-    def _parquet(self, path: str) -> list[tuple[str, ...]]:
-        import pyarrow.parquet as pq
-
-        with _open(path) as f:
-            table = pq.read_table(io.BytesIO(f.read()))
-        check_parquet_schema(table.schema, self.fields, path, self.label_field)
-        columns = []
-        for field in self.fields + ((self.label_field,) if self.label_field else ()):
-            parts = field.split(".")
-            column = table.column(parts[0]).combine_chunks()
-            for part in parts[1:]:
-                column = column.field(part)
-            columns.append(column.to_pylist())
-        return [tuple("" if v is None else v for v in row) for row in zip(*columns, strict=True)]
-
-    def _arrayrecord(self, path: str) -> list[tuple[str, ...]]:
-        from array_record.python.array_record_module import ArrayRecordReader
-
-        reader = ArrayRecordReader(path)
-        try:
-            records = reader.read_all()
-        finally:
-            reader.close()
-        rows = []
-        for i, data in enumerate(records):
-            text = _decode(data, f"{path} record {i}")
-            if text.lstrip().startswith("{"):
-                rows.append(self._record(json.loads(text), f"{path} record {i}"))
-            else:
-                rows.append((text,) * len(self.fields))
-        return rows
 
 
 class FileDocuments:
@@ -317,7 +60,7 @@ class FileDocuments:
             raise BadData(f"data.pack_groups={self.groups} exceeds the {len(self.paths)} "
                           f"shard(s) of {setting}={spec!r}: each group reads its own shards; "
                           f"lower data.pack_groups or split the corpus into more shards")
-        self._reader = _Reader(self.format, self.fields, skip_bad_lines, label_field)
+        self._reader = ShardReader(self.format, self.fields, skip_bad_lines, label_field)
         self._cache: collections.OrderedDict[int, list] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.counts = self._counts(record_dir)
@@ -367,32 +110,8 @@ class FileDocuments:
         return counts
 
     def _count(self, k: int) -> int:
-        """Rows of shard k: parquet's metadata or ArrayRecord's index, else a read of the shard
-        (not kept: memory stays that of the cached shards whatever the corpus)."""
-        path = self.paths[k]
-        if self.format == "arrayrecord":
-            from array_record.python.array_record_module import ArrayRecordReader
-
-            reader = ArrayRecordReader(path)
-            try:
-                rows = reader.num_records()
-            finally:
-                reader.close()
-            if not rows:
-                raise BadData(f"{path} has no documents; remove it or fix the glob")
-            return rows
-        if self.format == "parquet":
-            import pyarrow.parquet as pq
-
-            with _open(path) as f:
-                parquet = pq.ParquetFile(f)
-                check_parquet_schema(parquet.schema_arrow, self.fields, path,
-                                     self._reader.label_field)
-                rows = parquet.metadata.num_rows
-            if not rows:
-                raise BadData(f"{path} has no documents; remove it or fix the glob")
-            return rows
-        return len(self._reader.read(path))
+        """Rows of shard k (`ShardReader.count`)."""
+        return self._reader.count(self.paths[k])
 
     def _shard(self, k: int) -> list[tuple[str, ...]]:
         with self._lock:

@@ -49,7 +49,7 @@ import threading
 import numpy as np
 
 from transformer.checkpoint import layout
-from transformer.data import batching, files, records, span_corruption
+from transformer.data import batching, file_specs, files, records, span_corruption
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.data.datasets import (
     CHUNK,
@@ -120,8 +120,8 @@ class LanguageModelSource:
                        else None)
         self._sources: dict[str, object] = {}
         self.files = None  # {split: FileDocuments} for a source of files
-        if sources or files.parse_spec(dataset):
-            eval_dataset = eval_dataset or files.split_spec(dataset, eval_split)
+        if sources or file_specs.parse_spec(dataset):
+            eval_dataset = eval_dataset or file_specs.split_spec(dataset, eval_split)
             if not eval_dataset:
                 raise ValueError(f"data.dataset={dataset!r} is files: set data.eval_dataset "
                                  f"to the files to evaluate on (<format>:<glob>)")
@@ -444,7 +444,7 @@ def _mixture(sources: list[dict], opts: dict) -> Mixture:
             raise ValueError(f"data.sources[{i}]={spec}: each source needs a dataset "
                              f"(<format>:<glob>) and a weight")
         if not float(spec["weight"]) > 0:
-            raise files.BadData(f"data.sources[{i}].weight={spec['weight']} must be positive")
+            raise file_specs.BadData(f"data.sources[{i}].weight={spec['weight']} must be positive")
     documents = []
     for i, spec in enumerate(sources):
         fields = (spec.get("text_field") or opts["fields"][0],)

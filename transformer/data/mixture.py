@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from transformer.data.files import BadData, FileDocuments
+from transformer.data.file_specs import BadData
+from transformer.data.files import FileDocuments
 from transformer.data.permutation import Permutation
 
 

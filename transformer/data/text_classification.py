@@ -32,7 +32,7 @@ import logging
 import numpy as np
 
 from transformer.checkpoint import layout
-from transformer.data import files
+from transformer.data import file_specs, files
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.data.datasets import CHUNK, DataUnavailable, prepare_dataset
 
@@ -118,7 +118,7 @@ class TextClassificationSource:
                 f"{tokenizer_lib.PAD_ID}, which pads a classifier's rows: give one with <pad> "
                 f"or [PAD] at id {tokenizer_lib.PAD_ID}, or leave data.vocab_path empty")
         record = layout.path(workdir, layout.VOCAB) if workdir else None
-        if files.parse_spec(dataset):
+        if file_specs.parse_spec(dataset):
             texts = self._read_files(dataset, eval_dataset, text_feature, label_feature,
                                      record)
         else:
@@ -152,7 +152,7 @@ class TextClassificationSource:
         """{split: (texts, labels)} from files: labels integers (classes 0..max) or class
         names (sorted, as in the training files); the rows per shard recorded in
         `record_dir` (None: counted each time)."""
-        eval_dataset = eval_dataset or files.split_spec(dataset, "validation")
+        eval_dataset = eval_dataset or file_specs.split_spec(dataset, "validation")
         if not eval_dataset:
             raise ValueError(f"data.dataset={dataset!r} is files: set data.eval_dataset to the "
                              f"files to evaluate on (<format>:<glob>)")
@@ -176,8 +176,8 @@ class TextClassificationSource:
             labels = [index.get(str(r[1]), -1) for r in records]
             if min(labels) < 0:
                 bad = next(r[1] for r, c in zip(records, labels, strict=True) if c < 0)
-                raise files.BadData(f"{split} files: label {bad!r} is not a class of the "
-                                    f"training files ({', '.join(self.class_names)})")
+                raise file_specs.BadData(f"{split} files: label {bad!r} is not a class of the "
+                                         f"training files ({', '.join(self.class_names)})")
             texts[split] = ([r[0] for r in records], np.asarray(labels, np.int64))
         self.validation_split = self.test_split = "validation"
         return texts

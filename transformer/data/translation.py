@@ -38,7 +38,7 @@ import numpy as np
 from etils import epath
 
 from transformer.checkpoint import layout
-from transformer.data import batching, files, records
+from transformer.data import batching, file_specs, files, records
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.data.datasets import (
     CHUNK,
@@ -167,8 +167,8 @@ class TranslationSource:
         self.workdir = workdir
         self._sources: dict[str, object] = {}
         self.builder = None
-        if files.parse_spec(dataset):
-            eval_dataset = eval_dataset or files.split_spec(dataset, self.validation_split)
+        if file_specs.parse_spec(dataset):
+            eval_dataset = eval_dataset or file_specs.split_spec(dataset, self.validation_split)
             if not eval_dataset:
                 raise ValueError(f"data.dataset={dataset!r} is files: set data.eval_dataset "
                                  f"to the files to evaluate on (<format>:<glob>)")
@@ -376,7 +376,7 @@ def _file_split(spec: str, setting: str, languages: tuple[str, str],
         try:
             documents = files.FileDocuments(spec, fields=candidate, setting=setting,
                                             record_dir=record_dir, **options)
-        except files.BadData as e:
+        except file_specs.BadData as e:
             if not ("no column" in str(e) or "no field" in str(e)):
                 raise
             errors[candidate] = e
