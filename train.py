@@ -177,6 +177,8 @@ def _parse_flags(argv):
     """absl's parsing, with a config file that does not load (a syntax error, no get_config)
     an unknown --config.<key>, and a config argument its get_config rejects as one line too
     (ml_collections raises them while absl parses the flags, before main)."""
+    from configs import holders
+
     config_arg = next((a for a in argv[1:] if a.startswith("--config=")), "--config")
     try:
         return flags.FLAGS(argv)
@@ -191,7 +193,10 @@ def _parse_flags(argv):
                      f"returns its ConfigDict from get_config(), as configs/default.py does")
         bad = next((a.split("=")[0] for a in argv[1:] if a.startswith("--config.")
                     and name in a.split("=")[0].split(".")), "a --config.<key> override")
-        sys.exit(f"error: {bad}: the config has no key {name!r}{'; ' + hint[0] if hint else ''}")
+        where = holders(bad.removeprefix("--config.")) if bad.startswith("--config.") else ""
+        hint_text = f"; {hint[0]}" if hint else ""
+        where_text = f"; {where}" if where else ""
+        sys.exit(f"error: {bad}: the config has no key {name!r}{hint_text}{where_text}")
     except flags.Error as error:  # e.g. get_config(arg) rejected its argument
         lines = [line.strip() for line in str(error).splitlines() if line.strip()]
         sys.exit(f"error: {re.sub(r'^[A-Za-z]*Error: ', '', lines[-1])}")

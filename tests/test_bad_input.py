@@ -265,6 +265,10 @@ TRAIN_FLAG_MISTAKES = {
     "unknown key": ("--config.num_train_step=3", "error: --config.num_train_step: the config "
                     "has no key 'num_train_step'; Did you mean \"num_train_steps\" instead of "
                     "\"num_train_step\"?"),
+    "key of other configs": ("--config.model.context_load_balance=False",
+                             "error: --config.model.context_load_balance: the config has no key "
+                             "'context_load_balance'; configs/wmt14_ende_base.py, "
+                             "configs/wmt14_ende_big.py, configs/wmt14_enfr_big.py hold it"),
 }
 
 
