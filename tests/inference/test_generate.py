@@ -12,7 +12,7 @@ from ml_collections import ConfigDict
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.inference import generator as generator_lib
 from transformer.inference.translator import BUCKET
-from transformer.model import transformer as M
+from transformer.model.transformer import Transformer, TransformerConfig
 
 V = 32
 TINY = dict(vocab_size=V, d_model=16, d_ff=32, num_heads=2, num_kv_heads=1, num_encoder_layers=0,
@@ -38,13 +38,13 @@ class CharTokenizer:
 
 def tiny_generator(objective="causal", **model):
     values = {**TINY, **model}
-    module = M.Transformer(M.TransformerConfig(**values))
+    module = Transformer(TransformerConfig(**values))
     params = module.init(jax.random.key(0), None, jnp.ones((1, 4), jnp.int32))["params"]
     params = jax.tree_util.tree_map_with_path(
         lambda path, x: x * next((scale for name, scale in SCALES.items()
                                   if name in jax.tree_util.keystr(path)), 1.0), params)
     config = ConfigDict({"model": values, "data": {"objective": objective}})
-    return generator_lib.Generator(config, M.TransformerConfig(**values), params,
+    return generator_lib.Generator(config, TransformerConfig(**values), params,
                                    CharTokenizer())
 
 

@@ -19,15 +19,15 @@ import pytest
 from flax import traverse_util
 
 from transformer.checkpoint.checkpointer import stack_layers, unstack_layers
-from transformer.model import transformer as M
+from transformer.model.transformer import Transformer, TransformerConfig, init_cache, shift_right
 
 V, D, F, NH = 40, 32, 64, 4
 TINY = dict(vocab_size=V, d_model=D, d_ff=F, num_heads=NH, num_encoder_layers=2,
             num_decoder_layers=2, max_len=32, dropout_rate=0.0)
 
 
-def tiny(**overrides) -> M.TransformerConfig:
-    return M.TransformerConfig(**{**TINY, **overrides})
+def tiny(**overrides) -> TransformerConfig:
+    return TransformerConfig(**{**TINY, **overrides})
 
 
 BASE = tiny()  # post-LN, sinusoidal, multi-head, tied output, not scanned
@@ -50,7 +50,7 @@ def _dummy_batch(cfg):
 @functools.cache
 def abstract_variables(cfg):
     """The boxed (logically partitioned) variables as ShapeDtypeStructs."""
-    return jax.eval_shape(M.Transformer(cfg).init, jax.random.key(0), *_dummy_batch(cfg))
+    return jax.eval_shape(Transformer(cfg).init, jax.random.key(0), *_dummy_batch(cfg))
 
 
 def param_shapes(cfg) -> dict[str, tuple[int, ...]]:
@@ -89,7 +89,7 @@ def random_params(cfg, seed=0):
 
 @functools.cache
 def forward(cfg, deterministic=True):
-    model = M.Transformer(cfg)
+    model = Transformer(cfg)
 
     @jax.jit
     def run(variables, inputs, targets, packing=None, rng=None):
@@ -104,22 +104,22 @@ def forward(cfg, deterministic=True):
 def incremental(cfg, prefill):
     """Teacher-forced decoding through the cache: `prefill` tokens first, then one at a time
     in a lax.scan. Returns logits [B, T, V] and the final cache index."""
-    model = M.Transformer(cfg)
+    model = Transformer(cfg)
 
     @jax.jit
     def run(variables, inputs, targets):
         b, t = targets.shape
         encoded = None
         if cfg.architecture == "encoder_decoder":
-            encoded = model.apply(variables, inputs, method=M.Transformer.encode)
-        tokens = M.shift_right(targets)
-        cache = M.init_cache(cfg, b, t)
+            encoded = model.apply(variables, inputs, method=Transformer.encode)
+        tokens = shift_right(targets)
+        cache = init_cache(cfg, b, t)
         first, cache = model.apply(variables, encoded, inputs, tokens[:, :prefill],
-                                   cache=cache, method=M.Transformer.decode)
+                                   cache=cache, method=Transformer.decode)
 
         def step(cache, token):
             logits, cache = model.apply(variables, encoded, inputs, token[:, None],
-                                        cache=cache, method=M.Transformer.decode)
+                                        cache=cache, method=Transformer.decode)
             return cache, logits[:, 0]
 
         cache, rest = jax.lax.scan(step, cache, tokens[:, prefill:].T)
@@ -299,12 +299,12 @@ def count(cfg):
 
 
 def test_paper_base_and_big_parameter_counts():
-    base = M.TransformerConfig()  # the defaults are the paper's base model
+    base = TransformerConfig()  # the defaults are the paper's base model
     assert (base.d_model, base.d_ff, base.num_heads, base.d_k, base.vocab_size) == (
         512, 2048, 8, 64, 37000)
     assert paper_param_count(37000, 512, 2048) == 63_082_496
     assert count(base) == 63_082_496
-    big = M.TransformerConfig(d_model=1024, d_ff=4096, num_heads=16, dropout_rate=0.3)
+    big = TransformerConfig(d_model=1024, d_ff=4096, num_heads=16, dropout_rate=0.3)
     assert count(big) == paper_param_count(37000, 1024, 4096)
     assert round(count(big) / 1e6, 1) == 214.2
 
@@ -462,13 +462,13 @@ def test_output_head_and_decode_without_a_cache():
     cfg = tiny(tie_output_embedding=False)
     variables = random_params(cfg)
     inputs, targets = std_batch(15)
-    model = M.Transformer(cfg)
+    model = Transformer(cfg)
 
     @jax.jit
     def run(variables):
-        head = model.apply(variables, inputs, targets, method=M.Transformer.output_head)
-        encoded = model.apply(variables, inputs, method=M.Transformer.encode)
-        decoded = model.apply(variables, encoded, inputs, targets, method=M.Transformer.decode)
+        head = model.apply(variables, inputs, targets, method=Transformer.output_head)
+        encoded = model.apply(variables, inputs, method=Transformer.encode)
+        decoded = model.apply(variables, encoded, inputs, targets, method=Transformer.decode)
         return head, model.apply(variables, inputs, targets), decoded
 
     head, logits, (decoded, cache) = run(variables)
@@ -481,16 +481,16 @@ def test_output_head_and_decode_without_a_cache():
 
 def test_init_cache_layout():
     cfg = tiny(num_kv_heads=2, d_v=6, dtype="bfloat16")
-    cache = M.init_cache(cfg, 3, 5)
+    cache = init_cache(cfg, 3, 5)
     assert int(cache["index"]) == 0
     assert sorted(cache) == ["index", "layers_0", "layers_1"]
     assert cache["layers_0"]["self_attention"]["key"].shape == (3, 2, 5, 8)  # heads first
     assert cache["layers_0"]["self_attention"]["value"].shape == (3, 2, 5, 6)
     assert cache["layers_0"]["self_attention"]["key"].dtype == jnp.bfloat16
-    scanned = M.init_cache(dataclasses.replace(cfg, scan_layers=True), 3, 5)
+    scanned = init_cache(dataclasses.replace(cfg, scan_layers=True), 3, 5)
     assert scanned["layers"]["self_attention"]["key"].shape == (2, 3, 2, 5, 8)
     with pytest.raises(ValueError, match="max_len"):
-        M.init_cache(cfg, 1, cfg.max_len + 1)
+        init_cache(cfg, 1, cfg.max_len + 1)
 
 
 # --------------------------------------------------------------------------- dropout, grads, dtypes
@@ -503,7 +503,7 @@ def test_dropout_and_gradients():
                num_encoder_layers=1, num_decoder_layers=1)
     variables = random_params(cfg)
     inputs, targets = std_batch(10)
-    model = M.Transformer(cfg)
+    model = Transformer(cfg)
 
     @jax.jit
     def run(variables, rng):
@@ -624,9 +624,9 @@ def test_config_defaults_and_from_dict():
     cfg = tiny(num_kv_heads=None, d_k=None, d_v=None)
     assert (cfg.num_kv_heads, cfg.d_k, cfg.d_v) == (NH, D // NH, D // NH)
     assert tiny(d_k=6).d_v == 6
-    assert M.TransformerConfig.from_dict(dict(TINY)) == BASE
+    assert TransformerConfig.from_dict(dict(TINY)) == BASE
     with pytest.raises(ValueError, match="unknown model config keys.*'bogus'"):
-        M.TransformerConfig.from_dict({**TINY, "bogus": 1})
+        TransformerConfig.from_dict({**TINY, "bogus": 1})
     # Decoder-only and encoder-only need no layers on the other side.
     assert tiny(architecture="decoder", num_encoder_layers=0).num_encoder_layers == 0
 
@@ -634,5 +634,5 @@ def test_config_defaults_and_from_dict():
 def test_too_long_inputs_raise():
     variables = random_params(BASE)
     with pytest.raises(ValueError, match="max_len"):
-        M.Transformer(BASE).apply(variables, jnp.ones((1, 33), jnp.int32),
-                                  jnp.ones((1, 4), jnp.int32))
+        Transformer(BASE).apply(variables, jnp.ones((1, 33), jnp.int32),
+                                jnp.ones((1, 4), jnp.int32))

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer.ops import relative_position as R
+from transformer.ops.relative_position import relative_position_bias, relative_position_bucket
 
 pytestmark = pytest.mark.usefixtures("strict_dtype_promotion")
 CASES = [(32, 128), (16, 20), (8, 10), (32, 33)]  # (num_buckets, max_distance)
@@ -35,7 +35,7 @@ def numpy_bucket(relative, bidirectional, num_buckets, max_distance, dtype):
 @pytest.mark.parametrize("bidirectional", [True, False])
 @pytest.mark.parametrize("num_buckets,max_distance", CASES)
 def test_buckets_are_t5s_formula(bidirectional, num_buckets, max_distance):
-    ours = np.asarray(R.relative_position_bucket(
+    ours = np.asarray(relative_position_bucket(
         RELATIVE, bidirectional=bidirectional, num_buckets=num_buckets,
         max_distance=max_distance))
     for dtype in (np.float64, np.float32):
@@ -48,8 +48,8 @@ def test_buckets_by_hand():
     """32 buckets, max distance 128: bidirectional gives 16 a side, 8 exact; unidirectional 32,
     16 exact, then 16 + floor(ln(d/16) / ln(8) * 16): 20 -> 17, 100 -> 30, 127 -> 31."""
     def bucket(rel, bidirectional):
-        return R.relative_position_bucket(jnp.array(rel), bidirectional=bidirectional,
-                                          num_buckets=32, max_distance=128).tolist()
+        return relative_position_bucket(jnp.array(rel), bidirectional=bidirectional,
+                                        num_buckets=32, max_distance=128).tolist()
 
     assert bucket([0, -1, 1, -7, 7, -500, 500], True) == [0, 1, 17, 7, 23, 15, 31]
     assert bucket([3, 0, -5, -15, -16, -20, -100, -127, -128, -10**6], False) == [
@@ -64,7 +64,7 @@ def test_buckets_are_transformers(bidirectional, num_buckets, max_distance):
     theirs = t5.T5Attention._relative_position_bucket(
         torch.tensor(RELATIVE), bidirectional=bidirectional, num_buckets=num_buckets,
         max_distance=max_distance).numpy()
-    np.testing.assert_array_equal(np.asarray(R.relative_position_bucket(
+    np.testing.assert_array_equal(np.asarray(relative_position_bucket(
         RELATIVE, bidirectional=bidirectional, num_buckets=num_buckets,
         max_distance=max_distance)), theirs)
 
@@ -74,9 +74,9 @@ def test_bias_reads_the_table_at_each_pairs_bucket():
     table = rng.normal(size=(16, 3)).astype(np.float32)
     q_positions = np.array([[0, 1, 2, 3], [5, 6, 0, 1]])
     k_positions = np.array([[0, 1, 2, 3, 4, 9]])
-    bias = np.asarray(R.relative_position_bias(jnp.asarray(table), jnp.asarray(q_positions),
-                                               jnp.asarray(k_positions), bidirectional=False,
-                                               max_distance=20))
+    bias = np.asarray(relative_position_bias(jnp.asarray(table), jnp.asarray(q_positions),
+                                             jnp.asarray(k_positions), bidirectional=False,
+                                             max_distance=20))
     assert bias.shape == (2, 3, 4, 6) and bias.dtype == np.float32
     for b in range(2):
         for t in range(4):

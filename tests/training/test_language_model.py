@@ -16,7 +16,13 @@ from conftest import subprocess_env
 
 from transformer.data.objectives import apply_objective, cut_pieces
 from transformer.inference import decoding
-from transformer.model import transformer as M
+from transformer.model.transformer import (
+    Transformer,
+    TransformerConfig,
+    init_cache,
+    prefix_inputs,
+    shift_right,
+)
 from transformer.ops import masks
 from transformer.training import train_state
 
@@ -26,9 +32,9 @@ LM = dict(vocab_size=V, d_model=32, d_ff=64, num_heads=4, num_kv_heads=2, num_en
           num_decoder_layers=2, max_len=64, dropout_rate=0.0, positional="rope", norm="rms_norm",
           norm_position="pre", activation="swiglu", use_bias=False, tie_output_embedding=False,
           architecture="decoder")
-DECODER = M.TransformerConfig(**LM)
-ENCODER = M.TransformerConfig(**{**LM, "architecture": "encoder", "num_encoder_layers": 2,
-                                 "num_decoder_layers": 0, "tie_output_embedding": True})
+DECODER = TransformerConfig(**LM)
+ENCODER = TransformerConfig(**{**LM, "architecture": "encoder", "num_encoder_layers": 2,
+                               "num_decoder_layers": 0, "tie_output_embedding": True})
 
 
 def packed_rows(lengths_per_row, length, seed=0):
@@ -113,16 +119,16 @@ def test_prefix_lm_mask_and_prefix_inputs_by_hand():
                                          [1, 1, 1, 1]])
     # Targets p p c c | p c c: decoder inputs BOS p p c | BOS p c; the prefix's inputs are
     # each segment's BOS and the inputs that are prefix targets.
-    inputs = M.prefix_inputs(jnp.array([[1, 1, 0, 0, 1, 0, 0]]),
-                             jnp.array([[1, 1, 1, 1, 2, 2, 2]]))
+    inputs = prefix_inputs(jnp.array([[1, 1, 0, 0, 1, 0, 0]]),
+                           jnp.array([[1, 1, 1, 1, 2, 2, 2]]))
     np.testing.assert_array_equal(np.asarray(inputs), [[1, 1, 1, 0, 1, 1, 0]])
 
 
 def model_logits(cfg, batch):
-    params = M.Transformer(cfg).init(jax.random.key(0), jnp.ones((1, 4), jnp.int32),
-                                     jnp.ones((1, 4), jnp.int32))["params"]
+    params = Transformer(cfg).init(jax.random.key(0), jnp.ones((1, 4), jnp.int32),
+                                   jnp.ones((1, 4), jnp.int32))["params"]
     batch = jax.tree.map(jnp.asarray, batch)
-    return np.asarray(M.Transformer(cfg).apply(
+    return np.asarray(Transformer(cfg).apply(
         {"params": params}, batch.get("inputs"), batch["targets"],
         **{k: batch[k] for k in train_state.BATCH_KEYS[2:] if k in batch}))
 
@@ -161,15 +167,15 @@ def test_prefix_positions_see_later_prefix_tokens_and_nothing_after():
 
 
 def test_prefix_lm_prompt_in_the_cache_equals_the_full_forward_pass():
-    model = M.Transformer(DECODER)
+    model = Transformer(DECODER)
     params = model.init(jax.random.key(1), jnp.ones((1, 4), jnp.int32),
                         jnp.ones((1, 4), jnp.int32))["params"]
     rng = np.random.default_rng(3)
     targets = jnp.asarray(rng.integers(MASK_ID + 1, V, (2, 10)), jnp.int32)
     prefix = jnp.asarray(np.arange(10) < 4, jnp.int32)[None].repeat(2, 0)
     full = model.apply({"params": params}, None, targets, targets_prefix=prefix)
-    cache = M.init_cache(DECODER, 2, 12)
-    decoder_inputs = M.shift_right(targets)
+    cache = init_cache(DECODER, 2, 12)
+    decoder_inputs = shift_right(targets)
     logits, cache = model.apply({"params": params}, None, None, decoder_inputs[:, :5],
                                 targets_prefix=jnp.ones((2, 5), jnp.int32), cache=cache,
                                 method="decode")

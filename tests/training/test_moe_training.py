@@ -13,8 +13,7 @@ from jax.sharding import PartitionSpec as P
 from transformer.checkpoint.checkpointer import Checkpointer
 from transformer.config import resolve
 from transformer.model import experts
-from transformer.model import transformer as M
-from transformer.model.transformer import Transformer, TransformerConfig
+from transformer.model.transformer import Transformer, TransformerConfig, init_cache, shift_right
 from transformer.parallel import sharding
 from transformer.training import train_state
 
@@ -168,11 +167,11 @@ def test_cached_decoding_equals_the_full_forward(architecture):
     variables = model.init(jax.random.key(0), inputs, tokens)
     full = model.apply(variables, inputs, tokens)
     encoded = None if inputs is None else model.apply(variables, inputs,
-                                                      method=M.Transformer.encode)
-    cache, steps = M.init_cache(cfg, 2, 6), []
-    for position, token in enumerate(M.shift_right(tokens).T):
+                                                      method=Transformer.encode)
+    cache, steps = init_cache(cfg, 2, 6), []
+    for position, token in enumerate(shift_right(tokens).T):
         logits, cache = model.apply(variables, encoded, inputs, token[:, None], cache=cache,
-                                    method=M.Transformer.decode)
+                                    method=Transformer.decode)
         steps.append(logits[:, 0])
         assert int(cache["index"]) == position + 1
     np.testing.assert_allclose(np.stack(steps, 1), full, rtol=1e-5, atol=1e-5)

@@ -14,22 +14,16 @@ import pytest
 import scipy.special
 from conftest import SHRUNK_DEFAULT  # noqa: E402
 
-from transformer.checkpoint import (
-    averaging,  # noqa: E402
-    layout,  # noqa: E402
-)
+import transformer  # noqa: E402
+from transformer.checkpoint import averaging, layout  # noqa: E402
 from transformer.checkpoint.checkpointer import list_steps  # noqa: E402
 from transformer.config import resolve  # noqa: E402
 from transformer.data import make_source  # noqa: E402
 from transformer.data.synthetic import FIRST_TOKEN, SyntheticTask  # noqa: E402
 from transformer.data.tokenizer import EOS_ID  # noqa: E402
 from transformer.inference.translator import Translator  # noqa: E402
-from transformer.inference.translator import load as load_translator  # noqa: E402
 from transformer.model.transformer import Transformer  # noqa: E402
-from transformer.training import (
-    evaluation,  # noqa: E402
-    scores,  # noqa: E402
-)
+from transformer.training import evaluation, scores  # noqa: E402
 from transformer.training.loop import train_and_evaluate  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -73,7 +67,7 @@ def test_validation_loss_is_the_mean_nll_of_each_pair_scored_alone(run):
     """The loss logged during training, from packed and sharded eval batches, against every
     validation pair run through the model alone (no packing, no padding) and its NLL summed
     in numpy: sum over pairs of -log softmax(logits)[target] / the number of target tokens."""
-    translator = load_translator(str(run), step=4)
+    translator = transformer.load(str(run), step=4)
     source = make_source(translator.config, str(run))
     data, _ = source.eval_split("validation")
     model = Transformer(translator.model_config)
