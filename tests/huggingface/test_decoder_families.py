@@ -60,6 +60,7 @@ def test_rope_frequencies_equal_transformers_rope_init_functions(rope_type):
     theirs, scale = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
     fields = llama.Llama.config(hf.to_dict())
     ours = TransformerConfig(**fields).rope_arguments()
+    # the same float32 powers and divisions in two libraries: a few ulps (2^-23 = 1.2e-7)
     np.testing.assert_allclose(ours["inv_freq"], theirs.numpy(), rtol=1e-6, atol=0)
     assert ours["scale"] == pytest.approx(scale)
     default = 10000.0 ** (-np.arange(0, 32, 2) / 32)

@@ -60,7 +60,7 @@ def test_without_the_caps_or_the_post_norms_the_logits_differ():
     fields = families.Gemma2.config(hf)
     cfg = TransformerConfig(**fields, dtype="float32")
     assert (cfg.attention_logit_softcap, cfg.logits_softcap, cfg.attention_scale) == (
-        2.0, 3.0, pytest.approx(24 ** -0.5))
+        2.0, 3.0, pytest.approx(24 ** -0.5))  # float64 either way: approx's 1e-6 for form
     assert cfg.post_sublayer_norm and cfg.norm_scale_offset == 1.0
     params = nn.unbox(Transformer(cfg).init(jax.random.key(0), None, TOKENS[:, :4])["params"])
     params = jax.tree.map(lambda x: x * 3.0, params)

@@ -115,6 +115,10 @@ def _assert_same(cfg, kind, mesh_cfg):
     expected_loss, expected_grads = _loss_and_grads(cfg, params, dict(batch))
     mesh = sharding.make_mesh(mesh_cfg)
     loss, grads = _loss_and_grads(cfg, params, dict(batch), mesh)
+    # A sum of B x T x V = 8,192 logit x weight products, |sum| ~ 30. Each logit is off by
+    # float32 rounding (~1e-6 relative: the ring's online softmax against the plain one), and
+    # with random signs that adds to ~sqrt(8,192) x 1e-6 of a term, ~3e-6 of the loss. The
+    # largest seen was 2.2e-6.
     np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
     flat, flat_expected = (jax.tree_util.tree_leaves_with_path(g) for g in (grads, expected_grads))
     # float32 rounding of the largest gradient: the key biases' gradient is only that (softmax
@@ -185,6 +189,7 @@ def test_training_with_context_4_matches_context_1(load_config, tmp_path):
     # ops/ring.py took each of the decoder's self-attention layers, in each trace of the step
     layers = cfg.model.num_decoder_layers
     assert spy.call_count >= layers and spy.call_count % layers == 0, spy.call_count
+    # float32 means over a batch's tokens, reordered by the split (seen: 5e-7 relative)
     np.testing.assert_allclose(losses, expected[:3], rtol=1e-5)
     kernel = state.params["decoder"]["layers_0"]["ffn"]["ff_in"]["kernel"]
     assert kernel.sharding.spec == P(("fsdp", "context"), "tensor")  # embed: fsdp x context
@@ -203,4 +208,7 @@ def test_training_with_context_4_matches_context_1(load_config, tmp_path):
         # The key biases' gradient is rounding noise (softmax ignores a shift shared by all
         # keys) that Adam turns into steps of +-lr: compare the others.
         if not path.endswith("key/bias"):
+            # Adam's steps are ~lr whatever the gradient's size: a gradient's float32
+            # rounding (~1e-5 relative, above) moves 5 steps by ~5e-5 of lr, under atol
+            # (seen: 2.2e-7); rtol for the weights' own rounding
             np.testing.assert_allclose(got[path], value, rtol=1e-4, atol=1e-6, err_msg=path)
