@@ -49,7 +49,7 @@ def test_a_process_opens_only_its_groups_shards(tmp_path):
     cfg.data.pack_groups = 4
     cfg.grad_accum_steps = 2  # a group: one row of each micro-batch of 4 rows
     source = from_config(cfg, str(tmp_path / "run"))
-    train = source.files["train"]
+    train = source.documents["train"]
     whole = source.train_batch(5, (0, 4))
     opened = []
     read = train._reader.read
@@ -88,7 +88,7 @@ def test_a_mixture_keeps_each_source_s_token_share_in_every_group(tmp_path):
     cfg.data.eval_dataset = f"{tmp_path}/web/*.jsonl.zst"
     cfg.data.pack_groups = 2
     source = from_config(cfg)
-    mixture = source.files["train"]
+    mixture = source.documents["train"]
     tokens = np.zeros((2, 2))  # [group, source]
     for index in range(300):
         for g in range(2):

@@ -307,7 +307,7 @@ def test_language_model_batches_from_files_are_a_function_of_the_index(lm_files_
     assert (whole["targets_segmentation"] > 0).mean() > 0.7
     # the batch holds the tokens of the documents the order names, each cut with EOS
     docs = source.batch_documents(7)
-    texts = source.files["train"].texts(docs)
+    texts = source.documents["train"].texts(docs)
     pieces, _ = source.train_pieces(7)
     ids = [list(e) + [source.tokenizer.eos_id] for e in source.tokenizer.encode(texts)]
     expected = [e[i:i + 32] for e in ids for i in range(0, len(e), 32)]
@@ -345,7 +345,7 @@ def test_packing_groups_let_a_process_tokenize_only_its_rows_documents(lm_files_
     side = "inputs" if objective == "span_corruption" else "targets"
     if objective == "causal":  # each group: its documents' pieces, first-fit into its 2 rows
         for g, run in enumerate(runs):
-            pieces = source._cut(source.files["train"].texts(run))
+            pieces = source._cut(source.documents["train"].texts(run))
             placement = batching.first_fit(np.zeros(len(pieces), int), [len(p) for p in pieces], 2,
                                            32, drop=True)
             rows = batching.pack([(np.zeros(0, np.int32), p) for p in pieces],
@@ -383,7 +383,7 @@ def test_a_mixture_draws_each_source_s_token_share_within_1_percent(lm_files_con
     lm_files_config.data.text_field = "text"
     lm_files_config.data.eval_dataset = f"{tmp_path}/web/*.jsonl.zst"
     source = from_config(lm_files_config)
-    mixture = source.files["train"]
+    mixture = source.documents["train"]
     tokens = np.zeros(3)
     for index in range(300):  # several epochs of the small sources
         ids = source.batch_documents(index)

@@ -25,6 +25,16 @@ KEYS = ("inputs", "targets", "inputs_segmentation", "targets_segmentation",
         "inputs_positions", "targets_positions")
 
 
+def epoch_positions(index: int, count: int, batch_size: int, seed: int) -> np.ndarray:
+    """Positions of global batch `index`'s `batch_size` examples among `count`: epoch e is a
+    permutation of them seeded by (seed, e), cut into runs of `batch_size`."""
+    if index < 0:
+        raise ValueError(f"batch index {index} < 0")
+    epoch, b = divmod(index, count // batch_size)
+    order = np.random.default_rng([seed, epoch]).permutation(count)
+    return order[b * batch_size:(b + 1) * batch_size]
+
+
 def _sides(length: int | tuple[int, int]) -> tuple[int, int]:
     """A row's (source, target) length: one `length` for both sides, or a pair."""
     return (length, length) if isinstance(length, int) else tuple(length)

@@ -1,5 +1,6 @@
-"""TFDS access for the translation source: preparing a dataset in `array_record` format (random
-access), converting one prepared in TFRecord once, and reading text pairs by index.
+"""TFDS access for the sources: preparing a dataset in `array_record` format (random access),
+converting one prepared in TFRecord once, reading text pairs by index, and a split's documents
+by id (`TfdsDocuments`).
 
 `prepare_dataset` never downloads WMT (statmt.org is slow and often unreachable): without a
 prepared dataset or the raw archives in `data.manual_dir` it stops with one line naming the
@@ -196,3 +197,64 @@ def read_documents(source, indices, keys: list[str]) -> list[str]:
     indices = [int(i) for i in indices]
     fetched = {r: source[r] for r in sorted({i // len(keys) for i in indices})}
     return [_text(fetched[d // len(keys)], keys[d % len(keys)]) for d in indices]
+
+
+def text_splits(dataset: str, splits: dict[str, str], seed: int, data_dir: str | None = None,
+                manual_dir: str | None = None) -> tuple[dict, list[str], str]:
+    """The documents of a TFDS text dataset's `splits` ({setting: split}, the setting naming
+    the split in errors) as {split: `TfdsDocuments`}, its text features and its full name. A
+    split that is missing or empty is one line."""
+    builder = prepare_dataset(dataset, data_dir, manual_dir)
+    keys = text_features(builder)
+    if not keys:
+        raise ValueError(f"data.dataset={dataset!r} has no text feature to model")
+    known = sorted(builder.info.splits)  # empty under tfds.testing.mock_data
+    documents = {}
+    for setting, split in splits.items():
+        if known and split not in known:
+            raise ValueError(f"{setting}={split!r} is not a split of {dataset} "
+                             f"({', '.join(known)})")
+        documents[split] = TfdsDocuments(builder, split, keys, seed)
+        if not len(documents[split]):
+            fix = "prepare the dataset again" + (
+                "" if split == "train" else f" or choose another {setting}")
+            raise DataUnavailable(f"{dataset}: the {split!r} split is empty; {fix}")
+    return documents, keys, builder.info.full_name
+
+
+class TfdsDocuments:
+    """The documents of one split of a TFDS text dataset, by id: document d is text feature
+    keys[d % F] of record d // F, with F the number of `keys`. The split is opened when first
+    read."""
+
+    def __init__(self, builder, split: str, keys: list[str], seed: int = 0):
+        self.builder, self.split, self.keys = builder, split, keys
+        self.seed = int(seed)
+        self._source = None
+        self._order: tuple[int | None, np.ndarray | None] = (None, None)
+
+    @property
+    def source(self):
+        if self._source is None:
+            self._source = open_split(self.builder, self.split)
+        return self._source
+
+    def __len__(self) -> int:
+        return len(self.source) * len(self.keys)
+
+    def texts(self, ids) -> list[str]:
+        return read_documents(self.source, ids, self.keys)
+
+    def sample(self, count: int, key: tuple[int, ...]) -> np.ndarray:
+        """At most `count` distinct document ids, sorted, drawn with seed (seed, *key)."""
+        rng = np.random.default_rng([self.seed, *key])
+        return np.sort(rng.permutation(len(self))[:count])
+
+    def order(self, epoch: int, positions) -> np.ndarray:
+        """The ids at `positions` of epoch `epoch`'s seeded permutation of the documents. The
+        latest epoch's permutation is kept: each batch of the epoch cuts its run from it."""
+        kept_epoch, permutation = self._order
+        if kept_epoch != epoch:
+            permutation = np.random.default_rng([self.seed, epoch]).permutation(len(self))
+            self._order = (epoch, permutation)
+        return permutation[np.asarray(positions, np.int64)]

@@ -78,6 +78,16 @@ def split_spec(spec: str, split: str) -> str | None:
     return f"parquet:{directory}/{split}-*.parquet" if directory else None
 
 
+def eval_spec(dataset: str, eval_dataset: str | None, split: str) -> str:
+    """The files to evaluate on when `dataset` names files: `eval_dataset`, else the
+    hub-layout directory's `split`. Else one line."""
+    spec = eval_dataset or split_spec(dataset, split)
+    if not spec:
+        raise ValueError(f"data.dataset={dataset!r} is files: set data.eval_dataset to the "
+                         f"files to evaluate on (<format>:<glob>)")
+    return spec
+
+
 def infer_format(path: str) -> str | None:
     path = path.lower()
     for ext, fmt in sorted(_EXTENSIONS, key=lambda e: -len(e[0])):

@@ -34,6 +34,7 @@ import logging
 
 import numpy as np
 
+from transformer.data import batching
 from transformer.data.datasets import CHUNK, DataUnavailable, prepare_dataset
 
 log = logging.getLogger("transformer")
@@ -277,12 +278,8 @@ class ImageSource:
 
     def batch_positions(self, index: int) -> np.ndarray:
         """Positions in the training split of global batch `index`'s images, [batch_size]."""
-        if index < 0:
-            raise ValueError(f"batch index {index} < 0")
-        epoch, b = divmod(index, self.batches_per_epoch)
-        order = np.random.default_rng([self.seed, epoch]).permutation(
-            len(self._split("train")))
-        return order[b * self.batch_size:(b + 1) * self.batch_size]
+        count = len(self._split("train"))
+        return batching.epoch_positions(index, count, self.batch_size, self.seed)
 
     def train_batch(self, index: int, rows: tuple[int, int]) -> dict[str, np.ndarray]:
         """Rows [start, stop) of each microbatch of global batch `index`:

@@ -1,43 +1,28 @@
-"""The `Source` for language-model pretraining on TFDS text: `lm1b`, `c4/en`, and the offline
-corpus `offline_de_en` read as monolingual text (each side of a pair is a document).
+"""The `Source` for language-model pretraining on TFDS text (`lm1b`, `c4/en`, and the offline
+corpus `offline_de_en` read as monolingual text, each side of a pair a document) or on the
+user's files (`files.py`, or a `mixture.py` of them).
 
-Objectives (`data.objective`):
-- "causal": next-token prediction, decoder-only. Keys `targets`, `targets_segmentation`,
-  `targets_positions`.
-- "prefix": the same plus `targets_prefix`: the first k tokens of each segment (k uniform in
-  1..n-1) form a prefix the model reads in both directions and is not scored on.
-- "masked": BERT's masked LM, encoder-only. Of the real tokens, `data.mask_rate` (15%) are
-  selected; of those 80% become [MASK], 10% a random piece, 10% stay. `inputs` hold the result,
-  `targets` the original piece at the selected positions and 0 elsewhere, so the loss counts
-  the selected positions alone. Keys `inputs`, `inputs_segmentation`, `inputs_positions`,
-  `targets`.
-- "span_corruption": T5's denoising objective, encoder-decoder (`span_corruption.py`): the
-  documents of a batch joined into one stream with no separator and cut into pieces of
-  `span_corruption.raw_length(max_length)` tokens, as T5's `reduce_concat_tokens` and
-  `split_tokens` do (no EOS: each side gets its own), 15% of
-  each piece's tokens in spans of mean length 3 replaced by sentinels in `inputs`, the spans
-  listed after their sentinels in `targets`; the pairs packed as translation pairs are, with
-  segment ids on both sides. The vocabulary reserves `data.num_sentinels` (default 100)
-  sentinels after [MASK]. Keys those of a translation batch.
+The objectives, `data.objective`, are causal, prefix, masked and span_corruption.
+`objectives.py` describes each with the batch keys it gives.
 
-Documents: document d is text feature `keys[d % F]` of record `d // F` (F text features per
-record). Training batch `index` is a pure function of (seed, index): epoch e is a seeded
-permutation of the training documents cut into runs of `docs_per_batch`; a run is tokenized
-(EOS appended), each document cut into pieces of at most `data.max_length` tokens (span
-corruption: the stream cut as above), each piece its own segment (positions restart and no
-token attends across pieces), and the pieces placed
-first-fit (`batching.first_fit`) into the update's rows. A piece that finds no room is dropped:
-`docs_per_batch` is the update's capacity in tokens over the mean document length of a seeded
-sample, so a few percent are. With `data.pack_groups` G > 1 each of G groups packs its own
-documents into its own block of rows: from files, a stream over its own shards
-(`FileDocuments.draw`), so a process opens only the shards of its rows' groups; from TFDS, the
-g-th run of the update's documents. Masks and prefixes are drawn from generators seeded by
-(seed, index, global row), spans by (seed, index, piece), so each process computes only its
-own rows.
+Training batch `index` is a pure function of (seed, index). Epoch e is a seeded permutation of
+the training documents cut into runs of `docs_per_batch`. A run is tokenized with EOS appended
+and each document cut into pieces of at most `data.max_length` tokens. Span corruption cuts
+the stream of the run's documents instead. Each piece is its own segment: positions restart
+and no token attends across pieces. The pieces are placed first-fit (`batching.first_fit`)
+into the update's rows, and a piece that finds no room is dropped. `docs_per_batch` is the
+update's capacity in tokens over the mean document length of a seeded sample, so a few
+percent are.
+
+With `data.pack_groups` G > 1 each of G groups packs its own documents into its own block of
+rows. From files they come from a stream over the group's own shards (`FileDocuments.draw`),
+so a process opens only the shards of its rows' groups. From TFDS they are the g-th run of the
+update's documents. Masks and prefixes are drawn from generators seeded by (seed, index,
+global row), spans by (seed, index, piece), so each process computes only its own rows.
 
 Evaluation reads the first `data.eval_documents` documents of `data.eval_split`, cut the same
-way and packed in order with nothing dropped (`batching.plan_epoch`); its masks and prefixes
-are seeded by (seed, batch, row) and so the same at every evaluation.
+way and packed in order with nothing dropped (`batching.plan_epoch`). Its masks and prefixes
+are seeded by (seed, batch, row), and so are the same at every evaluation.
 """
 
 from __future__ import annotations
@@ -49,16 +34,17 @@ import threading
 import numpy as np
 
 from transformer.checkpoint import layout
-from transformer.data import batching, file_specs, files, records, span_corruption
-from transformer.data import tokenizer as tokenizer_lib
-from transformer.data.datasets import (
-    CHUNK,
-    DataUnavailable,
-    open_split,
-    prepare_dataset,
-    read_documents,
-    text_features,
+from transformer.data import (
+    batching,
+    file_specs,
+    files,
+    mixture,
+    records,
+    settings,
+    span_corruption,
 )
+from transformer.data import tokenizer as tokenizer_lib
+from transformer.data.datasets import CHUNK, text_splits
 from transformer.data.mixture import Mixture
 from transformer.data.objectives import apply_objective, cut_pieces
 
@@ -67,7 +53,8 @@ OBJECTIVES = {"causal": "decoder", "prefix": "decoder", "masked": "encoder",
               "span_corruption": "encoder_decoder"}
 DEFAULT_SENTINELS = {"span_corruption": 100}  # T5's extra_ids
 LENGTH_SAMPLE = 2000  # documents whose mean length sizes docs_per_batch
-_TRAIN, _EVAL = 0, 1  # random streams
+_TRAIN = 0  # the random stream of training batches
+_EVAL = 1  # that of evaluation batches
 
 
 class LanguageModelSource:
@@ -88,11 +75,7 @@ class LanguageModelSource:
                              f"{', '.join(OBJECTIVES)}")
         if not 0.0 < mask_rate < 1.0:
             raise ValueError(f"data.mask_rate={mask_rate} must be in (0, 1)")
-        if int(max_length) < 2:
-            raise ValueError(f"data.max_length={max_length} must be >= 2")
-        if int(batch_size) < 1 or int(batch_size) % int(grad_accum_steps):
-            raise ValueError(f"data.batch_size={batch_size} (rows per update) must be a "
-                             f"positive multiple of grad_accum_steps={grad_accum_steps}")
+        settings.check_rows(max_length, batch_size, grad_accum_steps)
         if int(eval_documents) < 1:
             raise ValueError(f"data.eval_documents={eval_documents} must be >= 1")
         self.dataset, self.objective, self.seed = dataset, objective, int(seed)
@@ -109,46 +92,31 @@ class LanguageModelSource:
         self.span_length = (span_corruption.raw_length(self.max_length)
                             if objective == "span_corruption" else 0)  # tokens per piece
         if self.span_length:  # the targets of a whole piece: T5's 114 for inputs of 512
-            noise, spans = span_corruption.span_counts(
-                self.span_length, span_corruption.NOISE_DENSITY, span_corruption.MEAN_SPAN_LENGTH)
-            self.target_length = noise + spans + 1
+            self.target_length = span_corruption.corrupted_lengths(self.span_length)[1]
         self.num_sentinels = int(num_sentinels)
         self.validation_split, self.eval_documents = eval_split, int(eval_documents)
         self.workdir, self.vocab_path = workdir, vocab_path
         # read first: a bad data.vocab_path is one line before any shard is counted
         self._given = (tokenizer_lib.read_given(vocab_path) if vocab_path and not tokenizer
                        else None)
-        self._sources: dict[str, object] = {}
-        self.files = None  # {split: FileDocuments} for a source of files
-        if sources or file_specs.parse_spec(dataset):
-            eval_dataset = eval_dataset or file_specs.split_spec(dataset, eval_split)
-            if not eval_dataset:
-                raise ValueError(f"data.dataset={dataset!r} is files: set data.eval_dataset "
-                                 f"to the files to evaluate on (<format>:<glob>)")
+        # split -> FileDocuments, a Mixture of them, or TfdsDocuments
+        self.documents: dict[str, object] = {}
+        self.from_files = bool(sources or file_specs.parse_spec(dataset))
+        if self.from_files:
+            eval_dataset = file_specs.eval_spec(dataset, eval_dataset, eval_split)
             record = layout.path(workdir, layout.VOCAB) if workdir else None
             opts = dict(fields=(text_field,), seed=self.seed, shuffle_window=shuffle_window,
                         skip_bad_lines=skip_bad_lines, record_dir=record)
             grouped = {**opts, "groups": self.pack_groups}  # eval reads every shard
-            train = (_mixture(sources, grouped) if sources else
+            train = (mixture.from_sources(sources, grouped) if sources else
                      files.FileDocuments(dataset, **grouped))
-            self.files = {"train": train,
-                          eval_split: files.FileDocuments(eval_dataset, setting="data.eval_dataset",
-                                                          **opts)}
-            self.keys, self.name = [text_field], self.files["train"].name
+            evaluated = files.FileDocuments(eval_dataset, setting="data.eval_dataset", **opts)
+            self.documents = {"train": train, eval_split: evaluated}
+            self.keys, self.name = [text_field], train.name
         else:
-            self.builder = prepare_dataset(dataset, data_dir, manual_dir)
-            self.keys, self.name = text_features(self.builder), self.builder.info.full_name
-            if not self.keys:
-                raise ValueError(f"data.dataset={dataset!r} has no text feature to model")
-            splits = sorted(self.builder.info.splits)  # empty under tfds.testing.mock_data
-            for key, split in (("train split", "train"), ("data.eval_split", eval_split)):
-                if splits and split not in splits:
-                    raise ValueError(f"{key}={split!r} is not a split of {dataset} "
-                                     f"({', '.join(splits)})")
-                if not self._num_documents(split):
-                    fix = "prepare the dataset again" + (
-                        "" if split == "train" else " or choose another data.eval_split")
-                    raise DataUnavailable(f"{dataset}: the {split!r} split is empty; {fix}")
+            splits = {"train split": "train", "data.eval_split": eval_split}
+            self.documents, self.keys, self.name = text_splits(
+                dataset, splits, self.seed, data_dir, manual_dir)
         self.num_train_documents = self._num_documents("train")
         self.tokenizer = tokenizer or self._tokenizer(int(vocab_size),
                                                       int(vocab_sample_documents))
@@ -161,12 +129,7 @@ class LanguageModelSource:
                              "(data.vocab_path) has none: leave data.vocab_path empty to train "
                              "one, or choose another objective")
         if self.span_length:
-            spans = span_corruption.span_counts(self.span_length, span_corruption.NOISE_DENSITY,
-                                                span_corruption.MEAN_SPAN_LENGTH)[1]
-            if len(self.tokenizer.sentinel_ids) < spans:
-                raise ValueError(f"data.num_sentinels={self.num_sentinels}: pieces of "
-                                 f"{self.span_length} tokens have up to {spans} noise spans; "
-                                 f"set data.num_sentinels >= {spans}")
+            span_corruption.check_sentinels(self.tokenizer, self.span_length, self.num_sentinels)
         self.docs_per_batch = self._docs_per_batch()
         self.batches_per_epoch = self.num_train_documents // self.docs_per_batch
         if self.docs_per_batch < self.pack_groups:
@@ -180,32 +143,19 @@ class LanguageModelSource:
                  self.num_train_documents, self.docs_per_batch, int(batch_size),
                  self.max_length)
         self._lock = threading.Lock()
-        self._order: tuple[int | None, np.ndarray | None] = (None, None)  # `_epoch_order`'s
 
     # ----------------------------------------------------------------- pieces
 
-    def _split(self, split: str):
-        if split not in self._sources:
-            self._sources[split] = open_split(self.builder, split)
-        return self._sources[split]
-
     def _num_documents(self, split: str) -> int:
-        if self.files:
-            return len(self.files[split])
-        return len(self._split(split)) * len(self.keys)
+        return len(self.documents[split])
 
     def _texts(self, split: str, documents) -> list[str]:
-        if self.files:
-            return self.files[split].texts(documents)
-        return read_documents(self._split(split), documents, self.keys)
+        return self.documents[split].texts(documents)
 
     def _sample(self, key: int, count: int) -> np.ndarray:
-        """`count` distinct training documents drawn with seed (seed, key), sorted (files: from
-        a bounded number of shards, `FileDocuments.sample`)."""
-        if self.files:
-            return self.files["train"].sample(count, (key,))
-        return np.sort(np.random.default_rng([self.seed, key]).permutation(
-            self.num_train_documents)[:count])
+        """`count` distinct training documents drawn with seed (seed, key), sorted. From files
+        they come from a bounded number of shards (`FileDocuments.sample`)."""
+        return self.documents["train"].sample(count, (key,))
 
     def _tokenizer(self, vocab_size: int, sample_documents: int) -> tokenizer_lib.Tokenizer:
         sample = self._sample(7, sample_documents)
@@ -236,7 +186,7 @@ class LanguageModelSource:
         row_tokens = self.span_length or self.max_length  # span corruption: before corrupting
         capacity = self.rows_per_batch * self.grad_accum_steps * row_tokens
         means = self._mean_lengths()
-        train = self.files and self.files["train"]
+        train = self.documents["train"]
         if isinstance(train, Mixture):
             return max(1, round(train.set_rates(capacity, means)))
         return max(1, round(capacity / means[0]))
@@ -247,9 +197,9 @@ class LanguageModelSource:
         `<workdir>/vocab/lengths-<digest>.json`, so the processes after process 0, and a resumed
         run, decode no sample shard."""
         eos = 0 if self.span_length else 1  # span corruption joins documents without EOS
-        train = self.files and self.files["train"]
+        train = self.documents["train"]
         record = None
-        if train and self.workdir:
+        if self.from_files and self.workdir:
             record = records.Record(
                 layout.path(self.workdir, layout.VOCAB), "lengths",
                 [self.name, self.num_train_documents, self.vocabulary_fingerprint(),
@@ -257,25 +207,20 @@ class LanguageModelSource:
             if kept := record.read():
                 return kept["means"]
         if isinstance(train, Mixture):
-            means = []
-            for k, source in enumerate(train.sources):
-                sample = source.sample(LENGTH_SAMPLE, (11, k))
-                means.append(float(np.mean([len(ids) + eos for ids in self.tokenizer.encode(
-                    source.texts(sample))])))
+            samples = [(source, source.sample(LENGTH_SAMPLE, (11, k)))
+                       for k, source in enumerate(train.sources)]
         else:
-            sample = self._sample(11, LENGTH_SAMPLE)
-            means = [float(np.mean([len(ids) + eos for ids in self.tokenizer.encode(
-                self._texts("train", sample))]))]
+            samples = [(train, train.sample(LENGTH_SAMPLE, (11,)))]
+        means = [float(np.mean([len(ids) + eos for ids in self.tokenizer.encode(
+            source.texts(sample))])) for source, sample in samples]
         if record is not None:
             record.write({"means": means})
         return means
 
-    def _row_rngs(self, stream: int, index: int, rows: range) -> list[np.random.Generator]:
-        return [np.random.default_rng([self.seed, stream, index, r]) for r in rows]
-
     def _objective(self, packed, stream: int, index: int, rows: range):
-        return apply_objective(packed, self.objective, self._row_rngs(stream, index, rows),
-                               mask_id=self.tokenizer.mask_id,
+        """The objective on packed rows, each row's draws seeded by (seed, stream, index, row)."""
+        rngs = [np.random.default_rng([self.seed, stream, index, r]) for r in rows]
+        return apply_objective(packed, self.objective, rngs, mask_id=self.tokenizer.mask_id,
                                vocab_size=self.tokenizer.pieces, mask_rate=self.mask_rate)
 
     def fingerprint(self) -> str:
@@ -293,25 +238,15 @@ class LanguageModelSource:
         group)."""
         if index < 0:
             raise ValueError(f"batch index {index} < 0")
-        if self.files and self.pack_groups > 1:
+        train = self.documents["train"]
+        if self.from_files and self.pack_groups > 1:
             return np.concatenate([self.group_documents(index, g)
                                    for g in range(self.pack_groups)])
-        if self.files and isinstance(self.files["train"], Mixture):
-            return self.files["train"].batch(index)
+        if isinstance(train, Mixture):
+            return train.batch(index)
         epoch, b = divmod(index, self.batches_per_epoch)
-        if self.files:
-            return self.files["train"].order(epoch, np.arange(b * self.docs_per_batch,
-                                                              (b + 1) * self.docs_per_batch))
-        return self._epoch_order(epoch)[b * self.docs_per_batch:(b + 1) * self.docs_per_batch]
-
-    def _epoch_order(self, epoch: int) -> np.ndarray:
-        """TFDS: epoch `epoch`'s seeded permutation of the training documents, the latest kept
-        (each batch of the epoch, and each packing group of a batch, cuts its run from it)."""
-        order = self._order
-        if order[0] != epoch:
-            order = self._order = (epoch, np.random.default_rng([self.seed, epoch]).permutation(
-                self.num_train_documents))
-        return order[1]
+        return train.order(epoch, np.arange(b * self.docs_per_batch,
+                                            (b + 1) * self.docs_per_batch))
 
     def group_documents(self, index: int, group: int) -> np.ndarray:
         """The training documents packing group `group` of global batch `index` packs. Files:
@@ -322,11 +257,11 @@ class LanguageModelSource:
             raise ValueError(f"batch index {index} < 0")
         if self.pack_groups == 1:
             return self.batch_documents(index)
-        train = self.files and self.files["train"]
+        train = self.documents["train"]
         if isinstance(train, Mixture):
             return train.batch(index, group)
         cuts = self.docs_per_batch * np.arange(self.pack_groups + 1) // self.pack_groups
-        if train:
+        if self.from_files:
             size = int(cuts[group + 1] - cuts[group])
             return train.draw(index * size, (index + 1) * size, group)
         return self.batch_documents(index)[cuts[group]:cuts[group + 1]]
@@ -344,10 +279,8 @@ class LanguageModelSource:
         n = np.array([len(p) for p in pieces], np.int64)
         if not self.span_length:
             return np.zeros_like(n), n
-        noise, spans = np.array([span_corruption.span_counts(
-            int(k), span_corruption.NOISE_DENSITY, span_corruption.MEAN_SPAN_LENGTH)
-            for k in n], np.int64).reshape(-1, 2).T
-        return n - noise + spans + 1, noise + spans + 1
+        lengths = [span_corruption.corrupted_lengths(int(k)) for k in n]
+        return np.array(lengths, np.int64).reshape(-1, 2).T
 
     def _place(self, pieces, rows: int, *, drop: bool):
         return batching.first_fit(*self._lengths(pieces), rows,
@@ -370,7 +303,9 @@ class LanguageModelSource:
         multiple, each process holds whole groups), and a process reads and tokenizes the
         documents of its groups alone (from files, opening only their shards)."""
         size = self._group_rows()
-        pieces, placement, keys = [], [], []
+        pieces = []
+        placement = []
+        keys = []
         for g in groups:
             with self._lock:
                 texts = self._texts("train", self.group_documents(index, g))
@@ -437,22 +372,6 @@ class LanguageModelSource:
             yield {k: v[None] for k, v in batch.items()}
 
 
-def _mixture(sources: list[dict], opts: dict) -> Mixture:
-    """`data.sources` ({dataset, weight, text_field?}) as a `Mixture`."""
-    for i, spec in enumerate(sources):  # before any file is read
-        if "dataset" not in spec or "weight" not in spec:
-            raise ValueError(f"data.sources[{i}]={spec}: each source needs a dataset "
-                             f"(<format>:<glob>) and a weight")
-        if not float(spec["weight"]) > 0:
-            raise file_specs.BadData(f"data.sources[{i}].weight={spec['weight']} must be positive")
-    documents = []
-    for i, spec in enumerate(sources):
-        fields = (spec.get("text_field") or opts["fields"][0],)
-        documents.append(files.FileDocuments(spec["dataset"], setting=f"data.sources[{i}]",
-                                             **{**opts, "fields": fields}))
-    return Mixture(documents, [float(s["weight"]) for s in sources], opts["seed"])
-
-
 def from_config(cfg, workdir: str | None = None) -> LanguageModelSource:
     """`LanguageModelSource` from the config's `data` keys (see configs/lm_default.py)."""
     data = cfg.data
@@ -461,13 +380,7 @@ def from_config(cfg, workdir: str | None = None) -> LanguageModelSource:
     if wanted and cfg.model.architecture != wanted:
         raise ValueError(f"data.objective={objective!r} trains a model.architecture="
                          f"{wanted!r}, not {cfg.model.architecture!r}")
-    if int(cfg.model.vocab_size) != int(data.vocab_size):
-        raise ValueError(f"model.vocab_size={cfg.model.vocab_size} differs from "
-                         f"data.vocab_size={data.vocab_size}")
-    if cfg.model.get("positional") in ("sinusoidal", "learned") and \
-            int(data.max_length) > int(cfg.model.max_len):
-        raise ValueError(f"data.max_length={data.max_length} exceeds model.max_len="
-                         f"{cfg.model.max_len}")
+    settings.check_model_fits(cfg)
     source = LanguageModelSource(
         data.dataset, objective=objective, vocab_size=int(data.vocab_size),
         max_length=int(data.max_length), batch_size=int(data.batch_size),

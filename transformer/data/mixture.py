@@ -20,14 +20,29 @@ from transformer.data.files import FileDocuments
 from transformer.data.permutation import Permutation
 
 
+def from_sources(sources: list[dict], options: dict) -> Mixture:
+    """`data.sources`, each {dataset, weight, text_field?}, as a `Mixture` of `FileDocuments`
+    built with `options`. The sources are checked before any file is read."""
+    for i, spec in enumerate(sources):
+        if "dataset" not in spec or "weight" not in spec:
+            raise ValueError(f"data.sources[{i}]={spec}: each source needs a dataset "
+                             f"(<format>:<glob>) and a weight")
+        if not float(spec["weight"]) > 0:
+            raise BadData(f"data.sources[{i}].weight={spec['weight']} must be positive")
+    documents = []
+    for i, spec in enumerate(sources):
+        fields = (spec.get("text_field") or options["fields"][0],)
+        documents.append(FileDocuments(spec["dataset"], setting=f"data.sources[{i}]",
+                                       **{**options, "fields": fields}))
+    return Mixture(documents, [float(s["weight"]) for s in sources], options["seed"])
+
+
 class Mixture:
-    """Documents of several `FileDocuments` by global id, and each update's draw."""
+    """Documents of several `FileDocuments` by global id, and each update's draw. The weights
+    are positive (`from_sources` checks them)."""
 
     def __init__(self, sources: list[FileDocuments], weights, seed: int = 0):
         weights = np.asarray(weights, np.float64)
-        for i, w in enumerate(weights):
-            if not w > 0:
-                raise BadData(f"data.sources[{i}].weight={w} must be positive")
         self.sources, self.seed = sources, int(seed)
         self.weights = weights / weights.sum()
         self.offsets = np.concatenate([[0], np.cumsum([len(s) for s in sources])])
@@ -72,7 +87,8 @@ class Mixture:
         parts = []
         for s, (source, rate) in enumerate(zip(self.sources, self.rates, strict=True)):
             rate /= source.groups
-            start, stop = int(np.floor(rate * index)), int(np.floor(rate * (index + 1)))
+            start = int(np.floor(rate * index))
+            stop = int(np.floor(rate * (index + 1)))
             parts.append(source.draw(start, stop, group) + self.offsets[s])
         ids = np.concatenate(parts)
         salt = () if self.sources[0].groups == 1 else (group,)

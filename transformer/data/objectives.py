@@ -1,6 +1,25 @@
 """Language-model objectives on numpy ids: documents cut into pieces, and the batch keys of
-the causal, prefix and masked (BERT) objectives from packed rows (`language_model.py` packs
-them; T5's span corruption is `span_corruption.py`)."""
+each objective from packed rows. `language_model.py` packs them.
+
+The objectives, `data.objective`:
+- "causal": next-token prediction, decoder-only. Keys `targets`, `targets_segmentation`,
+  `targets_positions`.
+- "prefix": the same plus `targets_prefix`. The first k tokens of each segment, k uniform in
+  1..n-1, form a prefix the model reads in both directions and is not scored on.
+- "masked": BERT's masked LM, encoder-only. Of the real tokens, `data.mask_rate` (15%) are
+  selected. Of those, 80% become [MASK], 10% a random piece and 10% stay. `inputs` hold the
+  result, `targets` the original piece at the selected positions and 0 elsewhere, so the loss
+  counts the selected positions alone. Keys `inputs`, `inputs_segmentation`,
+  `inputs_positions`, `targets`.
+- "span_corruption": T5's denoising objective, encoder-decoder (`span_corruption.py`). The
+  documents of a batch are joined into one stream with no separator and cut into pieces of
+  `span_corruption.raw_length(max_length)` tokens, as T5's `reduce_concat_tokens` and
+  `split_tokens` do, with no EOS: each side gets its own. In each piece 15% of the tokens, in
+  spans of mean length 3, are replaced by sentinels in `inputs`, and the spans are listed after
+  their sentinels in `targets`. The pairs are packed as translation pairs are, with segment ids
+  on both sides. The vocabulary reserves `data.num_sentinels` (default 100) sentinels after
+  [MASK]. Keys those of a translation batch.
+"""
 
 from __future__ import annotations
 

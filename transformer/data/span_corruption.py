@@ -86,6 +86,23 @@ def corrupt(tokens: np.ndarray, mask: np.ndarray, sentinel_ids: np.ndarray,
     return np.concatenate([inputs.astype(np.int32), eos]), np.concatenate([targets, eos])
 
 
+def corrupted_lengths(length: int, noise_density: float = NOISE_DENSITY,
+                      mean_span_length: float = MEAN_SPAN_LENGTH) -> tuple[int, int]:
+    """(inputs, targets) tokens of a piece of `length` tokens once corrupted, EOS included:
+    the kept tokens and a sentinel a span, then a sentinel a span and the noise."""
+    noise, spans = span_counts(length, noise_density, mean_span_length)
+    return length - noise + spans + 1, noise + spans + 1
+
+
+def check_sentinels(tokenizer, length: int, num_sentinels: int) -> None:
+    """The vocabulary has a sentinel for each noise span of a piece of `length` tokens, else
+    one line."""
+    spans = span_counts(length, NOISE_DENSITY, MEAN_SPAN_LENGTH)[1]
+    if len(tokenizer.sentinel_ids) < spans:
+        raise ValueError(f"data.num_sentinels={num_sentinels}: pieces of {length} tokens have "
+                         f"up to {spans} noise spans; set data.num_sentinels >= {spans}")
+
+
 def raw_length(max_length: int, noise_density: float = NOISE_DENSITY,
                mean_span_length: float = MEAN_SPAN_LENGTH) -> int:
     """The longest piece whose inputs and targets (EOS included) fit in `max_length` tokens."""

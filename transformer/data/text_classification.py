@@ -32,7 +32,7 @@ import logging
 import numpy as np
 
 from transformer.checkpoint import layout
-from transformer.data import file_specs, files
+from transformer.data import batching, file_specs, files, settings
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.data.datasets import CHUNK, DataUnavailable, prepare_dataset
 
@@ -100,11 +100,7 @@ class TextClassificationSource:
                  workdir: str | None = None, vocab_sample_documents: int = 200_000,
                  num_classes: int | None = None, eval_dataset: str | None = None,
                  vocab_path: str | None = None):
-        if int(max_length) < 2:
-            raise ValueError(f"data.max_length={max_length} must be >= 2 (a piece and EOS)")
-        if int(batch_size) < 1 or int(batch_size) % int(grad_accum_steps):
-            raise ValueError(f"data.batch_size={batch_size} must be a positive multiple of "
-                             f"grad_accum_steps={grad_accum_steps}")
+        settings.check_rows(max_length, batch_size, grad_accum_steps)
         self.dataset, self.seed = dataset, int(seed)
         self.source_length = self.max_length = int(max_length)
         self.batch_size, self.grad_accum_steps = int(batch_size), int(grad_accum_steps)
@@ -152,10 +148,7 @@ class TextClassificationSource:
         """{split: (texts, labels)} from files: labels integers (classes 0..max) or class
         names (sorted, as in the training files); the rows per shard recorded in
         `record_dir` (None: counted each time)."""
-        eval_dataset = eval_dataset or file_specs.split_spec(dataset, "validation")
-        if not eval_dataset:
-            raise ValueError(f"data.dataset={dataset!r} is files: set data.eval_dataset to the "
-                             f"files to evaluate on (<format>:<glob>)")
+        eval_dataset = file_specs.eval_spec(dataset, eval_dataset, "validation")
         raw = {}
         for split, spec, setting in (("train", dataset, "data.dataset"),
                                      ("validation", eval_dataset, "data.eval_dataset")):
@@ -246,12 +239,8 @@ class TextClassificationSource:
 
     def batch_positions(self, index: int) -> np.ndarray:
         """Positions in the training split of global batch `index`'s examples, [batch_size]."""
-        if index < 0:
-            raise ValueError(f"batch index {index} < 0")
-        epoch, b = divmod(index, self.batches_per_epoch)
-        order = np.random.default_rng([self.seed, epoch]).permutation(
-            len(self._splits["train"][0]))
-        return order[b * self.batch_size:(b + 1) * self.batch_size]
+        count = len(self._splits["train"][0])
+        return batching.epoch_positions(index, count, self.batch_size, self.seed)
 
     def train_batch(self, index: int, rows: tuple[int, int]) -> dict[str, np.ndarray]:
         """Rows [start, stop) of each microbatch of global batch `index`:
@@ -282,13 +271,7 @@ def from_config(cfg, workdir: str | None = None) -> TextClassificationSource:
     if model.get("architecture") != "classifier":
         raise ValueError(f"data.objective='classification' trains model.architecture="
                          f"'classifier', not {model.get('architecture')!r}")
-    if int(model.vocab_size) != int(data.vocab_size):
-        raise ValueError(f"model.vocab_size={model.vocab_size} differs from "
-                         f"data.vocab_size={data.vocab_size}")
-    if model.get("positional") in ("sinusoidal", "learned") and \
-            int(data.max_length) > int(model.max_len):
-        raise ValueError(f"data.max_length={data.max_length} exceeds model.max_len="
-                         f"{model.max_len}")
+    settings.check_model_fits(cfg)
     return TextClassificationSource(
         data.dataset, vocab_size=int(data.vocab_size), max_length=int(data.max_length),
         batch_size=int(data.batch_size), grad_accum_steps=int(cfg.grad_accum_steps),

@@ -38,7 +38,7 @@ import numpy as np
 from etils import epath
 
 from transformer.checkpoint import layout
-from transformer.data import batching, file_specs, files, records
+from transformer.data import batching, file_specs, files, records, settings
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.data.datasets import (
     CHUNK,
@@ -168,10 +168,7 @@ class TranslationSource:
         self._sources: dict[str, object] = {}
         self.builder = None
         if file_specs.parse_spec(dataset):
-            eval_dataset = eval_dataset or file_specs.split_spec(dataset, self.validation_split)
-            if not eval_dataset:
-                raise ValueError(f"data.dataset={dataset!r} is files: set data.eval_dataset "
-                                 f"to the files to evaluate on (<format>:<glob>)")
+            eval_dataset = file_specs.eval_spec(dataset, eval_dataset, self.validation_split)
             fields = (source_field, target_field)
             record = layout.path(workdir, layout.VOCAB) if workdir else None
             for split, spec, setting in (("train", dataset, "data.dataset"),
@@ -413,11 +410,7 @@ def _truncate(data: TokenizedSplit, length: int, eos_id: int) -> TokenizedSplit:
 
 
 def _check_sizes(batch_size, grad_accum_steps, max_length, tokens_per_batch, eval_batch_size):
-    if int(max_length) < 2:
-        raise ValueError(f"data.max_length={max_length} must be >= 2 (a token and EOS)")
-    if int(batch_size) < 1 or int(batch_size) % int(grad_accum_steps):
-        raise ValueError(f"data.batch_size={batch_size} (rows per update) must be a positive "
-                         f"multiple of grad_accum_steps={grad_accum_steps}")
+    settings.check_rows(max_length, batch_size, grad_accum_steps)
     if tokens_per_batch and int(tokens_per_batch) < int(max_length):
         raise ValueError(f"data.tokens_per_batch={tokens_per_batch} must be >= "
                          f"data.max_length={max_length} (0: no budget beyond the rows)")
@@ -427,15 +420,8 @@ def _check_sizes(batch_size, grad_accum_steps, max_length, tokens_per_batch, eva
 
 def from_config(cfg, workdir: str | None = None) -> TranslationSource:
     """`TranslationSource` from the config's `data` keys (see configs/common.py)."""
+    settings.check_model_fits(cfg)
     data = cfg.data
-    model_max_len = int(cfg.model.get("max_len", data.max_length))
-    if cfg.model.get("positional", "sinusoidal") in ("sinusoidal", "learned") and \
-            int(data.max_length) > model_max_len:
-        raise ValueError(f"data.max_length={data.max_length} exceeds model.max_len="
-                         f"{model_max_len}")
-    if int(cfg.model.get("vocab_size", data.vocab_size)) != int(data.vocab_size):
-        raise ValueError(f"model.vocab_size={cfg.model.vocab_size} differs from "
-                         f"data.vocab_size={data.vocab_size} (one shared vocabulary)")
     source = TranslationSource(
         data.dataset, source_lang=data.source_lang, target_lang=data.target_lang,
         vocab_size=int(data.vocab_size), max_length=int(data.max_length),
