@@ -86,12 +86,12 @@ def _compile_only(cfg, mesh_devices: int | None, config_file: str):
     import jax
 
     from transformer.config import resolve
-    from transformer.sizing import memory
+    from transformer.sizing import report
     from transformer.util import cli
 
     num_devices = jax.device_count() if mesh_devices is None else mesh_devices
     with cli.one_line_errors():
-        print(memory.compile_report(resolve(cfg, num_devices, config_file=config_file),
+        print(report.compile_report(resolve(cfg, num_devices, config_file=config_file),
                                     num_devices))
 
 

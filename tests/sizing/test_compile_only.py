@@ -14,7 +14,7 @@ import pytest
 from transformer.config import resolve
 from transformer.model.transformer import TransformerConfig
 from transformer.parallel import sharding
-from transformer.sizing import flops, memory
+from transformer.sizing import activations, batches, flops, memory
 from transformer.training import train_state
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -39,13 +39,13 @@ def test_activation_bytes_match_the_docstring_formula_by_hand(load_config):
     13·12) = 79,360 + 5,200; embedded inputs 4·(12 + 13)·64 = 6,400; logits 2·4·13·32 = 3,328."""
     model = resolve(load_config("tiny.py", **{"model.remat_policy": "full"})).model
     per_sequence = 12_800 + 79_360 + 5_200 + 6_400 + 3_328
-    assert memory.activation_bytes(model, rows=2, source_length=12,
-                                   target_length=13) == 2 * per_sequence
+    assert activations.activation_bytes(model, rows=2, source_length=12,
+                                        target_length=13) == 2 * per_sequence
     # The loss by chunks of 8 tokens per device (4 positions of the 2 rows): two float32 copies
     # of one chunk's logits 2·4·(2·4)·32 = 2,048, the hidden states' gradient 4·13·64 = 3,328
     # per row, and the output kernel's float32 gradient 4·64·32 = 8,192, instead of the logits.
-    assert memory.activation_bytes(model, rows=2, source_length=12, target_length=13,
-                                   loss_chunk_tokens=8) == (
+    assert activations.activation_bytes(model, rows=2, source_length=12, target_length=13,
+                                        loss_chunk_tokens=8) == (
         2 * (per_sequence - 3_328) + 2 * 3_328 + 2_048 + 8_192)  # logits out, d hidden in
 
 
@@ -64,23 +64,24 @@ def test_a_routed_layer_keeps_its_experts_rows(load_config, factor, encoder_rows
     elements = 2 * ((encoder_rows - 12) * 256 + 128 * encoder_rows) + 2 * (
         (decoder_rows - 13) * 256 + 128 * decoder_rows)
     sizes = dict(rows=2, source_length=12, target_length=13)
-    assert memory.activation_bytes(routed, **sizes) - memory.activation_bytes(dense, **sizes) \
-        == 2 * 4 * elements
+    dense_bytes = activations.activation_bytes(dense, **sizes)
+    routed_bytes = activations.activation_bytes(routed, **sizes)
+    assert routed_bytes - dense_bytes == 2 * 4 * elements
     shared = dataclasses.replace(routed, moe_shared_expert=True)  # + a dense FFN a layer
-    assert memory.activation_bytes(shared, **sizes) - memory.activation_bytes(routed, **sizes) \
-        == 2 * 4 * (2 * 12 * (256 + 192) + 2 * 13 * (256 + 192))
+    shared_bytes = activations.activation_bytes(shared, **sizes)
+    assert shared_bytes - routed_bytes == 2 * 4 * (2 * 12 * (256 + 192) + 2 * 13 * (256 + 192))
 
 
 def test_abstract_batch_follows_each_batch_layout(load_config):
     mesh = sharding.make_mesh({"data": 2, "fsdp": 4, "tensor": 1})
     tiny = load_config("tiny.py", grad_accum_steps=2)
-    batch = memory.abstract_batch(tiny, mesh)
+    batch = batches.abstract_batch(tiny, mesh)
     assert {k: v.shape for k, v in batch.items()} == {"inputs": (2, 16, 12),
                                                       "targets": (2, 16, 13)}
     assert batch["inputs"].sharding.spec == jax.P(None, sharding.BATCH_AXES)
     wmt = load_config("wmt14_ende_base.py", grad_accum_steps=1)
-    assert set(memory.batch_shapes(wmt)) == set(memory.TRANSLATION_KEYS)
-    assert set(memory.batch_shapes(wmt).values()) == {(1, 104, 256)}
+    assert set(batches.batch_shapes(wmt)) == set(batches.TRANSLATION_KEYS)
+    assert set(batches.batch_shapes(wmt).values()) == {(1, 104, 256)}
     lm = load_config("wmt14_ende_base.py", grad_accum_steps=4)
     expected = {"causal": {"targets", "targets_positions", "targets_segmentation"},
                 "prefix": {"targets", "targets_positions", "targets_segmentation",
@@ -88,13 +89,13 @@ def test_abstract_batch_follows_each_batch_layout(load_config):
                 "masked": {"inputs", "inputs_positions", "inputs_segmentation", "targets"}}
     for objective, keys in expected.items():
         lm.data.objective = objective
-        shapes = memory.batch_shapes(lm)
+        shapes = batches.batch_shapes(lm)
         assert set(shapes) == keys and set(shapes.values()) == {(4, 26, 256)}
     lm.data.objective = "span_corruption"  # pieces of 284 tokens: 43 noise, 14 spans, EOS
-    assert memory.batch_shapes(lm) == {k: (4, 26, 256 if k.startswith("inputs") else 58)
-                                       for k in memory.TRANSLATION_KEYS}
+    assert batches.batch_shapes(lm) == {k: (4, 26, 256 if k.startswith("inputs") else 58)
+                                        for k in batches.TRANSLATION_KEYS}
     lm.data.objective = "classification"
-    assert memory.batch_shapes(lm) == {"inputs": (4, 26, 256), "label": (4, 26)}
+    assert batches.batch_shapes(lm) == {"inputs": (4, 26, 256), "label": (4, 26)}
 
 
 def _peak_rss(pid: int) -> int:

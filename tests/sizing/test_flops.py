@@ -10,7 +10,7 @@ from transformer.config import resolve
 from transformer.model.config import VISION_FIELDS
 from transformer.model.transformer import TransformerConfig
 from transformer.ops import masks
-from transformer.sizing import flops, memory, summary
+from transformer.sizing import activations, flops, summary
 
 BASE = TransformerConfig(vocab_size=37000)
 BIG = TransformerConfig(vocab_size=37000, d_model=1024, d_ff=4096, num_heads=16)
@@ -196,12 +196,12 @@ def test_local_global_and_linear_attention_flops_by_hand():
 
 
 def test_linear_attention_keeps_chunk_scores_not_the_attention_weights():
-    """memory.activation_bytes: without remat each of the 2 layers of a decoder keeps the
+    """activations.activation_bytes: without remat each of the 2 layers of a decoder keeps the
     float32 weights N·T·T of "xla" softmax attention; linear attention keeps its chunks' scores
     N·T·C instead (C = 64): 2 layers x 4 bytes x 4·128·(128 - 64) fewer per row."""
     softmax = TransformerConfig(**LM_DIMS, attention_implementation="xla")
     linear = dataclasses.replace(softmax, attention_kind="linear")
-    sizes = [memory.activation_bytes(cfg, rows=3, source_length=1, target_length=128)
+    sizes = [activations.activation_bytes(cfg, rows=3, source_length=1, target_length=128)
              for cfg in (softmax, linear)]
     assert sizes[0] - sizes[1] == 3 * 2 * 4 * 4 * 128 * (128 - 64)
 

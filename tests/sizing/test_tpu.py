@@ -25,7 +25,7 @@ from transformer.config import resolve
 from transformer.model.transformer import OutputHead, Transformer, TransformerConfig
 from transformer.ops import attention, expert_parallel, masks, moe, splash
 from transformer.parallel import sharding
-from transformer.sizing import flops, memory, tpu
+from transformer.sizing import batches, flops, memory, step_flops, tpu
 from transformer.training import optim, train_state
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -320,7 +320,7 @@ def test_auto_attention_is_the_splash_kernel_in_a_tpu_train_step(libtpu, load_co
         trainer = train_state.build_trainer(run, mesh)
         assert trainer.model.config.attention_implementation == "splash"
         step = train_state.make_train_step(trainer, run.config)
-        text = step.lower(trainer.abstract_state, memory.abstract_batch(run.config, mesh)) \
+        text = step.lower(trainer.abstract_state, batches.abstract_batch(run.config, mesh)) \
             .compile().as_text()
     assert text.count("tpu_custom_call") >= 3
     cpu = train_state.build_trainer(run, sharding.make_mesh(run.config.mesh, jax.devices()[:4]))
@@ -445,7 +445,7 @@ def test_sweep_does_not_try_fewer_microbatches_than_a_count_that_did_not_fit(
     monkeypatch.setattr(tpu, "_plan", plan)
     monkeypatch.setattr(tpu, "step_estimate", lambda run, *_: types.SimpleNamespace(
         seconds=1.0 / run.config.grad_accum_steps, overlapped_seconds=0.5))
-    monkeypatch.setattr(memory, "step_flops_per_device", lambda *_: 1.0)
+    monkeypatch.setattr(step_flops, "step_flops_per_device", lambda *_: 1.0)
     points = [{"mesh.data": 1, "mesh.fsdp": 1, "mesh.context": 4, "mesh.tensor": 1,
                "model.remat_policy": "full", "grad_accum_steps": a} for a in (8, 4, 2, 1)]
     topology = tpu.parse_topology("v5e:2x2")
@@ -516,7 +516,7 @@ SMALL_LM = {"data.vocab_size": 256, "data.max_length": 128, "model.max_len": 128
             "model.num_decoder_layers": 2, "model.d_model": 128, "model.d_ff": 256,
             "model.num_heads": 4, "model.num_kv_heads": 2}
 REMAT_FULL_MISSES_MATMULS = pytest.mark.xfail(strict=True, reason=(
-    "memory.remat_flops leaves out matmuls remat full recomputes: the attention's output "
+    "step_flops.remat_flops leaves out matmuls remat full recomputes: the attention's output "
     "projection, whose sum with the residual the next sublayer's norm reads (pre-LN), and "
     "under post-LN every sublayer's last matmul (its norm's backward reads the sum)"))
 
@@ -531,7 +531,7 @@ REMAT_FULL_MISSES_MATMULS = pytest.mark.xfail(strict=True, reason=(
     pytest.param("full", marks=REMAT_FULL_MISSES_MATMULS), "dots_no_batch"])
 def test_remat_flops_are_the_matmuls_the_program_recomputes(load_config, name, overrides,
                                                             policy):
-    """`memory.remat_flops` against a count it does not share assumptions with: the matmul
+    """`step_flops.remat_flops` against a count it does not share assumptions with: the matmul
     FLOPs of the train step as JAX hands it to the compiler (the StableHLO that jax.checkpoint
     wrote, recomputation included), with remat less without, unrolled layers, "xla"
     attention, one CPU device. A TPU program cannot stand in: its compiler windows matmuls
@@ -549,13 +549,13 @@ def test_remat_flops_are_the_matmuls_the_program_recomputes(load_config, name, o
         mesh = sharding.make_mesh(run.config.mesh, jax.devices()[:1])
         trainer = train_state.build_trainer(run, mesh)
         programs[remat] = _dot_flops(train_state.make_train_step(trainer, run.config).lower(
-            trainer.abstract_state, memory.abstract_batch(run.config, mesh)).as_text())
+            trainer.abstract_state, batches.abstract_batch(run.config, mesh)).as_text())
     plan = memory.plan(run, mesh)
     m = run.model
-    _, rows, _, target = memory.batch_lengths(m, plan.batch)
+    _, rows, _, target = batches.batch_lengths(m, plan.batch)
     causal_layers = m.num_decoder_layers if m.architecture != "encoder" else 0
     masked = rows * causal_layers * target ** 2 * m.num_heads * (m.d_k + m.d_v)
-    assert programs[policy] - programs["none"] == memory.remat_flops(m, plan) + masked
+    assert programs[policy] - programs["none"] == step_flops.remat_flops(m, plan) + masked
 
 
 @pytest.mark.slow
@@ -585,8 +585,8 @@ def test_step_estimate_adds_the_splash_kernels_flops_and_their_recomputation(lib
     attention = parts["attention_scores_values"] * 8 / 4  # forward, the rows of a device
     # remat_flops, the term's recomputation, is checked against the program's own matmuls in
     # test_remat_flops_are_the_matmuls_the_program_recomputes; here that the estimate adds it
-    assert estimate.recomputed * peak == pytest.approx(memory.remat_flops(run.model, plan),
+    assert estimate.recomputed * peak == pytest.approx(step_flops.remat_flops(run.model, plan),
                                                        rel=1e-12)  # float64 division
     assert estimate.unseen * peak == pytest.approx(4 * attention, rel=0.1)
-    before = memory.step_flops_per_device(run.model, plan) - estimate.compiler_flops
+    before = step_flops.step_flops_per_device(run.model, plan) - estimate.compiler_flops
     assert before < 0.5 * 4 * attention

@@ -154,14 +154,15 @@ def test_compile_only_plans_an_image_batch(load_config):
     import jax
 
     from transformer.config import resolve
-    from transformer.sizing import memory
+    from transformer.sizing import batches
+    from transformer.sizing.report import compile_report
 
     cfg = load_config("vit_fashion_mnist.py", **{
         "model.num_encoder_layers": 1, "model.d_model": 16, "model.d_ff": 32,
         "model.num_heads": 2, "data.batch_size": 32, "grad_accum_steps": 2})
     run = resolve(cfg, 8)
-    assert memory.batch_shapes(run.config) == {"image": (2, 16, 28, 28, 1), "label": (2, 16)}
-    report = memory.compile_report(run, 8)
+    assert batches.batch_shapes(run.config) == {"image": (2, 16, 28, 28, 1), "label": (2, 16)}
+    report = compile_report(run, 8)
     assert "32 rows per update = 2 microbatch(es) x 16 rows (2 per device), images 28x28x1 " \
            "as 17 tokens" in report
     figures = dict(item.split("=") for item in report.splitlines()[-1].split()[1:])

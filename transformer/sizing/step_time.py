@@ -29,7 +29,7 @@ a program's compute is its roofline from the compiler's counts: max(FLOPs / peak
 accessed / HBM bandwidth).
 
 The FLOPs the cost model does not see (a custom kernel's, a loop's trips after the first) are
-what the step runs, `flops.py`'s FLOPs and remat's recomputation of them (`memory.remat_flops`:
+what the step runs, `flops.py`'s FLOPs and remat's recomputation of them (`step_flops.remat_flops`:
 under `full` the layers' forward but each sublayer's last matmul, under `dots`/`dots_no_batch`
 the attention's scores and values, which no policy saves inside the splash kernel), less what
 the compiler counts in the programs as they train. Not the compiler's FLOPs without remat: the

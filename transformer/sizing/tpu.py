@@ -23,7 +23,7 @@ import jax
 
 from transformer.config import Resolved, grad_accum_steps, resolve
 from transformer.parallel import sharding
-from transformer.sizing import memory, step_time
+from transformer.sizing import memory, report, step_flops, step_time
 from transformer.util import progress
 
 GiB, GB = 2**30, 10**9
@@ -35,7 +35,7 @@ class Chip:
     """A TPU generation: libtpu's name for it, its layout, and one device's figures."""
 
     generation: str  # the prefix get_topology_desc takes before ':'
-    device: memory.Accelerator  # per chip = per JAX device (megacore: both cores as one)
+    device: report.Accelerator  # per chip = per JAX device (megacore: both cores as one)
     cores_per_chip: int  # TensorCores; the number in a Cloud name counts these on v4/v5p
     megacore: bool
     dims: int  # 2: AxB slices, 3: AxBxC
@@ -43,10 +43,10 @@ class Chip:
 
 # Cloud TPU docs (cloud.google.com/tpu/docs/{v4,v5e,v5p,v6e}): HBM, peak bf16, HBM bandwidth.
 CHIPS = {
-    "v4": Chip("v4", memory.Accelerator("TPU v4", 32 * GiB, 275e12, 1200e9), 2, True, 3),
-    "v5p": Chip("v5", memory.Accelerator("TPU v5", 95 * GiB, 459e12, 2765e9), 2, True, 3),
-    "v5e": Chip("v5e", memory.Accelerator("TPU v5 lite", 16 * GB, 197e12, 819e9), 1, False, 2),
-    "v6e": Chip("v6e", memory.Accelerator("TPU v6 lite", 32 * GB, 918e12, 1640e9), 1, False, 2),
+    "v4": Chip("v4", report.Accelerator("TPU v4", 32 * GiB, 275e12, 1200e9), 2, True, 3),
+    "v5p": Chip("v5", report.Accelerator("TPU v5", 95 * GiB, 459e12, 2765e9), 2, True, 3),
+    "v5e": Chip("v5e", report.Accelerator("TPU v5 lite", 16 * GB, 197e12, 819e9), 1, False, 2),
+    "v6e": Chip("v6e", report.Accelerator("TPU v6 lite", 32 * GB, 918e12, 1640e9), 1, False, 2),
 }
 ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "v6": "v6e"}
 # Cloud TPU's slice shape for each chip count (the same table as MaxText's).
@@ -156,11 +156,11 @@ def compile_report(run: Resolved, topology: Topology, devices) -> str:
                    f"slices {tuple(dcn)}")
     memory_plan = _plan(run, mesh, topology)
     estimate = step_estimate(run, topology, devices, memory_plan)
-    analytic = memory.step_flops_per_device(run.model, memory_plan)
+    analytic = step_flops.step_flops_per_device(run.model, memory_plan)
     device = topology.chip.device
-    report = memory.format_report(run.model, memory_plan, device, step_time.describe(
+    lines = report.format_report(run.model, memory_plan, device, step_time.describe(
         estimate, analytic, device.peak_flops))
-    return f"{header}\n{report}"
+    return f"{header}\n{lines}"
 
 
 def layer_variant(run: Resolved, layers: int, num_devices: int, num_slices: int) -> Resolved:
@@ -198,8 +198,8 @@ def step_estimate(run: Resolved, topology: Topology, devices,
         microbatches=int(run.config.grad_accum_steps),
         optimizer_seconds=step_time.optimizer_seconds(memory_plan.analytic["params"],
                                                       device.memory_bytes_per_s),
-        analytic_flops=memory.step_flops_per_device(model, memory_plan),
-        recomputed_flops=memory.remat_flops(model, memory_plan),
+        analytic_flops=step_flops.step_flops_per_device(model, memory_plan),
+        recomputed_flops=step_flops.remat_flops(model, memory_plan),
         peak_flops=device.peak_flops)
 
 
@@ -310,7 +310,7 @@ def _sweep_point(cfg, topology: Topology, devices, overrides: dict[str, object],
         if isinstance(error, DoesNotFit) and "grad_accum_steps" in overrides:
             too_big.append((rest, int(overrides["grad_accum_steps"])))
         return f"  {label}: {error}"
-    mfu = memory.step_flops_per_device(run.model, memory_plan) / (
+    mfu = step_flops.step_flops_per_device(run.model, memory_plan) / (
         estimate.seconds * device.peak_flops)
     if "grad_accum_steps" not in overrides:
         label += f", {run.config.grad_accum_steps} microbatch(es)"
