@@ -194,19 +194,38 @@ SHRUNK_DEFAULT = {
 
 
 @pytest.fixture(scope="session")
-def offline_fixture_data_dir(tmp_path_factory):
-    """A TFDS data_dir holding `offline_de_en` built from the committed help pages
-    (tests/data/offline_de_en). The `data` extra is required, not skipped: `make test`
+def offline_data_dir(tmp_path_factory):
+    """`offline_data_dir(name)`: a TFDS data_dir holding the offline dataset `name`
+    (offline_de_en, offline_fashion_mnist, offline_help_topics), built once a session from its
+    committed fixture, tests/data/<name>. The `data` extra is required, not skipped: `make test`
     installs it, so its absence is a broken install to report."""
     import tensorflow_datasets as tfds
 
-    from transformer.data.offline import de_en
+    from transformer.data.offline import de_en, fashion_mnist, help_topics
 
+    builders = {"offline_de_en": de_en.OfflineDeEn,
+                "offline_fashion_mnist": fashion_mnist.OfflineFashionMnist,
+                "offline_help_topics": help_topics.OfflineHelpTopics}
     data_dir = tmp_path_factory.mktemp("offline_tfds")
-    de_en.OfflineDeEn(data_dir=str(data_dir)).download_and_prepare(
-        file_format="array_record", download_config=tfds.download.DownloadConfig(
-            manual_dir=str(ROOT / "tests" / "data" / "offline_de_en")))
-    return data_dir
+    built = set()
+
+    def build(name: str) -> pathlib.Path:
+        if name not in built:
+            manual_dir = ROOT / "tests" / "data" / name
+            builders[name](data_dir=str(data_dir)).download_and_prepare(
+                file_format="array_record",
+                download_config=tfds.download.DownloadConfig(manual_dir=str(manual_dir)))
+            built.add(name)
+        return data_dir
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def offline_fixture_data_dir(offline_data_dir):
+    """A TFDS data_dir holding `offline_de_en` built from the committed help pages
+    (tests/data/offline_de_en)."""
+    return offline_data_dir("offline_de_en")
 
 
 VISION_CLASSES = [f"class{i}" for i in range(10)]

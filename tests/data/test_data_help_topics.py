@@ -2,8 +2,6 @@
 
 import pathlib
 
-import pytest
-
 from transformer.data.offline import corpus, help_paragraphs
 
 FIXTURE = pathlib.Path(__file__).parent / "offline_help_topics"
@@ -58,16 +56,14 @@ def test_splits_keep_a_paragraph_and_its_translation_together():
             "test" if u < 0.1 else "validation" if u < 0.2 else "train")
 
 
-def test_the_tfds_builder_on_the_fixture(tmp_path):
-    tfds = pytest.importorskip("tensorflow_datasets")
-    from transformer.data.offline import help_topics
+def test_the_tfds_builder_on_the_fixture(offline_data_dir):
+    import tensorflow_datasets as tfds
 
-    builder = help_topics.OfflineHelpTopics(data_dir=str(tmp_path))
-    builder.download_and_prepare(file_format="array_record", download_config=(
-        tfds.download.DownloadConfig(manual_dir=str(FIXTURE))))
+    data_dir = offline_data_dir("offline_help_topics")
+    builder = tfds.builder("offline_help_topics", data_dir=str(data_dir))
     expected = help_paragraphs.split_examples(help_paragraphs.labelled_pairs(str(FIXTURE)))
     for split, examples in expected.items():
-        source = tfds.data_source("offline_help_topics", split=split, data_dir=str(tmp_path),
+        source = tfds.data_source("offline_help_topics", split=split, data_dir=str(data_dir),
                                   download=False)
         got = [source[i] for i in range(len(source))]
         assert sorted((g["text"].decode(), int(g["label"])) for g in got) == sorted(

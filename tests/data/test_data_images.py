@@ -15,15 +15,8 @@ FIXTURE = pathlib.Path(__file__).parent / "offline_fashion_mnist"
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    """A TFDS data_dir holding offline_fashion_mnist built from the fixture (no apt)."""
-    import tensorflow_datasets as tfds
-
-    path = tmp_path_factory.mktemp("fashion_tfds")
-    fashion_mnist.OfflineFashionMnist(data_dir=str(path)).download_and_prepare(
-        file_format="array_record",
-        download_config=tfds.download.DownloadConfig(manual_dir=str(FIXTURE)))
-    return path
+def data_dir(offline_data_dir):
+    return offline_data_dir("offline_fashion_mnist")
 
 
 def source(data_dir, **kwargs):

@@ -58,15 +58,11 @@ def test_split_is_a_stable_hash_of_the_normalised_english_side():
     assert abs(sizes["validation"] / 60_000 - 0.02) < 0.004
 
 
-def test_builder_on_the_fixture(tmp_path):
+def test_builder_on_the_fixture(offline_fixture_data_dir):
     import tensorflow_datasets as tfds
 
-    from transformer.data.offline import de_en
-
-    builder = de_en.OfflineDeEn(data_dir=str(tmp_path))
-    builder.download_and_prepare(
-        file_format="array_record",
-        download_config=tfds.download.DownloadConfig(manual_dir=str(FIXTURE)))
+    data_dir = offline_fixture_data_dir
+    builder = tfds.builder("offline_de_en", data_dir=str(data_dir))
     sizes = {name: info.num_examples for name, info in builder.info.splits.items()}
     # Every pair the fixture's pages give, in the split its hash assigns (64 distinct pairs
     # today: 56, 2 and 6); each split non-empty so that each is exercised.
@@ -74,12 +70,12 @@ def test_builder_on_the_fixture(tmp_path):
     assert sizes == expected and min(expected.values()) > 0
     assert builder.info.supervised_keys == ("en", "de")
     assert builder.info.metadata["pairs"] == sizes
-    licences = glob.glob(str(tmp_path / "offline_de_en/1.0.0/licenses/*.copyright"))
+    licences = glob.glob(str(data_dir / "offline_de_en/1.0.0/licenses/*.copyright"))
     assert [pathlib.Path(p).name for p in licences] == ["libreoffice-help-en-us.copyright"]
-    train = tfds.data_source("offline_de_en", split="train", data_dir=str(tmp_path),
+    train = tfds.data_source("offline_de_en", split="train", data_dir=str(data_dir),
                              download=False)
     texts = {train[i]["en"].decode() for i in range(len(train))}
-    test = tfds.data_source("offline_de_en", split="test", data_dir=str(tmp_path),
+    test = tfds.data_source("offline_de_en", split="test", data_dir=str(data_dir),
                             download=False)
     assert not texts & {test[i]["en"].decode() for i in range(len(test))}
 

@@ -11,12 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import tensorflow_datasets as tfds
 
 from transformer.checkpoint import checkpointer
 from transformer.config import resolve
 from transformer.data import tokenizer as tokenizer_lib
-from transformer.data.offline import help_paragraphs, help_topics
+from transformer.data.offline import help_paragraphs
 from transformer.data.text_classification import TextClassificationSource
 from transformer.model.config import TransformerConfig
 from transformer.model.transformer import Transformer
@@ -133,13 +132,8 @@ def test_text_loss_and_accuracy_against_numpy(load_config):
 
 
 @pytest.fixture(scope="module")
-def help_data_dir(tmp_path_factory):
-    """A TFDS data_dir holding offline_help_topics built from the fixture (no apt)."""
-    path = tmp_path_factory.mktemp("help_tfds")
-    help_topics.OfflineHelpTopics(data_dir=str(path)).download_and_prepare(
-        file_format="array_record",
-        download_config=tfds.download.DownloadConfig(manual_dir=str(FIXTURE)))
-    return path
+def help_data_dir(offline_data_dir):
+    return offline_data_dir("offline_help_topics")
 
 
 def _source(data_dir, **overrides):

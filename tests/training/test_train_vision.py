@@ -2,17 +2,13 @@
 tiny ViT trained through `train_and_evaluate` on the committed Fashion-MNIST fixture."""
 
 import json
-import pathlib
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from transformer.data.offline import fashion_mnist
 from transformer.training import evaluation, loop, train_state
-
-FIXTURE = pathlib.Path(__file__).parents[1] / "data" / "offline_fashion_mnist"
 
 
 def _numpy_sums(logits, labels, eps):
@@ -56,13 +52,8 @@ def test_eval_metrics_of_classification_sums():
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    """A TFDS data_dir holding offline_fashion_mnist built from the fixture (no apt)."""
-    path = tmp_path_factory.mktemp("fashion_tfds")
-    fashion_mnist.OfflineFashionMnist(data_dir=str(path)).download_and_prepare(
-        file_format="array_record",
-        download_config=tfds.download.DownloadConfig(manual_dir=str(FIXTURE)))
-    return path
+def data_dir(offline_data_dir):
+    return offline_data_dir("offline_fashion_mnist")
 
 
 def test_tiny_vit_trains_through_the_loop(load_config, data_dir, tmp_path):
