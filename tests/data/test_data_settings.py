@@ -1,10 +1,11 @@
 """The text sources (translation, language model, text classification) refuse a bad setting
 in one and the same line: rows that hold no token and EOS or do not split into microbatches
 (`settings.check_rows`), a model that does not fit the data (`settings.check_model_fits`),
-files without files to evaluate on (`file_specs.eval_spec`). Each check is made before any
-data is read."""
+files without files to evaluate on (`file_specs.eval_spec`), a vocabulary of another size
+(`settings.check_vocab_size`). The first three are checked before any data is read."""
 
 import functools
+import types
 
 import ml_collections
 import pytest
@@ -48,6 +49,15 @@ def test_a_model_that_does_not_fit_the_data_is_one_line(kind):
     cfg.model.update(max_len=32, vocab_size=9)
     with pytest.raises(ValueError, match=r"^model.vocab_size=9 differs from data.vocab_size=8$"):
         from_config(cfg)
+
+
+def test_a_vocabulary_of_another_size_is_one_line():
+    from transformer.data import settings, tokenizer
+
+    settings.check_vocab_size(types.SimpleNamespace(vocab_size=12), 12)
+    with pytest.raises(tokenizer.VocabularyMismatch,
+                       match=r"^the tokenizer has 10 pieces but data.vocab_size=12$"):
+        settings.check_vocab_size(types.SimpleNamespace(vocab_size=10), 12)
 
 
 def test_files_without_files_to_evaluate_on_are_one_line(tmp_path):

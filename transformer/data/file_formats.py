@@ -10,6 +10,7 @@ them instead), a parquet column that is not text, a file without documents, non-
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 
@@ -106,11 +107,8 @@ class ShardReader:
         if self.fmt == "arrayrecord":
             from array_record.python.array_record_module import ArrayRecordReader
 
-            reader = ArrayRecordReader(path)
-            try:
+            with contextlib.closing(ArrayRecordReader(path)) as reader:
                 rows = reader.num_records()
-            finally:
-                reader.close()
         elif self.fmt == "parquet":
             import pyarrow.parquet as pq
 
@@ -177,11 +175,8 @@ class ShardReader:
     def _arrayrecord(self, path: str) -> list[tuple[str, ...]]:
         from array_record.python.array_record_module import ArrayRecordReader
 
-        reader = ArrayRecordReader(path)
-        try:
+        with contextlib.closing(ArrayRecordReader(path)) as reader:
             records = reader.read_all()
-        finally:
-            reader.close()
         rows = []
         for i, data in enumerate(records):
             text = _decode(data, f"{path} record {i}")

@@ -45,12 +45,13 @@ def parse_spec(spec: str, setting: str = "data.dataset") -> tuple[str, str] | No
         return inferred, spec
     if ("://" in spec or spec.startswith(("/", "./", "~")) or not _TFDS_NAME.match(spec)
             or ("/" in spec and os.path.exists(spec))):
+        write_as = f"write it as <format>:<glob> with format one of {', '.join(FORMATS)}"
         if "://" not in spec and not glob.glob(os.path.expanduser(spec)):
             raise BadData(f"{setting}={spec!r} is not a TFDS name and no file matches "
                           f"{os.path.abspath(os.path.expanduser(spec))!r}; check the path, or "
-                          f"write it as <format>:<glob> with format one of {', '.join(FORMATS)}")
+                          f"{write_as}")
         raise BadData(f"{setting}={spec!r}: cannot tell the format from the extension; "
-                      f"write it as <format>:<glob> with format one of {', '.join(FORMATS)}")
+                      f"{write_as}")
     return None
 
 

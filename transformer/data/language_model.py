@@ -120,10 +120,7 @@ class LanguageModelSource:
         self.num_train_documents = self._num_documents("train")
         self.tokenizer = tokenizer or self._tokenizer(int(vocab_size),
                                                       int(vocab_sample_documents))
-        if self.tokenizer.vocab_size != int(vocab_size):
-            raise tokenizer_lib.VocabularyMismatch(
-                f"the tokenizer has {self.tokenizer.vocab_size} pieces but "
-                f"data.vocab_size={vocab_size}")
+        settings.check_vocab_size(self.tokenizer, vocab_size)
         if objective == "masked" and self.tokenizer.mask_id is None:
             raise ValueError("data.objective='masked' needs a [MASK] piece and the vocabulary "
                              "(data.vocab_path) has none: leave data.vocab_path empty to train "

@@ -1,8 +1,10 @@
-"""Checks of the `data` keys every text source (translation, language model, text
-classification) makes alike, before it reads any data: each bad setting is one line, the same
-whichever source reads it."""
+"""Checks of the `data` keys that the text sources (translation, language model, text
+classification) make alike: each bad setting is one line, the same whichever source reads it.
+The rows and the model's fit are checked before any data is read."""
 
 from __future__ import annotations
+
+from transformer.data import tokenizer as tokenizer_lib
 
 
 def check_rows(max_length: int, batch_size: int, grad_accum_steps: int) -> None:
@@ -28,3 +30,11 @@ def check_model_fits(cfg) -> None:
     if int(model.get("vocab_size", data.vocab_size)) != int(data.vocab_size):
         raise ValueError(f"model.vocab_size={model.vocab_size} differs from "
                          f"data.vocab_size={data.vocab_size}")
+
+
+def check_vocab_size(tokenizer, vocab_size: int) -> None:
+    """The vocabulary has `data.vocab_size` pieces: a trained one always, one given or passed
+    in maybe not. Else one line."""
+    if tokenizer.vocab_size != int(vocab_size):
+        raise tokenizer_lib.VocabularyMismatch(
+            f"the tokenizer has {tokenizer.vocab_size} pieces but data.vocab_size={vocab_size}")

@@ -200,10 +200,7 @@ class TranslationSource:
         else:
             self.tokenizer = tokenizer or self._tokenizer(int(vocab_size),
                                                           int(vocab_sample_pairs))
-        if self.tokenizer.vocab_size != int(vocab_size):
-            raise tokenizer_lib.VocabularyMismatch(
-                f"the tokenizer has {self.tokenizer.vocab_size} pieces but "
-                f"data.vocab_size={vocab_size}")
+        settings.check_vocab_size(self.tokenizer, vocab_size)
         self.train = self._tokenized("train")
         fits = ((self.train.source_lengths <= self.max_length)
                 & (self.train.target_lengths <= self.max_length)
