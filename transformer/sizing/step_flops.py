@@ -26,20 +26,22 @@ def step_flops_per_device(model: TransformerConfig, memory_plan: MemoryPlan) -> 
 
 def remat_flops(model: TransformerConfig, memory_plan: MemoryPlan) -> float:
     """The forward matmul FLOPs remat recomputes in one update per device (`flops.py`'s).
-    `full`: the layers' forward but the last matmul of each sublayer (the output projection,
-    the feed-forward's output), whose result only a residual sum takes and the backward pass
-    does not need (JAX recomputes what it needs). `dots` and `dots_no_batch`: the attention's
-    scores and values (Q K^T and A V have batch dimensions, and the splash kernel is a Pallas
-    call: no policy saves it; `dots` would save XLA's einsums, counted all the same). `none`:
-    0."""
+
+    `full` recomputes each layer's forward pass, less what the backward pass never reads. In a
+    pre-LN layer that is the feed-forward's last matmul: only the residual sum that ends the
+    layer takes its result. The attention's output projection is recomputed, since the next
+    sublayer's norm reads its sum with the residual. In a post-LN layer every matmul is
+    recomputed, since each sublayer's norm reads the sum before it. `dots` and `dots_no_batch`
+    recompute the attention's scores and values: Q K^T and A V have batch dimensions, and the
+    splash kernel is a Pallas call that no policy saves. `dots` would save XLA's einsums but
+    they are counted all the same. `none` recomputes nothing.
+    """
     policy = model.remat_policy
     if policy == "none":
         return 0.0
     if policy != "full":
         return _per_device(model, memory_plan, lambda parts: parts["attention_scores_values"])
-    head_dims = model.d_k + model.d_v
-    projections = model.num_heads * head_dims + model.num_kv_heads * head_dims
-    output = model.num_heads * model.d_v / projections  # the output projection's share
+    unread = 1 / flops.ffn_matmuls(model) if model.norm_position == "pre" else 0.0
     return _per_device(model, memory_plan, lambda parts: (
-        parts["attention_scores_values"] + parts["attention_projections"] * (1 - output)
-        + parts["ffn"] * (1 - 1 / flops.ffn_matmuls(model))))
+        parts["attention_scores_values"] + parts["attention_projections"]
+        + parts["ffn"] * (1 - unread)))
