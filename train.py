@@ -37,7 +37,7 @@ FLAGS = flags.FLAGS
 
 
 def _quiet_libraries():
-    """Our progress lines at INFO on stderr, with the time; the native libraries' start-up
+    """Our progress lines at INFO on stderr, with the time. The native libraries' start-up
     chatter off (`cli.quiet_native_logs`)."""
     from transformer.util import cli
 

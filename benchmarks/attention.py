@@ -98,7 +98,8 @@ def benchmark(implementation: str, length: int, args, budget: int) -> dict:
         # When even the first call is over budget, it is the only (and reported) timing.
         start = time.perf_counter()
         jax.block_until_ready(compiled(q, k, v))
-        times, elapsed = [time.perf_counter() - start], time.perf_counter() - start
+        times = [time.perf_counter() - start]
+        elapsed = time.perf_counter() - start
         if elapsed < args.row_budget_s:
             times = []
             while len(times) < args.runs and (not times or elapsed < args.row_budget_s):
@@ -190,7 +191,8 @@ def main(argv: list[str]) -> None:
     implementations = args.implementations
     print(f"# backend {jax.default_backend()}, {jax.device_count()} device(s), memory budget "
           f"{budget / 2**30:.1f} GiB", flush=True)
-    rows, too_slow = [], {}
+    rows = []
+    too_slow = {}
     for length in map(int, args.lengths):
         for impl in implementations:
             if impl in too_slow:

@@ -2,7 +2,7 @@
 
     bash benchmarks/gpu_check.sh [--dry-run] [--out=gpu_check.json] [--checks=train_step,...]
 
-Needs jax (with CUDA), flax, optax, orbax and ml-collections; no TensorFlow, no SentencePiece, no
+Needs jax (with CUDA), flax, optax, orbax and ml-collections. No TensorFlow, no SentencePiece, no
 network: every batch is synthetic (the copy task) and every model randomly initialised, since
 only speed and numerical agreement are measured here.
 
@@ -76,7 +76,8 @@ def attention_parity(dry: bool) -> list[dict]:
                                                 mask=mask)
     implementations = ["xla", "chunked"] + (["cudnn"] if attention.cudnn_supports(q, k, v)
                                             else [])
-    rows, runs = [], 3 if dry else 10
+    rows = []
+    runs = 3 if dry else 10
     for impl in implementations:
         forward = jax.jit(lambda q, k, v, impl=impl: attention.dot_product_attention(
             q, k, v, mask=mask, implementation=impl))
@@ -223,13 +224,15 @@ def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     args = flags.FLAGS
-    chosen, dry_run = args.checks, args["dry-run"].value
+    chosen = args.checks
+    dry_run = args["dry-run"].value
     device = jax.devices()[0]
     header = {"check": "device", "backend": jax.default_backend(), "device": str(device),
               "device_kind": device.device_kind, "jax": jax.__version__,
               "dry_run": dry_run}
     print(json.dumps(header))
-    results, failed = [header], []
+    results = [header]
+    failed = []
     for name, check in CHECKS.items():
         if name not in chosen:
             continue

@@ -11,7 +11,7 @@ text and a label feature), on the same splits the fine-tuned Transformer is scor
 
 Prints the validation and test accuracy of each, one line a baseline, and the split sizes. The
 dataset is built (offline_help_topics) or read as the training source does
-(`transformer.data.text_classification`); nothing is downloaded.
+(`transformer.data.text_classification`). Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -53,13 +53,15 @@ def baselines(splits, seed: int = 0) -> dict[str, dict[str, float]]:
         results[name] = {s: float(dummy.score(*splits[s])) for s in scored}
     vectorizer = TfidfVectorizer(ngram_range=(1, 2), min_df=2, sublinear_tf=True)
     features = vectorizer.fit_transform(texts)
-    chosen, best = None, -1.0
+    chosen = None
+    best = -1.0
     select = "validation" if "validation" in splits else scored[0]
     for c in C_GRID:
         model = LogisticRegression(C=c, max_iter=2000).fit(features, labels)
         accuracy = model.score(vectorizer.transform(splits[select][0]), splits[select][1])
         if accuracy > best:
-            chosen, best = model, accuracy
+            chosen = model
+            best = accuracy
     results[f"bag of words (C={chosen.C:g})"] = {
         s: float(chosen.score(vectorizer.transform(splits[s][0]), splits[s][1]))
         for s in scored}

@@ -111,11 +111,13 @@ def _worker(args) -> tuple[int, float, int, float, int]:
     start = time.perf_counter()
     source = from_config(config, workdir)
     setup = time.perf_counter() - start
-    reader, decoded = source.files["train"]._reader, []
+    reader = source.files["train"]._reader
+    decoded = []
     read = reader.read
     reader.read = lambda path: decoded.append(path) or read(path)
     rows = (0, source.rows_per_batch // processes)
-    start, tokens = time.perf_counter(), 0
+    start = time.perf_counter()
+    tokens = 0
     for index in range(worker, updates, workers):
         if processes == 1:
             pieces, placement = source.train_pieces(index)

@@ -7,7 +7,7 @@
 
 `configs/lm_files.py:125m`'s data at lm_125m's rows (2,048 tokens, `--rows` per update, all of
 them this host's). The main process builds the source once in a workdir (vocabulary, row counts)
-as the loop does; each variant then reads `--updates` batches after `max(1, workers)` warm-up
+as the loop does. Each variant then reads `--updates` batches after `max(1, workers)` warm-up
 batches (a worker's start: building its source, decoding its first window of shards). Variants
 run interleaved, `--repeats` times each. Tokens are the batches' non-padding tokens. Prints and
 writes one JSON record with the load average around each measurement. A rate over no measured
@@ -40,7 +40,8 @@ def _config(corpus: str, rows: int):
 def _cpu_seconds() -> float:
     """CPU seconds (user + system) used so far by this process and its live children (the
     workers), from /proc (Linux)."""
-    me, total = os.getpid(), 0.0
+    me = os.getpid()
+    total = 0.0
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -124,7 +125,8 @@ def main(argv: list[str]) -> None:
 
     from transformer.data import make_source
 
-    corpus, workdir = os.path.join(args.dir, "corpus"), os.path.join(args.dir, "run")
+    corpus = os.path.join(args.dir, "corpus")
+    workdir = os.path.join(args.dir, "run")
     shutil.rmtree(args.dir, ignore_errors=True)
     start = time.perf_counter()
     shards = write_corpus(corpus, args.documents, args.per_shard)

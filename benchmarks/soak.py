@@ -1,5 +1,5 @@
 """Soak: `train.py` on a small config for many steps while N faults (default 100) land at seeded
-random moments, each followed by a restart of the same command; then every train loss, the set
+random moments, each followed by a restart of the same command. Then every train loss, the set
 of metric lines (step, split) and the final parameters are compared with an uninterrupted run.
 
     python benchmarks/soak.py --faults=100 --out=soak.json          # 24 min on 2 CPU cores
@@ -16,8 +16,8 @@ Faults, in a seeded mix (each kind once, in a shuffled order, before any kind tw
   damaged          the latest complete checkpoint's state manifest truncated between two runs: the
                    next run moves it aside and resumes from the one before
 Each fault's outcome is checked (exit status, the checkpoint it leaves, the log line it must
-print); anything unexpected is listed under "problems". One summary line is printed and the
-whole summary written as JSON (`--out`); the exit status is 0 when every check passed.
+print). Anything unexpected is listed under "problems". One summary line is printed and the
+whole summary written as JSON (`--out`). The exit status is 0 when every check passed.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class Soak:
         return procs
 
     def wait(self, procs, timeout: float = 900) -> list[int]:
-        """Exit statuses; a process still running after `timeout` s is killed (status None)."""
+        """Exit statuses. A process still running after `timeout` s is killed (status None)."""
         codes = []
         for p in procs:
             try:
@@ -298,7 +298,8 @@ def params_identical(a: pathlib.Path, b: pathlib.Path) -> bool:
 
     from transformer.checkpoint import averaging
 
-    got, want = averaging.load_params(str(a)), averaging.load_params(str(b))
+    got = averaging.load_params(str(a))
+    want = averaging.load_params(str(b))
     return jax.tree.structure(got) == jax.tree.structure(want) and all(
         np.array_equal(x, y) for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want),
                                              strict=True))
@@ -306,8 +307,10 @@ def params_identical(a: pathlib.Path, b: pathlib.Path) -> bool:
 
 def progress(faults: Faults, total: int, started: float) -> None:
     """One line per fault delivered: what, where, elapsed time and ETA, problems so far."""
-    done, last = len(faults.delivered), faults.delivered[-1]
-    step, elapsed = last.get("logged_step", last["logged_step_before"]), time.monotonic() - started
+    done = len(faults.delivered)
+    last = faults.delivered[-1]
+    step = last.get("logged_step", last["logged_step_before"])
+    elapsed = time.monotonic() - started
     print(f"[{done}/{total}] {last['kind']} (run {last['run']}, step {step}/"
           f"{faults.total}): {elapsed / 60:.1f} min, ETA {elapsed / done * (total - done) / 60:.0f}"
           f" min, {len(faults.problems)} problems", file=sys.stderr, flush=True)

@@ -7,7 +7,7 @@ For a trained encoder-decoder run (translation or span corruption), the unsmooth
 perplexity of its first `--batches` eval batches twice: as they are, and with every source
 token (each non-padding position of `inputs`) replaced by a piece drawn uniformly from the
 vocabulary (seeded), segment ids and positions unchanged. A model that reads its source loses
-much with random sources (a translation model trained from scratch here: 22.7 -> 213.5); one
+much with random sources (a translation model trained from scratch here: 22.7 -> 213.5). One
 that leans on its decoder's language model loses little. Also printed: the root mean square of
 each parameter group's weights (output projection, embeddings, attention, feed-forward), where
 a pretrained model that differs from a scratch one shows it. And a floor to read them against:
@@ -45,7 +45,7 @@ GROUPS = {"output projection": ("logits",), "embeddings": ("embed",),
 def randomize_sources(batch: dict, vocab_size: int, first_piece: int,
                       rng: np.random.Generator) -> dict:
     """The batch [A, B, L] with each non-padding `inputs` token replaced by a uniform piece id
-    in [first_piece, vocab_size) (no special piece, no sentinel); everything else (targets,
+    in [first_piece, vocab_size) (no special piece, no sentinel). Everything else (targets,
     segment ids, positions) unchanged."""
     inputs = batch["inputs"]
     random = rng.integers(first_piece, vocab_size, size=inputs.shape, dtype=inputs.dtype)
@@ -81,7 +81,8 @@ def unigram_perplexity(train_batches, eval_batches, vocab_size: int, free_ids) -
         counts += np.bincount(ids[~free[ids]], minlength=vocab_size)
     counts[free] = 0
     nll = np.where(free, 0.0, -np.log(np.maximum(counts, 1) / counts.sum()))
-    total, tokens = 0.0, 0
+    total = 0.0
+    tokens = 0
     for batch in eval_batches:
         ids = batch["targets"][batch["targets_segmentation"] > 0]
         total, tokens = total + float(nll[ids].sum()), tokens + ids.size

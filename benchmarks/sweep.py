@@ -6,7 +6,7 @@
 Runs `benchmarks/train_step.py`'s `benchmark` for every (length, rows) pair on the config's
 synthetic copy task (source length - 1, target length tokens; every token real) and plots
 non-pad target tokens/s and compiled memory per device against the sequence length, one line
-per batch size. Prints one JSON line per point and a table; the figure needs matplotlib.
+per batch size. Prints one JSON line per point and a table. The figure needs matplotlib.
 """
 
 from __future__ import annotations

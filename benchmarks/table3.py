@@ -10,7 +10,7 @@ reduced scale). As each row ends, its setting, figures and wall time go into the
 (`--results`, default `<workdir>/table3.json`), and `<workdir>/table3.md` (the paper's columns
 beside the measured ones) and `<workdir>/table3.png` are rewritten. Rows already in the results
 file are skipped, so a table too long for one sitting continues from a copy of that file on
-another machine; an entry whose setting `configs/table3.py` no longer gives is an error before
+another machine. An entry whose setting `configs/table3.py` no longer gives is an error before
 anything trains. Progress: rows done, elapsed time, and an ETA that weighs the remaining rows by
 their training FLOPs.
 """
@@ -143,10 +143,12 @@ def run_rows(root: pathlib.Path, rows: list[str], scale: str, extra: list[str],
     results = read_results(results_path, rows, scale)
     todo = [row for row in rows if row not in results]
     costs = {row: _cost(row_config(row, scale)) for row in todo}
-    started, done_cost = time.monotonic(), 0.0
+    started = time.monotonic()
+    done_cost = 0.0
     for number, row in enumerate(todo):
         workdir = root / row
-        figures, minutes = finished(workdir), None
+        figures = finished(workdir)
+        minutes = None
         if figures is None:
             elapsed = time.monotonic() - started
             remaining = sum(costs[r] for r in todo[number:])
@@ -221,7 +223,7 @@ def define_flags() -> None:
 
 
 def parse_known_flags(argv: list[str]) -> list[str]:
-    """absl's parsing of our flags, with its one-line errors; flags of no one here are left in
+    """absl's parsing of our flags, with its one-line errors. Flags of no one here are left in
     the list returned, for train.py."""
     try:
         return flags.FLAGS(argv, known_only=True)
@@ -233,7 +235,8 @@ def parse_known_flags(argv: list[str]) -> list[str]:
 def main(argv: list[str]) -> None:
     """`argv`: the program, then what absl left: flags of no one here, passed on to every
     row's train.py."""
-    args, extra = flags.FLAGS, argv[1:]
+    args = flags.FLAGS
+    extra = argv[1:]
     rows = args.rows.split(",")
     unknown = [row for row in rows if row not in TABLE3["ROWS"]]
     if unknown:

@@ -12,7 +12,7 @@ Builds what `train.py` builds (the mesh from `mesh.*`, `train_state.build_traine
   XLA reuses in place);
 - data: every batch is built before timing (`source.train_batch`, then `train_state.global_batch`),
   and the build time per batch is reported on its own;
-- run: `--warmup` steps, then `--steps` steps each blocked on its result; steps/s and tokens/s
+- run: `--warmup` steps, then `--steps` steps each blocked on its result. Steps/s and tokens/s
   (non-pad target tokens, the step metrics' `target_tokens`) are medians over those steps. The
   same steps are then dispatched back to back without blocking ("pipelined": the training
   loop's way), so host dispatch overhead shows as the gap between the two;
@@ -26,7 +26,7 @@ Builds what `train.py` builds (the mesh from `mesh.*`, `train_state.build_traine
   FLOPs (`cost_analysis`, all ops, per device) is shown beside the model count as a check.
 
 `--devices N` fakes N CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=N, and
-JAX_PLATFORMS=cpu unless set); it must be set before JAX starts, so it is read from the command
+JAX_PLATFORMS=cpu unless set). It must be set before JAX starts, so it is read from the command
 line before anything imports jax. Prints a table, then one JSON line.
 """
 
@@ -128,7 +128,8 @@ def benchmark(cfg, steps: int, warmup: int, *, gemm_size: int = 1024,
               gemm_runs: int = 10) -> dict:
     num_devices = jax.device_count()
     run = resolve(cfg, num_devices)
-    cfg, model_cfg = run.config, run.model
+    cfg = run.config
+    model_cfg = run.model
     source = make_source(cfg)
     mesh = sharding.make_mesh(cfg.mesh)
     device = jax.devices()[0]
@@ -150,7 +151,9 @@ def benchmark(cfg, steps: int, warmup: int, *, gemm_size: int = 1024,
 
     # Every batch before any timing: host rows (numpy), then the global device arrays.
     rows = train_state.process_rows(mesh, source.rows_per_batch)
-    host_times, put_times, batches = [], [], []
+    host_times = []
+    put_times = []
+    batches = []
     for index in range(warmup + steps):
         start = time.perf_counter()
         local = source.train_batch(index, rows)
@@ -182,7 +185,8 @@ def benchmark(cfg, steps: int, warmup: int, *, gemm_size: int = 1024,
         gemm_times += _times(gemm, gemm_runs)
 
     # Blocked steps: one wall time per step.
-    times, tokens = [], []
+    times = []
+    tokens = []
     for i, batch in enumerate(batches):
         start = time.perf_counter()
         state, step_metrics = compiled(state, batch)

@@ -102,7 +102,8 @@ def classification_files() -> dict:
 def paper_config(*, size: str, target_lang: str, dropout_rate: float) -> config_dict.ConfigDict:
     """The paper's recipe for model `size` ("base" or "big"), English -> `target_lang`
     ("de" or "fr"), with residual/embedding dropout P_drop = `dropout_rate`."""
-    shape, pair = SIZES[size], LANGUAGE_PAIRS[target_lang]
+    shape = SIZES[size]
+    pair = LANGUAGE_PAIRS[target_lang]
     cfg = config_dict.ConfigDict()
     cfg.seed = 0
     cfg.init_from = ""  # a run (workdir, workdir:step, or params dir) to start from

@@ -6,7 +6,7 @@
 Data: the TFDS dataset `offline_de_en`, built on first use from Debian packages with
 `apt-get download` (no install; needs `apt-get update` once, as root) into the TFDS data_dir
 (`--config.data.data_dir`, default ~/tensorflow_datasets): LibreOffice help paragraphs and Ding
-dictionary sentences, 49,675 training, 1,036 validation and 2,117 test pairs; about 40 s.
+dictionary sentences, 49,675 training, 1,036 validation and 2,117 test pairs. About 40 s.
 SentencePiece (BPE, 8,000 shared pieces) trains on the whole training split in seconds and is
 kept in <workdir>/vocab/ with the tokenized training split.
 
@@ -14,9 +14,9 @@ Model and schedule, tuned for a compute budget of ~2 x 10^14 FLOPs (45 minutes o
 ~70 GFLOP/s): the paper's block (LayerNorm, sinusoidal positions, ReLU, biases) with the norm
 moved before each sublayer and a final LayerNorm after each stack (pre-LN, as tensor2tensor's
 later transformer_base_v2 and most later Transformers), at d_model 192, d_ff 768, 4 heads, 3 + 3
-layers, one shared 8,000 x 192 embedding (4.65M parameters); updates of ~1,000 target tokens
+layers, one shared 8,000 x 192 embedding (4.65M parameters). Updates of ~1,000 target tokens
 (8 packed rows of 128); Adam with a cosine decay from 2e-3 (300 warmup steps) to 0 over 5,000
-updates, about 5.5 passes over the training split, dropout 0.1, label smoothing 0.1; gradients
+updates, about 5.5 passes over the training split, dropout 0.1, label smoothing 0.1. Gradients
 clipped at global norm 1. Why pre-LN and this size, measured against the paper's post-LN:
 docs/results/2026-12-02-default.md.
 

@@ -6,10 +6,10 @@ Hugging Face checkpoint, say), `lm_default.py`'s data, and a fine-tuning schedul
     python -m transformer.generate --workdir=runs/gpt2_finetuned --prompt="Click the"
 
 The argument is the pretrained workdir (`init_from`, also `workdir:step`): its `config.json`
-gives `model.*` (the checkpoint's special token ids included) and `data.vocab_size`; its
+gives `model.*` (the checkpoint's special token ids included) and `data.vocab_size`. Its
 `vocab/` (a tokenizer.json or SentencePiece model) becomes the new run's. AdamW 1e-4 (b2 0.95,
-weight decay 0.1, clipped at 1), 50 warmup updates, cosine to 10% at update 500; rows of 128
-tokens, 16 rows per update, float32; no dropout unless the checkpoint's config asks for it.
+weight decay 0.1, clipped at 1), 50 warmup updates, cosine to 10% at update 500. Rows of 128
+tokens, 16 rows per update, float32. No dropout unless the checkpoint's config asks for it.
 """
 
 import json

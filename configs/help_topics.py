@@ -11,7 +11,7 @@ packages, as `offline_de_en`): 27,302 training, 3,426 validation and 3,602 test 
 English and German, labelled Writer, Calc, Impress, Draw, Base, Math, Chart or Basic
 (`transformer/data/offline/help_paragraphs.py`). One paragraph a row: its pieces and EOS, cut to 64
 tokens (`transformer/data/text_classification.py`). With `init_from` the vocabulary is the
-pretrained run's (8,000 pieces); from scratch one of the same size is trained on these texts.
+pretrained run's (8,000 pieces). From scratch one of the same size is trained on these texts.
 
 Model: `mlm_default`'s fields unchanged (4 pre-RMSNorm layers of width 256, RoPE, SwiGLU, 4
 heads sharing 2 key/value heads), architecture "classifier": the encoder, the mean of its final
@@ -20,8 +20,8 @@ zero-initialised head [256, 8]: `init_from` loads every parameter but `head/kern
 `head/bias` (listed in the log). AdamW 1e-3 (the head and encoder alike), 50 warmup steps,
 cosine to 10% at update 600, batch 32: 19,200 examples, 0.7 epoch.
 
-Hardware, time and expected result: a 2-core CPU VM, about 10 minutes for 600 updates;
-docs/results/2026-12-01-help-topics.md (with the baselines of
+Hardware, time and expected result: a 2-core CPU VM, about 10 minutes for 600 updates.
+Docs/results/2026-12-01-help-topics.md (with the baselines of
 `benchmarks/help_topics_baselines.py` on the same splits).
 """
 

@@ -14,8 +14,8 @@ TFDS on a machine with internet; 365M documents), SentencePiece 32k trained on 2
 tokens. That is about 42 tokens for each of the 124.7M parameters (`--summary`), twice the 20
 per parameter that Chinchilla found compute-optimal.
 
-Expected: C4 validation perplexity in the low 20s (GPT-style 125M models at ~5B tokens);
-not yet run by this project. Throughput on this project's CPU: `benchmarks/workloads/lm_125m.py`.
+Expected: C4 validation perplexity in the low 20s (GPT-style 125M models at ~5B tokens).
+Not yet run by this project. Throughput on this project's CPU: `benchmarks/workloads/lm_125m.py`.
 """
 
 from configs.lm_common import lm_config

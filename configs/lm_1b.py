@@ -9,7 +9,7 @@ tokens per device per microbatch, remat of everything but the matmuls without a 
 16 layers, d_model 2048, 32 heads (8 key/value heads), SwiGLU d_ff 8192, rows of 2,048 tokens,
 512 rows (1M tokens) per update, 24,000 updates (25B tokens, ~20 per parameter), bfloat16.
 
-Expected: C4 validation perplexity in the mid teens; not yet run by this project.
+Expected: C4 validation perplexity in the mid teens. Not yet run by this project.
 """
 
 from configs.lm_common import lm_config

@@ -6,11 +6,11 @@
 Data: the TFDS dataset `offline_de_en` (built on first use as for `configs/default.py`) read
 as monolingual text: each side of each pair is a document (99,342 training documents, English
 and German). SentencePiece (BPE, 8,000 pieces) trains on them in seconds. Prefix LM:
-`--config.data.objective=prefix`; a masked LM is `configs/mlm_default.py`.
+`--config.data.objective=prefix`. A masked LM is `configs/mlm_default.py`.
 
 Model: the Llama-style block of `lm_common.py` (pre-RMSNorm, RoPE, SwiGLU, 4 query heads
-sharing 2 key/value heads, no biases, untied output) at d_model 256, 4 layers, float32;
-rows of 128 tokens, 16 rows per update; AdamW 3e-3 with 100 warmup steps, cosine to 10% at
+sharing 2 key/value heads, no biases, untied output) at d_model 256, 4 layers, float32.
+Rows of 128 tokens, 16 rows per update; AdamW 3e-3 with 100 warmup steps, cosine to 10% at
 update 1,500.
 
 Hardware and time (seed 0): a 2-core CPU VM, 20-25 minutes for the 1,500 updates when the

@@ -10,7 +10,7 @@ the size of `lm_125m.py` / `lm_1b.py` / `lm_8b.py` with `:125m`, `:1b`, `:8b`.
         --config.data.eval_dataset='gs://<bucket>/c4/en/c4-validation.0000*.json.gz'
 
 Data: each line of a shard is a JSON object whose `data.text_field` (dotted for nested fields,
-e.g. `meta.text`) is one document; remote globs read shard by shard (gs:// needs gcsfs). A
+e.g. `meta.text`) is one document. Remote globs read shard by shard (gs:// needs gcsfs). A
 directory in the Hugging Face hub's parquet layout (`<dir>/train-*.parquet`,
 `<dir>/validation-*.parquet`) needs no `data.eval_dataset`. The order is a seeded permutation
 computed on the fly (shards shuffled, rows shuffled within windows of `data.shuffle_window`

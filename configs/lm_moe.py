@@ -10,7 +10,7 @@ experts of d_ff 2048 (521M parameters, 181M active per token: `--summary`), capa
 with factor 1.25 (fixed-size buffers that the expert axis exchanges), bfloat16 compute.
 
 Expected: not yet run by this project. `--compile_only --topology=v5e-8` (406 s on a 2-core
-CPU): fits, 12.76 GiB peak of 14.90 GiB per chip; estimated 2.39 s an update, 17% MFU
+CPU): fits, 12.76 GiB peak of 14.90 GiB per chip. Estimated 2.39 s an update, 17% MFU
 (docs/moe.md, "TPU compiles"). With 16 rows per device and no remat it does not fit.
 """
 

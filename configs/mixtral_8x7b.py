@@ -8,12 +8,12 @@ of every layer's 8 experts, sharded over 8 chips with the rest of the state), fu
 of 4,096 tokens per device per microbatch.
 Mixtral's shape (docs/moe.md): 32 layers, d_model 4096, 32 heads (8 key/value heads), 8 SwiGLU
 experts of d_ff 14336 in every layer, 2 per token with their weights renormalised, a 32k
-vocabulary, RoPE base 1e6, RMSNorm epsilon 1e-5; capacity dispatch with factor 1.25 (the
+vocabulary, RoPE base 1e6, RMSNorm epsilon 1e-5. Capacity dispatch with factor 1.25 (the
 all-to-all over `expert`, fixed-size buffers) rather than Mixtral's dropless routing, whose
 expert-parallel form gathers every token of the expert group. 512 rows (2M tokens) per
 update, bfloat16.
 
-Expected: not yet run by this project; see docs/moe.md for its compile on v5p-128.
+Expected: not yet run by this project. See docs/moe.md for its compile on v5p-128.
 """
 
 from configs.lm_common import lm_config

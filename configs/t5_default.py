@@ -13,9 +13,9 @@ after [MASK]. Eval perplexity is per target token of the corrupted validation do
 
 Learning rate 1e-3, not `lm_default.py`'s 3e-3: at 3e-3 the decoder settles on a language model
 of the spans and never learns to read the encoder, even on a few hundred documents it could
-memorise; at 1e-3 it reads its input. 12,000 updates (about an hour on a 2-core CPU): fine-tuned
+memorise. At 1e-3 it reads its input. 12,000 updates (about an hour on a 2-core CPU): fine-tuned
 on translation, this pretraining leads the same model from scratch in validation perplexity at
-every point of `t5_translate.py`'s 2,000 updates, where 4,000 updates fell behind it; measured in
+every point of `t5_translate.py`'s 2,000 updates, where 4,000 updates fell behind it. Measured in
 docs/results/2026-12-04-span-corruption-transfer.md, sections 6-9.
 
 A run of this config is the starting point for fine-tuning the encoder-decoder on translation

@@ -9,7 +9,7 @@ a span-corruption run, or the same model from scratch, on the same updates.
 Data, cadence and decoding: `configs/default.py`'s (the offline corpus's pairs, updates of at
 most 1,024 source and target tokens in 8 packed rows of 128, beam 4). With `init_from` the
 vocabulary is the pretrained run's (8,000 pieces, 100 of them sentinels that translation never
-uses); from scratch one of the same size is trained on the pairs, as `default.py` does.
+uses). From scratch one of the same size is trained on the pairs, as `default.py` does.
 
 Model: `t5_default.py`'s fields unchanged (3 + 3 pre-RMSNorm layers of width 256, RoPE, SwiGLU
 704, 4 heads sharing 2 key/value heads, an untied output projection), with T5's fine-tuning

@@ -8,7 +8,7 @@ The argument is a row name (`ROWS`), optionally followed by `,wmt14`. Rows are w
 to the base they change, so the same row means the same experiment at either scale:
 
 - `wmt14`: the paper's scale, `configs/wmt14_ende_base.py` (d_model 512, d_ff 2048, 8 heads,
-  6 + 6 layers, 37k vocabulary, 100k updates of ~25k tokens); the row's parameter count then
+  6 + 6 layers, 37k vocabulary, 100k updates of ~25k tokens). The row's parameter count then
   matches the paper's column (tests/test_table3.py).
 - default (reduced): the offline German-English corpus of `configs/default.py`, its vocabulary,
   batches (~1,000 target tokens) and cosine schedule, with the paper's post-LN block (where
@@ -16,13 +16,13 @@ to the base they change, so the same row means the same experiment at either sca
   8 heads (d_k 16) and 3 + 3 layers: widths / 4 and depth / 2, so N 2/4/8 become 1/2/4. Every
   row gets `REDUCED_STEPS` updates and seed 0, and a peak learning rate of
   `REDUCED_LEARNING_RATE` x (128 / d_model)^0.5, the d_model^-0.5 of the paper's schedule.
-  The paper's big row trains 3x longer; here every row gets the same updates, so "big" shows
+  The paper's big row trains 3x longer. Here every row gets the same updates, so "big" shows
   the bigger model at equal updates. Why this base, and every row measured at this scale:
   docs/results/2026-12-02-table3.md (its record: docs/table3/results.json).
 
 Rows (the paper's values at its scale): A: heads 1/4/16/32 with d_k = d_v = d_model / h;
 B: d_k 16 and 32 with d_v unchanged; C: N 2/4/8, d_model 256/1024 (d_k = d_v scaled),
-d_ff 1024/4096; D: P_drop 0.0/0.2, label smoothing 0.0/0.2; E: learned positions; big.
+d_ff 1024/4096; D: P_drop 0.0/0.2, label smoothing 0.0/0.2; E: learned positions. Big.
 """
 
 from configs import default, wmt14_ende_base

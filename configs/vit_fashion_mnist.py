@@ -11,11 +11,11 @@ image and its mirror image (`data.test_time_flip`).
 
 Model: patches of 7x7 (16 patches and a class token), 6 pre-LN layers of width 64, MLP 128,
 4 heads, GELU, learned positions, float32: about 0.2M parameters. AdamW 3e-3 (b2 0.999,
-weight decay 0.05), 300 warmup steps then cosine to 0 at update 4,800 (batch 256: 22 epochs);
-the validation split every 1,000 updates, the test split once at the end (docs/vision.md).
+weight decay 0.05), 300 warmup steps then cosine to 0 at update 4,800 (batch 256: 22 epochs).
+The validation split every 1,000 updates, the test split once at the end (docs/vision.md).
 
 Hardware, time and expected result: a 2-core CPU VM, 8.5-18.5 minutes for the 4,800 updates
-(the VM's speed drifts); test accuracy 90.20% with the mirror averaged
+(the VM's speed drifts). Test accuracy 90.20% with the mirror averaged
 (docs/results/2026-12-02-vit-fashion-mnist.md, with the recipes compared).
 """
 

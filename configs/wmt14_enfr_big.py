@@ -5,7 +5,7 @@
 
 Hardware: the paper trained on one machine with 8 NVIDIA P100 GPUs for 300k steps (1.0 s/step,
 3.5 days) of ~25k target tokens each, on 36M sentence pairs. `grad_accum_steps=0` keeps ~25k
-tokens per update on fewer devices; a params-only series every 10 minutes keeps the last 20 for
+tokens per update on fewer devices. A params-only series every 10 minutes keeps the last 20 for
 `--average=20`.
 
 Expected on newstest2014 (full), last 20 averaged, beam 4, alpha 0.6: 41.8 tokenized BLEU

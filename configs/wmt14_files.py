@@ -6,7 +6,7 @@ split name: `train-*` to train, `validation-*` for perplexity and BLEU.
     python train.py --config=configs/wmt14_files.py --workdir=runs/wmt14_files
 
 The first line writes the offline corpus in that layout (a `translation` column of {de, en}
-structs), standing in for the hub's files here, where there is no network; a downloaded copy of
+structs), standing in for the hub's files here, where there is no network. A downloaded copy of
 `wmt/wmt14`'s `de-en` directory is used the same way (`--config.data.dataset=<its path>`).
 Pairs come from columns named by the language codes, or from the nested `translation.<code>`
 (`data.source_field` / `data.target_field` name others).

@@ -125,7 +125,8 @@ def bucket(monkeypatch):
 
     class Bucket(MemoryFileSystem):
         protocol = ("gs", "gcs")
-        store, pseudo_dirs = {}, [""]
+        store = {}
+        pseudo_dirs = [""]
 
     class Events:  # tensorboardX's GCSRecordWriter: the whole file uploaded on each flush
         def __init__(self, path):
@@ -229,7 +230,8 @@ def offline_fixture_data_dir(offline_data_dir):
 
 
 VISION_CLASSES = [f"class{i}" for i in range(10)]
-VISION_MEAN, VISION_STD = 0.25, 0.4
+VISION_MEAN = 0.25
+VISION_STD = 0.4
 
 
 @pytest.fixture(scope="session")

@@ -116,7 +116,9 @@ def figures_missing_from_records(what: str, figure: str, page: pathlib.Path) -> 
     values = {str(v).lower() for e in entries if isinstance(e, dict) for v in e.values()
               if isinstance(v, str)}
     name = page.relative_to(ROOT)
-    missing, qualifiers, last = [], set(), 0
+    missing = []
+    qualifiers = set()
+    last = 0
     for match in FIGURE.finditer(figure):
         words = {w.strip("(),:;").lower() for w in figure[last:match.start()].split()} - {""}
         qualifiers |= words & values

@@ -49,7 +49,10 @@ def _params_by_the_formula(model) -> int:
     and 2 h d_k + h d_v + d biases; per feed-forward 2 d d_ff + d_ff + d; a LayerNorm 2d; an
     encoder layer one attention, one feed-forward and two norms, a decoder layer two, one and
     three; one V x d embedding shared by both sides and the output projection."""
-    d, h, d_k, d_v = model.d_model, model.num_heads, model.d_k, model.d_v
+    d = model.d_model
+    h = model.num_heads
+    d_k = model.d_k
+    d_v = model.d_v
     attention = h * (2 * d_k + d_v) * d + h * d_v * d + 2 * h * d_k + h * d_v + d
     feed_forward = 2 * d * model.d_ff + model.d_ff + d
     norm = 2 * d
@@ -97,7 +100,8 @@ def test_reduced_rows_scale_the_same_way():
     base = resolve(TABLE3["get_config"]("base")).model
     for row, paper_row in (("A_h4", "A_h4"), ("B_dk16", "B_dk16"), ("C_d1024", "C_d1024"),
                            ("big", "big")):
-        small, paper = _model_reduced(row), _model(paper_row)
+        small = _model_reduced(row)
+        paper = _model(paper_row)
         assert small.d_model * 4 == paper.d_model and small.d_ff * 4 == paper.d_ff
         assert (small.num_heads, small.d_k * 4, small.d_v * 4) == (
             paper.num_heads, paper.d_k, paper.d_v)

@@ -2,7 +2,7 @@
 
     python -m transformer.check runs/default [runs/other ...]
 
-Prints one line per problem and a summary line per workdir; exits 1 if any workdir has a problem.
+Prints one line per problem and a summary line per workdir. Exits 1 if any workdir has a problem.
 """
 
 import os

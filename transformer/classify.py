@@ -1,4 +1,4 @@
-"""Classify image files with a trained image classifier (the Vision Transformer); the library
+"""Classify image files with a trained image classifier (the Vision Transformer). The library
 is `transformer.inference.classifier` (scoring a split: `python -m transformer.evaluate`).
 
     python -m transformer.classify --workdir=runs/vit_fashion_mnist shirt.png boot.jpg [--top=3]

@@ -1,7 +1,7 @@
 """The top-level config: the keys it may hold and their types, its checks, and `resolve`.
 
 Every entry point (train.py, --compile_only, --summary, evaluate, translate, generate) calls
-`resolve` once; everything downstream takes the `Resolved` it returns: the checked config with
+`resolve` once. Everything downstream takes the `Resolved` it returns: the checked config with
 the defaults of optional keys filled in, the typed `TransformerConfig`, and the mesh shape.
 Checks run before any device work, and each problem is one line naming the key and the fix.
 """
@@ -112,7 +112,8 @@ def grad_accum_steps(cfg: ConfigDict, batch_shards: int) -> int:
     split `data.batch_size` evenly: the tokens per update stay the paper's on any device count."""
     if int(cfg.grad_accum_steps):
         return int(cfg.grad_accum_steps)
-    rows, most = int(cfg.data.batch_size), int(cfg.data.get("max_rows_per_device") or 0)
+    rows = int(cfg.data.batch_size)
+    most = int(cfg.data.get("max_rows_per_device") or 0)
     if most < 1:
         raise ValueError("grad_accum_steps=0 sizes accumulation from data.max_rows_per_device, "
                          "which must then be >= 1")
@@ -164,7 +165,7 @@ def _unknown_key(key: str, known, config_file: str | None) -> NoReturn:
 
 
 def _accepted(annotation) -> tuple[type, ...]:
-    """The runtime types a field annotation admits (`int | None` -> (int, NoneType)); a float
+    """The runtime types a field annotation admits (`int | None` -> (int, NoneType)). A float
     field also takes an int."""
     kinds = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (
         annotation,)

@@ -4,9 +4,9 @@
     python -m transformer.generate --workdir=runs/lm_default < prompts.txt \\
         [--max_new_tokens=40] [--temperature=0.8] [--top_k=0] [--top_p=0.95] [--seed=0]
 
-`--prompt` (repeatable) or stdin (or `--input`); writes each prompt with its continuation on
+`--prompt` (repeatable) or stdin (or `--input`). Writes each prompt with its continuation on
 one line to stdout (or `--output`), streamed as translate does (`text_input.stream`).
-`--temperature=0` is greedy; unset options come from the run's config (`generate.*`). The same
+`--temperature=0` is greedy. Unset options come from the run's config (`generate.*`). The same
 seed gives the same continuations (batched, streamed or not: prompt i always draws with key i).
 """
 

@@ -5,8 +5,8 @@
 
 Reads stdin (or --input) and writes stdout (or --output) as it goes: 8 batches of lines at a
 time, each written and flushed before the next are read (`text_input.stream`: bounded memory,
-and an interrupted run leaves whole lines). Empty lines stay empty; lines longer than the model
-allows are truncated with a warning; input that is not UTF-8 is an error naming the line.
+and an interrupted run leaves whole lines). Empty lines stay empty. Lines longer than the model
+allows are truncated with a warning. Input that is not UTF-8 is an error naming the line.
 """
 
 from absl import app, flags

@@ -62,11 +62,12 @@ FLAGS = flags.FLAGS
 
 def check_command_line(argv: list[str]) -> tuple[str, list[str]]:
     """The command and the extra workdirs `curves` takes after `--workdir W` (`argv`: what absl
-    left, the program first); a bad command line ends the program as one line."""
+    left, the program first). A bad command line ends the program as one line."""
     if len(argv) < 2 or argv[1] not in COMMANDS:
         cli.usage_error((f"{argv[1]!r} is not a command; " if len(argv) > 1 else "") +
                         f"give a command: {', '.join(COMMANDS)}")
-    command, rest = argv[1], argv[2:]
+    command = argv[1]
+    rest = argv[2:]
     required, optional = COMMANDS[command]
     if command != "curves" and rest:
         cli.usage_error(f"unexpected arguments: {' '.join(rest)}")
@@ -81,7 +82,7 @@ def check_command_line(argv: list[str]) -> tuple[str, list[str]]:
 
 
 def run(command: str, extra_workdirs: list[str]) -> list[str]:
-    """Writes the figures `command` and the flags ask for; returns their paths."""
+    """Writes the figures `command` and the flags ask for. Returns their paths."""
     if command == "attention":
         from transformer.inference.attention_maps import attention_maps
         from transformer.inference.translator import load

@@ -81,7 +81,10 @@ def main(argv: list[str]) -> None:
         if not path.is_file():
             sys.exit(f"error: --workloads: no {path.relative_to(ROOT)}")
         get_config = runpy.run_path(str(path))["get_config"]
-        ours, peer, gemm, flops_per_step = [], [], [], None
+        ours = []
+        peer = []
+        gemm = []
+        flops_per_step = None
         for round_ in range(args.rounds):
             row = benchmark(get_config(), args.steps, args.warmup, gemm_runs=5)
             ours.append(row["steps_per_sec"])

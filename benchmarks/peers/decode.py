@@ -8,7 +8,7 @@ Both decode the same sentences: the first `--num_sentences` of the split, encode
 vocabulary, sorted by length and cut into batches of `--batch_size` as `Translator.translate`
 cuts them, with the run's weights (copied into the peer, `torch_transformer.load_params`) and
 decode settings (alpha, max_extra_length). Ours is `Translator.translate_ids` (a first, untimed
-pass compiles its programs); the peer is `torch_search` with as many threads as cores, also
+pass compiles its programs). The peer is `torch_search` with as many threads as cores, also
 after an untimed pass. Rounds interleave ours and the peer, so a shared machine's drift hits
 both alike. Prints sentences/s of each (medians over rounds), the ratio (ours / peer), and how
 many outputs are identical, then one JSON line per search. The peer computes the paper's

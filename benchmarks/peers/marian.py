@@ -8,14 +8,14 @@ weights (the run exported to Marian), the same sentences, batches and threads, i
 The run must be one Marian expresses (post-LN, sinusoidal positions, shared tied embeddings:
 `python -m transformer.convert export` refuses the others in one line, `configs/default.py`'s
 pre-LN model among them). For each beam size, the rounds before the last translate with ours
-alone (they compile it; theirs has nothing to compile); in the last, each batch of
+alone (they compile it; theirs has nothing to compile). In the last, each batch of
 `--batch_size` sentences is translated by ours (`Translator.translate_ids`), then by theirs
 (`generate` with `num_beams`, `max_new_tokens` = the batch's longest source in pieces + EOS +
 `decode.max_extra_length`, at most `model.max_len`, EOS forced at the last step, padding never
 drawn and sources cut to `model.max_len` pieces with EOS, as ours), one after the other, so a
 shared machine's drift hits both alike.
 Length penalties differ: ours divides a hypothesis' log-probability by
-((5 + length) / 6)^alpha (GNMT's), theirs by length^alpha (`length_penalty`); at alpha 0 both
+((5 + length) / 6)^alpha (GNMT's), theirs by length^alpha (`length_penalty`). At alpha 0 both
 rank by log-probability alone and their beams agree.
 Prints a table (sentences/s of both, the ratio, BLEU of both, how many outputs are
 identical), then one JSON line per beam size.

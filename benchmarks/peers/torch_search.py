@@ -40,7 +40,8 @@ def _attend(module, query, keys, values, mask=None):
 def _self_attend(module, x, cache=None, mask=None):
     """`module`'s self-attention of `x` [B, L, D] over its own keys and values, appended first
     to `cache`'s (a decoder layer's entry; None in the encoder)."""
-    keys, values = _heads(module, module.key(x)), _heads(module, module.value(x))
+    keys = _heads(module, module.key(x))
+    values = _heads(module, module.value(x))
     if cache is not None:
         if cache["keys"] is not None:
             keys, values = (torch.cat([cache["keys"], keys], 2),
@@ -72,7 +73,7 @@ def start_cache(model, encoded):
 
 
 def decode_step(model, tokens, position: int, cache, mask):
-    """Logits [B, V] after `tokens` [B] at `position`; appends their keys and values."""
+    """Logits [B, V] after `tokens` [B] at `position`. Appends their keys and values."""
     x = model.embedding(tokens)[:, None] * math.sqrt(model.cfg.d_model)
     x = x + model.positions[position]
     for layer, entry in zip(model.decoder, cache, strict=True):
@@ -122,7 +123,8 @@ def _length_penalty(length, alpha: float):
 @torch.no_grad()
 def beam_search(model, inputs, max_lengths, max_length: int, beam_size: int, alpha: float):
     """The best finished hypothesis [B, T] of each sentence (EOS forced at `max_lengths`)."""
-    batch, width = inputs.shape[0], beam_size
+    batch = inputs.shape[0]
+    width = beam_size
     encoded, mask = encode(model, inputs)
     cache = start_cache(model, encoded.repeat_interleave(width, 0))
     mask = mask.repeat_interleave(width, 0)
@@ -137,7 +139,8 @@ def beam_search(model, inputs, max_lengths, max_length: int, beam_size: int, alp
         vocab = logprobs.shape[-1]
         candidates = (alive_logprobs[..., None] + logprobs).flatten(1)
         top_logprobs, top_ids = candidates.topk(2 * width)
-        origin, token = top_ids // vocab, top_ids % vocab
+        origin = top_ids // vocab
+        token = top_ids % vocab
         seqs = alive_seqs.gather(1, origin[..., None].expand(-1, -1, max_length))
         seqs[:, :, step] = token
         is_eos = token == EOS_ID

@@ -74,7 +74,7 @@ class FeedForward(nn.Module):
 
 class Layer(nn.Module):
     """An encoder layer (self-attention, FFN) or, with `cross`, a decoder layer (causal
-    self-attention, attention over the encoder output, FFN); post-LN or pre-LN residuals."""
+    self-attention, attention over the encoder output, FFN). Post-LN or pre-LN residuals."""
 
     def __init__(self, cfg, cross: bool):
         super().__init__()
@@ -192,7 +192,7 @@ def load_params(model: Transformer, params: dict) -> None:
 
 
 def make_train_step(cfg, model_cfg):
-    """(model, step): `step(inputs, targets)` runs one update and returns the loss; the
+    """(model, step): `step(inputs, targets)` runs one update and returns the loss. The
     optimizer is Adam with `cfg.optimizer`'s betas, eps, clipping and rsqrt warmup schedule."""
     model = Transformer(model_cfg).train()
     opt = cfg.optimizer

@@ -92,7 +92,8 @@ def test_init_from_gs_loads_what_the_local_copy_gives(untrained_translation_work
     forms = {"": series_params, ":1": at_step_1, "/checkpoints/1": at_step_1,
              "/params/3": series_params}
     for suffix, want in forms.items():
-        remote, there = transfer.parse(REMOTE + suffix), transfer.parse(f"{local}{suffix}")
+        remote = transfer.parse(REMOTE + suffix)
+        there = transfer.parse(f"{local}{suffix}")
         assert remote == transfer.InitSource(REMOTE, there.step)
         _equal(transfer._read(remote), want)
     # the average of steps 1 and 3, written into the bucket, then named as init_from
@@ -118,7 +119,8 @@ def test_params_step_and_averages_on_gs_equal_the_local_copys(untrained_translat
                                                                              **kwargs))
     assert (disk_bucket / "run/averaged/last2_step3").is_dir()  # computed in the bucket
     # what `evaluate` reads of a translation run: config, vocabulary and params
-    remote, there = translator.load(REMOTE, step=1), translator.load(str(local), step=1)
+    remote = translator.load(REMOTE, step=1)
+    there = translator.load(str(local), step=1)
     _equal(remote.params, there.params)
     assert remote.config == there.config and remote.tokenizer.sha256 == there.tokenizer.sha256
     assert list((tmp_path / "cwd").iterdir()) == []

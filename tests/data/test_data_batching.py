@@ -31,7 +31,8 @@ def test_plan_covers_each_example_once_within_budget(rows, length, budget):
             if budget:
                 assert src[examples].sum() <= budget and tgt[examples].sum() <= budget
             placement = batching.first_fit(src[examples], tgt[examples], rows, length)
-            used_src, used_tgt = np.zeros(rows, int), np.zeros(rows, int)
+            used_src = np.zeros(rows, int)
+            used_tgt = np.zeros(rows, int)
             for i, (row, s_off, t_off) in zip(examples, placement, strict=True):
                 assert s_off == used_src[row] and t_off == used_tgt[row]
                 used_src[row] += src[i]
@@ -48,7 +49,8 @@ def test_global_index_maps_across_epochs_deterministically():
     eligible = np.flatnonzero((src <= 32) & (tgt <= 32))
     make = lambda: batching.EpochPlans(src, tgt, eligible, seed=7, rows=4, length=32,  # noqa
                                        budget=0, keep=1)
-    a, b = make(), make()
+    a = make()
+    b = make()
     n0 = a.batches_in_epoch(0)
     assert a.locate(n0) == (1, 0) and a.locate(n0 - 1) == (0, n0 - 1)
     for index in (n0 + 3, 0, 2 * n0 + 5, 1):  # any order, evicted epochs recomputed

@@ -166,7 +166,8 @@ def test_each_epoch_visits_every_document_once_a_window_at_a_time(tmp_path):
     write_shards(tmp_path, documents(230), shards=10)
     source = files.FileDocuments(f"{tmp_path}/*.jsonl.zst", seed=5, shuffle_window=3)
     n = len(source)
-    first, second = source.order(0, np.arange(n)), source.order(1, np.arange(n))
+    first = source.order(0, np.arange(n))
+    second = source.order(1, np.arange(n))
     for order in (first, second):
         np.testing.assert_array_equal(np.sort(order), np.arange(n))
     assert not np.array_equal(first, second)
@@ -190,7 +191,8 @@ def test_a_record_of_the_shards_rows_spares_later_readers_the_count(tmp_path, mo
     write_shards(tmp_path / "train", documents(230), shards=5)
     (tmp_path / "train/part-002.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(
         b'{"text": "a b"}\n{"text": oops}\n{"text": "c d"}\n'))
-    spec, record = f"{tmp_path}/train/*.jsonl.zst", str(tmp_path / "vocab")
+    spec = f"{tmp_path}/train/*.jsonl.zst"
+    record = str(tmp_path / "vocab")
     plain = files.FileDocuments(spec, seed=3, skip_bad_lines=True)
     first = files.FileDocuments(spec, seed=3, skip_bad_lines=True, record_dir=record)
     np.testing.assert_array_equal(first.counts, plain.counts)
@@ -516,7 +518,8 @@ def test_text_classification_reads_labelled_files(tmp_path):
         return [{"body": {"text": " ".join(rng.choice(WORDS, 6)) + f" {names[c]}"},
                  "topic": names[c]} for c in labels]
 
-    train, validation = labelled(64), labelled(10)
+    train = labelled(64)
+    validation = labelled(10)
     write_jsonl(tmp_path / "train.jsonl", train)
     pq.write_table(pa.table({"body": [r["body"] for r in validation],
                              "topic": [r["topic"] for r in validation]}),

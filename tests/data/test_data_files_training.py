@@ -34,7 +34,8 @@ def test_a_file_source_trains_alike_on_1x8_and_2x4_and_resumes_after_kill9(tmp_p
     run = dict(overrides=overrides, common=())
     multihost.finish(multihost.launch(tmp_path / "one", processes=1, devices=8, **run))
     multihost.finish(multihost.launch(tmp_path / "two", processes=2, devices=4, **run))
-    one, two = multihost.figures(tmp_path / "one"), multihost.figures(tmp_path / "two")
+    one = multihost.figures(tmp_path / "one")
+    two = multihost.figures(tmp_path / "two")
     assert sorted(one) == sorted(two) == [*((s, "train") for s in range(1, 7)),
                                           (6, "validation")]
     np.testing.assert_allclose([two[k] for k in sorted(two)], [one[k] for k in sorted(one)],

@@ -146,7 +146,8 @@ def test_data_vocab_path_and_the_rows_record_from_jsonl_files(tmp_path, monkeypa
     from transformer.data import tokenizer as tokenizer_lib
     from transformer.data.translation import TranslationSource
 
-    train, validation = _pairs(60, 1), _pairs(8, 2)
+    train = _pairs(60, 1)
+    validation = _pairs(8, 2)
     (tmp_path / "train").mkdir()
     for k in range(2):
         (tmp_path / f"train/part-{k}.jsonl").write_text(

@@ -32,7 +32,8 @@ def test_labels_come_from_the_module_folder_and_ambiguous_paragraphs_drop(tmp_pa
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(_page(page, {k: v[side] for k, v in paragraphs.items()}))
     pairs = help_paragraphs.labelled_pairs(str(tmp_path))
-    writer, calc = help_paragraphs.LABELS.index("Writer"), help_paragraphs.LABELS.index("Calc")
+    writer = help_paragraphs.LABELS.index("Writer")
+    calc = help_paragraphs.LABELS.index("Calc")
     assert pairs == [("Inserts a table into the text.", "Fügt eine Tabelle in den Text ein.",
                       writer),
                      ("Sums the cells of a range.", "Summiert die Zellen eines Bereichs.", calc)]

@@ -35,7 +35,8 @@ def test_round_trip(tokenizer, sentences):
     for text, seq in zip(sentences, ids, strict=True):
         assert tokenizer.decode(seq) == text
     seq = ids[0]
-    bos, eos = tokenizer_lib.BOS_ID, tokenizer_lib.EOS_ID
+    bos = tokenizer_lib.BOS_ID
+    eos = tokenizer_lib.EOS_ID
     assert tokenizer.decode([bos, *seq, eos, 17, 18, 0, 0]) == sentences[0]
     assert tokenizer.decode(seq + [tokenizer_lib.PAD_ID] * 3) == sentences[0]
 

@@ -16,7 +16,11 @@ from transformer.model.transformer import Transformer, TransformerConfig  # noqa
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "data" / "offline_de_en"
-ROWS, ACCUM, LENGTH, BUDGET, VOCAB = 4, 2, 64, 300, 300  # 8 rows of 64 per update
+ROWS = 4  # 8 rows of 64 per update
+ACCUM = 2
+LENGTH = 64
+BUDGET = 300
+VOCAB = 300
 
 
 def _mock_wmt(pairs):

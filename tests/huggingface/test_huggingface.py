@@ -291,7 +291,8 @@ def test_the_checkpoint_tokenizer_and_its_special_ids_become_the_run_vocabulary(
     hf_model = _save(model_class(config_class(vocab_size=vocab_size, initializer_range=0.2,
                                               **special, **sizes)), hf_dir)
     workdir, run, params = _import(tmp_path, hf_dir)
-    bos, eos = special["bos_token_id"], special["eos_token_id"]
+    bos = special["bos_token_id"]
+    eos = special["eos_token_id"]
     assert (run.model.bos_id, run.model.eos_id, run.model.pad_id) == (bos, eos, None)
     tokenizer = open_run(workdir).tokenizer
     assert (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id) == (bos, eos, None)

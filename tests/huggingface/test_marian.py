@@ -197,7 +197,8 @@ def _float32_error(model: TransformerConfig, logits: np.ndarray, source_length: 
     d_v), the feed-forward (D, then d_ff) in each layer, the logits (D). N x 2^-24 of the
     largest logit (a LayerNorm passes on relative errors, not the scale): at this model's
     size, N = 1,588 and 1.2e-3, where the two implementations differ by ~1e-4 (2026-12)."""
-    d, heads = model.d_model, model.num_heads
+    d = model.d_model
+    heads = model.num_heads
 
     def attention(keys):
         return 2 * d + d + model.d_k + 2 * keys + heads * model.d_v

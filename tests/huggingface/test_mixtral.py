@@ -75,7 +75,8 @@ def test_mixtral_with_fused_experts_imports_and_exports_per_expert(tmp_path):
     writes the Hub's per-expert layout, tensors equal to `save_pretrained`'s."""
     from safetensors.torch import save_file
 
-    hf_dir, fused_dir = tmp_path / "mixtral", tmp_path / "fused"
+    hf_dir = tmp_path / "mixtral"
+    fused_dir = tmp_path / "fused"
     hf_model = _mixtral(hf_dir)
     fused_dir.mkdir()
     (fused_dir / convert.HF_CONFIG).write_text((hf_dir / convert.HF_CONFIG).read_text())

@@ -30,7 +30,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from safetensors.numpy import load_file, save_file  # noqa: E402 (after the skips)
 
-V, D = 96, 32
+V = 96
+D = 32
 T5 = dict(vocab_size=V, d_model=D, d_kv=12, d_ff=48, num_layers=2, num_decoder_layers=3,
           num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=10,
           feed_forward_proj="gated-gelu", dropout_rate=0.0, initializer_factor=1.0,

@@ -21,7 +21,10 @@ from transformer.model.transformer import (
     init_cache,
 )
 
-EOS, BEAM, ALPHA, MAX_LENGTH = 3, 4, 0.6, 8
+EOS = 3
+BEAM = 4
+ALPHA = 0.6
+MAX_LENGTH = 8
 CFG = TransformerConfig(vocab_size=12, num_encoder_layers=1, num_decoder_layers=2, d_model=16,
                         d_ff=32, num_heads=2, max_len=16, dropout_rate=0.0)
 INPUTS = np.array([[4, 5, 6, 7, 8, 9], [5, 11, 4, 10, 0, 0], [7, 7, 6, 0, 0, 0]], np.int32)

@@ -23,7 +23,9 @@ from transformer.training import evaluation, train_state
 from transformer.util import plotting
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-CLASSES, MEAN, STD = VISION_CLASSES, VISION_MEAN, VISION_STD
+CLASSES = VISION_CLASSES
+MEAN = VISION_MEAN
+STD = VISION_STD
 
 
 
@@ -100,14 +102,19 @@ def test_cli_bad_input_is_one_line(case, untrained_vision_workdir, untrained_tra
                                    tmp_path):
     good = tmp_path / "good.png"
     Image.fromarray(np.zeros((28, 28), np.uint8)).save(good)
-    workdir, files, expected = untrained_vision_workdir, [good], ""
+    workdir = untrained_vision_workdir
+    files = [good]
+    expected = ""
     if case == "not_an_image":
         (tmp_path / "notes.png").write_text("not pixels")
-        files, expected = [good, tmp_path / "notes.png"], "notes.png is not an image"
+        files = [good, tmp_path / "notes.png"]
+        expected = "notes.png is not an image"
     elif case == "missing":
-        files, expected = [tmp_path / "nope.jpg"], "nope.jpg: no such file"
+        files = [tmp_path / "nope.jpg"]
+        expected = "nope.jpg: no such file"
     else:
-        workdir, expected = untrained_translation_workdir, "not an image classifier"
+        workdir = untrained_translation_workdir
+        expected = "not an image classifier"
     result = _cli(f"--workdir={workdir}", *files)
     assert result.returncode == 1 and result.stdout == ""
     lines = result.stderr.strip().splitlines()

@@ -60,10 +60,12 @@ def test_write_cache_writes_at_the_index_in_the_caches_dtype():
     rng = np.random.default_rng(0)
     cache = {"key": jnp.zeros((2, 3, 5, 4), jnp.bfloat16),  # [B, K, S, H]
              "value": jnp.ones((2, 3, 5, 6), jnp.bfloat16)}
-    key, value = rng.normal(size=(2, 2, 3, 4)), rng.normal(size=(2, 2, 3, 6))  # [B, T, K, H]
+    key = rng.normal(size=(2, 2, 3, 4))  # [B, T, K, H]
+    value = rng.normal(size=(2, 2, 3, 6))
     out = jax.jit(kv_cache.write_cache)(cache, jnp.asarray(key, jnp.float32),
                                         jnp.asarray(value, jnp.float32), jnp.asarray(2))
-    expected_key, expected_value = np.zeros((2, 3, 5, 4)), np.ones((2, 3, 5, 6))
+    expected_key = np.zeros((2, 3, 5, 4))
+    expected_value = np.ones((2, 3, 5, 6))
     expected_key[:, :, 2:4] = key.transpose(0, 2, 1, 3)
     expected_value[:, :, 2:4] = value.transpose(0, 2, 1, 3)
     assert out["key"].dtype == out["value"].dtype == jnp.bfloat16
@@ -224,7 +226,8 @@ def test_a_staged_search_decodes_what_the_whole_cache_decodes(setup, stage):
     """Greedy and beam search whose cache starts at `stage` positions and grows give the same
     tokens and scores as with all max_length positions from the start."""
     model, params, inputs, encoded = setup
-    max_length, limits = 7, jnp.array([7, 4])
+    max_length = 7
+    limits = jnp.array([7, 4])
     greedy = {}
     for s in (0, stage):
         stages, first_length = staged(max_length, s)
@@ -247,7 +250,10 @@ def test_a_search_continued_on_selected_sentences_is_theirs(setup):
     translator pads its rows), the search ends with exactly the full search's hypotheses and
     scores of those sentences, and none of them open."""
     model, params, inputs, encoded = setup
-    beam, alpha, max_lengths, max_length = 3, 0.6, jnp.array([9, 7]), 9
+    beam = 3
+    alpha = 0.6
+    max_lengths = jnp.array([9, 7])
+    max_length = 9
     seqs, scores = run_beam(setup, beam, alpha, [9, 7], max_length, shared_encoder=True,
                             stage=3)
     assert decoding.stage_lengths(max_length, 3) == (3, 6, 9)
@@ -276,7 +282,8 @@ def test_a_search_continued_on_selected_sentences_is_theirs(setup):
 def test_select_sentences_takes_rows_along_the_scanned_layers_batch_axis():
     """With scanned layers the cache's batch axis is 1: per-beam leaves [L, B*W, ...] take the
     selected sentences' W rows, per-sentence leaves [L, B, ...] their rows, the index stays."""
-    batch, beam = 3, 2
+    batch = 3
+    beam = 2
     state = {"step": jnp.asarray(4),
              "alive_seqs": jnp.arange(batch)[:, None, None] * jnp.ones((batch, beam, 5)),
              "alive_logprobs": jnp.arange(batch * beam, dtype=jnp.float32).reshape(batch, beam),

@@ -81,7 +81,8 @@ def test_the_peer_searches_our_tokens(copy_model, beam_size):
     from transformer.inference.translator import Translator
 
     run, params, sources = copy_model
-    extra, alpha = 6, 2.0  # a penalty strong enough to change hypotheses here (0.6 does not)
+    extra = 6  # a penalty strong enough to change hypotheses here (0.6 does not)
+    alpha = 2.0
     expected = Translator(run.config, run.model, params, None).translate_ids(
         sources, beam_size=beam_size, alpha=alpha, max_extra_length=extra)
     assert len({tuple(row) for row in expected}) == len(sources)  # no degenerate outputs

@@ -186,7 +186,8 @@ def test_an_interrupted_stream_leaves_whole_lines(tmp_path, monkeypatch, capsys,
     from transformer.util import text_input
 
     output = tmp_path / "out.txt"
-    one_line, written = text_input.one_line, []
+    one_line = text_input.one_line
+    written = []
 
     def process(lines, first):
         if where == "processing" and first == 6:

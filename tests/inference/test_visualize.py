@@ -55,7 +55,8 @@ def test_plotted_weights_reproduce_the_attention_outputs_of_the_forward_pass(tra
 
 
 def test_weights_are_distributions_and_the_decoder_never_looks_ahead(maps):
-    s, t = len(maps.source_pieces), len(maps.target_pieces)
+    s = len(maps.source_pieces)
+    t = len(maps.target_pieces)
     assert maps.weights["encoder_self_attention"].shape[2:] == (s, s)
     assert maps.weights["decoder_self_attention"].shape[2:] == (t, t)
     assert maps.weights["cross_attention"].shape[2:] == (t, s)
@@ -193,7 +194,9 @@ def test_attention_rollout_of_a_hand_worked_case():
     """Layer 1: heads I and the cyclic shift P (P[i, i+1] = 1), mean (I + P) / 2, so
     Â1 = 3/4 I + 1/4 P; layer 2: uniform heads U, Â2 = (U + I) / 2. Â2 Â1 = U/2 + 3/8 I + 1/8 P
     (U M = U for the doubly stochastic M)."""
-    eye, shift, uniform = np.eye(3), np.roll(np.eye(3), 1, axis=1), np.full((3, 3), 1 / 3)
+    eye = np.eye(3)
+    shift = np.roll(np.eye(3), 1, axis=1)
+    uniform = np.full((3, 3), 1 / 3)
     weights = np.array([[eye, shift], [uniform, uniform]])
     rollout = attention_maps.attention_rollout(weights)
     np.testing.assert_allclose(rollout[0], [1 / 6 + 3 / 8, 1 / 6 + 1 / 8, 1 / 6])

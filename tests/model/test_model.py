@@ -21,7 +21,10 @@ from flax import traverse_util
 from transformer.checkpoint.checkpointer import stack_layers, unstack_layers
 from transformer.model.transformer import Transformer, TransformerConfig, init_cache, shift_right
 
-V, D, F, NH = 40, 32, 64, 4
+V = 40
+D = 32
+F = 64
+NH = 4
 TINY = dict(vocab_size=V, d_model=D, d_ff=F, num_heads=NH, num_encoder_layers=2,
             num_decoder_layers=2, max_len=32, dropout_rate=0.0)
 
@@ -31,7 +34,9 @@ def tiny(**overrides) -> TransformerConfig:
 
 
 BASE = tiny()  # post-LN, sinusoidal, multi-head, tied output, not scanned
-B, S0, T0 = 2, 10, 8  # the shapes most tests share (one compilation per config)
+B = 2  # the shapes most tests share (one compilation per config)
+S0 = 10
+T0 = 8
 
 
 # --------------------------------------------------------------------------- helpers
@@ -363,8 +368,10 @@ def test_padding_does_not_change_unpadded_logits():
 def test_packed_rows_equal_sequences_alone():
     variables = random_params(BASE)
     rng = np.random.default_rng(7)
-    a_in, a_tg = rng.integers(3, V, 4), rng.integers(3, V, 3)
-    b_in, b_tg = rng.integers(3, V, 5), rng.integers(3, V, 4)
+    a_in = rng.integers(3, V, 4)
+    a_tg = rng.integers(3, V, 3)
+    b_in = rng.integers(3, V, 5)
+    b_tg = rng.integers(3, V, 4)
 
     def pack(first, second, length):
         row = np.concatenate([first, second])

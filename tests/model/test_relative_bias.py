@@ -52,8 +52,10 @@ def test_cached_decoding_equals_the_teacher_forced_logits(scan_layers):
 def test_packed_rows_equal_their_sequences_alone():
     cfg = TransformerConfig(**RELATIVE)
     rng = np.random.default_rng(1)
-    a_in, b_in = rng.integers(4, V, 5), rng.integers(4, V, 7)
-    a_tg, b_tg = rng.integers(4, V, 4), rng.integers(4, V, 8)
+    a_in = rng.integers(4, V, 5)
+    b_in = rng.integers(4, V, 7)
+    a_tg = rng.integers(4, V, 4)
+    b_tg = rng.integers(4, V, 8)
     inputs = jnp.asarray([np.concatenate([a_in, b_in])], jnp.int32)
     targets = jnp.asarray([np.concatenate([a_tg, b_tg])], jnp.int32)
     params = _params(cfg, inputs, targets)

@@ -32,7 +32,8 @@ def tiny(**overrides) -> TransformerConfig:
 def numpy_conv(images, kernel, stride):
     """A strided VALID convolution written out: images [B, H, W, C], kernel [P, P, C, D]."""
     b, h, w, _ = images.shape
-    p, d = kernel.shape[0], kernel.shape[-1]
+    p = kernel.shape[0]
+    d = kernel.shape[-1]
     out = np.zeros((b, h // stride, w // stride, d))
     for i in range(h // stride):
         for j in range(w // stride):
@@ -86,7 +87,8 @@ def test_pooling_and_head_against_numpy(pooling):
     assert p["position_embedding"].shape == (vit.num_tokens(cfg), 16) == (4 + (pooling == "cls"),
                                                                           16)
     norm = p["encoder"]["norm"]
-    mean, var = tokens.mean(-1, keepdims=True), tokens.var(-1, keepdims=True)
+    mean = tokens.mean(-1, keepdims=True)
+    var = tokens.var(-1, keepdims=True)
     normed = (tokens - mean) / np.sqrt(var + cfg.norm_eps) * norm["scale"] + norm["bias"]
     pooled = normed[:, 0] if pooling == "cls" else normed.mean(1)
     expected = pooled @ p["head"]["kernel"] + p["head"]["bias"]
@@ -144,7 +146,8 @@ def test_resize_position_embeddings():
     # A linear ramp a + b*row + c*column on the old grid resizes to the same ramp sampled at
     # each new cell's centre in old coordinates, (i + 0.5) * old / new - 0.5, clamped to the
     # grid (half-pixel centres, edge values held).
-    old, new = (4, 3), (8, 6)
+    old = (4, 3)
+    new = (8, 6)
     rows, cols = np.meshgrid(np.arange(old[0]), np.arange(old[1]), indexing="ij")
     coeffs = rng.normal(size=(3, 8))
     ramp = (coeffs[0] + rows[..., None] * coeffs[1] + cols[..., None] * coeffs[2]).reshape(-1, 8)
@@ -168,7 +171,9 @@ def _closed_form(cfg: TransformerConfig) -> int:
     """Table 1's models counted by hand: per layer 4 D^2 + 4 D (q, k, v, out and biases),
     2 D F + F + D (MLP), 4 D (two LayerNorms); patch embedding (P^2 C + 1) D; class token D;
     positions (G^2 + 1) D; final norm 2 D; head (D + 1) K."""
-    d, f, k = cfg.d_model, cfg.d_ff, cfg.num_classes
+    d = cfg.d_model
+    f = cfg.d_ff
+    k = cfg.num_classes
     layer = 4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d
     patch = (cfg.patch_size ** 2 * cfg.num_channels + 1) * d
     return (cfg.num_encoder_layers * layer + patch + d + (cfg.num_patches + 1) * d + 2 * d

@@ -13,7 +13,11 @@ from transformer.ops import attention, masks
 pytestmark = pytest.mark.usefixtures("strict_dtype_promotion")
 
 
-B, T, S, N, H = 2, 6, 6, 4, 8
+B = 2
+T = 6
+S = 6
+N = 4
+H = 8
 # The float32 tolerance used below for attention against another way of computing it
 # (atol=2e-6, rtol=1e-5): a score sums H = 8 products of unit normals, ~5 in size, times
 # scale 0.35. In the worst summation order it rounds by 8 x 2^-24 of that, ~8e-7. That moves
@@ -28,7 +32,8 @@ def reference_attention(q, k, v, mask=None, bias=None, scale=None):
     Query head n uses kv head n // (N // K).
     """
     q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v))
-    n, kh = q.shape[2], k.shape[2]
+    n = q.shape[2]
+    kh = k.shape[2]
     k, v = np.repeat(k, n // kh, axis=2), np.repeat(v, n // kh, axis=2)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     logits = np.einsum("BTNH,BSNH->BNTS", q, k) * scale
@@ -176,7 +181,8 @@ def test_make_cache_mask_by_hand():
 def test_make_cache_mask_equals_the_rows_of_the_full_mask():
     """Decoding the prompt in one call and the rest one position at a time sees what the
     full prefix-LM mask of the row shows at those positions."""
-    length, prompt = 7, 3
+    length = 7
+    prompt = 3
     in_prefix = np.arange(length) < prompt
     full = np.asarray(masks.make_decoder_mask(jnp.ones((1, length), jnp.int32),
                                               jnp.asarray(in_prefix[None])))[0, 0]
@@ -330,7 +336,8 @@ def test_gqa_and_mqa_equal_mha_with_repeated_kv(implementation, kv_heads):
     mask = mask_case("per_head")  # per-head mask: checks the head grouping of masks too
     bias = jnp.asarray(np.random.default_rng(6).normal(size=(B, N, T, S)), jnp.float32)
     group = N // kv_heads
-    k_rep, v_rep = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    k_rep = jnp.repeat(k, group, axis=2)
+    v_rep = jnp.repeat(v, group, axis=2)
     out = attend(q, k, v, mask, bias, implementation=implementation)
     expected = attend(q, k_rep, v_rep, mask, bias, implementation=implementation)
     # grouped against repeated heads: XLA may order the sums differently, so the file's float32
@@ -497,7 +504,9 @@ def test_bfloat16_inputs_softmax_in_float32(implementation):
     would turn into errors of order 0.1; float32 logits and softmax leave only the bf16
     rounding of the weights and the output (~1e-3)."""
     rng = np.random.default_rng(16)
-    t, s, h = 8, 16, 16
+    t = 8
+    s = 16
+    h = 16
     q = jnp.asarray(6.0 + 0.1 * rng.normal(size=(B, t, N, h)), jnp.bfloat16)
     k = jnp.asarray(6.0 + 0.1 * rng.normal(size=(B, s, N, h)), jnp.bfloat16)
     v = jnp.asarray(rng.normal(size=(B, s, N, h)), jnp.bfloat16)
@@ -671,7 +680,8 @@ def test_cudnn_matches_xla_on_gpu():
 
 
 class _FakeDevice:
-    platform, device_kind = "gpu", "NVIDIA H200"
+    platform = "gpu"
+    device_kind = "NVIDIA H200"
 
     def __init__(self, capability):
         self.compute_capability = capability

@@ -208,7 +208,8 @@ def np_linear(q, k, v, allowed, feature_map="elu"):
     q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v))
     phi = {"elu": lambda x: np.where(x > 0, x + 1.0, np.exp(x)),
            "relu": lambda x: np.maximum(x, 0.0)}[feature_map]
-    n, kh = q.shape[2], k.shape[2]
+    n = q.shape[2]
+    kh = k.shape[2]
     k, v = np.repeat(k, n // kh, axis=2), np.repeat(v, n // kh, axis=2)
     a = np.einsum("BTNH,BSNH->BNTS", phi(q), phi(k))
     a = np.where(np.broadcast_to(allowed, a.shape), a, 0.0)
@@ -257,7 +258,8 @@ def test_linear_attention_cross_shapes_and_gradients():
 
     def quadratic(q, k, v):
         phi = linear_attention.FEATURE_MAPS["elu"]
-        kk, vv = jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2)
+        kk = jnp.repeat(k, 2, axis=2)
+        vv = jnp.repeat(v, 2, axis=2)
         a = jnp.einsum("BTNH,BSNH->BNTS", phi(q), phi(kk)) * jnp.tril(jnp.ones((t, t)))
         num = jnp.einsum("BNTS,BSNE->BTNE", a, vv)
         return num / (a.sum(-1).transpose(0, 2, 1)[..., None] + linear_attention.EPS)
@@ -273,7 +275,8 @@ def test_linear_attention_cross_shapes_and_gradients():
 def test_linear_attention_decode_step_equals_the_parallel_form():
     """A prompt in one call (padding after it left out, the prefix bidirectional), then one
     token at a time from the recurrent state: the outputs of the parallel causal form."""
-    t, prompt = 9, 4
+    t = 9
+    prompt = 4
     q, k, v = qkv(9, b=2, t=t, s=t, n=4, kh=2)
     in_prefix = np.zeros((2, t), bool)
     in_prefix[:, :3] = True
@@ -360,7 +363,8 @@ def _train(cfg, steps=30):
         updates, opt_state = opt.update(grads, opt_state)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    opt_state, first = opt.init(params), None
+    opt_state = opt.init(params)
+    first = None
     for _ in range(steps):
         params, opt_state, loss = step(params, opt_state)
         first = loss if first is None else first
@@ -401,7 +405,8 @@ def test_pattern_lm_decodes_as_full_recomputation(trained):
     prefix at every step chooses."""
     name, model, params, _, _ = trained
     cfg = model.config
-    steps, beam = 12, 3
+    steps = 12
+    beam = 3
     with jax.numpy_dtype_promotion("standard"):
         cache = init_cache(cfg, 2, steps + 1)
         first = cache["layers" if cfg.scan_layers else "layers_0"]["self_attention"]

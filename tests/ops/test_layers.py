@@ -40,13 +40,15 @@ def test_sinusoidal_matches_paper_formula(length, d_model):
 def test_sinusoidal_pe_pos_plus_k_is_a_rotation_of_pe_pos():
     """For each frequency w_i, [PE(p+k, 2i), PE(p+k, 2i+1)] = R(k w_i) [PE(p, 2i), PE(p, 2i+1)]
     with R depending only on k (the paper's reason for choosing sinusoids)."""
-    d_model, length = 16, 64
+    d_model = 16
+    length = 64
     pe = jax.jit(layers.sinusoidal_position_encoding, static_argnums=(0, 1))(length, d_model)
     pe = np.asarray(pe, np.float64)
     pairs = pe.reshape(length, d_model // 2, 2)  # [pos, i, (sin, cos)]
     freqs = 1.0 / 10000 ** (np.arange(0, d_model, 2) / d_model)
     for k in (1, 5, 17):
-        c, s = np.cos(k * freqs), np.sin(k * freqs)
+        c = np.cos(k * freqs)
+        s = np.sin(k * freqs)
         rotation = np.stack([np.stack([c, s], -1), np.stack([-s, c], -1)], -2)  # [i, 2, 2]
         predicted = np.einsum("iab,pib->pia", rotation, pairs[: length - k])
         np.testing.assert_allclose(predicted, pairs[k:], atol=1e-4)
@@ -61,11 +63,15 @@ def test_sinusoidal_pe_pos_plus_k_is_a_rotation_of_pe_pos():
 
 def test_rope_hand_case_half_split_pairs():
     """H=4: pairs (0, 2) rotate by p * 1 and (1, 3) by p * 10000^(-2/4) = p / 100."""
-    a, b, c, d = 0.3, -1.2, 0.7, 2.0
+    a = 0.3
+    b = -1.2
+    c = 0.7
+    d = 2.0
     p = 3.0
     x = jnp.asarray([a, b, c, d], jnp.float32).reshape(1, 1, 1, 4)
     out = np.asarray(layers.apply_rope(x, jnp.asarray([[p]])))[0, 0, 0]
-    t0, t1 = p * 1.0, p / 100.0
+    t0 = p * 1.0
+    t1 = p / 100.0
     expected = [a * math.cos(t0) - c * math.sin(t0),
                 b * math.cos(t1) - d * math.sin(t1),
                 c * math.cos(t0) + a * math.sin(t0),
@@ -201,7 +207,8 @@ def np_gelu_tanh(x):
 @pytest.fixture
 def ffn_inputs():
     rng = np.random.default_rng(3)
-    d, f = 8, 12
+    d = 8
+    f = 12
     arrays = dict(x=rng.normal(size=(2, 3, d)), ff_in=rng.normal(size=(d, f)) / 3,
                   ff_out=rng.normal(size=(f, d)) / 3, ff_gate=rng.normal(size=(d, f)) / 3,
                   bias_in=rng.normal(size=f), bias_out=rng.normal(size=d))
@@ -259,7 +266,9 @@ def test_feed_forward_errors(ffn_inputs):
 def test_feed_forward_relu_dropout():
     """With ff_out = I the output is the dropped hidden layer itself."""
     rng = np.random.default_rng(4)
-    d, f, rate = 8, 64, 0.3
+    d = 8
+    f = 64
+    rate = 0.3
     x = jnp.asarray(rng.normal(size=(4, 16, d)), jnp.float32)
     ff_in = jnp.asarray(rng.normal(size=(d, f)), jnp.float32)
     eye = jnp.eye(f)

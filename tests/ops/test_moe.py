@@ -11,7 +11,11 @@ import pytest
 from transformer.ops import expert_parallel, layers, moe
 from transformer.parallel import sharding
 
-B, T, D, F, E = 2, 6, 8, 12, 4
+B = 2
+T = 6
+D = 8
+F = 12
+E = 4
 
 
 def np_ffn(x, w_in, w_out, w_gate=None, b_in=None, b_out=None, activation="swiglu"):
@@ -27,7 +31,8 @@ def np_ffn(x, w_in, w_out, w_gate=None, b_in=None, b_out=None, activation="swigl
 
 def np_route(logits, k, scores, renormalize):
     """(weights [N, K], experts [N, K]) token by token: scores, the k best, renormalised."""
-    weights, experts = [], []
+    weights = []
+    experts = []
     for row in logits.astype(np.float64):
         p = np.exp(row - row.max()) / np.exp(row - row.max()).sum() if scores == "softmax" \
             else 1 / (1 + np.exp(-row))
@@ -63,7 +68,8 @@ def test_route_matches_numpy(k, scores, renormalize):
 
 
 def test_aux_losses_match_their_formulas():
-    n, k = 10, 2
+    n = 10
+    k = 2
     rng = np.random.default_rng(1)
     logits = rng.normal(size=(n, E)).astype(np.float32)
     valid = np.array([True] * 7 + [False] * 3)
@@ -131,7 +137,8 @@ def np_capacity(x, weights, experts, w, factor):
     b, t, _ = x.shape
     k = experts.shape[-1]
     c = max(1, math.ceil(factor * t * k / E))
-    y, dropped = np.zeros_like(x), 0
+    y = np.zeros_like(x)
+    dropped = 0
     for row in range(b):
         used = [0] * E
         for choice in range(k):

@@ -15,7 +15,11 @@ from transformer.model.config import CONTEXT_STRATEGIES
 from transformer.ops import attention, masks, ring
 from transformer.parallel import sharding
 
-B, T, N, K, H = 2, 32, 4, 2, 8
+B = 2
+T = 32
+N = 4
+K = 2
+H = 8
 
 
 def test_load_balanced_order_gives_each_chip_an_early_and_a_late_block():

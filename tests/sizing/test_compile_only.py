@@ -113,7 +113,8 @@ def _peak_rss(pid: int) -> int:
 def _compile_only(tmp_path, args: list[str]) -> tuple[int, str, str, int]:
     """Runs `train.py --compile_only` (outside pytest's 8-device JAX): (status, stdout,
     stderr, the child's own peak RSS in bytes, read every 20 ms while it runs)."""
-    out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    out = tmp_path / "stdout.txt"
+    err = tmp_path / "stderr.txt"
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     peak = 0
     with open(out, "w") as stdout, open(err, "w") as stderr:

@@ -45,7 +45,8 @@ def test_untied_learned_decoder_only_groups():
                             positional="learned", tie_output_embedding=False,
                             norm_position="pre", scan_layers=True)
     counts = flops.param_counts(cfg)
-    d, f = 16, 32
+    d = 16
+    f = 32
     layer = 4 * (d * d + d) + (2 * d * f + f + d) + 2 * 2 * d
     assert counts["encoder"] == 0
     assert counts["position_embedding"] == 10 * d
@@ -59,7 +60,9 @@ def test_unshared_embeddings_and_swiglu_gqa():
                             num_encoder_layers=1, num_decoder_layers=1, share_embeddings=False,
                             activation="swiglu", use_bias=False, norm="rms_norm")
     counts = flops.param_counts(cfg)
-    d, f, h = 16, 24, 4
+    d = 16
+    f = 24
+    h = 4
     attention = d * 4 * h + 2 * d * 2 * h + 4 * h * d
     ffn = 3 * d * f
     assert counts["source_embedding"] == counts["embedding"] == 50 * d
@@ -73,7 +76,11 @@ TINY = dict(vocab_size=11, d_model=8, d_ff=12, num_heads=2, num_encoder_layers=2
 
 def test_tiny_encoder_decoder_flops_by_hand():
     cfg = TransformerConfig(**TINY)
-    s, t, d, f, v = 5, 7, 8, 12, 11
+    s = 5
+    t = 7
+    d = 8
+    f = 12
+    v = 11
     encoder_layer = 2 * s * d * d * 4 + 2 * s * s * d * 2 + 2 * s * d * f * 2
     decoder_self = 2 * t * d * d * 4 + 2 * t * t * d * 2 / 2  # causal: half the scores
     decoder_cross = 2 * t * d * d * 2 + 2 * s * d * d * 2 + 2 * t * s * d * 2
@@ -86,7 +93,11 @@ def test_tiny_encoder_decoder_flops_by_hand():
 
 @pytest.mark.parametrize("gated", ["swiglu", "geglu"])  # three FFN matmuls each
 def test_tiny_decoder_only_and_encoder_only_flops(gated):
-    s, t, d, f, v = 5, 7, 8, 12, 11
+    s = 5
+    t = 7
+    d = 8
+    f = 12
+    v = 11
     decoder = TransformerConfig(**TINY, architecture="decoder", activation=gated)
     layer = 2 * t * d * d * 4 + 2 * t * t * d * 2 / 2 + 2 * t * d * f * 3
     forward = 3 * layer + 2 * t * d * v
@@ -102,7 +113,10 @@ def test_tiny_decoder_only_and_encoder_only_flops(gated):
 def test_tiny_gqa_flops_count_fewer_kv_projections():
     cfg = TransformerConfig(**dict(TINY, num_heads=4, num_kv_heads=1), d_k=4,
                             architecture="decoder")
-    t, d, f, v = 7, 8, 12, 11
+    t = 7
+    d = 8
+    f = 12
+    v = 11
     attention = 2 * t * d * 16 + 2 * t * d * 8 + 2 * t * 16 * d + 2 * t * t * 16 * 2 / 2
     forward = 3 * (attention + 2 * t * d * f * 2) + 2 * t * d * v
     assert flops.forward_flops(cfg, source_length=1, target_length=t)["total"] == forward
@@ -163,7 +177,9 @@ LM_DIMS = dict(architecture="decoder", vocab_size=8000, num_encoder_layers=0,
 
 def test_local_global_and_linear_attention_flops_by_hand():
     """configs/lm_default.py's attention at T = 128 over 2 layers (N = 4, K = 2, H = Hv = 64)."""
-    t, n, h = 128, 4, 64
+    t = 128
+    n = 4
+    h = 64
     dense = TransformerConfig(**LM_DIMS)
     dense_core = 2 * t * t * n * (h + h) / 2  # causal: half the T x T scores
     assert flops.forward_flops(dense, source_length=1, target_length=t)[

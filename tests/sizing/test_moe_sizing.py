@@ -5,7 +5,12 @@ from transformer.config import resolve
 from transformer.model.config import TransformerConfig
 from transformer.sizing import flops, summary
 
-D, F, E, V, L, T = 16, 24, 4, 32, 2, 10
+D = 16
+F = 24
+E = 4
+V = 32
+L = 2
+T = 10
 
 
 def _config(**fields):

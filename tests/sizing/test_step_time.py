@@ -253,7 +253,8 @@ def _layers_program_cost(layers: int, remat: bool) -> step_time.ProgramCost:
     return step_time.program_cost(cost, 1e12, 1e12)
 
 
-M, D = 64, 128
+M = 64
+D = 128
 MATMUL = 2 * M * D * D  # the FLOPs of one [M, D] x [D, D] product
 
 
@@ -272,7 +273,8 @@ def test_extrapolation_and_recomputation_of_compiled_programs_counted_by_hand():
     plain = step_time.extrapolate(_layers_program_cost(1, False), _layers_program_cost(2, False),
                                   [], "TPU v5 lite", analytic_flops=2 * 3 * 8 * MATMUL,
                                   recomputed_flops=0.0, **kwargs)
-    one, two = _layers_program_cost(1, True), _layers_program_cost(2, True)
+    one = _layers_program_cost(1, True)
+    two = _layers_program_cost(2, True)
     full = step_time.extrapolate(one, two, [], "TPU v5 lite",
                                  analytic_flops=2 * 3 * 8 * MATMUL,
                                  recomputed_flops=2 * 4 * MATMUL, **kwargs)

@@ -240,7 +240,10 @@ def test_splash_matches_xla_attention_in_interpret_mode(causal, segments, kv_hea
     """The kernel on CPU (Pallas interpret mode) against the "xla" path, forward and the
     gradient of q, with packed rows, padding (id 0), a segment absent from the keys, and local
     windows (two-sided; causal, where 48 looks back only)."""
-    b, t, n, h = 2, 128, 4, 64
+    b = 2
+    t = 128
+    n = 4
+    h = 64
     q, k, v = (jax.random.normal(jax.random.key(i), shape, jnp.float32)
                for i, shape in enumerate([(b, t, n, h), (b, t, kv_heads, h), (b, t, kv_heads, h)]))
     q_ids = kv_ids = None
@@ -368,12 +371,17 @@ def test_dropless_expert_parallel_compiles_for_v5e_2x2(libtpu):
 def _compile_dropless_experts_for_v5e_2x2() -> str:
     devices = tpu.abstract_devices(tpu.parse_topology("v5e:2x2"))
     mesh = sharding.make_mesh({"data": 1, "fsdp": 2, "tensor": 1, "expert": 2}, devices)
-    experts, d, f, b, t = 4, 128, 256, 4, 64
+    experts = 4
+    d = 128
+    f = 256
+    b = 4
+    t = 64
 
     def array(shape, spec, dtype=jnp.bfloat16):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.NamedSharding(mesh, spec))
 
-    rows, split = jax.P(sharding.BATCH_AXES), jax.P(sharding.EXPERT_AXIS)
+    rows = jax.P(sharding.BATCH_AXES)
+    split = jax.P(sharding.EXPERT_AXIS)
     weights = moe.Experts(ff_in=array((experts, d, f), split),
                           ff_out=array((experts, f, d), split),
                           ff_gate=array((experts, d, f), split))

@@ -28,7 +28,9 @@ from transformer.ops import ring
 from transformer.parallel import sharding
 from transformer.training import train_state
 
-B, T, V = 4, 32, 64
+B = 4
+T = 32
+V = 64
 
 
 def _config(**fields) -> TransformerConfig:

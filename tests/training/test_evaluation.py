@@ -76,7 +76,8 @@ def test_both_bleus_match_sacrebleu_on_the_same_files(files):
     assert result["bleu_signature"] == signature
     assert signature.startswith("nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:")
 
-    tok_hyps, tok_refs = [moses_split(h) for h in hyps], [moses_split(r) for r in refs]
+    tok_hyps = [moses_split(h) for h in hyps]
+    tok_refs = [moses_split(r) for r in refs]
     paper = sacrebleu.corpus_bleu(tok_hyps, [tok_refs], tokenize="none", smooth_method="none")
     assert result["bleu_tok_compound"] == pytest.approx(paper.score, abs=1e-9)
     # With 4-gram matches in the corpus, multi-bleu.perl's unsmoothed formula equals the default.
@@ -98,9 +99,11 @@ def test_a_case_worked_by_hand():
 def _corpus_bleu_by_the_formula(hypotheses, references):
     """BLEU of whitespace-tokenized sentences as the paper defines it: corpus-level clipped
     n-gram precisions p_1..p_4, their geometric mean, times exp(1 - r / c) where c < r."""
-    matches, totals = np.zeros(4), np.zeros(4)
+    matches = np.zeros(4)
+    totals = np.zeros(4)
     for hyp, ref in zip(hypotheses, references, strict=True):
-        h, r = hyp.split(), ref.split()
+        h = hyp.split()
+        r = ref.split()
         for n in range(1, 5):
             hyp_grams = collections.Counter(tuple(h[i:i + n]) for i in range(len(h) - n + 1))
             ref_grams = collections.Counter(tuple(r[i:i + n]) for i in range(len(r) - n + 1))

@@ -123,7 +123,8 @@ def test_checksums_are_the_same_on_any_mesh():
     changed = jax.tree.map(lambda x: x, state)
     kernel = state["params"]["dense"]["kernel"]  # the second leaf: bias, kernel, step
     changed["params"]["dense"]["kernel"] = kernel.at[5, 1].set(jnp.nextafter(kernel[5, 1], 9))
-    before, after = checkpointer.checksums(state), checkpointer.checksums(changed)
+    before = checkpointer.checksums(state)
+    after = checkpointer.checksums(changed)
     assert after[0] == before[0] and after[1] != before[1] and after[2] == before[2]
 
 
@@ -251,7 +252,9 @@ def test_a_killed_coordinator_stops_its_peer_and_the_run_resumes_exactly(tmp_pat
     before, exactly. (Each 2-process start compiles afresh, ~1 min on 2 cores: one kill here.)"""
     from test_multihost import DEAD_PEER_MESSAGE, launch, output_of
 
-    heartbeat, total, target = 5, 8, 5  # saves at 3, 6 and 8; killed after step 5
+    heartbeat = 5  # saves at 3, 6 and 8; killed after step 5
+    total = 8
+    target = 5
     overrides = ["--config.eval_every_steps=0", f"--config.num_train_steps={total}",
                  f"--config.distributed.heartbeat_timeout_seconds={heartbeat}",
                  "--config.checkpoint_every_steps=3"]

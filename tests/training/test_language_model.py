@@ -27,7 +27,8 @@ from transformer.ops import masks
 from transformer.training import train_state
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-V, MASK_ID = 64, 4
+V = 64
+MASK_ID = 4
 LM = dict(vocab_size=V, d_model=32, d_ff=64, num_heads=4, num_kv_heads=2, num_encoder_layers=0,
           num_decoder_layers=2, max_len=64, dropout_rate=0.0, positional="rope", norm="rms_norm",
           norm_position="pre", activation="swiglu", use_bias=False, tie_output_embedding=False,
@@ -65,7 +66,8 @@ def test_masking_follows_bert_15_80_10_10():
     packed = packed_rows([[60, 60, 60, 60]] * 64, 256)
     batch = apply_objective(packed, "masked", row_rngs(64), mask_id=MASK_ID, vocab_size=V,
                             mask_rate=0.15)
-    tokens, real = packed["targets"], packed["targets_segmentation"] > 0
+    tokens = packed["targets"]
+    real = packed["targets_segmentation"] > 0
     selected = batch["targets"] != 0
     assert not (selected & ~real).any()  # padding is never selected
     np.testing.assert_array_equal(batch["targets"][selected], tokens[selected])
@@ -91,10 +93,12 @@ def test_prefix_draws_a_proper_prefix_per_segment_and_the_loss_skips_it():
                             mask_rate=0.15)
     seen = set()
     for r in range(2):
-        segments, prefix = packed["targets_segmentation"][r], batch["targets_prefix"][r]
+        segments = packed["targets_segmentation"][r]
+        prefix = batch["targets_prefix"][r]
         for segment in range(1, segments.max() + 1):
             marks = prefix[segments == segment]
-            n, k = len(marks), int(marks.sum())
+            n = len(marks)
+            k = int(marks.sum())
             np.testing.assert_array_equal(marks, [1] * k + [0] * (n - k))  # at the start
             assert (1 <= k <= n - 1) if n > 1 else k == 0
             seen.add(k)
@@ -261,7 +265,8 @@ def test_mlm_default_is_lm_default_as_a_masked_lm():
             f"{section}.{k}": v for section, keys in values.items() if isinstance(keys, dict)
             for k, v in keys.items()}
 
-    lm, mlm = flat("lm_default.py"), flat("mlm_default.py")
+    lm = flat("lm_default.py")
+    mlm = flat("mlm_default.py")
     assert set(lm) == set(mlm)
     assert {k: mlm[k] for k in lm if lm[k] != mlm[k]} == {
         "data.objective": "masked", "model.architecture": "encoder",
@@ -300,7 +305,8 @@ def test_batches_are_a_pure_function_of_the_index_and_split_by_rows(lm_config, t
         for key, value in whole.items():
             np.testing.assert_array_equal(value, np.concatenate([h[key] for h in halves], 1))
         side = "inputs" if objective == "masked" else "targets"
-        segments, positions = whole[f"{side}_segmentation"][0], whole[f"{side}_positions"][0]
+        segments = whole[f"{side}_segmentation"][0]
+        positions = whole[f"{side}_positions"][0]
         assert (segments > 0).mean() > 0.7  # rows are filled
         for row, pos in zip(segments, positions, strict=True):
             for segment in range(1, row.max() + 1):  # contiguous, positions restart at 0
@@ -348,11 +354,14 @@ def test_span_corruption_batches_pair_inputs_and_targets_by_segment(lm_config, t
                if place is not None}
     rebuilt = 0
     for r in range(8):
-        ins, outs = whole["inputs"][0, r], whole["targets"][0, r]
-        in_seg, out_seg = whole["inputs_segmentation"][0, r], whole["targets_segmentation"][0, r]
+        ins = whole["inputs"][0, r]
+        outs = whole["targets"][0, r]
+        in_seg = whole["inputs_segmentation"][0, r]
+        out_seg = whole["targets_segmentation"][0, r]
         assert set(np.unique(in_seg)) - {0} == set(np.unique(out_seg)) - {0}
         for segment in range(1, in_seg.max() + 1):
-            x, y = ins[in_seg == segment], outs[out_seg == segment]
+            x = ins[in_seg == segment]
+            y = outs[out_seg == segment]
             assert x[-1] == y[-1] == 3 and y[0] == sentinels[0]  # EOS ends both sides
             spans_here = {}  # rebuild the piece: each sentinel in x replaced by its span in y
             cut = np.flatnonzero(np.isin(y, sentinels))

@@ -168,7 +168,8 @@ def test_cached_decoding_equals_the_full_forward(architecture):
     full = model.apply(variables, inputs, tokens)
     encoded = None if inputs is None else model.apply(variables, inputs,
                                                       method=Transformer.encode)
-    cache, steps = init_cache(cfg, 2, 6), []
+    cache = init_cache(cfg, 2, 6)
+    steps = []
     for position, token in enumerate(shift_right(tokens).T):
         logits, cache = model.apply(variables, encoded, inputs, token[:, None], cache=cache,
                                     method=Transformer.decode)

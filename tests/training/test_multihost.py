@@ -176,7 +176,8 @@ def test_a_peer_that_exits_with_an_error_stops_the_others_naming_it(tmp_path):
     # Event-based: process 0 ends on process 1's notice (its line below), not on a timeout or
     # on the heartbeat verdict; the wait's limit only turns a hang into a failure.
     procs[0].wait(timeout=heartbeat + 60)
-    failed, survivor = output_of(procs[1]), output_of(procs[0])
+    failed = output_of(procs[1])
+    survivor = output_of(procs[0])
     notice = "error: injected fault after step 3 (TRANSFORMER_FAULT_INJECT=error@3)"
     assert procs[1].returncode == 1 and notice in failed, failed[-3000:]
     assert procs[0].returncode == 1, survivor[-3000:]
@@ -284,7 +285,8 @@ def test_a_masked_language_model_trains_alike_on_one_and_two_processes(offline_f
                  *(f"--config.{key}={value}" for key, value in shrink.items())]
     finish(launch(tmp_path / "one", processes=1, devices=8, overrides=overrides, common=()))
     finish(launch(tmp_path / "two", processes=2, devices=4, overrides=overrides, common=()))
-    one, two = figures(tmp_path / "one"), figures(tmp_path / "two")
+    one = figures(tmp_path / "one")
+    two = figures(tmp_path / "two")
     assert sorted(one) == sorted(two) == [(1, "train"), (2, "train"), (3, "train"),
                                           (3, "validation")]
     np.testing.assert_allclose([two[k] for k in sorted(two)], [one[k] for k in sorted(one)],

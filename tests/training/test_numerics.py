@@ -72,7 +72,8 @@ def test_bfloat16_loss_and_gradients_match_float32(tiny):
     # rounding errors of the logits (each ~2**-8 relative) mostly average out. Measured
     # relative error 2.5e-4; bound: one unit roundoff (16x margin).
     assert abs(float(loss16) - float(loss32)) <= BF16_UNIT_ROUNDOFF * float(loss32)
-    g32, g16 = flat(grads32), flat(grads16)
+    g32 = flat(grads32)
+    g16 = flat(grads16)
     assert g32.keys() == g16.keys()
     assert all(g.dtype == np.float32 for g in g16.values())
     # The key biases' exact gradient is 0 (softmax ignores a shift shared by all keys): both

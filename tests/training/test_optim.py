@@ -209,7 +209,8 @@ def numpy_projected_ce(hidden, embedding, targets, weights, eps, z):
     """Loss sum and its gradients for hidden and embedding, written out: with p the softmax of
     logits = hidden @ embedding.T and q = (1-eps)*onehot + eps/V, d loss / d logits =
     w * (p * (1 + 2 z lse) - q)."""
-    h, e = hidden.astype(np.float64), embedding.astype(np.float64)
+    h = hidden.astype(np.float64)
+    e = embedding.astype(np.float64)
     logits = h @ e.T
     logp = numpy_log_softmax(logits)
     lse = logits - logp
@@ -274,7 +275,8 @@ def test_projected_loss_gradients_equal_autodiff_of_the_logits(projection):
 
 def test_projected_loss_in_bfloat16_is_float32_and_close(projection):
     hidden, embedding, targets, weights = projection
-    h, e = jnp.asarray(hidden, jnp.bfloat16), jnp.asarray(embedding, jnp.bfloat16)
+    h = jnp.asarray(hidden, jnp.bfloat16)
+    e = jnp.asarray(embedding, jnp.bfloat16)
     sums = optim.projected_cross_entropy_loss(h, e, targets, weights, label_smoothing=0.1,
                                               chunk_length=3)
     assert all(x.dtype == jnp.float32 for x in sums)
@@ -342,7 +344,8 @@ def test_adam_matches_explicit_formula_with_config_betas():
             gk = np.asarray(g[k], np.float64)
             m[k] = 0.8 * m[k] + 0.2 * gk
             v[k] = 0.95 * v[k] + 0.05 * gk**2
-            m_hat, v_hat = m[k] / (1 - 0.8**step), v[k] / (1 - 0.95**step)
+            m_hat = m[k] / (1 - 0.8**step)
+            v_hat = v[k] / (1 - 0.95**step)
             expected = -lr * m_hat / (np.sqrt(v_hat) + 1e-3)
             np.testing.assert_allclose(updates[k], expected, rtol=1e-5, err_msg=f"{k} {step}")
         params = optax.apply_updates(params, updates)

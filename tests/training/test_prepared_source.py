@@ -12,7 +12,8 @@ from jax._src import distributed as jax_distributed
 
 from transformer.training import loop
 
-PREPARED, READY = loop.DATA_PREPARED_KEY, loop.DATA_READY_KEY
+PREPARED = loop.DATA_PREPARED_KEY
+READY = loop.DATA_READY_KEY
 
 
 class Store:

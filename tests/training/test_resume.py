@@ -113,7 +113,8 @@ def test_every_step_a_checkpoint_covers_is_on_disk_before_its_save_starts(load_c
     from transformer.training import loop, metrics
 
     events = []
-    real_fsync, real_save = os.fsync, Checkpointer.save
+    real_fsync = os.fsync
+    real_save = Checkpointer.save
 
     def fsync(fd):
         events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))

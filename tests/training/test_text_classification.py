@@ -82,7 +82,8 @@ def test_the_classifier_is_the_masked_lms_encoder_plus_a_head():
         return {checkpointer.path_name(path): leaf.shape
                 for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
 
-    classifier, encoder = shapes("classifier"), shapes("encoder")
+    classifier = shapes("classifier")
+    encoder = shapes("encoder")
     head = {k: v for k, v in classifier.items() if k not in encoder}
     assert head == {"head/kernel": (16, 5), "head/bias": (5,)}
     assert {k: v for k, v in classifier.items() if k in encoder} == encoder

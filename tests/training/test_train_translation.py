@@ -71,7 +71,8 @@ def test_validation_loss_is_the_mean_nll_of_each_pair_scored_alone(run):
     source = make_source(translator.config, str(run))
     data, _ = source.eval_split("validation")
     model = Transformer(translator.model_config)
-    nll, tokens = 0.0, 0
+    nll = 0.0
+    tokens = 0
     for i in range(len(data)):
         inputs, targets = (np.asarray(x, np.int32)[None] for x in data.pair(i))
         logits = np.asarray(model.apply({"params": translator.params}, inputs, targets,

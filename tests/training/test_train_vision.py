@@ -70,7 +70,8 @@ def test_tiny_vit_trains_through_the_loop(load_config, data_dir, tmp_path):
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     train = [m for m in lines if m["split"] == "train"]
     assert len(train) == 40
-    first, last = np.mean([m["loss"] for m in train[:5]]), np.mean([m["loss"] for m in train[-5:]])
+    first = np.mean([m["loss"] for m in train[:5]])
+    last = np.mean([m["loss"] for m in train[-5:]])
     assert first == pytest.approx(np.log(10), rel=0.05)  # zero-initialised head: uniform
     assert last < first - 0.1
     assert all(m["target_tokens_per_update"] == 32 for m in train)  # images, not tokens

@@ -164,9 +164,11 @@ def test_the_vocabulary_is_copied_from_or_to_gs(remote, untrained_translation_wo
     if remote == "pretrained":
         for name, data in _files(vocab).items():
             epath.Path(f"gs://bucket/pretrained/vocab/{name}").write_bytes(data)
-        source, workdir = transfer.InitSource("gs://bucket/pretrained"), str(tmp_path / "new")
+        source = transfer.InitSource("gs://bucket/pretrained")
+        workdir = str(tmp_path / "new")
     else:
-        source, workdir = transfer.parse(str(untrained_translation_workdir)), "gs://bucket/new"
+        source = transfer.parse(str(untrained_translation_workdir))
+        workdir = "gs://bucket/new"
     written = []  # the names in the order they were written
     write = transfer.atomic.write_atomically
     monkeypatch.setattr(transfer.atomic, "write_atomically",
@@ -225,7 +227,8 @@ def test_a_run_starts_from_another_once_then_resumes_from_its_own(tmp_path, capl
     want = averaging.load_params(str(pretrained), step=4)
     got = averaging.load_params(str(finetuned), step=2)  # updates of ~1e-30: unchanged
     for path in ("encoder", "decoder/layers_0", "embedding"):
-        a, b = got, want
+        a = got
+        b = want
         for key in path.split("/"):
             a, b = a[key], b[key]
         jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-20), a, b)

@@ -64,7 +64,8 @@ def step_metrics(loss, tokens, *, nonfinite=False):
 def test_flush_writes_throughput_data_wait_and_mfu_per_line():
     """Two steps of 600 and 400 sequence tokens in 5 s (1 s waiting for data): 200 tokens/s;
     at 1e9 FLOPs per token on devices of 1e12 peak each, MFU = 2e11 / (1e12 x devices)."""
-    clock, writer = Clock(), Lines()
+    clock = Clock()
+    writer = Lines()
     progress = metrics.Progress(0, 4, clock=clock)
     progress.add_step(0.75)
     progress.add_step(0.25)
@@ -84,7 +85,8 @@ def test_flush_writes_throughput_data_wait_and_mfu_per_line():
 
 
 def test_flush_without_a_peak_writes_no_mfu():
-    clock, writer = Clock(), Lines()
+    clock = Clock()
+    writer = Lines()
     progress = metrics.Progress(0, 1, clock=clock)
     progress.add_step(0.0)
     clock.now += 1.0
@@ -160,7 +162,8 @@ def test_sync_puts_every_scalar_written_before_it_in_the_event_files(tmp_path, m
         writer.sync()
         found = set()
         for name in (tmp_path / "tensorboard").glob("events.out.tfevents.*"):
-            data, offset = name.read_bytes(), 0
+            data = name.read_bytes()
+            offset = 0
             while offset < len(data):  # TFRecord: length, its crc, the record, its crc
                 length = int.from_bytes(data[offset:offset + 8], "little")
                 event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])

@@ -31,8 +31,8 @@ from transformer.util import progress
 class ParamsSeries:
     """Params-only saves every `every_minutes` into `<workdir>/params/<step>/`, keeping `keep`.
 
-    The paper averages the last 5 (base) or 20 (big) checkpoints written at 10-minute intervals;
-    a params-only series gives those without 20 optimizer states on disk. Call `maybe_save`
+    The paper averages the last 5 (base) or 20 (big) checkpoints written at 10-minute intervals.
+    A params-only series gives those without 20 optimizer states on disk. Call `maybe_save`
     after each update (it decides on process 0's clock, so all processes agree) and `save` for
     the final step; `average_checkpoints` prefers this series when it exists.
     """
@@ -89,7 +89,7 @@ def _as_numpy(metadata: Any) -> Any:
 
 
 def _restore_params(workdir: str, source: str, step: int) -> dict:
-    """The params of `<workdir>/<source>/<step>` as a host numpy tree (nothing else is read); one
+    """The params of `<workdir>/<source>/<step>` as a host numpy tree (nothing else is read). One
     that does not read back (a damaged or missing file) is a one-line ValueError naming it."""
     faults.quiet_failed_restores(os.path.join(workdir, source))
     try:
@@ -126,7 +126,7 @@ def _no_checkpoint(workdir: str) -> ValueError:
 
 
 def _average_source(workdir: str) -> tuple[str, list[int]]:
-    """The params series when it holds a step, else the full checkpoints; and its steps."""
+    """The params series when it holds a step, else the full checkpoints, with its steps."""
     series = list_steps(os.path.join(workdir, PARAMS_SERIES))
     if series:
         return PARAMS_SERIES, series
@@ -161,14 +161,17 @@ def average_checkpoints(workdir: str, *, last: int, name: str | None = None) -> 
     if not name or name in (".", "..") or os.sep in name or (os.altsep and os.altsep in name):
         raise ValueError(f"name={name!r} must be a plain directory name")
     chosen = steps[-last:]
-    total, first, dtypes = None, None, None
+    total = None
+    first = None
+    dtypes = None
     with progress.bar(last, f"averaging {source}/ steps {chosen[0]}-{chosen[-1]}",
                       unit="checkpoint", show=last > 1) as bar:
         for step in chosen:
             params = _restore_params(workdir, source, step)
             structure = jax.tree.structure(params)
             if first is None:
-                first, dtypes = structure, [leaf.dtype for leaf in jax.tree.leaves(params)]
+                first = structure
+                dtypes = [leaf.dtype for leaf in jax.tree.leaves(params)]
                 total = jax.tree.map(lambda x: np.asarray(x, np.float64), params)
             elif structure != first:
                 raise ValueError(f"{source}/{step} has another parameter tree than "
@@ -211,7 +214,7 @@ def params_step(workdir: str, *, step: int | None = None, average: int | None = 
 def load_params(workdir: str, *, step: int | None = None, average: int | None = None) -> dict:
     """The params of a workdir as a host numpy tree, whatever mesh wrote them.
 
-    `step`: that step of `checkpoints/` (or of the params series `params/`); by default the
+    `step`: that step of `checkpoints/` (or of the params series `params/`). By default the
     latest step. `average=N`: the average of the last N (`averaged/last{N}_step{latest}`,
     computed by `average_checkpoints` when missing).
     """

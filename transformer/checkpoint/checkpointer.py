@@ -45,19 +45,20 @@ log = logging.getLogger("transformer")
 
 
 class CheckpointSaveError(ValueError):
-    """A checkpoint could not be written (e.g. the disk is full); the message is one line."""
+    """A checkpoint could not be written (e.g. the disk is full). The message is one line."""
 
 
 @jax.jit
 def _leaf_checksums(state: Any) -> jax.Array:
     """One uint32 per leaf of `state`: the sum, modulo 2**32, of each element's bits times an
     odd weight from its position. Integer sums do not depend on the order of addition, so every
-    mesh gives the same digests; any single changed element changes its leaf's."""
+    mesh gives the same digests. Any single changed element changes its leaf's."""
     sums = []
     for leaf in jax.tree.leaves(state):
         unsigned = jnp.dtype(f"uint{8 * leaf.dtype.itemsize}")
         bits = jax.lax.bitcast_convert_type(leaf, unsigned).astype(jnp.uint32)
-        index, stride = jnp.zeros(leaf.shape, jnp.uint32), 1
+        index = jnp.zeros(leaf.shape, jnp.uint32)
+        stride = 1
         for axis in reversed(range(leaf.ndim)):
             index = index + jax.lax.broadcasted_iota(jnp.uint32, leaf.shape, axis) * stride
             stride = stride * leaf.shape[axis] % 2**32
@@ -130,7 +131,8 @@ class Checkpointer:
         Raises ValueError naming the first array that does not match its saved checksum."""
         restored = self._manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
-        state, data_state = restored["state"], dict(restored["data"])
+        state = restored["state"]
+        data_state = dict(restored["data"])
         saved = data_state.pop(CHECKSUMS, None)
         if saved is not None:
             paths = list(_shapes(state))
@@ -158,7 +160,7 @@ class Checkpointer:
     def restore_latest(self, abstract_state: Any) -> tuple[int, Any, dict] | None:
         """(step, state, data state) of the newest checkpoint that restores; None when there is
         none. One that fails to restore is moved to `<workdir>/skipped_checkpoints/` with a
-        warning naming it and why; one whose shapes disagree with the config raises ValueError."""
+        warning naming it and why. One whose shapes disagree with the config raises ValueError."""
         skipped = []
         # Before any attempt: a failing restore's stray callbacks can fire before it raises.
         faults.quiet_failed_restores(self.directory)
@@ -194,7 +196,8 @@ class Checkpointer:
     def _move_aside(self, step: int) -> str:
         """Moves checkpoint `step` to `skipped_checkpoints/` (process 0; all processes wait)."""
         skipped = epath.Path(self._skipped_dir())  # local or gs://
-        target, suffix = skipped / str(step), 1
+        target = skipped / str(step)
+        suffix = 1
         while target.exists():
             target, suffix = skipped / f"{step}.{suffix}", suffix + 1
         if jax.process_index() == 0:
@@ -219,12 +222,12 @@ class Checkpointer:
                 f"(or use another --workdir) and rerun to resume: {intact}") from error
 
     def wait(self) -> None:
-        """Waits for the save in flight; a failed one raises CheckpointSaveError.
+        """Waits for the save in flight. A failed one raises CheckpointSaveError.
 
         With several processes, a save that fails in one process must raise there at once:
         orbax's finalize thread would first wait in a barrier for the others, which wait in
         another for this process's commit, until `AsyncOptions.timeout_secs` (10 minutes).
-        Raising lets `distributed.FailureNotices` stop every process within a second; the
+        Raising lets `distributed.FailureNotices` stop every process within a second. The
         stuck orbax threads end with the process."""
         with self._save_errors():
             if jax.process_count() > 1:
@@ -237,8 +240,8 @@ class Checkpointer:
             self._manager.wait_until_finished()
 
     def close(self) -> None:
-        """Waits for the save in flight (a failed one raises CheckpointSaveError) and closes;
-        after a save abandoned by `wait`, closes nothing (the process is ending)."""
+        """Waits for the save in flight (a failed one raises CheckpointSaveError) and closes.
+        After a save abandoned by `wait`, closes nothing (the process is ending)."""
         if self._abandoned:
             return
         self.wait()
@@ -263,7 +266,8 @@ def unstack_layers(params: dict) -> dict:
 
 def stack_layers(params: dict) -> dict:
     """Per-layer layout `layers_{i}` -> scanned layout (`layers` with a leading L axis)."""
-    out, layers = {}, {}
+    out = {}
+    layers = {}
     for key, value in params.items():
         match = _LAYER.match(key)
         if match:
@@ -281,7 +285,7 @@ def stack_layers(params: dict) -> dict:
 
 
 def _move_tree(source: epath.Path, target: epath.Path) -> None:
-    """Moves directory `source` to `target`: a rename on a local disk; in a bucket (gs://),
+    """Moves directory `source` to `target`: a rename on a local disk. In a bucket (gs://),
     which has no directories to rename, its files copied and then the source removed (a move cut
     short leaves the source whole)."""
     if is_remote(os.fspath(source)):

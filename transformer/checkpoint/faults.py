@@ -27,7 +27,7 @@ FAULTS = ("kill", "enospc", "killafter", "error")
 
 
 def injected_fault() -> tuple[str, int] | None:
-    """(fault, step) from `$TRANSFORMER_FAULT_INJECT`, None when unset; a malformed value
+    """(fault, step) from `$TRANSFORMER_FAULT_INJECT`, None when unset. A malformed value
     raises ValueError naming the forms it takes."""
     spec = os.environ.get(FAULT_ENV)
     if not spec:
@@ -52,7 +52,8 @@ def fault_injecting_path_class() -> type | None:
     injected = injected_fault()
     if injected is None or injected[0] == "error":
         return None
-    fault, step = injected[0], str(injected[1])
+    fault = injected[0]
+    step = str(injected[1])
 
     class FaultInjecting(ocp.path.atomicity.AtomicRenameTemporaryPath):
         async def finalize(self, *args, **kwargs):

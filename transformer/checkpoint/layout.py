@@ -9,8 +9,8 @@ functions that read and write its config (docs/architecture.md, "The workdir"):
     averaged/<name>/      averaged params (never resumed from, never pruned)
     skipped_checkpoints/  damaged checkpoints moved aside on resume
     vocab/                the SentencePiece model (and a tokenized training split)
-    eval/                 what `evaluate` scored, one sentence a line; confusion matrices
-    plots/                what `visualize` draws; the confusion matrices drawn
+    eval/                 what `evaluate` scored, one sentence a line. Confusion matrices
+    plots/                what `visualize` draws. The confusion matrices drawn
     profile/              a jax.profiler trace, when asked for
 
 The workdir may be remote (gs://...): config.json and metrics.jsonl go through etils.epath.
@@ -51,7 +51,7 @@ def is_remote(workdir: str) -> bool:
 
 
 def absolute(workdir: str) -> str:
-    """A local `workdir` made absolute (as orbax wants it); a URL (gs://bucket/run) as given,
+    """A local `workdir` made absolute (as orbax wants it). A URL (gs://bucket/run) as given,
     less a trailing slash."""
     return workdir.rstrip("/") if is_remote(workdir) else os.path.abspath(workdir)
 
@@ -78,7 +78,7 @@ def read_config_file(workdir: str) -> dict | None:
 
 
 def read_run_config(workdir: str) -> dict:
-    """config.json of a training run as written (provenance included); one line when
+    """config.json of a training run as written (provenance included). One line when
     `workdir` is not a run's directory."""
     if not epath.Path(workdir).is_dir():
         raise ValueError(f"--workdir={workdir} is not a directory: give a training run's workdir")
@@ -130,7 +130,8 @@ def check(workdir: str) -> list[str]:
     try:
         config = read_config_file(workdir)
     except ValueError as error:
-        config, problems = None, [str(error)]
+        config = None
+        problems = [str(error)]
     if config is None and not problems:
         problems.append(f"{CONFIG} is missing")
     elif config is not None:
@@ -149,7 +150,8 @@ def check(workdir: str) -> list[str]:
             except json.JSONDecodeError:
                 problems.append(f"{where} is not a JSON object")
                 continue
-            step, split = record.get("step"), record.get("split")
+            step = record.get("step")
+            split = record.get("split")
             if split not in SPLITS:
                 problems.append(f"{where}: split {split!r} is not one of {list(SPLITS)}")
             if type(step) is not int or step < (1 if split == "train" else 0):

@@ -35,7 +35,7 @@ class Source(Protocol):
     "targets_segmentation" (0 = padding), "inputs_positions", "targets_positions".
 
     A global batch has `num_microbatches` (A, gradient accumulation) microbatches of
-    `rows_per_batch` rows; mesh axes data x fsdp split the rows, and each process asks only for
+    `rows_per_batch` rows. Mesh axes data x fsdp split the rows, and each process asks only for
     its own contiguous `rows` = (start, stop). The loop evaluates `validation_split`.
     """
 
@@ -50,7 +50,7 @@ class Source(Protocol):
         A pure function of (seed, index)."""
 
     def eval_batches(self, split: str, rows: tuple[int, int]) -> Iterator[Batch]:
-        """The split once, as [1, stop-start, length] batches; padding rows fill the last one."""
+        """The split once, as [1, stop-start, length] batches. Padding rows fill the last one."""
 
     def fingerprint(self) -> str:
         """Names the dataset and its version, for config.json."""

@@ -1,6 +1,6 @@
 """Packing variable-length pairs into fixed [rows, length] batches under a token budget.
 
-Pure numpy and Python; no TensorFlow. The scheme (one epoch):
+Pure numpy and Python. No TensorFlow. The scheme (one epoch):
 
 1. `order` is a permutation of the eligible example indices, seeded by (seed, epoch).
 2. `plan_epoch` walks `order` once and cuts it into consecutive runs, one run per global batch:
@@ -10,7 +10,7 @@ Pure numpy and Python; no TensorFlow. The scheme (one epoch):
    (`starts`), so every example lands in exactly one batch of the epoch and no batch exceeds
    the budget.
 3. `first_fit` places a run's examples into rows: row, and offsets on both sides. It is the same
-   online rule that cut the run, so the placement follows from the run alone; a process
+   online rule that cut the run, so the placement follows from the run alone. A process
    computes it for the whole batch and materialises only its own rows (`pack`).
 
 A packed row holds several pairs: tokens in `inputs`/`targets`, the pair's number (1, 2, ...)
@@ -44,20 +44,27 @@ def plan_epoch(source_lengths: np.ndarray, target_lengths: np.ndarray, order: np
                rows: int, length: int | tuple[int, int], budget: int = 0) -> np.ndarray:
     """Cut points of `order` into batches: batch b is order[starts[b]:starts[b + 1]].
 
-    `source_lengths`/`target_lengths` are indexed by example; every example must fit one row
+    `source_lengths`/`target_lengths` are indexed by example. Every example must fit one row
     (`length`, or a (source, target) pair) and, with a budget (> 0), `budget` >= `length`."""
     src_length, tgt_length = _sides(length)
     src = source_lengths[order].tolist()
     tgt = target_lengths[order].tolist()
     starts = [0]
-    src_used, tgt_used = [0] * rows, [0] * rows
-    first_open, src_total, tgt_total = 0, 0, 0
+    src_used = [0] * rows
+    tgt_used = [0] * rows
+    first_open = 0
+    src_total = 0
+    tgt_total = 0
     for i, (s, t) in enumerate(zip(src, tgt, strict=True)):
         row = _find_row(src_used, tgt_used, first_open, s, t, length)
         if row < 0 or (budget and (src_total + s > budget or tgt_total + t > budget)):
             starts.append(i)
-            src_used, tgt_used = [0] * rows, [0] * rows
-            first_open, src_total, tgt_total, row = 0, 0, 0, 0
+            src_used = [0] * rows
+            tgt_used = [0] * rows
+            first_open = 0
+            src_total = 0
+            tgt_total = 0
+            row = 0
         src_used[row] += s
         tgt_used[row] += t
         src_total += s
@@ -72,7 +79,8 @@ def plan_epoch(source_lengths: np.ndarray, target_lengths: np.ndarray, order: np
 
 def _find_row(src_used, tgt_used, first_open, s, t, length) -> int:
     src_length, tgt_length = _sides(length)
-    src_room, tgt_room = src_length - s, tgt_length - t
+    src_room = src_length - s
+    tgt_room = tgt_length - t
     for row in range(first_open, len(src_used)):
         if src_used[row] <= src_room and tgt_used[row] <= tgt_room:
             return row
@@ -84,7 +92,8 @@ def first_fit(source_lengths, target_lengths, rows: int, length: int | tuple[int
     """(row, source offset, target offset) of each example in turn, first-fit into `rows` rows.
     An example that finds no room raises ValueError (the plan guarantees they fit) or, with
     `drop`, is placed nowhere: None."""
-    src_used, tgt_used = [0] * rows, [0] * rows
+    src_used = [0] * rows
+    tgt_used = [0] * rows
     placement = []
     for s, t in zip(np.asarray(source_lengths).tolist(), np.asarray(target_lengths).tolist(),
                     strict=True):
@@ -130,7 +139,7 @@ def pack(pieces, placement, row_range: tuple[int, int], source_length: int,
 class EpochPlans:
     """Global batch index -> (epoch, run of example indices), for an endless sequence of epochs.
 
-    Epoch e's order is a permutation of `eligible` seeded by (seed, e); its plan is computed on
+    Epoch e's order is a permutation of `eligible` seeded by (seed, e). Its plan is computed on
     first use and its batch count kept, so any index maps to its examples by a pure function of
     (seed, index)."""
 

@@ -23,7 +23,7 @@ CHUNK = 8192  # records per read when scanning a split
 
 
 class DataUnavailable(ValueError):
-    """The dataset is not prepared and cannot be prepared here; the message says what to do
+    """The dataset is not prepared and cannot be prepared here. The message says what to do
     (a ValueError, so train.py prints it as one line)."""
 
 

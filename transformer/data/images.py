@@ -11,7 +11,7 @@ Order: global batch `index` is epoch e = index // batches_per_epoch of a permuta
 training images seeded by (seed, e), cut into consecutive runs of `batch_size` (the remainder of
 an epoch is dropped). Augmentation (training only): a random crop after zero-padding each side
 by `data.crop_padding` pixels, and a horizontal flip with probability 1/2 when
-`data.random_flip` (not for digits); the draws of the whole global batch come from a generator
+`data.random_flip` (not for digits). The draws of the whole global batch come from a generator
 seeded by (seed, index), so a batch is a pure function of (seed, index) and a process computes
 only its own rows (`rows` = (start, stop) of each microbatch) yet gets exactly their share.
 Evaluation batches are never augmented; `data.test_time_flip` (checked here: not for digits)
@@ -22,7 +22,7 @@ Splits: `offline_fashion_mnist` has train, validation and test. For `fashion_mni
 and `cifar10` (train and test only) validation is carved from train by the offline builder's
 rule (pixel hash below 1/12), so fashion_mnist and offline_fashion_mnist split alike.
 `imagenet2012`'s test is its `validation` split (50,000 images, what papers report) and its
-validation 1% of train chosen by a hash of the record index; its images are decoded per batch,
+validation 1% of train chosen by a hash of the record index. Its images are decoded per batch,
 resized (shorter side) and centre-cropped to model.image_size.
 """
 
@@ -38,7 +38,8 @@ from transformer.data import batching
 from transformer.data.datasets import CHUNK, DataUnavailable, prepare_dataset
 
 log = logging.getLogger("transformer")
-IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
 _AUGMENT = 1  # random stream of the augmentation draws
 
 
@@ -69,8 +70,8 @@ def _unit(data: bytes) -> float:
 
 def open_builder(name: str, data_dir: str | None, manual_dir: str | None):
     """The prepared TFDS builder (array_record). Only `offline_fashion_mnist` is built here
-    (from Debian's package), and `imagenet2012` from a `data.manual_dir` of its archives;
-    any other dataset not prepared is one line saying how to provide it."""
+    (from Debian's package), and `imagenet2012` from a `data.manual_dir` of its archives.
+    Any other dataset not prepared is one line saying how to provide it."""
     if name not in DATASETS:
         raise ValueError(f"data.dataset={name!r} is not an image dataset this source reads "
                          f"({', '.join(DATASETS)})")
@@ -103,7 +104,8 @@ def _decode_all(builder, split: str) -> tuple[np.ndarray, np.ndarray]:
     dataset = tf.data.Dataset.from_tensor_slices(tf.constant(raw, tf.string)).map(
         builder.info.features.deserialize_example, num_parallel_calls=tf.data.AUTOTUNE,
         deterministic=True).batch(CHUNK)
-    images, labels = [], []
+    images = []
+    labels = []
     for batch in dataset.as_numpy_iterator():
         images.append(batch["image"])
         labels.append(batch["label"])
@@ -120,7 +122,8 @@ def resize_and_crop(image: np.ndarray, size: int) -> np.ndarray:
     new = (max(size, round(w * scale)), max(size, round(h * scale)))
     squeezed = image[..., 0] if image.shape[-1] == 1 else image
     resized = np.asarray(Image.fromarray(squeezed).resize(new, Image.BILINEAR))
-    top, left = (resized.shape[0] - size) // 2, (resized.shape[1] - size) // 2
+    top = (resized.shape[0] - size) // 2
+    left = (resized.shape[1] - size) // 2
     return resized[top:top + size, left:left + size].reshape(size, size, image.shape[-1])
 
 
@@ -152,7 +155,8 @@ def augment(images: np.ndarray, offsets: np.ndarray, flips: np.ndarray,
             padding: int) -> np.ndarray:
     """Crops of `images` [n, S, S, C] zero-padded by `padding` on each side, the crop of row i
     starting at `offsets[i]` (row, column in 0..2*padding), then mirrored where `flips[i]`."""
-    n, s = images.shape[0], images.shape[1]
+    n = images.shape[0]
+    s = images.shape[1]
     out = images
     if padding:
         padded = np.pad(images, ((0, 0), (padding, padding), (padding, padding), (0, 0)))
@@ -161,7 +165,7 @@ def augment(images: np.ndarray, offsets: np.ndarray, flips: np.ndarray,
 
 
 class ImageSource:
-    """Normalised, augmented image batches (module docstring); the `Source` contract."""
+    """Normalised, augmented image batches (module docstring). The `Source` contract."""
 
     source_length = target_length = 1  # one label per image: FLOPs count per image
 
@@ -299,7 +303,7 @@ class ImageSource:
 
     def eval_batches(self, split: str, rows: tuple[int, int]):
         """The split once, in order, no augmentation: [1, stop-start, ...] batches of
-        `eval_rows_per_batch` global rows; rows past the end are zero images with label -1."""
+        `eval_rows_per_batch` global rows. Rows past the end are zero images with label -1."""
         images = self._split(split)
         for first in range(0, len(images), self.eval_rows_per_batch):
             start, stop = (min(first + r, len(images)) for r in rows)
@@ -311,9 +315,10 @@ class ImageSource:
 
 
 def from_config(cfg) -> ImageSource:
-    """`ImageSource` from the config's `data` and `model` keys (configs/vit_fashion_mnist.py);
-    one line when they disagree."""
-    data, model = cfg.data, cfg.model
+    """`ImageSource` from the config's `data` and `model` keys (configs/vit_fashion_mnist.py).
+    One line when they disagree."""
+    data = cfg.data
+    model = cfg.model
     if model.architecture != "vision":
         raise ValueError(f"data.dataset={data.dataset!r} is images: it trains "
                          f"model.architecture='vision', not {model.architecture!r}")

@@ -54,7 +54,7 @@ class Mixture:
         return int(self.offsets[-1])
 
     def set_rates(self, tokens_per_batch: float, mean_tokens) -> float:
-        """Documents per update of each source for `tokens_per_batch` tokens; returns their sum."""
+        """Documents per update of each source for `tokens_per_batch` tokens. Returns their sum."""
         self.rates = self.weights * float(tokens_per_batch) / np.asarray(mean_tokens, np.float64)
         return float(self.rates.sum())
 
@@ -81,7 +81,7 @@ class Mixture:
             for k, (source, share) in enumerate(zip(self.sources, shares, strict=True))]))
 
     def batch(self, index: int, group: int = 0) -> np.ndarray:
-        """The global ids of update `index`'s documents, interleaved; with G groups (the
+        """The global ids of update `index`'s documents, interleaved. With G groups (the
         sources' `groups`), those of group `group`: r_s / G documents per update of each
         source's group-`group` order (`FileDocuments.draw`)."""
         parts = []

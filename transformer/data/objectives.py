@@ -50,7 +50,8 @@ def apply_objective(packed: dict[str, np.ndarray], objective: str, rngs, *, mask
     replacements are ids in (mask_id, vocab_size): pass the vocabulary's pieces, not the rows
     of a padded embedding."""
     tokens = packed["targets"]
-    segments, positions = packed["targets_segmentation"], packed["targets_positions"]
+    segments = packed["targets_segmentation"]
+    positions = packed["targets_positions"]
     if objective == "causal":
         return {"targets": tokens, "targets_segmentation": segments,
                 "targets_positions": positions}
@@ -64,7 +65,8 @@ def apply_objective(packed: dict[str, np.ndarray], objective: str, rngs, *, mask
                 prefix[r] |= (where & (positions[r] < k)).astype(prefix.dtype)
         return {"targets": tokens, "targets_segmentation": segments,
                 "targets_positions": positions, "targets_prefix": prefix}
-    inputs, targets = tokens.copy(), np.zeros_like(tokens)
+    inputs = tokens.copy()
+    targets = np.zeros_like(tokens)
     first_piece = mask_id + 1
     for r, rng in enumerate(rngs):
         real = segments[r] > 0

@@ -1,7 +1,7 @@
 """A seeded pseudo-random permutation of [0, n) computed index by index, never materialised:
 a 4-round Feistel network over the smallest even-bit power-of-two domain >= n, with cycle
 walking (an index mapped to >= n is mapped again until it lands below n). Memory is O(1) in
-n, so shuffling a corpus of billions of documents costs nothing up front; the idea is the
+n, so shuffling a corpus of billions of documents costs nothing up front. The idea is the
 one Levanter's data/_prp.py uses (docs/architecture.md)."""
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ class Permutation:
 
     def _feistel(self, x: np.ndarray) -> np.ndarray:
         low_mask = np.uint64((1 << self.half) - 1)
-        left, right = x >> np.uint64(self.half), x & low_mask
+        left = x >> np.uint64(self.half)
+        right = x & low_mask
         for k in self.round_keys:
             left, right = right, left ^ (_mix(right ^ k) & low_mask)
         return (left << np.uint64(self.half)) | right

@@ -10,15 +10,15 @@ always start with kept tokens and end with noise: on pieces of hundreds of token
 little, but a short piece (one sentence, one span) then always loses its last tokens, and the
 task degenerates to guessing how a sentence ends (seqio added `random_roll` for this;
 docs/results/2026-12-04-span-corruption-transfer.md measures what it did to fine-tuning here).
-The inputs keep the kept tokens and replace span k by sentinel k; the targets list sentinel k
-then span k's tokens, for every span; both end in EOS.
+The inputs keep the kept tokens and replace span k by sentinel k. The targets list sentinel k
+then span k's tokens, for every span. Both end in EOS.
 
     tokens  [A B C D E F G H I J], noise [. . x x . . . x . .] (spans "C D" and "H"; n = 10)
     inputs  [A B <s0> E F G <s1> I J EOS]      targets [<s0> C D <s1> H EOS]
 
 Sentinels are user-defined SentencePiece symbols right after [MASK] (docs/architecture.md,
 special tokens): `tokenizer.train(..., num_sentinels=k)` reserves them and
-`Tokenizer.sentinel_ids` lists them; an imported T5's are its `<extra_id_k>`
+`Tokenizer.sentinel_ids` lists them. An imported T5's are its `<extra_id_k>`
 (`HuggingFaceTokenizer.sentinel_ids`), and both sides then end in its EOS.
 """
 
@@ -68,8 +68,8 @@ def noise_mask(length: int, rng: np.random.Generator, *, noise_density: float = 
 
 def corrupt(tokens: np.ndarray, mask: np.ndarray, sentinel_ids: np.ndarray,
             eos_id: int = EOS_ID) -> tuple[np.ndarray, np.ndarray]:
-    """(inputs, targets) of `tokens` [n] with noise `mask` [n]; span k becomes sentinel_ids[k];
-    both end in `eos_id` (the vocabulary's: an imported T5's is 1)."""
+    """(inputs, targets) of `tokens` [n] with noise `mask` [n]. Span k becomes sentinel_ids[k].
+    Both end in `eos_id` (the vocabulary's: an imported T5's is 1)."""
     starts = mask & ~np.concatenate([[False], mask[:-1]])  # the first token of each span
     spans = int(starts.sum())
     if spans > len(sentinel_ids):

@@ -113,7 +113,7 @@ class SyntheticSource:
         return {k: np.stack([p[k] for p in parts]) for k in parts[0]}
 
     def eval_batches(self, split: str, rows: tuple[int, int]):
-        """The split's `eval_examples` examples once; all-zero rows pad the last batch."""
+        """The split's `eval_examples` examples once. All-zero rows pad the last batch."""
         for first in range(0, self.eval_examples, self.batch_size):
             start = min(first + rows[0], self.eval_examples)
             stop = min(first + rows[1], self.eval_examples)

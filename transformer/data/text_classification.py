@@ -17,7 +17,7 @@ the shards' rows are counted once and recorded there (`files.FileDocuments`, `ro
 
 Order: global batch `index` is epoch e = index // batches_per_epoch of a permutation of the
 training examples seeded by (seed, e), cut into consecutive runs of `batch_size` (an epoch's
-remainder is dropped): a pure function of (seed, index); each process takes only its `rows` of
+remainder is dropped): a pure function of (seed, index). Each process takes only its `rows` of
 each microbatch. The splits are tokenized once, in memory (the help topics: 34k short texts).
 
 The loop evaluates "validation" (a dataset without one: "test", logged); `test_split` is "test"
@@ -65,7 +65,8 @@ def read_split(builder, split: str, text_feature: str,
                 label_feature: str) -> tuple[list[str], np.ndarray]:
     """(texts, labels [n] int64) of a whole split, in record order."""
     source = builder.as_data_source(split=split)
-    texts, labels = [], []
+    texts = []
+    labels = []
     for first in range(0, len(source), CHUNK):
         for record in source.__getitems__(list(range(first, min(first + CHUNK, len(source))))):
             text = record[text_feature]
@@ -79,7 +80,8 @@ def encode_rows(tokenizer: tokenizer_lib.Tokenizer, texts: list[str],
     """([n, max_length] int32 rows: each text's pieces, the vocabulary's EOS, zero padding; cut
     to max_length with EOS last), the number of texts cut."""
     rows = np.zeros((len(texts), max_length), np.int32)
-    cut, eos = 0, tokenizer.eos_id
+    cut = 0
+    eos = tokenizer.eos_id
     for i, ids in enumerate(tokenizer.encode(texts)):
         ids = list(ids) + [eos]
         if len(ids) > max_length:
@@ -89,7 +91,7 @@ def encode_rows(tokenizer: tokenizer_lib.Tokenizer, texts: list[str],
 
 
 class TextClassificationSource:
-    """Tokenized text rows and their labels (module docstring); the `Source` contract."""
+    """Tokenized text rows and their labels (module docstring). The `Source` contract."""
 
     target_length = 1  # one label per row: FLOPs and throughput count rows
 
@@ -146,7 +148,7 @@ class TextClassificationSource:
 
     def _read_files(self, dataset, eval_dataset, text_field, label_field, record_dir) -> dict:
         """{split: (texts, labels)} from files: labels integers (classes 0..max) or class
-        names (sorted, as in the training files); the rows per shard recorded in
+        names (sorted, as in the training files). The rows per shard recorded in
         `record_dir` (None: counted each time)."""
         eval_dataset = file_specs.eval_spec(dataset, eval_dataset, "validation")
         raw = {}
@@ -255,7 +257,7 @@ class TextClassificationSource:
 
     def eval_batches(self, split: str, rows: tuple[int, int]):
         """The split once, in order: [1, stop-start, ...] batches of `eval_rows_per_batch`
-        global rows; rows past the end are padding with label -1."""
+        global rows. Rows past the end are padding with label -1."""
         tokens, labels = self.split(split)
         for first in range(0, len(tokens), self.eval_rows_per_batch):
             start, stop = (min(first + r, len(tokens)) for r in rows)
@@ -266,8 +268,9 @@ class TextClassificationSource:
 
 def from_config(cfg, workdir: str | None = None) -> TextClassificationSource:
     """`TextClassificationSource` from the config's `data` and `model` keys
-    (configs/help_topics.py); one line when they disagree."""
-    data, model = cfg.data, cfg.model
+    (configs/help_topics.py). One line when they disagree."""
+    data = cfg.data
+    model = cfg.model
     if model.get("architecture") != "classifier":
         raise ValueError(f"data.objective='classification' trains model.architecture="
                          f"'classifier', not {model.get('architecture')!r}")

@@ -1,5 +1,5 @@
 """Vocabularies: SentencePiece, one vocabulary shared by source and target, trained (seeded)
-on first use; or an imported checkpoint's own, or one given as `data.vocab_path` (a
+on first use. Or an imported checkpoint's own, or one given as `data.vocab_path` (a
 SentencePiece model or a Hugging Face `tokenizer.json`, `read_given`).
 
 Ids follow docs/architecture.md: pad 0, unk 1, bos 2 (the decoder's start), eos 3, then the
@@ -7,11 +7,11 @@ user-defined `[MASK]` (4): the ids are defined here, once, and imported everywhe
 and decoding included: this module imports SentencePiece only when a model is loaded or trained,
 so it needs no data extra). An imported checkpoint's vocabulary keeps its own ids: each
 tokenizer says its `bos_id`, `eos_id` and `pad_id` (0, or None where id 0 is an ordinary token),
-and the run's `model.*` fields of the same names agree with them; its `eos_ids` are every id
+and the run's `model.*` fields of the same names agree with them. Its `eos_ids` are every id
 that ends a generated text (`eos_id` first, then the further ends a checkpoint's generation
 config lists, as Qwen2-Instruct's and Llama 3.1's; `(eos_id,)` for runs trained here).
 A run keeps its vocabulary in `<workdir>/vocab/` (`load` reads either kind; the workdir may
-be remote, e.g. gs://: every path goes through etils.epath) and reuses it on resume; a model
+be remote, e.g. gs://: every path goes through etils.epath) and reuses it on resume. A model
 whose size differs from `data.vocab_size`, or whose sha256 differs from the one the run recorded in
 `config.json`, is an error rather than a silent retrain.
 """
@@ -32,8 +32,12 @@ from transformer.util import atomic, progress
 
 log = logging.getLogger("transformer")
 
-PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3  # BOS starts the decoder; PAD is never a target
-MASK_ID, MASK_PIECE = 4, "[MASK]"  # a user-defined piece: the first id after the four above
+PAD_ID = 0  # BOS starts the decoder; PAD is never a target
+UNK_ID = 1
+BOS_ID = 2
+EOS_ID = 3
+MASK_ID = 4  # a user-defined piece: the first id after the four above
+MASK_PIECE = "[MASK]"
 FIRST_ORDINARY_ID = MASK_ID + 1  # ids below are special (sentinels, when reserved, follow)
 SENTINEL_PIECE = "<extra_id_{}>"  # T5's span-corruption sentinels: user-defined, after [MASK]
 MODEL_FILE = "sentencepiece.model"
@@ -66,7 +70,7 @@ def _recorded_ends(special: dict, eos_ids: tuple[int, ...]) -> dict:
 
 def _embedding_rows(pieces: int, vocab_size: int | None, what: str) -> int:
     """The model's embedding rows: `vocab_size` where a checkpoint pads them past the
-    vocabulary's `pieces`, else the pieces; fewer rows than pieces is an error."""
+    vocabulary's `pieces`, else the pieces. Fewer rows than pieces is an error."""
     rows = pieces if vocab_size is None else int(vocab_size)
     if rows < pieces:
         raise VocabularyMismatch(f"{what} has {pieces} pieces, more than the model's {rows} "
@@ -76,7 +80,7 @@ def _embedding_rows(pieces: int, vocab_size: int | None, what: str) -> int:
 
 class Tokenizer:
     """A SentencePiece model: text <-> ids (no EOS added by `encode`; `decode` stops at EOS).
-    Ours (`train`) has pad 0, unk 1, bos 2, eos 3; an imported one (Llama's `tokenizer.model`:
+    Ours (`train`) has pad 0, unk 1, bos 2, eos 3. An imported one (Llama's `tokenizer.model`:
     unk 0, bos 1, eos 2, no pad) keeps its own. `vocab_size` is the model's embedding rows
     where a checkpoint pads them past the pieces (as `HuggingFaceTokenizer`'s; `save` records
     them in special_ids.json, as its `eos_ids` beyond EOS): ids from `pieces` on are never
@@ -133,7 +137,7 @@ class Tokenizer:
         return self._sp.encode(list(texts), out_type=int, num_threads=num_threads)
 
     def decode(self, ids: Iterable[int]) -> str:
-        """Text of `ids` up to the first EOS; padding (the pad id and rows past the pieces)
+        """Text of `ids` up to the first EOS. Padding (the pad id and rows past the pieces)
         and BOS are dropped."""
         return self._sp.decode([i for i in _content(ids, self) if i < self.pieces])
 
@@ -159,7 +163,7 @@ class Tokenizer:
 
 class HuggingFaceTokenizer:
     """An imported checkpoint's `tokenizer.json` (the `tokenizers` library: GPT-2's byte-level
-    BPE, Llama 3's, ...) with the special ids of its model's config; the same methods as
+    BPE, Llama 3's, ...) with the special ids of its model's config. The same methods as
     `Tokenizer` (no [MASK]; its sentinels are T5's `<extra_id_k>` special tokens, where it
     has them: span corruption on an imported T5 uses them).
 
@@ -227,7 +231,7 @@ class HuggingFaceTokenizer:
         return [e.ids for e in self._model.encode_batch(list(texts), add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int]) -> str:
-        """Text of `ids` up to the first EOS; padding (the pad id and rows past the pieces) and
+        """Text of `ids` up to the first EOS. Padding (the pad id and rows past the pieces) and
         BOS are dropped."""
         kept = [i for i in _content(ids, self) if i < self.pieces]
         return self._model.decode(kept, skip_special_tokens=False)
@@ -327,7 +331,8 @@ def check_special_ids(tokenizer, model) -> None:
     """Raises `VocabularyMismatch` unless the `model` section's bos_id, eos_id and pad_id are
     the vocabulary's (they differ from ours for an imported checkpoint)."""
     for field, default in (("bos_id", BOS_ID), ("eos_id", EOS_ID), ("pad_id", PAD_ID)):
-        ours, theirs = model.get(field, default), getattr(tokenizer, field)
+        ours = model.get(field, default)
+        theirs = getattr(tokenizer, field)
         if ours != theirs:
             raise VocabularyMismatch(f"model.{field}={ours} but the vocabulary's {field} is "
                                      f"{theirs}: set --config.model.{field}={theirs}")
@@ -375,7 +380,7 @@ def load_or_train(directory: str, vocab_size: int, *, seed: int,
     from `sentences()` if there is none.
 
     `expected_sha256` is the vocabulary the run's checkpoints were trained with (from
-    config.json); a model that differs raises `VocabularyMismatch`, as does one whose size is
+    config.json). A model that differs raises `VocabularyMismatch`, as does one whose size is
     not `vocab_size`."""
     path = vocabulary_file(directory)
     if epath.Path(path).exists():

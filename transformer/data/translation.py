@@ -4,10 +4,10 @@
 What happens on first use (each step is skipped when its result exists):
 1. The TFDS dataset is prepared in `array_record` format (`prepare_dataset`): `offline_de_en`
    builds itself from Debian packages; WMT is built from the raw files in `data.manual_dir`
-   (official file names, see docs/data.md) or read from a prepared `data.data_dir`; a dataset
+   (official file names, see docs/data.md) or read from a prepared `data.data_dir`. A dataset
    prepared in TFRecord is converted to array_record once, in place.
 2. The vocabulary, one for both languages: SentencePiece trained on a seeded sample of the
-   training split (`tokenizer`), or the one `data.vocab_path` names, used as is; kept in
+   training split (`tokenizer`), or the one `data.vocab_path` names, used as is. Kept in
    `<workdir>/vocab/`. From files, the shards' rows are counted once and recorded there too
    (`files.FileDocuments`, `rows-<digest>.json`).
 3. The training split is tokenized once (`TokenizedSplit`), read through `tfds.data_source`
@@ -15,11 +15,11 @@ What happens on first use (each step is skipped when its result exists):
    read whole into memory from a gs:// workdir).
 
 Batches are packed rows (`batching`): global batch `index` maps to its examples and their
-placement by a pure function of (seed, index), so the checkpointed iterator state is the index;
-a process packs only its own rows. `data.batch_size` rows per update (all accumulation steps) of
+placement by a pure function of (seed, index), so the checkpointed iterator state is the index.
+A process packs only its own rows. `data.batch_size` rows per update (all accumulation steps) of
 `data.max_length` tokens per side, holding at most `data.tokens_per_batch` non-pad source and,
 separately, target tokens. Training pairs longer than `data.max_length` (EOS included) are
-skipped; evaluation pairs are kept, truncated to it for perplexity (one log line says how many),
+skipped. Evaluation pairs are kept, truncated to it for perplexity (one log line says how many),
 while BLEU translates the raw sentences (`raw_pairs`), whole up to the model's `max_len`.
 """
 
@@ -84,7 +84,7 @@ class TokenizedSplit:
 
     @classmethod
     def build(cls, pairs_chunks, tokenizer, dtype) -> TokenizedSplit:
-        """Tokenizes chunks of (source, target) texts, appending EOS; chunk by chunk into
+        """Tokenizes chunks of (source, target) texts, appending EOS. Chunk by chunk into
         numpy, so a 4.5M-pair split never lives as Python lists."""
         flats = {"source": [], "target": []}
         lengths = {"source": [], "target": []}
@@ -292,7 +292,7 @@ class TranslationSource:
 
     def batch_examples(self, index: int) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
         """Example indices of global batch `index` and their (global row, source offset,
-        target offset); global row = microbatch * rows_per_batch + row."""
+        target offset). Global row = microbatch * rows_per_batch + row."""
         with self._lock:
             examples = self.plans.examples(index)
         placement = batching.first_fit(self.train.source_lengths[examples],
@@ -389,7 +389,8 @@ def _counted(chunks, bar):
 
 
 def _truncate(data: TokenizedSplit, length: int, eos_id: int) -> TokenizedSplit:
-    src_len, tgt_len = data.source_lengths, data.target_lengths
+    src_len = data.source_lengths
+    tgt_len = data.target_lengths
     if max(src_len.max(initial=0), tgt_len.max(initial=0)) <= length:
         return data
     count = int(((src_len > length) | (tgt_len > length)).sum())

@@ -2,7 +2,7 @@
 
 With `data.workers=k > 0`, k processes (Grain's `mp_prefetch`, started by spawn) each build the
 source from the config and the workdir (the vocabulary and row counts the main process wrote)
-and produce every k-th batch of `start, start + 1, ...`; the main process reads them back in
+and produce every k-th batch of `start, start + 1, ...`. The main process reads them back in
 order, each worker one batch ahead. A batch is a pure function of its index, so the batches are
 those of `data.workers=0` (the loop calling `train_batch` itself) and a resumed run starts at
 its checkpoint's index. A worker's error ends the run as one line naming the worker and batch.
@@ -55,7 +55,7 @@ def _start_worker(worker: int, workers: int) -> None:
 
 
 def check_workers(workers: int) -> None:
-    """`data.workers` is a count of processes, or 0; else one line."""
+    """`data.workers` is a count of processes, or 0. Else one line."""
     if workers < 0:
         raise ValueError(f"data.workers={workers} must be >= 0 (0: the training loop "
                          f"produces each batch itself)")

@@ -10,7 +10,7 @@ of the params-only series `params/0/`, which `generate`, `evaluate` and `init_fr
 any run's. The checkpoint's tokenizer becomes the run's `vocab/` with its own special ids
 (`model.bos_id`, `eos_id`, `pad_id` from config.json): `tokenizer.json` through the
 `tokenizers` library, else T5's `spiece.model` (as T5Tokenizer reads it, `t5.read_spiece`),
-else a SentencePiece `tokenizer.model`; where the model's embedding has rows past the
+else a SentencePiece `tokenizer.model`. Where the model's embedding has rows past the
 tokenizer's pieces (T5's 32128 for 32100), the vocabulary counts them (`data.vocab_size` is
 the model's; `vocab/special_ids.json` records them) and its decode drops their ids. The run's
 ends are every id `transformers`' `generate` stops at (`generation_config.json`'s
@@ -171,7 +171,7 @@ def _check_tensors(family, groups: list, reader: TensorReader, hf_dir: str):
 
 def import_checkpoint(hf_dir: str, workdir: str, *, config_file: str | None = None,
                       overrides: dict | None = None) -> str:
-    """Writes the checkpoint in `hf_dir` as a run in `workdir` (module docstring); returns the
+    """Writes the checkpoint in `hf_dir` as a run in `workdir` (module docstring). Returns the
     params directory. The model fields the checkpoint does not fix (`dtype`,
     `attention_implementation`, `remat_policy`) come from the run config; `overrides` sets
     dotted keys after (e.g. {"model.dtype": "float32"}), as `--config.<key>=` flags do."""
@@ -309,7 +309,7 @@ def export_workdir(workdir: str, out_dir: str, *, step: int | None = None,
                    max_shard_bytes: int = MAX_SHARD_BYTES) -> str:
     """Writes the run's parameters (checkpoint `step`, default the latest) to `out_dir` as a
     `transformers` checkpoint, converting one tensor group at a time and writing each shard as
-    it fills; returns the safetensors file (one shard) or the index (several)."""
+    it fills. Returns the safetensors file (one shard) or the index (several)."""
     run = open_run(workdir, step=step, vocabulary="optional")
     model_cfg = run.model
     # The paper's embedding scale (the lm_* configs keep it) folds into an untied embedding.
@@ -388,7 +388,7 @@ def write_tokenizer_config(tokenizer, out_dir: str, model_cfg: TransformerConfig
 
 class ShardWriter:
     """Safetensors shards of at most `max_bytes` each (a bigger tensor gets a shard of its
-    own), named and indexed as `save_pretrained` names them; one shard is `model.safetensors`
+    own), named and indexed as `save_pretrained` names them. One shard is `model.safetensors`
     without an index. Each shard is written as soon as the next tensor would overflow it."""
 
     def __init__(self, out_dir: str, max_bytes: int):

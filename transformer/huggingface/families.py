@@ -12,7 +12,7 @@ The others' checkpoint layouts (`torch.nn.Linear` stores weight [out, in]; GPT-2
     Mixtral  Mistral's tensors but the feed-forward: per layer block_sparse_moe.gate [E, D]
            (the router) and block_sparse_moe.experts.{j}.w1 (gate), w3 (up) [F, D] and w2
            (down) [D, F] for each expert j, as `save_pretrained` writes them and the Hub's
-           checkpoints hold them; or, as `transformers` 5 holds them in memory (its
+           checkpoints hold them. Or, as `transformers` 5 holds them in memory (its
            `state_dict` saved as it is), mlp.gate [E, D], mlp.experts.gate_up_proj [E, 2F, D]
            (each expert's gate rows, then its up rows) and mlp.experts.down_proj [E, D, F]
     GPT-2  c_attn [D, 3*D] (q, k, v side by side), c_proj [D, D], c_fc [D, F], mlp c_proj
@@ -68,7 +68,7 @@ class Mixtral:
     """`MixtralForCausalLM`: Mistral's decoder (its window in every layer or none) with every
     feed-forward layer routed (docs/moe.md): the softmax (float32) of a router picks the top
     `num_experts_per_tok` of `num_local_experts` SwiGLU experts, their weights renormalised to
-    sum to 1 (`moe_router_scores="softmax"`, `moe_renormalize`), no shared expert; dropless."""
+    sum to 1 (`moe_router_scores="softmax"`, `moe_renormalize`), no shared expert. Dropless."""
 
     model_types = ("mixtral",)
 
@@ -116,7 +116,8 @@ class Mixtral:
             return Mixtral.tensors(cfg)
         out = [group for group in Llama.tensors(cfg) if "/ffn/" not in group.ours[0]]
         for i in range(cfg.num_decoder_layers):
-            hf_moe, ours = f"model.layers.{i}.mlp", f"decoder/layers_{i}/moe"
+            hf_moe = f"model.layers.{i}.mlp"
+            ours = f"decoder/layers_{i}/moe"
             out += [transposed(f"{hf_moe}.gate.weight", f"{ours}/router"),
                     *_fused_experts(hf_moe, ours)]
         return out
@@ -127,7 +128,8 @@ class Mixtral:
         (per expert, as the Hub's checkpoints and `save_pretrained` hold them)."""
         out = [group for group in Llama.tensors(cfg) if "/ffn/" not in group.ours[0]]
         for i in range(cfg.num_decoder_layers):
-            hf, ours = f"model.layers.{i}.block_sparse_moe", f"decoder/layers_{i}/moe"
+            hf = f"model.layers.{i}.block_sparse_moe"
+            ours = f"decoder/layers_{i}/moe"
             out += [transposed(f"{hf}.gate.weight", f"{ours}/router"),
                     _experts(hf, cfg.num_experts, "w1", f"{ours}/ff_gate"),
                     _experts(hf, cfg.num_experts, "w3", f"{ours}/ff_in"),
@@ -185,11 +187,14 @@ class GPT2:
 
     @staticmethod
     def tensors(cfg: TransformerConfig) -> list[Tensors]:
-        n, h, d = cfg.num_heads, cfg.d_k, cfg.d_model
+        n = cfg.num_heads
+        h = cfg.d_k
+        d = cfg.d_model
         out = [same("transformer.wte.weight", "embedding/embedding"),
                same("transformer.wpe.weight", "decoder/embedder/position_embedding/embedding")]
         for i in range(cfg.num_decoder_layers):
-            hf, ours = f"transformer.h.{i}", f"decoder/layers_{i}"
+            hf = f"transformer.h.{i}"
+            ours = f"decoder/layers_{i}"
             attn = f"{ours}/self_attention"
             qkv = tuple(f"{attn}/{name}" for name in ("query", "key", "value"))
             out += [
@@ -255,7 +260,10 @@ class ViT:
 
     @staticmethod
     def tensors(cfg: TransformerConfig) -> list[Tensors]:
-        n, h, p, c = cfg.num_heads, cfg.d_k, cfg.patch_size, cfg.num_channels
+        n = cfg.num_heads
+        h = cfg.d_k
+        p = cfg.patch_size
+        c = cfg.num_channels
         emb = "vit.embeddings"
         # Our patch vector is flattened (row, column, channel): the conv weight [D, C, P, P]
         # read as [P, P, C, D].
@@ -269,7 +277,8 @@ class ViT:
             Tensors((f"{emb}.position_embeddings",), ("position_embedding",),
                     lambda a: [a[0][0]], lambda a: [a[0][None]])]
         for i in range(cfg.num_encoder_layers):
-            hf, ours = f"vit.encoder.layer.{i}", f"encoder/layers_{i}"
+            hf = f"vit.encoder.layer.{i}"
+            ours = f"encoder/layers_{i}"
             attn = f"{ours}/self_attention"
             for name in ("query", "key", "value"):
                 weight = f"{hf}.attention.attention.{name}"

@@ -41,7 +41,8 @@ class Gemma2:
         require(hf, kind, "attention_bias", (False,), "no biases")
         require(hf, kind, "use_bidirectional_attention", (None, False), "causal attention")
         require(hf, kind, "tie_word_embeddings", (True,), "Gemma's output is its embedding")
-        heads, layers = hf["num_attention_heads"], hf["num_hidden_layers"]
+        heads = hf["num_attention_heads"]
+        layers = hf["num_hidden_layers"]
         types = hf.get("layer_types") or [
             "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
         pattern = ",".join(WINDOWED[t] for t in types)

@@ -130,11 +130,15 @@ class Llama:
 
     @staticmethod
     def tensors(cfg: TransformerConfig) -> list[Tensors]:
-        n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.d_k
+        n = cfg.num_heads
+        k = cfg.num_kv_heads
+        h = cfg.d_k
         out = [same("model.embed_tokens.weight", "embedding/embedding")]
         for i in range(cfg.num_decoder_layers):
-            hf, ours = f"model.layers.{i}", f"decoder/layers_{i}"
-            attn, mlp = f"{hf}.self_attn", f"{hf}.mlp"
+            hf = f"model.layers.{i}"
+            ours = f"decoder/layers_{i}"
+            attn = f"{hf}.self_attn"
+            mlp = f"{hf}.mlp"
             out += [
                 heads_in(f"{attn}.q_proj.weight", f"{ours}/self_attention/query/kernel", n, h),
                 heads_in(f"{attn}.k_proj.weight", f"{ours}/self_attention/key/kernel", k, h),

@@ -70,9 +70,10 @@ def require(hf: dict, model_type: str, option: str, allowed, fix: str) -> None:
 
 def token_ids(hf: dict) -> dict:
     """A language model's `bos_id`, `eos_id` and `pad_id` from its config.json: the first eos
-    where it lists several (Llama 3.1's chat ends); pad 0 only where the checkpoint pads with
+    where it lists several (Llama 3.1's chat ends). Pad 0 only where the checkpoint pads with
     id 0, else None (id 0 is an ordinary token)."""
-    bos, eos = hf.get("bos_token_id"), hf.get("eos_token_id")
+    bos = hf.get("bos_token_id")
+    eos = hf.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) and eos else eos
     if bos is None or eos is None:
         raise unsupported(hf["model_type"], "bos_token_id/eos_token_id", (bos, eos),
@@ -112,7 +113,7 @@ FEATURE_DEFAULTS = dict(qkv_bias=False, rope_scaling="none", logits_bias=False,
 
 def mismatches(cfg: TransformerConfig, windows: bool = False, **wanted) -> list[str]:
     """`model.<field>=<ours> (wants <theirs>)` for each field that differs (those of
-    `FEATURE_DEFAULTS` the family does not name included); also every self-attention option
+    `FEATURE_DEFAULTS` the family does not name included). Also every self-attention option
     beyond softmax over all positions, or over a causal window where `windows`."""
     wanted = FEATURE_DEFAULTS | wanted
     out = [f"model.{field}={getattr(cfg, field)!r} (wants {value!r})"

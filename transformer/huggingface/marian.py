@@ -10,7 +10,7 @@ Checkpoint layout (`torch.nn.Linear` weight [out, in]):
     ...{self_attn,encoder_attn,final}_layer_norm.{weight,bias}, fc1 [F, D], fc2 [D, F]
 
 Marian's sinusoidal table puts the sines in the first half of D and the cosines in the
-second (`MarianSinusoidalPositionalEmbedding`); ours interleaves them, as the paper's formula.
+second (`MarianSinusoidalPositionalEmbedding`). Ours interleaves them, as the paper's formula.
 The same model is one in either layout up to an order of D's features: every tensor with a D
 axis is read through `SPLIT` (our feature 2i is Marian's i, 2i + 1 is D/2 + i) and written
 back through its inverse, so the paper's model exports exactly (LayerNorm, residuals and the
@@ -19,7 +19,7 @@ tied output do not depend on the order of the features).
 Marian's LayerNorm epsilon is fixed at 1e-5: a model trained here with another `norm_eps`
 (the paper's configs: 1e-6) exports with a warning, its logits then differ by ~1e-5.
 
-The token ids are ours (pad 0, decoder start = BOS 2, EOS 3: what the translator reads); a
+The token ids are ours (pad 0, decoder start = BOS 2, EOS 3: what the translator reads). A
 checkpoint with the OPUS-MT layout (EOS 0, pad = decoder start = the last id) is renumbered to
 ours on import (`opus_order`), another layout refused, naming the ids. The exported
 vocabulary is what `MarianTokenizer` reads: `source.spm` and `target.spm` (here one
@@ -47,7 +47,9 @@ from transformer.huggingface.mapping import (
 from transformer.model.config import TransformerConfig
 
 log = logging.getLogger("transformer")
-SOURCE_SPM, TARGET_SPM, VOCAB_JSON = "source.spm", "target.spm", "vocab.json"
+SOURCE_SPM = "source.spm"
+TARGET_SPM = "target.spm"
+VOCAB_JSON = "vocab.json"
 PADDING_PIECE = "<padding_{}>"  # vocab.json's name of a padded vocabulary's row past the pieces
 NEVER = -1e9  # a logit bias no token wins with
 HF_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which Marian's layers keep
@@ -61,8 +63,8 @@ def opus_order(hf: dict) -> np.ndarray | None:
     """Our id i's Marian id, where the checkpoint numbers them as OPUS-MT does (EOS 0, pad =
     decoder start = the last id): ours pad 0 and BOS 2 both read Marian's pad row (the
     decoder's start), unk 1 stays, EOS 3 is its 0, and its pieces 2.. follow from 4, so our
-    vocabulary is one longer. None where the ids are ours already (pad 0, start 2, EOS 3);
-    another layout is refused naming the three ids."""
+    vocabulary is one longer. None where the ids are ours already (pad 0, start 2, EOS 3).
+    Another layout is refused naming the three ids."""
     ids = (hf.get("pad_token_id"), hf.get("decoder_start_token_id"), hf.get("eos_token_id"))
     if ids == (PAD_ID, BOS_ID, EOS_ID):
         return None
@@ -74,13 +76,13 @@ def opus_order(hf: dict) -> np.ndarray | None:
 
 
 def split_order(d_model: int) -> tuple[np.ndarray, np.ndarray]:
-    """(to_hf, to_ours): Marian's feature j is our feature to_hf[j]; ours i is its to_ours[i]."""
+    """(to_hf, to_ours): Marian's feature j is our feature to_hf[j]. Ours i is its to_ours[i]."""
     to_hf = np.concatenate([np.arange(0, d_model, 2), np.arange(1, d_model, 2)])
     return to_hf, np.argsort(to_hf)
 
 
 def _reordered(hf: str, ours: str, d_axis: int, d_model: int, to_ours=None, to_hf=None):
-    """One tensor whose axis `d_axis` is D, reordered between the layouts; then `to_ours`
+    """One tensor whose axis `d_axis` is D, reordered between the layouts. Then `to_ours`
     (numpy array -> array) and back with `to_hf`."""
     to_hf_order, to_ours_order = split_order(d_model)
     to_ours = to_ours or (lambda a: a)
@@ -91,7 +93,9 @@ def _reordered(hf: str, ours: str, d_axis: int, d_model: int, to_ours=None, to_h
 
 
 def _attention(hf: str, ours: str, cfg: TransformerConfig) -> list[Tensors]:
-    n, h, d = cfg.num_heads, cfg.d_k, cfg.d_model
+    n = cfg.num_heads
+    h = cfg.d_k
+    d = cfg.d_model
     out = []
     for name, proj in (("query", "q_proj"), ("key", "k_proj"), ("value", "v_proj")):
         out += [_reordered(f"{hf}.{proj}.weight", f"{ours}/{name}/kernel", 1, d,
@@ -230,7 +234,8 @@ class Marian:
         for stack, count in (("encoder", cfg.num_encoder_layers),
                              ("decoder", cfg.num_decoder_layers)):
             for i in range(count):
-                hf, ours = f"model.{stack}.layers.{i}", f"{stack}/layers_{i}"
+                hf = f"model.{stack}.layers.{i}"
+                ours = f"{stack}/layers_{i}"
                 out += _attention(f"{hf}.self_attn", f"{ours}/self_attention", cfg)
                 out += _layer_norm(f"{hf}.self_attn_layer_norm", f"{ours}/norm_attention", d)
                 if stack == "decoder":
@@ -280,8 +285,8 @@ def read_vocabulary(hf_dir: str, hf: dict, eos_ids: Sequence[int] = ()):
     """The run's vocabulary from `MarianTokenizer`'s files: where they are one SentencePiece
     model whose own ids `vocab.json` lists (as `write_vocabulary` writes them), that model
     with config.json's `vocab_size` rows (more where a padded run's export counts rows past
-    the pieces, which vocab.json may list as `PADDING_PIECE`s);
-    with OPUS-MT's ids, `source.spm` as a `tokenizer.json` with our ids (`opus_vocabulary`);
+    the pieces, which vocab.json may list as `PADDING_PIECE`s).
+    With OPUS-MT's ids, `source.spm` as a `tokenizer.json` with our ids (`opus_vocabulary`);
     ValueError naming the file otherwise. It ends texts at `eos_ids` (the checkpoint's ids:
     generate's ends) too."""
     from transformer.data.tokenizer import Tokenizer
@@ -312,9 +317,9 @@ def opus_vocabulary(source_spm: str, vocab_json: str, order: np.ndarray,
                     eos_ids: Sequence[int] = ()):
     """OPUS-MT's source vocabulary with our ids (`opus_order`): `source.spm`'s segmentation
     (its normaliser, pieces and scores, as `transformers` converts a SentencePiece model) over
-    `vocab.json`'s pieces renumbered; pieces only the target side has get a score no
+    `vocab.json`'s pieces renumbered. Pieces only the target side has get a score no
     segmentation picks, as control pieces do. Encodes a source as `MarianTokenizer` does
-    without its Moses punctuation normaliser; ends texts at `eos_ids` (ours) too."""
+    without its Moses punctuation normaliser. Ends texts at `eos_ids` (ours) too."""
     from transformers.convert_slow_tokenizer import SpmConverter, import_protobuf
 
     from transformer.data.tokenizer import HuggingFaceTokenizer

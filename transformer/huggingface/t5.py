@@ -12,7 +12,7 @@ which keeps export bit-exact (folding 1/sqrt(d_k) into the query kernel instead 
 on the way in and out).
 
 The bias table lives in the first layer of each stack (`relative_attention_bias`
-[num_buckets, N]) and every layer of the stack adds it; ours is the stack's
+[num_buckets, N]) and every layer of the stack adds it. Ours is the stack's
 `relative_bias/embedding` (`blocks.RelativeBias`), bidirectional buckets in the encoder,
 causal in the decoder. The decoder starts from pad (id 0: `bos_id=0`), ends at EOS (1).
 
@@ -29,7 +29,7 @@ own `lm_head.weight`; `transformers` 5 writes `tie_word_embeddings: true` with
 `scale_decoder_outputs: false` and saves `lm_head.weight` only where it differs from the
 embedding, so a checkpoint without it is read tied and unscaled (`tie_output_embedding=True`)
 and exported so again. The original T5 (a tied head scaled by d_model^-0.5, which
-`transformers` 5 reads as `scale_decoder_outputs` true) is refused in one line; its ReLU
+`transformers` 5 reads as `scale_decoder_outputs` true) is refused in one line. Its ReLU
 feed-forward is read. Training-time differences that change no logits: T5 also drops out after
 each stack's final norm, and its one `dropout_rate` is also its attention and feed-forward
 dropout (an import sets ours to it; an export writes `model.dropout_rate`).
@@ -164,7 +164,8 @@ class T5:
 
     @staticmethod
     def tensors(cfg: TransformerConfig) -> list[Tensors]:
-        n, h = cfg.num_heads, cfg.d_k
+        n = cfg.num_heads
+        h = cfg.d_k
         gated = cfg.activation in GATED.values()
         out = [same("shared.weight", "embedding/embedding")]
         if not cfg.tie_output_embedding:
@@ -175,7 +176,8 @@ class T5:
             out += [same(first, f"{stack}/relative_bias/embedding"),
                     same(f"{stack}.final_layer_norm.weight", f"{stack}/norm/scale")]
             for i in range(count):
-                hf, ours = f"{stack}.block.{i}.layer", f"{stack}/layers_{i}"
+                hf = f"{stack}.block.{i}.layer"
+                ours = f"{stack}/layers_{i}"
                 out += _attention(f"{hf}.0.SelfAttention", f"{ours}/self_attention", n, h)
                 out.append(same(f"{hf}.0.layer_norm.weight", f"{ours}/norm_attention/scale"))
                 if stack == "decoder":

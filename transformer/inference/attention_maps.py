@@ -105,7 +105,7 @@ class ImageAttention:
     probability: float
 
     def _pooled_row(self, matrix: np.ndarray) -> np.ndarray:
-        """[..., S, S] -> [..., G, G]: the class token's row over the patches; without one
+        """[..., S, S] -> [..., G, G]: the class token's row over the patches. Without one
         (pooling "gap"), the mean of the patches' rows, what the pooled state draws on."""
         row = matrix[..., 0, 1:] if self.has_class_token else matrix.mean(-2)
         return row.reshape(*row.shape[:-1], self.grid, self.grid)

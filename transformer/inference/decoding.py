@@ -4,27 +4,27 @@
 `decode_fn(tokens [R, 1], cache) -> (logits [R, 1, V], cache)` runs one decoder step for R rows
 (R = B for greedy, B * W for beam search, rows of one sentence adjacent). The first call receives
 the BOS tokens and the freshly initialised cache (it may add entries, e.g. the projected encoder
-output); later calls run inside `lax.while_loop`.
+output). Later calls run inside `lax.while_loop`.
 
 Beam search follows the paper (section 6.1): beam size W, length penalty
 lp(Y) = ((5 + |Y|) / 6)^alpha (Wu et al., 2016) applied to finished hypotheses, the maximum
 output length input length + 50 per sentence, and early termination: a sentence stops when no
 alive hypothesis can still beat its best finished one. Each step expands the W alive hypotheses
-into their 2W best continuations; those among the best W that end in EOS finish (as in fairseq),
+into their 2W best continuations. Those among the best W that end in EOS finish (as in fairseq),
 the best W that do not stay alive. Every search also ends a hypothesis at any id of `stop_ids`
 (the further ends an imported checkpoint's generation config lists, as `transformers`'
-`generate` with a list `eos_token_id`); the end forced at the length limit is `eos_id` (as
+`generate` with a list `eos_token_id`). The end forced at the length limit is `eos_id` (as
 Marian's `forced_eos_token_id`).
 
 Sampling (language models) draws each token from softmax(logits / temperature), restricted to
 the `top_k` most likely tokens and to the smallest set whose probability reaches `top_p`
-(nucleus sampling, Holtzman et al., 2019); temperature 0 is greedy. Each row has its own key,
+(nucleus sampling, Holtzman et al., 2019). Temperature 0 is greedy. Each row has its own key,
 so a row's tokens do not depend on the other rows of its batch.
 
 Staged searches: the caller may start with a short self-attention cache and give the lengths
 it grows through (`stage_lengths`) and a `grow_cache(cache, length)` (`transformer.grow_cache`). The
 search then runs one `lax.while_loop` per length, so that each step attends over, and beam
-search reorders, only the current stage's cache positions, not all T; the tokens are the same as
+search reorders, only the current stage's cache positions, not all T. The tokens are the same as
 with the whole cache from the start. A caller may also run a beam search in parts itself
 (`beam_search_start`, then `beam_search_steps` up to a step, growing the cache when
 `stage_end` says) and between them go on with only some of the sentences (`beam_search_open`
@@ -133,13 +133,14 @@ def _token_by_token(decode_fn: DecodeFn, cache: Any, logits: jax.Array,
                     eos_ids: Sequence[int], cache_lengths: Sequence[int] = (),
                     grow_cache: GrowFn | None = None) -> jax.Array:
     """Tokens [B, T]: `choose(logits [B, 1, V], step) -> [B]` picks each row's next token from
-    the last logits, `decode_fn` feeds it back; a row stops at its first id of `eos_ids` (zeros
+    the last logits, `decode_fn` feeds it back. A row stops at its first id of `eos_ids` (zeros
     after), the loop when every row has or at T tokens."""
     batch = logits.shape[0]
     ends = jnp.asarray(tuple(eos_ids), jnp.int32)  # a few static ids
 
     def body(state):
-        step, finished = state["step"], state["finished"]
+        step = state["step"]
+        finished = state["finished"]
         token = jnp.where(finished, 0, choose(state["logits"], step))
         logits, cache = decode_fn(token[:, None], state["cache"])
         return {"step": step + 1, "tokens": state["tokens"].at[:, step].set(token),
@@ -187,7 +188,7 @@ def beam_search(decode_fn: DecodeFn, cache: Any, *, bos: jax.Array, max_lengths:
 
     `decode_fn` works on B * W rows (sentence b's beams are rows b*W .. b*W+W-1); `bos` [B]
     holds the start tokens. The cache leaves with B * W rows along `cache_batch_axis` (1 when
-    layers are scanned) follow their beams at every step; with W > 1 those with B rows (the
+    layers are scanned) follow their beams at every step. With W > 1 those with B rows (the
     encoder keys and values that a sentence's beams share: `Transformer.decode` with one encoder row
     per sentence) stay in place.
     `cache_lengths` and `grow_cache`: a staged search (module docstring). A caller that runs
@@ -281,7 +282,8 @@ class _BeamRules:
         """The W alive hypotheses expanded into their 2W best continuations: those among the
         best W that end in EOS (or an id of `stop_ids`) finish, the best W that do not stay
         alive and take a step."""
-        beam_size, step = self.beam_size, state["step"]
+        beam_size = self.beam_size
+        step = state["step"]
         batch = state["alive_logprobs"].shape[0]
         logprobs = _next_logprobs(state["logits"], step, self.max_lengths,
                                   self.eos_id)  # [B, W, V]
@@ -289,7 +291,8 @@ class _BeamRules:
         candidates = state["alive_logprobs"][..., None] + logprobs
         candidates = candidates.reshape(batch, beam_size * vocab)
         top_logprobs, top_ids = jax.lax.top_k(candidates, 2 * beam_size)  # [B, 2W]
-        origin, token = top_ids // vocab, (top_ids % vocab).astype(jnp.int32)
+        origin = top_ids // vocab
+        token = (top_ids % vocab).astype(jnp.int32)
         seqs = jnp.take_along_axis(state["alive_seqs"], origin[..., None], axis=1)
         seqs = seqs.at[:, :, step].set(token)
         is_eos = jnp.isin(token, jnp.asarray((self.eos_id, *self.stop_ids), jnp.int32))
@@ -327,7 +330,7 @@ def filter_logits(logits: jax.Array, *, temperature: float, top_k: int = 0,
                   top_p: float = 1.0) -> jax.Array:
     """Logits [..., V] / temperature with everything outside the top-k (0: all) and outside
     the nucleus of probability `top_p` (1.0: all) set to NEG_INF. The most likely token always
-    stays; ties at the k-th value are all kept."""
+    stays. Ties at the k-th value are all kept."""
     logits = logits.astype(jnp.float32) / temperature
     if top_k > 0:
         kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
@@ -349,7 +352,7 @@ def sample(decode_fn: DecodeFn, cache: Any, logits: jax.Array, *, keys: jax.Arra
     or id of `stop_ids` (the further ends an imported checkpoint lists), zeros after.
 
     `logits` [B, 1, V] are the prompt's last (from the call that filled the cache), `keys` [B]
-    one PRNG key per row; token i of a row is drawn with `fold_in(key, i)`. Temperature 0 is
+    one PRNG key per row. Token i of a row is drawn with `fold_in(key, i)`. Temperature 0 is
     greedy (top_k and top_p then change nothing). `pad_id` is never drawn (None: every id may
     be, for a vocabulary without a padding token).
     """

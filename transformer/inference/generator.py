@@ -70,7 +70,8 @@ class Generator:
         if room < 0 and self.model_config.positional in ("sinusoidal", "learned"):
             raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt "
                              f"within model.max_len={self.model_config.max_len}")
-        encoded, cut = [], []
+        encoded = []
+        cut = []
         for number, ids in enumerate(self.tokenizer.encode(prompts), 1):
             if self.model_config.positional in ("sinusoidal", "learned") and len(ids) > room:
                 cut.append(number)
@@ -89,9 +90,9 @@ class Generator:
                  top_p: float | None = None, seed: int = 0, batch_size: int = 32,
                  first_index: int = 0, show_progress: bool = True) -> list[str]:
         """Each prompt followed by its continuation, in order. Unset options come from the
-        config's `generate.*`; temperature 0 is greedy. Prompt i draws with the key of index
+        config's `generate.*`. Temperature 0 is greedy. Prompt i draws with the key of index
         `first_index + i` (a stream passes its position, so its chunks give what one call
-        gives); progress on stderr for more than one batch unless `show_progress` is False."""
+        gives). Progress on stderr for more than one batch unless `show_progress` is False."""
         defaults = self.config.get("generate") or ConfigDict(dict(
             max_new_tokens=64, temperature=1.0, top_k=0, top_p=1.0))
         options = dict(
@@ -135,13 +136,13 @@ class Generator:
     def generate_ids(self, prompts: list[list[int]], *, prompt_indices: list[int], seed: int,
                      max_new_tokens: int, temperature: float, top_k: int, top_p: float,
                      length: int | None = None, rows: int | None = None) -> np.ndarray:
-        """New tokens [len(prompts), max_new_tokens] after prompts (piece ids, any lengths);
-        zeros after a row's end (its first id of `eos_ids`). Prompt `prompt_indices[i]` draws
+        """New tokens [len(prompts), max_new_tokens] after prompts (piece ids, any lengths).
+        Zeros after a row's end (its first id of `eos_ids`). Prompt `prompt_indices[i]` draws
         with `fold_in(key(seed), index)`.
 
         The prompts are read after `prompt_start`, padded to `length` (default: the bucket of
         the longest), and the batch to `rows` (default: the next power of two) with copies of
-        the first prompt; neither changes any prompt's tokens.
+        the first prompt. Neither changes any prompt's tokens.
         """
         start = list(self.start)
         if not start and not all(prompts):
@@ -219,7 +220,7 @@ def _map_layers(fn, cache: dict) -> dict:
 def _sample_fn(model: Transformer, prefix_lm: bool, max_new_tokens: int, temperature: float,
                top_k: int, top_p: float, stop_ids: tuple[int, ...]):
     """A jitted `(params, inputs [B, P], lengths [B], keys [B]) -> tokens [B, max_new_tokens]`:
-    row b's decoder input is `inputs[b, :lengths[b]]` (its start and prompt), then padding; a
+    row b's decoder input is `inputs[b, :lengths[b]]` (its start and prompt), then padding. A
     row ends at EOS or an id of `stop_ids`."""
     batch_axis = 1 if model.config.scan_layers else 0  # of the cache's layer leaves
 

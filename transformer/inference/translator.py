@@ -75,7 +75,8 @@ class Translator:
     def encode(self, sentences: list[str]) -> list[list[int]]:
         """Piece ids + EOS per sentence, truncated to the model's max_len (one warning line
         for all: how many, which, and why)."""
-        encoded, cut = [], []
+        encoded = []
+        cut = []
         for number, ids in enumerate(self.tokenizer.encode(sentences), 1):
             if len(ids) + 1 > self.max_source_length:
                 cut.append(number)
@@ -129,7 +130,7 @@ class Translator:
 
     def translate_ids(self, sources: list[list[int]], *, beam_size: int, alpha: float,
                       max_extra_length: int) -> np.ndarray:
-        """Best hypotheses [B, L] for source id lists (EOS included); zeros after the end. The
+        """Best hypotheses [B, L] for source id lists (EOS included). Zeros after the end. The
         batch is padded to a power of two rows (copies of the first source, dropped after),
         so batches of any size compile a few programs per bucket, not one per size."""
         longest = max(len(s) for s in sources)
@@ -253,7 +254,8 @@ class _BeamSearchDroppingDecided:
     def _parts(self, lengths: tuple[int, ...]) -> list[tuple[int, int]]:
         """(cache length, step to run until) of each part: every DROP_CHECK steps, and at the
         end of each cache length (`decoding.stage_end`)."""
-        parts, done = [], 0
+        parts = []
+        done = 0
         for length in lengths:
             end = decoding.stage_end(length, self.max_length)
             untils = [*range(done - done % DROP_CHECK + DROP_CHECK, end, DROP_CHECK), end]
@@ -326,7 +328,7 @@ def load(workdir: str, *, step: int | None = None, average: int | None = None) -
 
 
 def from_run(run: Run) -> Translator:
-    """The translator of an opened run; one line unless it is a translation model."""
+    """The translator of an opened run. One line unless it is a translation model."""
     architecture = run.model.architecture
     if architecture != "encoder_decoder":
         raise ValueError(f"{run.workdir} holds a language model (model.architecture="

@@ -33,7 +33,7 @@ from transformer.ops import (
 class Weights(nn.Module):
     """A kernel (and optionally a bias) with logical axis names, returned as arrays.
 
-    The pure functions do the arithmetic; this module only owns the parameters, so paths read
+    The pure functions do the arithmetic. This module only owns the parameters, so paths read
     `<name>/kernel` and `<name>/bias` as in Flax's Dense layers.
     """
 
@@ -57,7 +57,7 @@ class Weights(nn.Module):
 
 
 class Norm(nn.Module):
-    """LayerNorm (scale and bias) or RMSNorm (scale) over D; the scale applied is
+    """LayerNorm (scale and bias) or RMSNorm (scale) over D. The scale applied is
     scale + `norm_scale_offset` (Gemma's 1 + w), initialised to 1."""
 
     config: TransformerConfig
@@ -82,7 +82,7 @@ class MultiHeadAttention(nn.Module):
 
     `__call__(x [B,T,D], kv_inputs [B,S,D] or None for self-attention, ...) -> (y [B,T,D],
     cache)`. With a cache, self-attention writes the new keys/values at `cache_index` and
-    attends over the whole cache; cross-attention projects `kv_inputs` once and reuses them
+    attends over the whole cache. Cross-attention projects `kv_inputs` once and reuses them
     (with a cache, `kv_inputs` may hold one row per W rows of x: beams sharing a sentence).
     A cache holds keys and values heads first ([B, K, S, H]), and attention over it is
     `attention.cache_attention` (not `attention_fn`: a decoding step's layout, see there).
@@ -93,7 +93,7 @@ class MultiHeadAttention(nn.Module):
     Self-attention beyond the paper (`config.attention_kind`, `window`): a local layer attends
     to the `window` previous positions (`causal`) or `window` on each side, and decodes from a
     ring buffer of the last `window` keys (`kv_cache.write_ring`; the first
-    `attention_global_tokens` positions, attended from everywhere, in a second one); a linear
+    `attention_global_tokens` positions, attended from everywhere, in a second one). A linear
     layer runs `linear_attention` and decodes from its recurrent state. Both read `segments` [B, T]
     (packed sequence ids, 0 = padding; decoding: 0 = a token not to remember; None: one
     sequence of real tokens) and a prefix LM's `in_prefix` [B, T].
@@ -111,7 +111,11 @@ class MultiHeadAttention(nn.Module):
                  deterministic=True, bias=None):
         cfg = self.config
         dtype = cfg.compute_dtype
-        d, n, kh, h, hv = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_k, cfg.d_v
+        d = cfg.d_model
+        n = cfg.num_heads
+        kh = cfg.num_kv_heads
+        h = cfg.d_k
+        hv = cfg.d_v
         is_cross = kv_inputs is not None
 
         def project(name, spec, inputs, shape, axes, num_in_axes=1):
@@ -123,7 +127,8 @@ class MultiHeadAttention(nn.Module):
 
         q = project("query", "BTD,DNH->BTNH", x, (d, n, h), ("embed", "heads", "head_dim"))
         if is_cross and cache is not None and cache.get("key") is not None:
-            k, v = cache["key"], cache["value"]  # encoder keys/values projected once
+            k = cache["key"]  # encoder keys/values projected once
+            v = cache["value"]
         else:  # [B, S, K, H]; a cross-attention cache keeps them heads first
             source = kv_inputs if is_cross else x
             k = project("key", "BSD,DKH->BSKH", source, (d, kh, h),
@@ -144,7 +149,7 @@ class MultiHeadAttention(nn.Module):
         return out, cache
 
     def _linear(self, q, k, v, cache, segments, in_prefix):
-        """Linear self-attention; with a cache, from and into its recurrent state."""
+        """Linear self-attention. With a cache, from and into its recurrent state."""
         feature_map = self.config.linear_feature_map
         if cache is None:
             return linear_attention.linear_attention(
@@ -171,7 +176,8 @@ class MultiHeadAttention(nn.Module):
             new_positions = jnp.broadcast_to(cache_index + jnp.arange(q.shape[1]), q.shape[:2])
             if segments is not None:  # tokens not to remember (padding) get no position
                 new_positions = jnp.where(segments != 0, new_positions, -1)
-            parts, positions = [cache], [cache["position"]]  # the ring buffer, then
+            parts = [cache]  # the ring buffer, then
+            positions = [cache["position"]]
             if "global" in cache:  # the global tokens that have left it, then the new tokens
                 held = cache["global"]
                 seen = (held["position"][:, :, None] == cache["position"][:, None]).any(-1)
@@ -188,10 +194,13 @@ class MultiHeadAttention(nn.Module):
             if "global" in cache:  # keeps the first attention_global_tokens positions
                 buffer["global"] = kv_cache.write_ring(cache["global"], k, v, jnp.where(
                     new_positions < cfg.attention_global_tokens, new_positions, -1))
-            cache, k, v = buffer, k_all, v_all
+            cache = buffer
+            k = k_all
+            v = v_all
         elif cache is not None:
             cache = kv_cache.write_cache(cache, k, v, cache_index)
-            k, v = cache["key"], cache["value"]
+            k = cache["key"]
+            v = cache["value"]
         elif window is not None:
             kwargs["local_window_size"] = window
             if cfg.attention_global_tokens:
@@ -234,7 +243,7 @@ class MultiHeadAttention(nn.Module):
     def _context_attention(self, q, k, v, window, segments, in_prefix, deterministic):
         """Training's self-attention with the positions split over the mesh's "context" axis
         (`ops/ring.py`), under the mask that `causal`, the window, the global tokens,
-        `segments` and `in_prefix` imply (as Encoder and Decoder build it); a decoder's rows
+        `segments` and `in_prefix` imply (as Encoder and Decoder build it). A decoder's rows
         are in `ops/ring.py`'s load-balanced order where `context_load_balanced` says so."""
         cfg = self.config
         if not deterministic and cfg.attention_dropout_rate > 0.0:
@@ -270,7 +279,8 @@ class FeedForward(nn.Module):
     def __call__(self, x, *, deterministic=True):
         cfg = self.config
         dtype = cfg.compute_dtype
-        d, f = cfg.d_model, cfg.d_ff
+        d = cfg.d_model
+        f = cfg.d_ff
         ff_in, bias_in = Weights((d, f), ("embed", "mlp"), use_bias=cfg.use_bias, name="ff_in")()
         ff_gate = None
         if cfg.activation in layers.GATED:
@@ -309,8 +319,8 @@ def _pre_norm(x, norm: Norm):
 
 
 def _residual(x, y, norm: Norm, deterministic: bool, post: Norm | None = None):
-    """x + Dropout(y), normalised after (post-LN) or left as is (pre-LN normalised y's input);
-    y normalised first by `post` where `post_sublayer_norm` (Gemma 2)."""
+    """x + Dropout(y), normalised after (post-LN) or left as is (pre-LN normalised y's input).
+    Y normalised first by `post` where `post_sublayer_norm` (Gemma 2)."""
     y = y if post is None else post(y)
     y = nn.Dropout(norm.config.dropout_rate)(y, deterministic=deterministic)
     x = x + y.astype(x.dtype)
@@ -334,7 +344,8 @@ class EncoderBlock(nn.Module):
         cfg = self.config
         attend = MultiHeadAttention(cfg, self.attention_fn, use_rope=cfg.positional == "rope",
                                     window=self.window, name="self_attention")
-        norm_attention, norm_ffn = Norm(cfg, name="norm_attention"), Norm(cfg, name="norm_ffn")
+        norm_attention = Norm(cfg, name="norm_attention")
+        norm_ffn = Norm(cfg, name="norm_ffn")
         y, _ = attend(_pre_norm(x, norm_attention), mask=mask, q_positions=positions,
                       kv_positions=positions, segments=segments, deterministic=deterministic,
                       bias=bias)
@@ -431,7 +442,7 @@ def pool(encoded: jax.Array, valid: jax.Array, pooling: str) -> jax.Array:
 
 
 class ClassifierHead(nn.Module):
-    """pooled [B, D] -> logits [B, num_classes] float32; kernel and bias start at zero (the
+    """pooled [B, D] -> logits [B, num_classes] float32. Kernel and bias start at zero (the
     ViT paper's zero-initialised head), so the first logits are uniform."""
 
     config: TransformerConfig

@@ -40,7 +40,7 @@ REMAT_POLICIES = {
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-    """Hyperparameters; the defaults are the paper's base model (Table 3, first row)."""
+    """Hyperparameters. The defaults are the paper's base model (Table 3, first row)."""
 
     architecture: str = "encoder_decoder"
     vocab_size: int = 37000
@@ -372,7 +372,7 @@ class TransformerConfig:
 
     @classmethod
     def from_dict(cls, values) -> TransformerConfig:
-        """From a mapping such as `config.model`; unknown keys are an error naming them."""
+        """From a mapping such as `config.model`. Unknown keys are an error naming them."""
         values = dict(values)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)

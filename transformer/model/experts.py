@@ -3,9 +3,9 @@ statistics its layers record, over the pure functions of `transformer.ops.moe`.
 
 Parameters (docs/architecture.md): `moe/router` [D, E] (float32 arithmetic), `moe/ff_in`,
 `moe/ff_gate` (gated activations) [E, D, F], `moe/ff_out` [E, F, D], and with `use_bias`
-`moe/bias_in` [E, F], `moe/bias_out` [E, D]; logical axes `expert`, `embed`, `mlp`. Applied
+`moe/bias_in` [E, F], `moe/bias_out` [E, D]. Logical axes `expert`, `embed`, `mlp`. Applied
 with `mutable=["moe"]`, each routed layer records its router's statistics (`statistics` reads
-them); otherwise nothing is recorded.
+them). Otherwise nothing is recorded.
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ class MixtureOfExperts(nn.Module):
     def __call__(self, x, *, segments=None, deterministic=True):
         cfg = self.config
         dtype = cfg.compute_dtype
-        e, d, f = cfg.num_experts, cfg.d_model, cfg.d_ff
+        e = cfg.num_experts
+        d = cfg.d_model
+        f = cfg.d_ff
         b, t, _ = x.shape
 
         def weight(name, shape, axes, init):

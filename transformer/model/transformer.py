@@ -1,10 +1,10 @@
 """The Transformer (encoder-decoder, encoder-only, decoder-only) as Flax Linen modules: the
 embeddings, the stacks of `blocks` (scanned and rematerialised as configured), the output
 projection and the decoding cache. Shapes are written in the package's legend
-(`transformer/__init__.py`); the hyperparameters are a `TransformerConfig` (`model/config.py`).
+(`transformer/__init__.py`). The hyperparameters are a `TransformerConfig` (`model/config.py`).
 
-Every parameter carries logical axis names (`parallel/sharding.py` maps them onto the mesh);
-its path is a contract (docs/architecture.md; with `scan_layers` one `layers` subtree, L first).
+Every parameter carries logical axis names (`parallel/sharding.py` maps them onto the mesh).
+Its path is a contract (docs/architecture.md; with `scan_layers` one `layers` subtree, L first).
 
 `Transformer(inputs, targets)` returns the logits; `Transformer.output_head` the final hidden
 states and the output projection unapplied (`OutputHead`). Architecture "classifier" is the
@@ -52,7 +52,7 @@ def _stack(block: type[nn.Module], cfg: TransformerConfig, num_layers: int, *,
 
     Its call is `(x, *args) -> (x, per-layer output)` with every argument positional;
     `deterministic` is static under remat. Scanned, the arguments named in `per_layer_args`
-    have a leading L axis (one slice per layer); the others are the same for every layer.
+    have a leading L axis (one slice per layer). The others are the same for every layer.
     """
     args = list(inspect.signature(block.__call__).parameters)[2:]  # after self and x
     if cfg.remat_policy != "none":
@@ -73,7 +73,7 @@ def _layer_names(cfg: TransformerConfig, num_layers: int) -> list[str]:
 
 
 def _layers(cfg: TransformerConfig, num_layers: int) -> list[tuple[str, int | None]]:
-    """(subtree name, local window or None) of each layer; scanned ones share one window."""
+    """(subtree name, local window or None) of each layer. Scanned ones share one window."""
     return [(name, cfg.layer_window(i))
             for i, name in enumerate(_layer_names(cfg, num_layers))]
 
@@ -247,9 +247,9 @@ class Transformer(nn.Module):
     `__call__(inputs [B,S], targets [B,T]) -> logits [B,T,V]` (teacher forcing: the decoder
     reads `targets` shifted right); `output_head`, with the same arguments, returns the
     `OutputHead` (hidden states and output kernel) for a loss that projects by chunks.
-    Encoder-only returns [B,S,V] from `inputs`; decoder-only models `targets` (inputs may be
-    None); the classifier returns `classify(inputs)` [B, num_classes] (targets unread).
-    Token id 0 is padding; packed rows pass positions and segment ids (0 = padding).
+    Encoder-only returns [B,S,V] from `inputs`. Decoder-only models `targets` (inputs may be
+    None). The classifier returns `classify(inputs)` [B, num_classes] (targets unread).
+    Token id 0 is padding. Packed rows pass positions and segment ids (0 = padding).
     """
 
     config: TransformerConfig
@@ -278,7 +278,7 @@ class Transformer(nn.Module):
             self.head = ClassifierHead(cfg)
 
     def __call__(self, inputs, targets, **kwargs) -> jax.Array:
-        """Logits [B, T, V] ([B, S, V] encoder-only); the arguments of `output_head`. The
+        """Logits [B, T, V] ([B, S, V] encoder-only). The arguments of `output_head`. The
         classifier: `classify(inputs, **kwargs)`."""
         if self.config.architecture == "classifier":
             return self.classify(inputs, **kwargs)
@@ -341,7 +341,7 @@ class Transformer(nn.Module):
         kept once per sentence, not once per beam.
 
         Prefix LM (decoder-only): `targets_prefix` [B, T] marks the targets that belong to the
-        prefix (nonzero); the decoder inputs of the prefix (BOS and the prefix tokens) attend to
+        prefix (nonzero). The decoder inputs of the prefix (BOS and the prefix tokens) attend to
         each other in both directions, the rest causally. With a cache it marks the decoder
         input tokens of this call that form the prefix (a prompt prefilled in one call).
         Incremental decoding keeps no padding (`targets_segmentation` 0, default id 0: the
@@ -407,16 +407,18 @@ def _full_cache_length(config: TransformerConfig, cache: Cache) -> int | None:
 def init_cache(config: TransformerConfig, batch_size: int, max_length: int) -> Cache:
     """An empty decoding cache for up to `max_length` positions: per decoder layer the
     self-attention's, in the compute dtype: keys [B, K, S, H] and values [B, K, S, Hv], heads
-    first (S = max_length) for a global layer; for a local layer of window w a ring buffer of the
+    first (S = max_length) for a global layer. For a local layer of window w a ring buffer of the
     last min(w, max_length) positions (keys, values and their "position" [B, S], -1 = empty;
-    with `attention_global_tokens` a second one, "global", of the first positions);
-    for a linear layer the recurrent state [B, K, H, Hv] and normaliser [B, K, H] (float32).
+    with `attention_global_tokens` a second one, "global", of the first positions).
+    For a linear layer the recurrent state [B, K, H, Hv] and normaliser [B, K, H] (float32).
     An empty cross-attention entry (filled with the projected encoder output by the first
     `decode` call), and `index`, the number of positions written."""
     _check_length(config, max_length, "decode")
     dtype = config.compute_dtype
     lead = (config.num_decoder_layers,) if config.scan_layers else ()
-    k, h, hv = config.num_kv_heads, config.d_k, config.d_v
+    k = config.num_kv_heads
+    h = config.d_k
+    hv = config.d_v
 
     def layer(window):
         if config.attention_kind == "linear":

@@ -13,7 +13,7 @@ image as a sequence of patch tokens through the Transformer's own encoder blocks
       -> logits [B, num_classes] float32
 
 The paper's model is `norm_position="pre"`, `activation="gelu"`, `positional="learned"`
-(configs/vit.py); the blocks read these from the config like the text models do, and the stack
+(configs/vit.py). The blocks read these from the config like the text models do, and the stack
 is `model`'s (scan and remat as configured). The attention implementations (`auto`, chunked,
 cuDNN) apply unchanged: there is no mask, every token attends to every token.
 
@@ -24,7 +24,7 @@ whose output grid is read row by row.
 
 Logical axes are the rules table's: the patch vector's axis is unnamed (replicated), D is
 `embed`, S is `length`, and the classes take `vocab` (a classifier's output vocabulary).
-Shapes in the package's legend; here G is the patch grid's side, P the patch size and
+Shapes in the package's legend. Here G is the patch grid's side, P the patch size and
 Q = P*P*num_channels the length of a flattened patch.
 """
 
@@ -56,7 +56,7 @@ def mirror_averaged_logits(logits_fn: Callable[[jax.Array], jax.Array],
                            images: jax.Array) -> jax.Array:
     """Test-time flip: the log of the mean class probabilities of `images` [B, H, W, C] and
     their mirror images (columns reversed), [B, num_classes] float32. `logits_fn` maps images
-    to logits; it runs once on the 2B images. Usable as logits: their softmax is that mean."""
+    to logits. It runs once on the 2B images. Usable as logits: their softmax is that mean."""
     logits = logits_fn(jnp.concatenate([images, images[:, :, ::-1]]))
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     plain, mirrored = jnp.split(log_probs, 2)
@@ -73,8 +73,8 @@ def resize_position_embeddings(posemb: jax.Array, old_grid: int | tuple[int, int
                                has_class_token: bool) -> jax.Array:
     """Position embeddings [S, D] of a `old_grid` patch grid resized to `new_grid` by bilinear
     interpolation over the 2-D grid (the paper's section 3.2, fine-tuning at a higher
-    resolution); a class token's row (first) is kept as it is. Grids are a side or (rows,
-    columns); returns [S', D]."""
+    resolution). A class token's row (first) is kept as it is. Grids are a side or (rows,
+    columns). Returns [S', D]."""
     old = (old_grid, old_grid) if isinstance(old_grid, int) else tuple(old_grid)
     new = (new_grid, new_grid) if isinstance(new_grid, int) else tuple(new_grid)
     head, grid = (posemb[:1], posemb[1:]) if has_class_token else (posemb[:0], posemb)
@@ -115,7 +115,8 @@ class VisionTransformer(nn.Module):
             raise ValueError(f"images of shape {tuple(images.shape[1:])} given to a model of "
                              f"model.image_size={cfg.image_size}, num_channels="
                              f"{cfg.num_channels}: want {expected}")
-        dtype, d = cfg.compute_dtype, cfg.d_model
+        dtype = cfg.compute_dtype
+        d = cfg.d_model
         patches = patchify(images.astype(dtype), cfg.patch_size)
         kernel, bias = Weights((patches.shape[-1], d), (None, "embed"), name="patch_embedding")()
         x = jnp.einsum("BSQ,QD->BSD", patches, kernel.astype(dtype)) + bias.astype(dtype)

@@ -4,7 +4,7 @@
     Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V            (Vaswani et al., eq. 1)
 
 Shapes are written in the package's legend (`transformer/__init__.py`): q [B, T, N, H],
-k [B, S, K, H], v [B, S, K, Hv]; grouped-query attention views q as [B, T, K, G, H].
+k [B, S, K, H], v [B, S, K, Hv]. Grouped-query attention views q as [B, T, K, G, H].
 
 Masks are boolean, True = attend, and broadcast to [B, N, T, S]. Logits accumulate in float32
 whatever the input dtype (`preferred_element_type`), and the softmax is float32. A query row with
@@ -16,10 +16,10 @@ window is (w, 0)); `global_tokens` g beside a window lets the first g positions 
 attend to and from every position (Longformer's global tokens); `make_local_mask` and
 `make_global_mask` of `transformer.ops.masks` build the same patterns as masks. Linear
 attention (`linear_attention`, Katharopoulos et al., 2020) is importable from here (the
-research API, docs/research-api.md); its home is `transformer.ops.linear_attention`.
+research API, docs/research-api.md). Its home is `transformer.ops.linear_attention`.
 
 Three implementations give the same numbers:
-  "xla"      the formula as einsums; materialises the [B, N, T, S] weights.
+  "xla"      the formula as einsums. Materialises the [B, N, T, S] weights.
   "chunked"  memory-efficient attention in pure JAX (`transformer.ops.chunked`): an online
              softmax over key blocks, memory linear in S in both passes, O(T·w) with a window.
   "cudnn"    cuDNN flash attention through `jax.nn.dot_product_attention` (NVIDIA GPUs).
@@ -65,7 +65,7 @@ def attention_weights(
     global_tokens: int = 0,
     logit_softcap: float | None = None,
 ) -> jax.Array:
-    """softmax(q k^T * scale + bias) over unmasked keys: [B, N, T, S], float32; with
+    """softmax(q k^T * scale + bias) over unmasked keys: [B, N, T, S], float32. With
     `logit_softcap` c the scaled logits are first capped as c * tanh(logits / c) (Gemma 2).
 
     Rows with no unmasked key are all zeros. This is what "xla" attention multiplies V with,
@@ -120,13 +120,13 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     (one row of q per row of the cache only).
 
     q may hold W rows per row of the cache ([B*W, T, N, H], the W rows of one cache row
-    adjacent: a beam search's beams over their sentence's encoder keys and values); they are
+    adjacent: a beam search's beams over their sentence's encoder keys and values). They are
     attended as W*T queries of that row, and `mask` must then be the same for every query
     (broadcastable to [B, N, 1, S]).
 
     The numbers of `dot_product_attention` with k and v in [B, S, K, H]. Heads first, a decoding
     step's two contractions are batched matrix-vector products over each head's contiguous keys
-    and values; over [B, S, K, H] they would first copy the whole cache into this layout, or
+    and values. Over [B, S, K, H] they would first copy the whole cache into this layout, or
     reduce across strided memory, at every step (docs/benchmarks.md: decoding).
     """
     rows, t = q.shape[:2]
@@ -149,12 +149,14 @@ def _cudnn_operands(q, k, v, mask, bias):
     """(q, k, v, bias, mask) as cuDNN takes them: `mask` and `bias` spanning T and S whole
     ([B|1, N|1, T, S]: jax's `check_layout`), and T and S made even where either is given (its
     backward refuses odd lengths with a mask or bias, `check_is_flash_attention`; a batch of
-    256-token rows gives 255-token sources). An added key is masked out; an added query row is
+    256-token rows gives 255-token sources). An added key is masked out. An added query row is
     computed and dropped by the caller (`[:, :T]`)."""
-    t, s = q.shape[1], k.shape[1]
+    t = q.shape[1]
+    s = k.shape[1]
     if mask is None and bias is None:
         return q, k, v, bias, mask
-    pad_t, pad_s = t % 2, s % 2
+    pad_t = t % 2
+    pad_s = s % 2
     q = jnp.pad(q, ((0, 0), (0, pad_t), (0, 0), (0, 0)))
     k, v = (jnp.pad(x, ((0, 0), (0, pad_s), (0, 0), (0, 0))) for x in (k, v))
     if mask is None and pad_s:
@@ -220,7 +222,7 @@ def choose_implementation(q: jax.Array, k: jax.Array, v: jax.Array, *,
     """What implementation="auto" runs: "cudnn" where `cudnn_supports` the inputs (and the
     window, if any, looks back only, without global tokens), else "chunked" from
     `AUTO_CHUNKED_MIN_KEYS` keys on (where the [B, N, T, S] weights of "xla" would bind memory),
-    else "xla"; always "xla" with attention dropout (only it has dropout). Decided at trace
+    else "xla". Always "xla" with attention dropout (only it has dropout). Decided at trace
     time from static shapes and dtypes."""
     if dropout_rate > 0.0:
         return "xla"

@@ -3,10 +3,10 @@ that recomputes the blocks in the backward pass (as flash attention does), so me
 linearly with S in both passes. With a local window the queries are blocked too and each query
 block visits only the key blocks that intersect its band (and those holding global tokens),
 forward and backward: time and memory O(T·w), not O(T·S). `dot_product_attention(...,
-implementation="chunked")` calls `chunked_attention`; its contract is that function's.
+implementation="chunked")` calls `chunked_attention`. Its contract is that function's.
 
-Shapes (legend: `transformer/__init__.py`): q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv];
-blocked, Q query blocks of T' queries and key blocks of C keys.
+Shapes (legend: `transformer/__init__.py`): q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv].
+Blocked, Q query blocks of T' queries and key blocks of C keys.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class BlockPlan:
     """Which key blocks each query block visits (static, from the shapes and the pattern).
 
     Queries form `num_q_blocks` blocks of `q_chunk` (one block of all T without a window), keys
-    `num_k_blocks` blocks of `chunk`; at step j < `visits` query block i visits key block
+    `num_k_blocks` blocks of `chunk`. At step j < `visits` query block i visits key block
     `table[i][j]` (steps with `valid[i][j]` False repeat a block and count nothing). With a
     window a query block visits the key blocks its band reaches and those holding the first
     `global_tokens` keys: work O(T·(w + global_tokens + chunk)), not O(T·S). Rows of global
@@ -125,12 +125,13 @@ def chunked_attention(q, k, v, *, mask=None, bias=None, scale=None,
     """Memory-efficient attention: same contract as `dot_product_attention`, no dropout.
 
     With a window and no bias, only the key blocks that intersect each query block's band, or
-    hold global keys, are visited (`BlockPlan`); the rows of the global queries, which attend
+    hold global keys, are visited (`BlockPlan`). The rows of the global queries, which attend
     to every key, are then a second, unbanded pass over those rows only. With a bias all key
     blocks are visited (the pattern still applies), so that the bias gradient keeps one block
     per key block.
     """
-    t, s = q.shape[1], k.shape[1]
+    t = q.shape[1]
+    s = k.shape[1]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     plan = BlockPlan.make(t, s, key_chunk_size, window_sizes(local_window_size),
                           band=bias is None, global_tokens=global_tokens)
@@ -154,7 +155,8 @@ def _first_rows(x, rows: int):
 def _chunked(plan, scale, q, k, v, mask, bias):
     """`chunked_attention` over the blocks of `plan`: q [B, T, N, H] ... -> [B, T, N, Hv]."""
     b, t, n, _ = q.shape
-    s, num_kv_heads = k.shape[1], k.shape[2]
+    s = k.shape[1]
+    num_kv_heads = k.shape[2]
     q5 = group_queries(q, num_kv_heads)
     q5 = jnp.pad(q5, [(0, 0), (0, plan.num_q_blocks * plan.q_chunk - t)] + [(0, 0)] * 3)
     q5 = q5.reshape((b, plan.num_q_blocks, plan.q_chunk) + q5.shape[2:]).swapaxes(0, 1)
@@ -227,7 +229,7 @@ def _chunked_fwd(plan, scale, q, k_blocks, v_blocks, mask_view, bias_view):
 
 def _chunked_bwd(plan, scale, residuals, d_out):
     """Recomputes each visited block's weights from the saved logsumexp (flash attention's
-    backward); key-block gradients are added where the blocks were read from."""
+    backward). Key-block gradients are added where the blocks were read from."""
     q, k_blocks, v_blocks, mask_view, bias_view, out, logsumexp = residuals
     d_out = d_out.astype(jnp.float32)
     delta = jnp.moveaxis(jnp.einsum("QBTKGE,QBTKGE->QBTKG", d_out, out.astype(jnp.float32)),

@@ -20,7 +20,7 @@ expert group's tokens, chosen experts and router weights over "expert" (mesh.exp
 own N tokens), runs its own experts on the assignments routed to them (`moe.grouped`: sorted,
 `ragged_dot`, the others' assignments sorted last and left out), sums each token's outputs
 with its weights, and a reduce-scatter (`psum_scatter`) over "expert" returns every device its
-own tokens' sums (then `psum` over "tensor"). Nothing is dropped; every collective runs on
+own tokens' sums (then `psum` over "tensor"). Nothing is dropped. Every collective runs on
 XLA:CPU, which `jax.lax.ragged_all_to_all` does not (docs/moe.md).
 """
 
@@ -92,7 +92,8 @@ def route_and_dispatch(x: jax.Array, logits: jax.Array, experts: moe.Experts, *,
             y, dropped = _all_to_all(x, chosen, weights, experts, num_experts,
                                      moe.capacity(t, k, num_experts, capacity_factor), **ffn)
         else:
-            y, dropped = _all_gather(x, chosen, weights, experts, **ffn), jnp.zeros((), jnp.int32)
+            y = _all_gather(x, chosen, weights, experts, **ffn)
+            dropped = jnp.zeros((), jnp.int32)
         return routing._replace(weights=weights, experts=chosen), y, dropped
 
     routing_specs = moe.Routing(weights=rows, experts=rows, aux_loss=P(), z_loss=P(), load=P())

@@ -13,7 +13,7 @@ NEG_INF = float(jnp.finfo(jnp.float32).min)  # the logit of a masked key (float3
 
 
 def group_queries(q: jax.Array, num_kv_heads: int) -> jax.Array:
-    """[B, T, N, H] -> [B, T, K, G, H]; query head n uses kv head n // G."""
+    """[B, T, N, H] -> [B, T, K, G, H]. Query head n uses kv head n // G."""
     b, t, n, h = q.shape
     if n % num_kv_heads:
         raise ValueError(f"query heads N={n} must be a multiple of kv heads K={num_kv_heads}")

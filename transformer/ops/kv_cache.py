@@ -1,8 +1,8 @@
 """The KV cache's arithmetic, as pure functions: where a decoding step's keys and values go.
 
 A layer's self-attention cache is {"key": [B, K, S, H], "value": [B, K, S, Hv]} (heads first, as
-`attention.cache_attention` reads it), written at a step's positions by `write_cache`; a local
-layer keeps a ring buffer of its last w positions (`write_ring`); a linear layer's recurrent
+`attention.cache_attention` reads it), written at a step's positions by `write_cache`. A local
+layer keeps a ring buffer of its last w positions (`write_ring`). A linear layer's recurrent
 state is `linear_attention.decode_step`'s. The searches that drive the cache are
 `transformer.inference.decoding`. Legend: `transformer/__init__.py`.
 """
@@ -34,7 +34,8 @@ def write_ring(cache: dict, key: jax.Array, value: jax.Array, positions: jax.Arr
     key [B, T, K, H] and value [B, T, K, Hv] at `positions` [B, T] (-1: not kept, e.g. the
     padding after a prompt): each slot takes the newest new token that maps to it. With C = w,
     the slots hold the w positions before the next query, all its window needs."""
-    c, t = cache["position"].shape[1], positions.shape[1]
+    c = cache["position"].shape[1]
+    t = positions.shape[1]
     hit = (positions[:, :, None] >= 0) & (positions[:, :, None] % c == jnp.arange(c))  # [B,T,C]
     newest = t - 1 - jnp.argmax(hit[:, ::-1], axis=1)  # [B, C]
     taken = hit.any(axis=1)

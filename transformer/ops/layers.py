@@ -55,7 +55,7 @@ def rope_inverse_frequencies(head_dim: int, *, base: float = 10000.0, scaling: s
                 between (Llama 3.1)
         yarn    blended per dimension from interpolated (f / factor) to kept, over the
                 dimensions that turn between beta_slow and beta_fast times within
-                original_max_len (Peng et al. 2023); pair with `yarn_attention_factor`
+                original_max_len (Peng et al. 2023). Pair with `yarn_attention_factor`
     Computed in float32 numpy in the order `transformers` computes them."""
     if scaling not in ROPE_SCALINGS:
         raise ValueError(f"RoPE scaling {scaling!r}; choose one of {ROPE_SCALINGS}")
@@ -109,7 +109,8 @@ def apply_rope(x: jax.Array, positions: jax.Array, *, base: float = 10000.0,
     if inv_freq is None:
         inv_freq = base ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h)  # [H/2]
     angle = positions.astype(jnp.float32)[..., None, None] * inv_freq  # [B, T, 1, H/2]
-    sin, cos = jnp.sin(angle), jnp.cos(angle)
+    sin = jnp.sin(angle)
+    cos = jnp.cos(angle)
     if scale != 1.0:
         sin, cos = sin * scale, cos * scale
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -119,7 +120,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, *, base: float = 10000.0,
 
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array | None = None, *,
                eps: float = 1e-6) -> jax.Array:
-    """LayerNorm over the last axis (Ba et al.), statistics in float32; returns x's dtype."""
+    """LayerNorm over the last axis (Ba et al.), statistics in float32. Returns x's dtype."""
     x32 = x.astype(jnp.float32)
     mean = x32.mean(axis=-1, keepdims=True)
     var = jnp.square(x32 - mean).mean(axis=-1, keepdims=True)
@@ -130,7 +131,7 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array | None = None, *,
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, *, eps: float = 1e-6) -> jax.Array:
-    """RMSNorm over the last axis (Zhang & Sennrich), in float32; returns x's dtype."""
+    """RMSNorm over the last axis (Zhang & Sennrich), in float32. Returns x's dtype."""
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(axis=-1, keepdims=True) + eps) * scale
     return y.astype(x.dtype)

@@ -12,8 +12,8 @@ chunk the quadratic form with a causal mask, across chunks a carried state (sum 
 decoding uses instead of a KV cache (`init_state`, `decode_step`).
 
 Shapes are the package's legend (`transformer/__init__.py`), as `attention.dot_product_attention`:
-q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv] -> [B, T, N, Hv]; query head n uses kv head
-n // G. Sums are float32 whatever the input dtype; the output is in v's dtype.
+q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv] -> [B, T, N, Hv]. Query head n uses kv head
+n // G. Sums are float32 whatever the input dtype. The output is in v's dtype.
 
 Packed rows: `segment_ids` [B, T] (self-attention, ids of the packed sequences in contiguous
 runs, 0 = padding) keep each query to the keys of its own sequence: the carried state restarts
@@ -56,14 +56,17 @@ def linear_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool =
       feature_map: a key of `FEATURE_MAPS`.
       kv_valid: [B, S], False (or 0) for padded keys, which nobody attends.
       segment_ids: [B, T] (T == S) packed sequences in contiguous runs, 0 = padding: a query
-        attends only keys of its own segment; padded queries return zeros.
+        attends only keys of its own segment. Padded queries return zeros.
       in_prefix: [B, T] (causal only): a prefix LM's prefix (a run at each segment's start),
         whose queries attend the whole prefix of their segment.
       chunk_size: positions per chunk of the causal scan.
     """
     b, t, n, _ = q.shape
-    s, kh, hv = k.shape[1], k.shape[2], v.shape[-1]
-    fq, fk = _features(_grouped(q, kh), feature_map), _features(k, feature_map)
+    s = k.shape[1]
+    kh = k.shape[2]
+    hv = v.shape[-1]
+    fq = _features(_grouped(q, kh), feature_map)
+    fk = _features(k, feature_map)
     vf = v.astype(jnp.float32)
     if kv_valid is not None:
         fk = fk * kv_valid.astype(jnp.float32)[..., None, None]
@@ -80,7 +83,8 @@ def linear_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool =
                else segment_ids.astype(jnp.int32))
         num, den, _ = _causal_scan(fq, fk, vf, seg, seg, strict=False, chunk=chunk_size)
         if not causal or in_prefix is not None:  # + the later keys: the scan run backwards
-            later_keys, queries = seg, jnp.ones((b, t), jnp.bool_)
+            later_keys = seg
+            queries = jnp.ones((b, t), jnp.bool_)
             if in_prefix is not None:
                 queries = in_prefix.astype(jnp.bool_)
                 later_keys = jnp.where(queries, seg, 0)
@@ -105,14 +109,16 @@ def decode_step(q: jax.Array, k: jax.Array, v: jax.Array, state: dict, *,
                 in_prefix: jax.Array | None = None) -> tuple[jax.Array, dict]:
     """Causal linear attention of T new positions after those summed in `state` (`init_state`):
     (out [B, T, N, Hv], the state with the new keys added). T = 1 is the recurrence
-    S += phi(k) v^T, z += phi(k), out = phi(q) S / phi(q) z; a longer T (a prompt) is one chunk.
+    S += phi(k) v^T, z += phi(k), out = phi(q) S / phi(q) z. A longer T (a prompt) is one chunk.
 
-    valid [B, T]: new tokens to add (False: padding after the tokens, left out of the state);
-    in_prefix [B, T]: the new tokens that form a prefix LM's prefix (a prompt in one call).
+    valid [B, T]: new tokens to add (False: padding after the tokens, left out of the state).
+    In_prefix [B, T]: the new tokens that form a prefix LM's prefix (a prompt in one call).
     """
     b, t, n, _ = q.shape
-    kh, hv = k.shape[2], v.shape[-1]
-    fq, fk = _features(_grouped(q, kh), feature_map), _features(k, feature_map)
+    kh = k.shape[2]
+    hv = v.shape[-1]
+    fq = _features(_grouped(q, kh), feature_map)
+    fk = _features(k, feature_map)
     vf = v.astype(jnp.float32)
     seg = jnp.ones((b, t), jnp.int32) if valid is None else valid.astype(jnp.int32)
     carry = (state["state"], state["normaliser"], jnp.ones((b,), jnp.int32))
@@ -135,7 +141,7 @@ def _causal_scan(fq, fk, v, q_seg, k_seg, *, strict: bool, chunk: int, carry=Non
 
     Query t sums keys s <= t (s < t if `strict`) with k_seg[s] == q_seg[t] != 0. The carry
     (sum phi(k) v^T, sum phi(k), the segment they belong to) holds the keys of earlier chunks
-    of the segment that was running when the chunk ended; a new segment starts it afresh.
+    of the segment that was running when the chunk ended. A new segment starts it afresh.
     """
     b, t, kh, g, h = fq.shape
     hv = v.shape[-1]

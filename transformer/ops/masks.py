@@ -2,7 +2,7 @@
 [B, N, T, S] (shapes in the legend of `transformer/__init__.py`).
 
 The paper's masks (causal, padding) and those of packed rows, prefix LMs and incremental
-decoding; the sparse patterns of efficient attention: a sliding window (`make_local_mask`,
+decoding. The sparse patterns of efficient attention: a sliding window (`make_local_mask`,
 what `local_window_size` applies), Longformer's global tokens (`make_global_mask`, and the
 `global_tokens` first positions of a row beside a window). `transformer.ops.attention` re-exports
 every name here (the research API, docs/research-api.md).
@@ -28,7 +28,7 @@ def make_padding_mask(q_valid: jax.Array, kv_valid: jax.Array) -> jax.Array:
 
 
 def make_segment_mask(q_segment_ids: jax.Array, kv_segment_ids: jax.Array) -> jax.Array:
-    """[B, 1, T, S] for packed rows: attend within the same segment; segment id 0 is padding."""
+    """[B, 1, T, S] for packed rows: attend within the same segment. Segment id 0 is padding."""
     same = q_segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :]
     return same & make_padding_mask(q_segment_ids, kv_segment_ids)
 

@@ -8,10 +8,10 @@ load-balancing loss, the router z-loss (ST-MoE) and each expert's share of the a
 
 `dropless` sorts the N*K (token, expert) assignments by expert and runs each expert on its
 contiguous rows with `jax.lax.ragged_dot` (grouped matrix products): no token is dropped and the
-shapes stay static (N*K rows); for N*K <= E (decoding) it gathers each assignment's weights.
+shapes stay static (N*K rows). For N*K <= E (decoding) it gathers each assignment's weights.
 `capacity` gives every expert C = ceil(factor * T * K / E) slots per row of the batch (GShard's
 groups), fills them in priority order (every token's first choice, then its second, ...) and
-drops what does not fit; a dropped assignment adds nothing (the residual connection carries the
+drops what does not fit. A dropped assignment adds nothing (the residual connection carries the
 token), and the count of dropped ones is returned. Its steps are `dispatch` (tokens into
 [B, E, C, D] buffers), `expert_ffn` and `combine`. Over an `expert` mesh axis
 `ops/expert_parallel.py` runs these per device with an all-to-all between, and `grouped` (the
@@ -45,7 +45,7 @@ def route(logits: jax.Array, k: int, *, scores: str = "softmax", renormalize: bo
           valid: jax.Array | None = None, reduce=lambda sums: sums) -> Routing:
     """Top-k routing of logits [N, E] (computed in float32 by the caller's router).
 
-    Scores are softmax(logits) or sigmoid(logits); the top-k scores are the combine weights,
+    Scores are softmax(logits) or sigmoid(logits). The top-k scores are the combine weights,
     divided by their sum where `renormalize` (Mixtral's top-2). `valid` [N] (bool; None: all)
     keeps padding tokens out of the statistics. The load-balancing loss is Switch's/GShard's
     (and transformers' Mixtral `load_balancing_loss_func`): E * sum_e f_e * P_e with f_e the
@@ -172,8 +172,8 @@ def capacity(length: int, k: int, num_experts: int, factor: float) -> int:
 
 def slots(experts: jax.Array, num_experts: int, capacity_: int) -> tuple[jax.Array, jax.Array]:
     """(slot [T, K] int32, kept [T, K] bool) of one group's assignments experts [T, K]: an
-    expert's slots go to the first choices of all tokens in order, then the second choices, ...;
-    an assignment past the expert's `capacity_` is not kept."""
+    expert's slots go to the first choices of all tokens in order, then the second choices, ....
+    An assignment past the expert's `capacity_` is not kept."""
     t, k = experts.shape
     priority = experts.T.reshape(-1)  # choice-major: [K*T]
     one_hot = jax.nn.one_hot(priority, num_experts, dtype=jnp.int32)
@@ -195,8 +195,8 @@ class Slots(NamedTuple):
 def dispatch(x: jax.Array, chosen: jax.Array, num_experts: int,
              capacity_: int) -> tuple[jax.Array, Slots]:
     """(buffer [B, E, C, D], where each assignment went) of x [B, T, D] and its rows' chosen
-    experts [B, T, K]: each row (a group) fills its own C slots of every expert (`slots`);
-    an assignment past them is left out."""
+    experts [B, T, K]: each row (a group) fills its own C slots of every expert (`slots`).
+    An assignment past them is left out."""
     b, t, d = x.shape
     k = chosen.shape[-1]
     slot, kept = jax.vmap(lambda e: slots(e, num_experts, capacity_))(chosen)

@@ -4,7 +4,7 @@ Each head adds a learned scalar to the logit of query position i and key positio
 a table [num_buckets, N] at the bucket of the relative position j - i: a bucket for each of
 the small distances, then buckets that grow logarithmically up to `max_distance`, beyond which
 every distance shares the last bucket. Bidirectional (an encoder) gives half the buckets to keys
-after the query; unidirectional (a causal decoder) maps every key after the query to bucket 0.
+after the query. Unidirectional (a causal decoder) maps every key after the query to bucket 0.
 The formula is mesh-tensorflow's and `transformers`' T5 (`_relative_position_bucket`).
 """
 

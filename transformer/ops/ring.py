@@ -2,7 +2,7 @@
 "context" axis, every chip holding the queries, keys and values of its share of the positions.
 
 q [B, T, N, H], k [B, T, K, H], v [B, T, K, Hv] -> [B, T, N, Hv], global arrays whose T is
-sharded over "context" (the `length` logical axis, `parallel/sharding.py`); the mask is the one
+sharded over "context" (the `length` logical axis, `parallel/sharding.py`). The mask is the one
 `model` builds for a training row, rebuilt here block by block from each position's index in
 the row, so that no [T, T] mask exists: causal (with a prefix LM's `in_prefix`), a local window
 (w or (left, right)) widened by `global_tokens`, and segment ids (packed rows; 0 = padding).
@@ -22,7 +22,7 @@ by the online softmax (running max, sum and weighted values in float32, as
 
 The backward pass is JAX's autodiff through the loops over blocks and tiles, each query
 tile and each tile step rematerialised (`jax.checkpoint`): no weights are saved, only the
-running statistics a tile starts from; the ring's transpose passes the key/value gradients
+running statistics a tile starts from. The ring's transpose passes the key/value gradients
 back round the ring. (A hand-written flash backward, as `ops/chunked.py` has, would save those
 statistics too; the splash kernel does not run inside this shard_map.)
 
@@ -52,7 +52,8 @@ STRATEGIES = ("all_gather", "ring")
 AXIS = sharding.LENGTH_AXIS
 # Queries and keys a chip attends at once within a block (the largest divisors of its share
 # up to these): memory [B, N, QUERY_TILE, KEY_TILE] float32 per step, never [T/C, T/C].
-QUERY_TILE, KEY_TILE = 512, 2048
+QUERY_TILE = 512
+KEY_TILE = 2048
 
 
 def context_shards() -> int:
@@ -91,7 +92,7 @@ def from_load_balanced(x: jax.Array, shards: int, axis: int = 1) -> jax.Array:
 def _allowed(q_index, k_index, q_ids, k_ids, q_prefix, k_prefix, *, causal, window,
              global_tokens):
     """[B|1, 1, 1, Tq, Sk] True = attend, for a query block at row indices q_index [Tq] and a
-    key block at k_index [Sk]; ids [B, Tq] / [B, Sk] (0 = padding) and a prefix LM's
+    key block at k_index [Sk]. The ids [B, Tq] / [B, Sk] (0 = padding) and a prefix LM's
     prefix flags as `masks.make_decoder_mask`, `make_local_mask` read them."""
     allowed = jnp.ones((1, q_index.shape[0], k_index.shape[0]), jnp.bool_)
     if causal:
@@ -145,7 +146,8 @@ def _local(q, k, v, ids, prefix, *, strategy, causal, window, global_tokens, bal
     shards = jax.lax.axis_size(AXIS)
     me = jax.lax.axis_index(AXIS)
     b, t, n, _ = q.shape
-    kh, hv = k.shape[2], v.shape[-1]
+    kh = k.shape[2]
+    hv = v.shape[-1]
     length = t * shards
     order = load_balanced_order(length, shards) if balanced else np.arange(length)
     index = jnp.asarray(order.reshape(shards, t), jnp.int32)  # [C, T/C] the index of each slot
@@ -156,7 +158,8 @@ def _local(q, k, v, ids, prefix, *, strategy, causal, window, global_tokens, bal
     blocks = (k, v, ids, prefix)
     allowed = functools.partial(_allowed, causal=causal, window=window,
                                 global_tokens=global_tokens)
-    cq, ck = math.gcd(t, QUERY_TILE), math.gcd(t, KEY_TILE)
+    cq = math.gcd(t, QUERY_TILE)
+    ck = math.gcd(t, KEY_TILE)
 
     def attend(carry, blocks, source):
         """The key/value block of chip `source` into the running softmax, a tile of CQ
@@ -217,7 +220,8 @@ def self_attention(q, k, v, *, causal: bool, strategy: str = "all_gather",
         raise ValueError(f"model.context_parallel_strategy={strategy!r} is not one of "
                          f"{', '.join(STRATEGIES)}")
     mesh = jax.sharding.get_abstract_mesh()
-    shards, tensor = mesh.shape[AXIS], mesh.shape["tensor"]
+    shards = mesh.shape[AXIS]
+    tensor = mesh.shape["tensor"]
     b, t, n, h = q.shape
     batch = sharding.batch_shards(mesh.shape)
     if t % shards or b % batch or n % tensor:

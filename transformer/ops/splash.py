@@ -3,7 +3,7 @@
 q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv] (K divides N) -> [B, T, N, Hv], as
 `attention.dot_product_attention` with a causal mask, a local window (`local_window_size`, w
 or (left, right): the kernel's LocalMask skips the blocks outside the band) and/or segment ids
-(id 0 = padding); a query row with no key to attend to returns zeros. T and S must be
+(id 0 = padding). A query row with no key to attend to returns zeros. T and S must be
 multiples of BLOCK (`supports`). The kernel runs per example (vmapped over the batch) and cannot
 be partitioned by XLA: on a mesh, `sharded_splash_attention` runs it in a `shard_map` over the
 batch axes and "tensor" (heads). Where the program is lowered for another platform than a TPU
@@ -46,7 +46,7 @@ def _head_mask(t: int, s: int, causal: bool, window: tuple[int, int] | None) -> 
 def splash_attention(q, k, v, *, causal: bool = False, local_window_size=None,
                      q_segment_ids=None, kv_segment_ids=None, scale: float | None = None,
                      interpret: bool | None = None) -> jax.Array:
-    """Attention on one device's arrays (module docstring); segment ids [B, T] and [B, S].
+    """Attention on one device's arrays (module docstring). Segment ids [B, T] and [B, S].
     `interpret`: Pallas interpret mode (None: unless lowered for a TPU)."""
     t, n, h = q.shape[1:]
     s = k.shape[1]
@@ -62,7 +62,8 @@ def splash_attention(q, k, v, *, causal: bool = False, local_window_size=None,
         return jax.vmap(kernel)(qt, kt, vt, *(sa.SegmentIds(*ids),) if ids else ())
 
     qt = jnp.swapaxes(q * jnp.asarray(scale, q.dtype), 1, 2)  # [B, N, T, H]
-    kt, vt = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, K, S, H]
+    kt = jnp.swapaxes(k, 1, 2)  # [B, K, S, H]
+    vt = jnp.swapaxes(v, 1, 2)
     args = (qt, kt, vt) + (() if q_segment_ids is None else
                            (q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32)))
     if interpret is None:
@@ -87,9 +88,10 @@ def splash_attention(q, k, v, *, causal: bool = False, local_window_size=None,
 
 def sharded_splash_attention(q, k, v, mesh, *, q_segment_ids=None, kv_segment_ids=None,
                              **kwargs) -> jax.Array:
-    """`splash_attention` in a shard_map over the batch (data, fsdp) and heads (tensor); kv
+    """`splash_attention` in a shard_map over the batch (data, fsdp) and heads (tensor). Kv
     heads that "tensor" does not divide are repeated to N heads first."""
-    tensor, n = mesh.shape["tensor"], q.shape[2]
+    tensor = mesh.shape["tensor"]
+    n = q.shape[2]
     if k.shape[2] % tensor:
         k, v = (jnp.repeat(x, n // x.shape[2], axis=2) for x in (k, v))
     heads = P(sharding.BATCH_AXES, None, "tensor", None)

@@ -1,6 +1,6 @@
 """Joining the other processes of a multi-host run (one process per host).
 
-TPU pods, SLURM and Open MPI are detected by `jax.distributed.initialize()` itself; other
+TPU pods, SLURM and Open MPI are detected by `jax.distributed.initialize()` itself. Other
 clusters (and several processes on one machine, as the tests run) pass the coordinator's address,
 the number of processes and this process's index. A single process needs none of it.
 
@@ -35,7 +35,7 @@ def cluster_detected() -> bool:
 
 def initialize(dist_cfg, *, coordinator_address: str | None = None,
                num_processes: int | None = None, process_id: int | None = None) -> None:
-    """Calls `jax.distributed.initialize` when this is a multi-process run; before any device
+    """Calls `jax.distributed.initialize` when this is a multi-process run. Before any device
     use. `dist_cfg` holds `initialization_timeout_seconds` and `heartbeat_timeout_seconds`."""
     explicit = (coordinator_address, num_processes, process_id)
     if any(v is not None for v in explicit) and any(v is None for v in explicit):
@@ -60,7 +60,7 @@ class FailureNotices:
     Otherwise they would wait for it in their next collective or barrier until a timeout: it
     still sends heartbeats (it is exiting, not dead), and its exit waits for them in JAX's
     shutdown barrier. A failing process posts `<index><TAB><error>` under one key of the
-    coordination service's key-value store; every process watches that key from a thread and,
+    coordination service's key-value store. Every process watches that key from a thread and,
     when a peer posted, logs one line naming it and ends (`os._exit`: its main thread may be
     blocked in a collective). The failing process, once it has cleaned up, prints its error as
     train.py would and ends the same way, skipping JAX's shutdown barrier (which would wait for
@@ -138,7 +138,7 @@ class FailureNotices:
 
     def _exit(self) -> None:
         """Ends this process with status 1: process 0, which hosts the coordination service,
-        after the others have marked their end (or `GRACE_S`); the others at once, marked."""
+        after the others have marked their end (or `GRACE_S`). The others at once, marked."""
         index = jax.process_index()
         try:
             if index != 0:

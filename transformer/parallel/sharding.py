@@ -1,10 +1,10 @@
 """The device mesh, the one logical-axis rules table, and the shardings of params and batches.
 
 Mesh axes ("data", "fsdp", "context", "tensor"): the batch is split over data x fsdp; FSDP
-shards parameters and optimizer state over "fsdp" (their `embed` axis); context parallelism
+shards parameters and optimizer state over "fsdp" (their `embed` axis). Context parallelism
 splits the activations' `length` axis (the positions of each row) over "context", and shards
 parameters over it as FSDP does (a chip holding a share of the positions of the same rows
-needs the whole model only for the moment it computes a layer); self-attention then gathers
+needs the whole model only for the moment it computes a layer). Self-attention then gathers
 the keys and values each query block needs (`transformer.ops.ring`). Tensor parallelism splits
 heads and d_ff over "tensor" (Megatron-style). A parameter dimension that its mesh axes do not
 divide is replicated instead (e.g. a single kv head under tensor parallelism: multi-query).
@@ -68,7 +68,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 
 
 def _fill(keys: Sequence[str], sizes: list[int], total: int, what: str) -> list[int]:
-    """`sizes` with its one -1 (if any) taking the rest of `total`; one line on a mismatch."""
+    """`sizes` with its one -1 (if any) taking the rest of `total`. One line on a mismatch."""
     described = ", ".join(f"mesh.{k}={s}" for k, s in zip(keys, sizes, strict=True)
                           if s != 1 or not k.endswith(("context", EXPERT_AXIS)))  # unsplit
     if sizes.count(-1) > 1:
@@ -115,8 +115,8 @@ def hybrid_shape(mesh_cfg, num_devices: int, num_slices: int = 1) -> tuple[list[
 
 
 def mesh_shape(mesh_cfg, num_devices: int, num_slices: int = 1) -> dict[str, int]:
-    """{"data": .., "fsdp": .., "context": .., "tensor": ..} from the config's `mesh` section;
-    one -1 takes the rest. With several slices each axis is its size within a slice times
+    """{"data": .., "fsdp": .., "context": .., "tensor": ..} from the config's `mesh` section.
+    One -1 takes the rest. With several slices each axis is its size within a slice times
     across them."""
     ici, dcn = hybrid_shape(mesh_cfg, num_devices, num_slices)
     return {axis: i * d for axis, i, d in zip(mesh_axes(mesh_cfg), ici, dcn, strict=True)}
@@ -142,8 +142,8 @@ def validate_mesh_for_model(shape: Mapping[str, int], model) -> None:
 
 
 def make_mesh(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """The MESH_AXES + ("expert",) mesh over `devices` (default: all), Auto axis types;
-    over several slices a hybrid mesh whose DCN part spans the slices. A mesh axis that no
+    """The MESH_AXES + ("expert",) mesh over `devices` (default: all), Auto axis types.
+    Over several slices a hybrid mesh whose DCN part spans the slices. A mesh axis that no
     product of the torus' physical axes equals (8 on a v5p-128's 4x4x4) splits a physical
     axis, with a warning, rather than failing as `jax.make_mesh` does off v5e."""
     devices = list(jax.devices() if devices is None else devices)
@@ -188,8 +188,8 @@ def logical_to_sharding(logical_specs, abstract_tree, mesh: Mesh):
 
 
 def tree_shardings(boxed_abstract_tree, mesh: Mesh):
-    """Shardings of a tree whose leaves may be boxed with logical names (nn.Partitioned);
-    unboxed leaves (e.g. step counters) are replicated."""
+    """Shardings of a tree whose leaves may be boxed with logical names (nn.Partitioned).
+    Unboxed leaves (e.g. step counters) are replicated."""
     specs = nn.get_partition_spec(boxed_abstract_tree)
     return logical_to_sharding(specs, nn.unbox(boxed_abstract_tree), mesh)
 

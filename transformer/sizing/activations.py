@@ -59,7 +59,7 @@ def _expert_rows(model, length: int) -> int:
 
 
 def _ffn_elements(model, tensor, length, policy, routed: bool = False) -> int:
-    """Compute-dtype elements one feed-forward sublayer saves per sequence; a routed one runs
+    """Compute-dtype elements one feed-forward sublayer saves per sequence. A routed one runs
     its experts over `_expert_rows`, keeps the dispatched tokens and the experts' outputs
     (rows x D each), and a shared expert's dense sublayer beside them."""
     f = _local(model.d_ff, tensor)
@@ -78,7 +78,7 @@ def _ffn_elements(model, tensor, length, policy, routed: bool = False) -> int:
 
 def _layer_bytes(model, tensor, q_len, kv_len, cross_len, policy, routed: bool = False) -> int:
     """Bytes one layer saves per sequence: self-attention over `kv_len`, cross-attention to
-    `cross_len` source tokens (0: none), feed-forward (`routed`: experts); plus the layer
+    `cross_len` source tokens (0: none), feed-forward (`routed`: experts). Plus the layer
     input (always kept)."""
     itemsize = jnp.dtype(model.dtype).itemsize
     compute, f32 = _attention_elements(model, tensor, q_len, kv_len, policy,
@@ -115,15 +115,15 @@ def activation_bytes(model: TransformerConfig, *, rows: int, source_length: int,
 
     A routed layer (`model.num_experts`) runs its FFN over R rows instead of q_len: R = k·q_len
     (dropless) or E·C (capacity dispatch, C = ceil(factor·q_len·k / E)), and keeps the
-    dispatched tokens and the experts' outputs, 2·R·D ("none"); its shared expert, if any, is a
+    dispatched tokens and the experts' outputs, 2·R·D ("none"). Its shared expert, if any, is a
     dense FFN beside them. Not counted: the router's logits, and under expert parallelism the
     tokens a device gathers from its expert group (dropless).
-    An encoder layer attends S to S; a decoder layer T to T, then (encoder-decoder) T to S;
-    the vision model is an encoder whose logits are one row of num_classes per image.
+    An encoder layer attends S to S. A decoder layer T to T, then (encoder-decoder) T to S.
+    The vision model is an encoder whose logits are one row of num_classes per image.
     With remat, the backward pass recomputes one layer at a time: one layer's "none" figure is
     added. Outside the layers: the embedded inputs of each stack (S·D, T·D) and the logits,
     counted as two float32 copies of T·V (S·V encoder-only): kept for the loss's backward and
-    their gradient; with `loss_chunk_tokens` > 0 (`optim.projected_cross_entropy_loss`) two
+    their gradient. With `loss_chunk_tokens` > 0 (`optim.projected_cross_entropy_loss`) two
     float32 copies of one chunk's logits, the hidden states' gradient (T·D) and the output
     kernel's (float32 D·V) instead. Not counted: masks, dropout masks, norm statistics, XLA's
     fusion buffers.

@@ -25,8 +25,8 @@ def batch_shapes(cfg) -> dict[str, tuple[int, ...]]:
     config alone (no dataset is read). `grad_accum_steps` must be resolved (>= 1).
 
     Language-model configs (`data.objective` causal | prefix | masked) and translation configs
-    use rows of `data.max_length`; the synthetic task's targets carry one more token (EOS);
-    span corruption's targets are as long as one piece's noise and sentinels. Classifiers
+    use rows of `data.max_length`. The synthetic task's targets carry one more token (EOS).
+    Span corruption's targets are as long as one piece's noise and sentinels. Classifiers
     have "label" [A, rows] beside "inputs" (text) or "image" [A, rows, image_size,
     image_size, num_channels]."""
     accum = int(cfg.grad_accum_steps)
@@ -74,8 +74,8 @@ def abstract_batch(cfg, mesh) -> dict[str, jax.ShapeDtypeStruct]:
 
 def batch_lengths(model: TransformerConfig,
                   shapes: dict[str, tuple[int, ...]]) -> tuple[int, int, int, int]:
-    """(A, global rows per microbatch, source length S, target length T) of `batch_shapes`;
-    the vision model's S = T = its tokens (`vit.num_tokens`); the text classifier's T = 1."""
+    """(A, global rows per microbatch, source length S, target length T) of `batch_shapes`.
+    The vision model's S = T = its tokens (`vit.num_tokens`). The text classifier's T = 1."""
     accum, rows = next(iter(shapes.values()))[:2]
     if model.architecture == "vision":
         from transformer.model import vit

@@ -4,7 +4,7 @@ Parameters are counted from `jax.eval_shape(Transformer(config).init, ...)`: sha
 is allocated, so the count is whatever the model really builds (biases, norms, untied logits,
 learned positions, SwiGLU gates included).
 
-FLOPs count matrix multiplications only, 2 FLOPs per multiply-add; embedding lookups, biases,
+FLOPs count matrix multiplications only, 2 FLOPs per multiply-add. Embedding lookups, biases,
 norms, activations, softmax and dropout are free. Shape legend as in transformer/__init__.py: S
 source length, T target length, N query heads, K kv heads, H = d_k, Hv = d_v, D d_model, F d_ff,
 V vocab, A = 2 for relu/gelu/silu and 3 for swiglu/geglu (FFN matmuls). Forward FLOPs of one
@@ -32,7 +32,7 @@ The decoder's causal self-attention counts half the T×T score matrix, the entri
 (T²/2, the field's convention for MFU: MaxText's `calculate_tflops_training_per_device` and
 Megatron-LM divide causal attention by 2; a prefix LM's bidirectional prefix is counted causal
 too). Encoder and cross-attention count the whole matrix. The "xla" implementation computes the
-masked entries as well (twice these FLOPs); a causal-aware kernel (splash, chunked) skips the
+masked entries as well (twice these FLOPs). A causal-aware kernel (splash, chunked) skips the
 masked blocks.
 
 Efficient self-attention (`attention_pattern`, `attention_kind`):
@@ -50,12 +50,12 @@ Efficient self-attention (`attention_pattern`, `attention_kind`):
     the vision model's linear encoder (no packed rows) sums once: 2·S·K·H·Hv + 2·S·N·H·(Hv+1).
 
 Training FLOPs = 3 × forward (the backward pass costs twice the forward).
-`train_flops_per_token` divides the sequence-pair figure by T (the loss is per target token); an
+`train_flops_per_token` divides the sequence-pair figure by T (the loss is per target token). An
 encoder-only model divides by S (its loss is per input token) and applies the logits over S.
 Decoder-only models have neither encoder nor cross-attention.
 
 The vision model (`architecture="vision"`, `transformer.model.vit`) is an encoder over its S patch
-tokens (plus the class token with pooling "cls"), whatever lengths are passed; its forward adds
+tokens (plus the class token with pooling "cls"), whatever lengths are passed. Its forward adds
 the patch embedding, 2·G²·Q·D (G² patches of Q = P²·C values), and one logits row,
 2·D·num_classes; `train_flops_per_token` is per image (its loss is per image). The text
 classifier (`architecture="classifier"`) is the encoder over S tokens with that logits row,
@@ -96,7 +96,7 @@ def _size(tree) -> int:
 
 
 def param_counts(config: TransformerConfig) -> dict[str, int]:
-    """Parameters per module group, plus `total`; every key of PARAM_GROUPS is present.
+    """Parameters per module group, plus `total`. Every key of PARAM_GROUPS is present.
 
     `embedding` is the (target, or shared) token embedding; `source_embedding` the encoder's own
     when `share_embeddings` is off; `position_embedding` learned position tables; `logits` the
@@ -165,7 +165,8 @@ def window_pairs(length: int, window: tuple[int, int], global_tokens: int = 0,
     keys <= query."""
     left, right = window
     q = np.arange(length)
-    lo, hi = np.maximum(q - left, 0), np.minimum(q + right, length - 1)
+    lo = np.maximum(q - left, 0)
+    hi = np.minimum(q + right, length - 1)
     held = min(global_tokens, length)
     overlap = np.maximum(np.minimum(hi, held - 1) - lo + 1, 0)  # window keys that are global
     keys = hi - lo + 1 + held - overlap
@@ -178,7 +179,10 @@ def _self_attention_flops(config: TransformerConfig, length: int, layer: int,
     """`_attention_flops` of self-attention layer `layer` over `length` positions, with its
     window or linear attention (module docstring)."""
     flops_ = _attention_flops(config, length, length)
-    n, kh, h, hv = config.num_heads, config.num_kv_heads, config.d_k, config.d_v
+    n = config.num_heads
+    kh = config.num_kv_heads
+    h = config.d_k
+    hv = config.d_v
     window = config.layer_window(layer)
     if config.attention_kind == "linear" and config.architecture == "vision":
         flops_["scores_values"] = 2.0 * length * (kh * h * hv + n * h * (hv + 1))
@@ -201,9 +205,10 @@ def forward_flops(config: TransformerConfig, *, source_length: int,
     """Forward matmul FLOPs of one sequence pair by component (module docstring), and `total`.
 
     Keys: `attention_projections`, `attention_scores_values` (Q K^T and A V), `ffn`, `logits`,
-    `total`. Encoder-only models ignore `target_length`; decoder-only ones `source_length`.
+    `total`. Encoder-only models ignore `target_length`. Decoder-only ones `source_length`.
     """
-    s, t = source_length, target_length
+    s = source_length
+    t = target_length
     if config.architecture == "vision":
         s = vit.num_tokens(config)
     parts = {"attention_projections": 0.0, "attention_scores_values": 0.0, "ffn": 0.0}

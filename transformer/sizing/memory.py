@@ -5,10 +5,10 @@
 step for them, and sets two accounts side by side, per device:
 
 - **analytic**: bytes of params, optimizer state and gradients from the state's shardings
-  (shard shape x itemsize, so FSDP, tensor sharding and replicated leaves are honoured); the
+  (shard shape x itemsize, so FSDP, tensor sharding and replicated leaves are honoured). The
   update's temporaries, 2 x params (the updates, needed whole for the non-finite check, and
   the new moments beside the old state the check may keep: what XLA's CPU buffer assignment
-  of this step shows); and an estimate of the activations under the config's remat policy
+  of this step shows), and an estimate of the activations under the config's remat policy
   (`activations.py`);
 - **compiled**: XLA's `Compiled.memory_analysis()` (arguments, outputs, donated aliases,
   temporaries, generated code). On a CPU backend (fake devices) it is the CPU compiler's buffer

@@ -84,7 +84,7 @@ def _compiler_lines(model: TransformerConfig, memory_plan: MemoryPlan,
 def format_report(model: TransformerConfig, memory_plan: MemoryPlan,
                   accelerator: Accelerator | None = None,
                   estimate: list[str] | None = None) -> str:
-    """The table `--compile_only` prints; its last line, `per_device_bytes: key=value ...`, is
+    """The table `--compile_only` prints. Its last line, `per_device_bytes: key=value ...`, is
     for tools to read. With the `accelerator` compiled for, its fit, time and MFU lines
     (`estimate`: the step-time lines of `step_time.describe`)."""
     mesh = " x ".join(f"{axis} {size}" for axis, size in memory_plan.mesh_shape.items())

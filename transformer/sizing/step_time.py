@@ -3,7 +3,7 @@
 XLA's cost model (`cost_analysis()["optimal_seconds"]`) counts the body of a loop once: with
 scanned layers and gradient accumulation it prices one layer of one microbatch. So the model is
 compiled again twice, unrolled (`scan_layers=False`), with one microbatch of the same rows and
-with 1 and with 2 layers (each stack); the difference is one layer's cost, the rest the step's
+with 1 and with 2 layers (each stack). The difference is one layer's cost, the rest the step's
 base (embeddings, loss, optimizer), and
 
     compute = A x (base + L x layer) - (A - 1) x optimizer update
@@ -82,7 +82,8 @@ class Collective:
 
     def bytes_per_device(self) -> float:
         """What passes through one chip's links, ring algorithms."""
-        n, b = self.group, self.result_bytes
+        n = self.group
+        b = self.result_bytes
         if n <= 1:
             return 0.0
         return {"all-gather": b * (n - 1) / n, "reduce-scatter": b * (n - 1),
@@ -90,7 +91,7 @@ class Collective:
                 "collective-permute": b}[self.kind]
 
     def seconds(self, device_kind: str) -> float:
-        """Its time on one torus axis (two links) of `device_kind`, times its count; a
+        """Its time on one torus axis (two links) of `device_kind`, times its count. A
         collective-permute sends one way (one link)."""
         link = ICI_BYTES_PER_S[device_kind] / LINKS[device_kind]
         links = 1 if self.kind == "collective-permute" else 2
@@ -104,7 +105,7 @@ def _array_bytes(shape_text: str) -> int:
 
 def _group_size(line: str) -> int:
     """Devices per replica group: `{{0,1},{2,3}}`, iota `[2,4]<=[8]`, or the mesh form
-    `mesh['axis_0'=2,'axis_1'=4] {'axis_1'}`; source-target pairs count 2."""
+    `mesh['axis_0'=2,'axis_1'=4] {'axis_1'}`. Source-target pairs count 2."""
     if match := re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line):
         sizes = dict(re.findall(r"'(\w+)'=(\d+)", match.group(1)))
         return math.prod(int(sizes[a]) for a in re.findall(r"'(\w+)'", match.group(2)))
@@ -117,9 +118,10 @@ def _group_size(line: str) -> int:
 
 def _computations(hlo: str) -> dict[str, list[str]]:
     """Computation name -> its instruction lines (the entry's name is "ENTRY"). A computation
-    opens at the start of a line and closes with a "}" line; its instructions are indented,
+    opens at the start of a line and closes with a "}" line. Its instructions are indented,
     and an attribute of several lines (the splash kernel's `kernel_metadata={`) stays in it."""
-    out, name = {}, None
+    out = {}
+    name = None
     for line in hlo.splitlines():
         if match := re.match(r"(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line):
             name = "ENTRY" if match.group(1) else match.group(2)
@@ -163,7 +165,8 @@ def _trip_count(loop: str, computations: dict[str, list[str]]) -> int:
         bound, direction = int(constants[operands[0]]), _FLIPPED.get(direction, direction)
         counter = operands[1]
     else:
-        bound, counter = int(constants[operands[1]]), operands[0]
+        bound = int(constants[operands[1]])
+        counter = operands[0]
     trips = {"LT": bound, "LE": bound + 1}.get(direction)
     if trips is None:
         return 1
@@ -229,7 +232,7 @@ def _counts(computations: dict[str, list[str]]) -> dict[str, int]:
 
 def collectives(hlo: str) -> list[Collective]:
     """The collectives of a compiled program's HLO text (`compiled.as_text()`), each with the
-    number of times a step runs it; the pieces of a chain (one `channel_id` and `chain_id`)
+    number of times a step runs it. The pieces of a chain (one `channel_id` and `chain_id`)
     as one collective, run as often as its least-run piece (module docstring)."""
     computations = _computations(hlo)
     counts = _counts(computations)
@@ -241,7 +244,9 @@ def collectives(hlo: str) -> list[Collective]:
         for index, line in enumerate(lines):
             if not ((match := _OP.search(line)) and counts.get(name, 0)):
                 continue
-            shape, kind, group = match.group(1), match.group(2), _group_size(line)
+            shape = match.group(1)
+            kind = match.group(2)
+            group = _group_size(line)
             if match.group(3):  # an async start's tuple holds its operand and result
                 arrays = _ARRAY.findall(shape)
                 shape = " ".join(f"{d}[{s}]" for d, s in arrays[1:2] or arrays[:1])
@@ -309,13 +314,14 @@ def extrapolate(one: ProgramCost, two: ProgramCost, found: list[Collective], dev
                 analytic_flops: float, recomputed_flops: float,
                 peak_flops: float) -> StepEstimate:
     """The step's estimate: its compute from the programs with 1 and 2 layers per stack and
-    one microbatch, `layers` per stack, `microbatches` A, the optimizer's update counted once;
-    the FLOPs the cost model leaves out, flops.py's per device (`analytic_flops`) and remat's
-    recomputation (`recomputed_flops`) less the compiler's, at peak; its communication from
+    one microbatch, `layers` per stack, `microbatches` A, the optimizer's update counted once.
+    The FLOPs the cost model leaves out, flops.py's per device (`analytic_flops`) and remat's
+    recomputation (`recomputed_flops`) less the compiler's, at peak. Its communication from
     `found`, the collectives of the step's own program (`collectives`)."""
 
     def whole(field: str) -> float:
-        a, b = getattr(one, field), getattr(two, field)
+        a = getattr(one, field)
+        b = getattr(two, field)
         return microbatches * (a + (layers - 1) * (b - a))
 
     compute = whole("optimal_seconds") - (microbatches - 1) * optimizer_seconds

@@ -20,7 +20,9 @@ from transformer.sizing import flops
 _COMPONENT_ORDER = ("self_attention", "cross_attention", "ffn", "norm_attention", "norm_cross",
                     "norm_ffn")
 _LEAF_ORDER = ("query", "key", "value", "out", "ff_in", "ff_gate", "ff_out", "scale", "bias")
-_NAME_WIDTH, _SHAPE_WIDTH, _COUNT_WIDTH = 26, 66, 12
+_NAME_WIDTH = 26
+_SHAPE_WIDTH = 66
+_COUNT_WIDTH = 12
 
 
 def _shape(shape) -> str:
@@ -40,7 +42,7 @@ def _leaves(tree) -> list[tuple[str, Any]]:
 
 def _describe(tree, *, drop_leading: bool = False) -> str:
     """`query, key, value 512x8x64, out 8x64x512 (+bias)`: kernels and other leaves by shape
-    (neighbours of equal shape share it); biases beside a kernel are summarised as `(+bias)`.
+    (neighbours of equal shape share it). Biases beside a kernel are summarised as `(+bias)`.
     `drop_leading` strips a scan axis."""
     leaves = _leaves(tree) if isinstance(tree, Mapping) else [("", tree)]
     names = {name for name, _ in leaves}
@@ -94,13 +96,19 @@ def _flops_lines(config: TransformerConfig, source_length: int, target_length: i
                                   target_length=target_length)
     causal = "; causal self-attention counts half its T x T scores"
     if config.architecture == "vision":
-        where, unit, causal = f"S = {vit.num_tokens(config)} tokens", "image", ""
+        where = f"S = {vit.num_tokens(config)} tokens"
+        unit = "image"
+        causal = ""
     elif config.architecture == "encoder":
-        where, unit, causal = f"S = {source_length}", "input token", ""
+        where = f"S = {source_length}"
+        unit = "input token"
+        causal = ""
     elif config.architecture == "decoder":
-        where, unit = f"T = {target_length}", "target token"
+        where = f"T = {target_length}"
+        unit = "target token"
     else:
-        where, unit = f"S = {source_length}, T = {target_length}", "target token"
+        where = f"S = {source_length}, T = {target_length}"
+        unit = "target token"
     labels = {"attention_projections": "q/k/v/out projections", "attention_scores_values":
               "QK^T and AV", "ffn": "feed-forward", "logits": "logits"}
     if "patch_embedding" in forward:

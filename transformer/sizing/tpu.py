@@ -4,7 +4,7 @@ With the `libtpu` wheel installed (`pip install -e ".[tpu]"`), `get_topology_des
 TPU devices that the TPU compiler targets ahead of time: the real train step is lowered and
 compiled for them, and the compiler's memory and cost analyses are reported. Cloud TPU
 accelerator-type names (`v5p-128`, `v5e-8`, `v4-32`, ...: the number counts TensorCores, two
-per v4/v5p chip) map to libtpu's `<generation>:<chips per dimension>` names; an explicit
+per v4/v5p chip) map to libtpu's `<generation>:<chips per dimension>` names. An explicit
 `v5e:2x2` passes through. v4 and v5p chips are one JAX device each (megacore), as on a TPU VM.
 """
 
@@ -26,7 +26,8 @@ from transformer.parallel import sharding
 from transformer.sizing import memory, report, step_flops, step_time
 from transformer.util import progress
 
-GiB, GB = 2**30, 10**9
+GiB = 2**30
+GB = 10**9
 LIBTPU_MISSING = '--topology needs libtpu: pip install -e ".[tpu]"'
 
 
@@ -79,7 +80,7 @@ class Topology:
 
     def kwargs(self) -> dict:
         """`get_topology_desc`'s arguments. Torus links (`wrap`): 3D slices of whole 4x4x4
-        cubes, 2D dimensions of 16 chips; they only change the cost of collectives."""
+        cubes, 2D dimensions of 16 chips. They only change the cost of collectives."""
         if self.chip.dims == 3:
             wrap = (all(s % 4 == 0 for s in self.shape),) * 3
         else:
@@ -181,9 +182,10 @@ def step_estimate(run: Resolved, topology: Topology, devices,
                   memory_plan: memory.MemoryPlan) -> step_time.StepEstimate:
     """`step_time`'s estimate of `run`'s train step on `devices`: the compute of the programs
     with 1 and 2 layers per stack (one microbatch, unrolled) compiled for them, extrapolated
-    to the config's layers (the deeper stack) and microbatches; the communication of the
+    to the config's layers (the deeper stack) and microbatches. The communication of the
     step's own program (`memory_plan`'s collectives)."""
-    model, device = run.model, topology.chip.device
+    model = run.model
+    device = topology.chip.device
     layers = max(model.num_decoder_layers if model.architecture in ("decoder", "encoder_decoder")
                  else 0, model.num_encoder_layers if model.architecture != "decoder" else 0)
     mesh = sharding.make_mesh(run.config.mesh, devices)
@@ -210,9 +212,10 @@ class DoesNotFit(ValueError):
 def _plan(run: Resolved, mesh, topology: Topology) -> memory.MemoryPlan:
     """`memory.plan` for TPU devices. libtpu's compiler logs to file descriptor 2, and a program
     that does not fit in HBM is an error with a memory dump of 100s of lines: that becomes one
-    line (DoesNotFit, a ValueError); any other log is passed on."""
+    line (DoesNotFit, a ValueError). Any other log is passed on."""
     sys.stderr.flush()
-    saved, oom = os.dup(2), None
+    saved = os.dup(2)
+    oom = None
     with tempfile.TemporaryFile("w+") as log:
         os.dup2(log.fileno(), 2)
         try:
@@ -265,7 +268,9 @@ def sweep_report(cfg, topology: Topology, devices, points: list[dict[str, object
     the rest alike) and ranks the rest by `step_estimate` (no overlap; the overlapped figure
     beside it): one line each, fastest first, then the ones dropped and why. Each point's
     outcome goes to stderr as it comes, with the time so far and an ETA."""
-    ranked, dropped, too_big = [], [], []
+    ranked = []
+    dropped = []
+    too_big = []
     started = time.monotonic()
     for done, overrides in enumerate(points, 1):
         line = _sweep_point(cfg, topology, devices, overrides, too_big)

@@ -39,7 +39,7 @@ def read_metrics(workdir: str) -> dict[str, dict[str, list[tuple[int, float]]]]:
 def training_hours(curves: dict, workdir: str) -> tuple[np.ndarray, np.ndarray]:
     """(steps, hours) of a run's train lines (`read_metrics`), from (0, 0): the hours of
     training up to the end of each step, the sum of the steps' times, so pauses, resumes and
-    evaluations are left out. A step's time is 1 / steps_per_sec; lines written before that
+    evaluations are left out. A step's time is 1 / steps_per_sec. Lines written before that
     metric existed give target_tokens_per_update / tokens_per_sec, exact where the throughput
     counts the loss's targets (translation, causal language models)."""
     train = curves.get("train", {})

@@ -55,7 +55,7 @@ def evaluate_run(workdir: str, split: str, *, step=None, average=None, num_sente
 
 def evaluate_translation(run: Run, split: str, *, num_sentences=None, beam_size=None) -> dict:
     """Perplexity over the whole split and BLEU over its first `num_sentences` pairs, appended
-    to metrics.jsonl; the sources, references and translations scored go to `<workdir>/eval/`."""
+    to metrics.jsonl. The sources, references and translations scored go to `<workdir>/eval/`."""
     translator = from_run(run)
     cfg = run.config
     source = make_source(cfg, run.workdir)

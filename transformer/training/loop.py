@@ -1,7 +1,7 @@
 """The training loop: validate, build the mesh, init or resume, train, evaluate, checkpoint.
 
 `train_and_evaluate(cfg, workdir)` is what `train.py` runs. Rerunning it on the same workdir
-resumes from the latest checkpoint; on the same mesh the losses continue bit for bit. SIGTERM
+resumes from the latest checkpoint. On the same mesh the losses continue bit for bit. SIGTERM
 saves a checkpoint and returns cleanly. The metrics of every step a checkpoint covers are on disk
 before its save starts (`metrics.MetricWriter.sync`), so a kill loses no line for good.
 """
@@ -56,7 +56,7 @@ def _await_key(client, key: str, what: str) -> None:
 
 
 def _prepared_source(cfg, workdir: str, *, batch_shards: int):
-    """The data source; with several processes, process 0 prepares the dataset and vocabulary
+    """The data source. With several processes, process 0 prepares the dataset and vocabulary
     first and the others then reuse them, and none goes on (to the collectives of restoring
     and compiling) before all have their source. They wait on keys of the coordination
     service's key-value store, not in a collective: a long preparation hits no barrier timeout,
@@ -128,7 +128,7 @@ def _write_config(cfg, workdir: str, mesh, source) -> None:
 
 
 class _Preemption:
-    """SIGTERM sets a flag; the loop saves a checkpoint at the next step and returns."""
+    """SIGTERM sets a flag. The loop saves a checkpoint at the next step and returns."""
 
     def __init__(self):
         self.requested = False
@@ -172,7 +172,7 @@ def _check_bleu_source(cfg, source) -> None:
 
 def train_and_evaluate(cfg, workdir: str, *,
                        config_file: str | None = None) -> train_state.TrainState:
-    """Trains `cfg` in `workdir` (resuming if it holds a checkpoint); returns the final state.
+    """Trains `cfg` in `workdir` (resuming if it holds a checkpoint). Returns the final state.
     `config_file`, where `cfg` came from, is named in errors about its keys. With several
     processes, an error in one stops all within seconds, naming it (`distributed.FailureNotices`):
     each process prints its line and ends with status 1 instead of raising."""
@@ -204,7 +204,9 @@ def _train(cfg, workdir: str, config_file: str | None,
               if cfg.params_every_minutes else None)
     restored = checkpointer.restore_latest(trainer.abstract_state)
     if restored is None:
-        latest, state, next_batch = None, train_state.init_state(trainer, int(cfg.seed)), 0
+        latest = None
+        state = train_state.init_state(trainer, int(cfg.seed))
+        next_batch = 0
         if cfg.init_from:  # only before the run's own first checkpoint
             init = init or transfer.parse(cfg.init_from)
             params, _ = transfer.load(init, state.params, has_class_token=(
@@ -239,8 +241,10 @@ def _train(cfg, workdir: str, config_file: str | None,
     peak = metrics.peak_flops_per_device()
     progress = metrics.Progress(step, total, unit=_progress_unit(run.model))
     pending: list[tuple[int, dict]] = []
-    last_save_time, last_saved = time.monotonic(), latest
-    profile_start, profile_steps = int(cfg.profile_start_step), int(cfg.profile_num_steps)
+    last_save_time = time.monotonic()
+    last_saved = latest
+    profile_start = int(cfg.profile_start_step)
+    profile_steps = int(cfg.profile_num_steps)
     try:
         while step < total:
             if profile_steps and step == profile_start:
@@ -280,7 +284,8 @@ def _train(cfg, workdir: str, config_file: str | None,
                     pending = []
                 writer.sync()
                 checkpointer.save(step, state, {"next_batch_index": next_batch})
-                last_save_time, last_saved = time.monotonic(), step
+                last_save_time = time.monotonic()
+                last_saved = step
             if series is not None:
                 if step == total or preempted:
                     series.save(step, state.params)

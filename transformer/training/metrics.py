@@ -1,12 +1,12 @@
 """Where figures go: `metrics.jsonl`, TensorBoard events, and a progress line on the console.
 
 Only process 0 writes. A line of metrics.jsonl is one JSON object with "step" (optimizer updates
-completed, 1-based) and "split" ("train", "validation", "test"); after a resume a step may
+completed, 1-based) and "split" ("train", "validation", "test"). After a resume a step may
 appear twice, and readers keep the last line per (step, split).
 
 No line is lost to a kill: the loop calls `MetricWriter.sync` (flush and fsync of metrics.jsonl
 and the TensorBoard events) before it starts a checkpoint save, so every step a checkpoint
-covers has its lines on disk before the checkpoint exists; a resumed run recomputes, and logs
+covers has its lines on disk before the checkpoint exists. A resumed run recomputes, and logs
 again, only steps after it. TensorBoard's events are otherwise flushed by tensorboardX's own
 thread every TENSORBOARD_FLUSH_SECS, not per line (a flush is an fsync, and on gs:// an upload
 of the whole event file). That thread writes from a queue which tensorboardX's flush does not
@@ -59,7 +59,7 @@ def peak_flops_per_device(device: jax.Device | None = None) -> float | None:
 
 
 class MetricWriter:
-    """Appends to metrics.jsonl and TensorBoard (process 0 only); each line is handed to the
+    """Appends to metrics.jsonl and TensorBoard (process 0 only). Each line is handed to the
     operating system as it is written (kept in memory in a remote workdir), `sync` makes them
     durable. TensorBoard events go where tensorboardX puts them (gs:// needs
     google-cloud-storage), flushed every TENSORBOARD_FLUSH_SECS, at `sync` and at close."""
@@ -82,7 +82,7 @@ class MetricWriter:
             self._open_events()
 
     def _open_events(self) -> None:
-        """A new event file; after the first, its name ends in the count of those before it
+        """A new event file. After the first, its name ends in the count of those before it
         (the name holds the second it was opened, and opening a name again would empty it)."""
         from tensorboardX import SummaryWriter
 
@@ -107,7 +107,7 @@ class MetricWriter:
     def sync(self) -> None:
         """Every line written so far on disk (fsync of metrics.jsonl, the event files and their
         directories): call before a checkpoint save starts. Closes the event file (the one way
-        to drain tensorboardX's queue); the next line opens another."""
+        to drain tensorboardX's queue). The next line opens another."""
         if not self.active:
             return
         self._close_events()
@@ -182,7 +182,7 @@ def _plain(value):
 class Progress:
     """Throughput, ETA and data-wait accounting between two reports (`clock`: seconds, by
     default `time.perf_counter`; tests pass their own). `unit` names what the run counts in the
-    console line ("tok", or "img" and "ex" for a classifier's images and examples); the metric
+    console line ("tok", or "img" and "ex" for a classifier's images and examples). The metric
     keeps its name, `tokens_per_sec`."""
 
     def __init__(self, start_step: int, total_steps: int, clock=time.perf_counter, *,
@@ -206,7 +206,7 @@ class Progress:
         self._window_start += seconds
 
     def report(self, step: int) -> dict:
-        """Figures since the last report; resets the window."""
+        """Figures since the last report. Resets the window."""
         elapsed = max(self._clock() - self._window_start, 1e-9)
         figures = {
             "tokens_per_sec": self._tokens / elapsed,
@@ -266,6 +266,7 @@ def log_evaluation(step: int, split: str, figures: dict, seconds: float) -> None
 def sentences_scored(figures: dict) -> str:
     """`N sentences, all translated whole` or `N sentences, M of them truncated to the model's
     max_len (...)`, from `bleu_num_sentences` and `bleu_num_truncated`."""
-    total, cut = figures["bleu_num_sentences"], figures["bleu_num_truncated"]
+    total = figures["bleu_num_sentences"]
+    cut = figures["bleu_num_truncated"]
     return f"{total} sentences, " + (f"{cut} of them truncated to the model's max_len (scored "
                                      f"as translated)" if cut else "all translated whole")

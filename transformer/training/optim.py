@@ -13,7 +13,7 @@ every schedule here evaluates its formula at ``step = count + 1``: the k-th upda
 
 Float16 training scales the loss dynamically (`LossScaleState`, as NVIDIA's AMP and `jmp` do):
 the loss is multiplied by the scale before differentiation and the float32 gradients divided by
-it; a step whose gradients overflow is skipped and halves the scale (down to 1), and every
+it. A step whose gradients overflow is skipped and halves the scale (down to 1), and every
 ``period`` consecutive finite steps double it.
 
 Shapes are written in the package's legend (`transformer/__init__.py`).
@@ -46,7 +46,7 @@ def rsqrt_schedule(d_model: int, warmup_steps: int) -> optax.Schedule:
     """The paper's schedule: d_model**-0.5 * min(step**-0.5, step * warmup_steps**-1.5).
 
     Linear warmup for ``warmup_steps`` updates, then decay with the inverse square root of the
-    step; the peak d_model**-0.5 * warmup_steps**-0.5 is reached at update ``warmup_steps``.
+    step. The peak d_model**-0.5 * warmup_steps**-0.5 is reached at update ``warmup_steps``.
     """
     scale = d_model**-0.5
     warmup = float(warmup_steps) ** -1.5
@@ -212,7 +212,7 @@ def init_loss_scale(config: LossScaleConfig) -> LossScaleState:
 def update_loss_scale(state: LossScaleState, grads_finite: jax.Array,
                       period: int) -> LossScaleState:
     """The scale after a step: finite gradients count towards ``period`` and, at the
-    ``period``-th in a row, double the scale (the count restarts); an overflow halves it (never
+    ``period``-th in a row, double the scale (the count restarts). An overflow halves it (never
     below MIN_LOSS_SCALE), restarts the count and is counted in ``overflow_steps``."""
     grown = state.finite_steps + 1 >= period
     finite_scale = jnp.where(grown, state.scale * 2.0, state.scale)
@@ -224,7 +224,7 @@ def update_loss_scale(state: LossScaleState, grads_finite: jax.Array,
 
 
 class LossSums(NamedTuple):
-    """Sums over weighted target tokens; divide by the global ``weight_sum`` for means."""
+    """Sums over weighted target tokens. Divide by the global ``weight_sum`` for means."""
 
     loss_sum: jax.Array  # cross-entropy (smoothed when eps > 0) plus z-loss
     weight_sum: jax.Array  # sum of the weights: the count of non-pad target tokens
@@ -294,15 +294,15 @@ def projected_cross_entropy_loss(
     """``cross_entropy_loss(hidden @ kernel, ...)`` a chunk of positions at a time, so the
     logits [B,T,V] are never held whole.
 
-    hidden [B,T,D] (the final hidden states, compute dtype); kernel the output projection,
-    [V,D] (``vocab_axis=0``: a tied embedding) or [D,V] (``vocab_axis=1``); targets, weights,
+    hidden [B,T,D] (the final hidden states, compute dtype). Kernel the output projection,
+    [V,D] (``vocab_axis=0``: a tied embedding) or [D,V] (``vocab_axis=1``). Targets, weights,
     label_smoothing and z_loss as in ``cross_entropy_loss``, whose formula each chunk applies.
     At most ``chunk_length`` positions of every row go at once (None: all T), in chunks of
     equal length (T zero-padded up to a multiple). Under differentiation the forward pass also
     computes the gradient of each chunk (softmax minus smoothed targets, times the weights)
-    and at once its products with the kernel and the hidden states; the kernel's gradient
+    and at once its products with the kernel and the hidden states. The kernel's gradient
     accumulates over chunks in float32. The backward pass only scales them. Memory holds one
-    chunk's logits; on a CPU the chunk stays in cache. Gradients flow through ``loss_sum``;
+    chunk's logits. On a CPU the chunk stays in cache. Gradients flow through ``loss_sum``;
     ``z_loss_sum`` is a figure, not differentiable (it is part of ``loss_sum``).
     ``grad_scale`` (a float32 scalar, not differentiated) should be the factor the caller
     multiplies ``loss_sum`` by before differentiating (e.g. a float16 loss scale over the

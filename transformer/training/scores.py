@@ -5,7 +5,7 @@
 - `bleu_tok_compound`: the paper's flavour, as tensor2tensor's `get_ende_bleu.sh` computes it:
   Moses `replace-unicode-punctuation.perl` and `tokenizer.perl -l <lang>` (sacremoses ports),
   hyphenated compounds split as `s{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g`, then `multi-bleu.perl`
-  (cased, tokenized). The preprocessing runs on hypotheses and references alike; the score is
+  (cased, tokenized). The preprocessing runs on hypotheses and references alike. The score is
   sacreBLEU with `tokenize='none'` and `smooth_method='none'`, which is multi-bleu.perl's formula
   (0 when some n-gram order has no match). The Moses XML escaping of `tokenizer.perl` is left
   out: it maps tokens one to one, so it cannot change the score.

@@ -4,12 +4,12 @@ and `build_trainer`, sharded init, the jitted train and eval steps, global batch
 Shapes are written in the package's legend (`transformer/__init__.py`): A microbatches per
 step, B global rows per microbatch, S source and T target length.
 
-Batches are global arrays [A, B, ...] sharded P(None, ("data", "fsdp")); each process builds
+Batches are global arrays [A, B, ...] sharded P(None, ("data", "fsdp")). Each process builds
 only its rows (a pure function of seed and global batch index) and
 `jax.make_array_from_process_local_data` assembles the global batch. The step is one `jax.jit`
-with in/out shardings and the state donated; nothing in it reads host randomness.
+with in/out shardings and the state donated. Nothing in it reads host randomness.
 
-Sequence batches ("targets", and "inputs" where there is a source) train the token loss; a
+Sequence batches ("targets", and "inputs" where there is a source) train the token loss. A
 batch with "label" [A, B] (an image classifier's "image" [A, B, H, W, C], a text classifier's
 "inputs" [A, B, S]) trains the classification loss over the logits [B, num_classes], rows
 labelled -1 (eval padding) left out.
@@ -130,8 +130,8 @@ def resolve_loss_chunk_tokens(value: int) -> int:
 
 def _init_boxed(model: Transformer | VisionTransformer, tx,
                 loss_scale: optim.LossScaleConfig | None, rng) -> TrainState:
-    """The initial state with logical-axis boxes (optimizer state inherits the params' boxes);
-    a `ScaledTrainState` when `loss_scale` is set."""
+    """The initial state with logical-axis boxes (optimizer state inherits the params' boxes).
+    A `ScaledTrainState` when `loss_scale` is set."""
     if isinstance(model, VisionTransformer):
         cfg = model.config
         images = jnp.zeros((1, cfg.image_size, cfg.image_size, cfg.num_channels), jnp.float32)
@@ -177,7 +177,7 @@ def loss_weights(batch: dict) -> jax.Array:
 def sequence_tokens(config: TransformerConfig, batch: dict) -> jax.Array:
     """Non-pad tokens of the sequence FLOPs are counted per (`flops.train_flops_per_token`):
     the inputs of an encoder-only model, else the targets, prefix included. For translation
-    and causal LMs these are the loss's target tokens; a masked LM reads ~7x its 15%.
+    and causal LMs these are the loss's target tokens. A masked LM reads ~7x its 15%.
     A classifier counts its labelled rows (FLOPs are per image)."""
     if "label" in batch:
         return loss_weights(batch).sum()
@@ -189,7 +189,7 @@ def sequence_tokens(config: TransformerConfig, batch: dict) -> jax.Array:
 def classifier_logits(trainer: Trainer, params, batch: dict, dropout_rng) -> jax.Array:
     """The classifier's logits [B, num_classes] float32 for a batch with "label": the vision
     model reads "image" [B, H, W, C], the text classifier (`Transformer.classify`) "inputs"
-    [B, S]. Dropout when `dropout_rng` is given; without it, `trainer.test_time_flip` gives the
+    [B, S]. Dropout when `dropout_rng` is given. Without it, `trainer.test_time_flip` gives the
     log of the mean probabilities of each image and its mirror (`mirror_averaged_logits`)."""
     deterministic = dropout_rng is None
     rngs = None if deterministic else {"dropout": dropout_rng}
@@ -288,7 +288,7 @@ def make_train_step(trainer: Trainer, cfg) -> Callable:
     The loss is the sum over all devices and accumulation steps divided by the global count of
     target tokens in the loss (`loss_weights`), so accumulating A microbatches equals one batch
     A times larger. An update whose loss, gradient or update is not finite is never applied
-    (metric `nonfinite`); the step still counts (its batch and dropout key are used up).
+    (metric `nonfinite`). The step still counts (its batch and dropout key are used up).
 
     Float16 (`trainer.loss_scale` set): the loss is multiplied by the state's loss scale before
     differentiation and the float32 gradients divided by it. Non-finite gradients are then an
@@ -297,7 +297,8 @@ def make_train_step(trainer: Trainer, cfg) -> Callable:
     minimum (scaling cannot help then). Metrics `loss_scale` (the scale this step used) and
     `skipped_overflow_steps` (the running count, this step included).
     """
-    label_smoothing, z_loss = float(cfg.label_smoothing), float(cfg.z_loss)
+    label_smoothing = float(cfg.label_smoothing)
+    z_loss = float(cfg.z_loss)
     model = trainer.model.config
     seed = int(cfg.seed)
     scaled = trainer.loss_scale is not None
@@ -372,8 +373,8 @@ def make_train_step(trainer: Trainer, cfg) -> Callable:
 
 
 def make_eval_step(trainer: Trainer) -> Callable:
-    """`eval_step(params, batch [1, B, ...]) -> {"nll_sum", "tokens"}`: unsmoothed NLL sums;
-    a classification batch adds "correct" and, with more than 10 classes, "top5_correct" (its
+    """`eval_step(params, batch [1, B, ...]) -> {"nll_sum", "tokens"}`: unsmoothed NLL sums.
+    A classification batch adds "correct" and, with more than 10 classes, "top5_correct" (its
     "tokens" are rows)."""
 
     def eval_step(params, batch):
@@ -399,7 +400,8 @@ def process_rows(mesh, global_batch: int) -> tuple[int, int]:
         (global_batch,))
     starts = sorted({idx[0].start or 0 for idx in index_map.values()})
     stops = sorted({idx[0].stop or global_batch for idx in index_map.values()})
-    start, stop = starts[0], stops[-1]
+    start = starts[0]
+    stop = stops[-1]
     per_device = global_batch // sharding.batch_shards(mesh.shape)
     if (stop - start) != per_device * len(starts):
         raise ValueError(f"process {jax.process_index()} feeds non-contiguous batch rows")
@@ -417,7 +419,7 @@ def global_batch(mesh, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
 def eval_metrics(sums: dict) -> dict:
     """Eval `loss` (NLL per target token) and `perplexity` from summed figures. A classifier's
     sums (with "correct") give `loss` (NLL per row), `accuracy` (top-1 fraction) and, where
-    summed (more than 10 classes), `top5_accuracy`; perplexity means nothing there."""
+    summed (more than 10 classes), `top5_accuracy`. Perplexity means nothing there."""
     count = max(float(sums["tokens"]), 1.0)
     loss = float(sums["nll_sum"]) / count
     if "correct" not in sums:

@@ -4,13 +4,13 @@
 inside one (`<workdir>/averaged/<name>`, `<workdir>/checkpoints/<step>`,
 `<workdir>/params/<step>`), local or remote (gs://, through etils.epath and orbax). A workdir
 that has saved no step is an error before any work. Only parameters are read: the new run's
-optimizer state and data position start fresh. Parameters are matched by path; those the new
+optimizer state and data position start fresh. Parameters are matched by path. Those the new
 model has and the old does not (a classification head, say) keep their fresh
-initialisation and are listed in one log line; a shape that differs is an error naming the
+initialisation and are listed in one log line. A shape that differs is an error naming the
 parameter and both shapes, except a ViT's `position_embedding`, which is interpolated to the
 new patch grid. Per-layer and scanned layouts convert either way. `init_from_exclude`, a regular
 expression, leaves the parameters whose path it matches (`re.search`, e.g. `decoder/logits` or
-`^decoder/`) fresh too, as fairseq's and T5X's fine-tuning can reset a head; one that matches no
+`^decoder/`) fresh too, as fairseq's and T5X's fine-tuning can reset a head. One that matches no
 parameter is an error (a typo would otherwise transfer everything).
 
 The vocabulary must be the pretrained run's: its `vocab/` is copied into the new workdir before
@@ -86,11 +86,13 @@ def _check_saved(spec: str, source: InitSource) -> InitSource:
 
 
 def parse(spec: str) -> InitSource:
-    """`init_from` -> InitSource; a path that is none of the three forms is a one-line error."""
-    path, step = spec, None
+    """`init_from` -> InitSource. A path that is none of the three forms is a one-line error."""
+    path = spec
+    step = None
     match = re.fullmatch(r"(.+):(\d+)", spec)
     if match and not epath.Path(spec).exists():
-        path, step = match.group(1), int(match.group(2))
+        path = match.group(1)
+        step = int(match.group(2))
     root = _run_root(path) if epath.Path(path).is_dir() else None
     if root is None:
         raise ValueError(f"init_from={spec!r} is not a training workdir (one with "
@@ -110,8 +112,8 @@ def parse(spec: str) -> InitSource:
 
 def copy_vocabulary(source: InitSource, workdir: str, vocab_size: int) -> None:
     """Puts the pretrained run's vocabulary (its SentencePiece model, or an imported
-    tokenizer.json, and the files beside it: `tokenizer.FILES`) into `<workdir>/vocab/` (once);
-    not the records of its data kept there, nor a crashed writer's temporary files. Either
+    tokenizer.json, and the files beside it: `tokenizer.FILES`) into `<workdir>/vocab/` (once).
+    Not the records of its data kept there, nor a crashed writer's temporary files. Either
     workdir may be remote (gs://)."""
     src_dir = layout.path(source.workdir, layout.VOCAB)
     src = tokenizer_lib.vocabulary_file(src_dir)
@@ -165,8 +167,10 @@ def _resized_table(table: np.ndarray, shape: tuple, has_class_token: bool) -> np
     from transformer.model.vit import resize_position_embeddings
 
     extra = int(has_class_token)
-    old, new = table.shape[0] - extra, shape[0] - extra
-    old_side, new_side = math.isqrt(old), math.isqrt(new)
+    old = table.shape[0] - extra
+    new = shape[0] - extra
+    old_side = math.isqrt(old)
+    new_side = math.isqrt(new)
     if old_side ** 2 != old or new_side ** 2 != new:
         raise ValueError(f"init_from: {POSITION_EMBEDDING} {table.shape} -> {shape} is not a "
                          f"square patch grid to interpolate")
@@ -223,7 +227,8 @@ def load(source: InitSource, fresh, *, has_class_token: bool = False, exclude: s
     if exclude and not excluded:
         raise ValueError(f"init_from_exclude={exclude!r} matches no parameter of this "
                          f"model (paths such as {next(iter(wanted))}); fix the expression")
-    placed, kept_fresh = [], []
+    placed = []
+    kept_fresh = []
     for name, leaf in wanted.items():
         if name not in saved or name in excluded:
             kept_fresh.append(name)

@@ -1,2 +1,2 @@
-"""Command-line plumbing: flags and one-line errors, text input, progress, plotting; and
+"""Command-line plumbing: flags and one-line errors, text input, progress, plotting, and
 atomic file writes (local or remote)."""

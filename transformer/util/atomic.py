@@ -16,7 +16,7 @@ from etils import epath
 @contextlib.contextmanager
 def replacing(path: str | os.PathLike) -> Iterator[IO[bytes]]:
     """A binary file open for writing at `<name>.tmp<pid>-<token>` beside `path`, which replaces
-    `path` when the block ends (and does not if it raises, removing the temporary); the pid and
+    `path` when the block ends (and does not if it raises, removing the temporary). The pid and
     a random token keep writers of the same file apart, processes, hosts and threads alike.
     The directory must exist."""
     target = epath.Path(path)

@@ -60,7 +60,7 @@ class Lines:
 def bar(total: int | None, desc: str, *, unit: str = "item", show: bool = True,
         interval: float = INTERVAL_SECONDS, stream=None) -> Iterator:
     """A progress counter of `total` items (None: unknown) with `.update(n)`: tqdm when
-    `stream` (default stderr) is a terminal, `Lines` otherwise; silent unless `show`."""
+    `stream` (default stderr) is a terminal, `Lines` otherwise. Silent unless `show`."""
     stream = sys.stderr if stream is None else stream
     if not show:
         interval = float("inf")

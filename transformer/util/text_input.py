@@ -72,7 +72,7 @@ def one_line(text: str) -> str:
 
 
 class Interrupted(Exception):
-    """SIGINT or SIGTERM arrived; raised between two writes."""
+    """SIGINT or SIGTERM arrived. Raised between two writes."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -125,20 +125,22 @@ def stream(process: Callable[[list[str], int], Sequence[str]], *, chunk_lines: i
            lines: Sequence[str] | None = None, desc: str = "processed",
            unit: str = "line") -> None:
     """Writes `process(chunk, first)` (one output text per line of `chunk`, whose first line is
-    line `first` of the input, counted from 0) for consecutive chunks of `chunk_lines` lines;
-    progress (`desc`, counted in `unit`s) on stderr.
+    line `first` of the input, counted from 0) for consecutive chunks of `chunk_lines` lines.
+    Progress (`desc`, counted in `unit`s) on stderr.
 
     Lines are those given, else those of file `input_path` or of stdin, read one chunk at a
     time. An empty input is one call `process([], 0)` (it may refuse it). The output (file
     `output_path`, replaced, or stdout) is checked first and opened when the first chunk's
     outputs are ready: a failure before that (a workdir that does not load, bad first lines)
     leaves an earlier output file alone. A ValueError or OSError (unreadable input, an output
-    that cannot be written, a mistake `process` names) exits with one line `error: ...`; lines
+    that cannot be written, a mistake `process` names) exits with one line `error: ...`. Lines
     written before it stay, whole.
     """
     if chunk_lines < 1:
         raise ValueError(f"chunk_lines={chunk_lines} must be >= 1")
-    written, output, where = 0, None, output_path or "stdout"
+    written = 0
+    output = None
+    where = output_path or "stdout"
     try:
         check_output(output_path)
         with contextlib.ExitStack() as stack:

@@ -6,11 +6,11 @@
 unpacked trees into sentence pairs:
 
 - LibreOffice help (MPL-2.0): `usr/share/libreoffice/help/{de,en-US}/**.html` hold the same pages
-  at the same relative paths; paragraphs (`p`, `h`, `h1`-`h6`, `td`) carry the same ids
+  at the same relative paths. Paragraphs (`p`, `h`, `h1`-`h6`, `td`) carry the same ids
   (`par_id…`, `hd_id…`) in both languages. Text inside `hidden` elements is skipped, except the
   `default…` variants of platform switches (what a non-Mac reader sees).
 - The Ding dictionary (GPL-2+): `usr/share/trans/de-en`, lines `DE :: EN` whose senses (` | `) and
-  variants (`; `) align; entries that are sentences on both sides (capital first, `.!?` last, at
+  variants (`; `) align. Entries that are sentences on both sides (capital first, `.!?` last, at
   least 3 words) are kept.
 
 Pairs are deduplicated, untranslated (identical) pairs dropped, and split by a stable hash of the
@@ -31,7 +31,9 @@ import unicodedata
 PACKAGES = ("libreoffice-help-de", "libreoffice-help-en-us", "trans-de-en")
 HELP_DIR = "usr/share/libreoffice/help"
 DING_FILE = "usr/share/trans/de-en"
-TEST_FRACTION, MIN_TEST_PAIRS, MAX_TEST_FRACTION = 0.04, 2000, 0.10
+TEST_FRACTION = 0.04
+MIN_TEST_PAIRS = 2000
+MAX_TEST_FRACTION = 0.10
 VALIDATION_FRACTION = 0.02
 WMT_HINT = "or train on WMT instead (configs/wmt14_ende_base.py; docs/data.md)"
 
@@ -108,7 +110,8 @@ def help_page_pairs(root: str, subdirectory: str = "") -> list[tuple[str, list]]
         de_path = os.path.join(de_dir, relative)
         if not os.path.exists(de_path):
             continue
-        en, de = help_paragraphs(en_path), help_paragraphs(de_path)
+        en = help_paragraphs(en_path)
+        de = help_paragraphs(de_path)
         pages.append((relative, [pair for key in en if key in de and len(en[key]) == len(de[key])
                                  for pair in zip(en[key], de[key], strict=True)]))
     return pages
@@ -142,11 +145,13 @@ def ding_pairs(path: str) -> list[tuple[str, str]]:
             if line.startswith("#") or " :: " not in line:
                 continue
             de_side, en_side = line.rstrip("\n").split(" :: ", 1)
-            de_senses, en_senses = de_side.split(" | "), en_side.split(" | ")
+            de_senses = de_side.split(" | ")
+            en_senses = en_side.split(" | ")
             if len(de_senses) != len(en_senses):
                 continue
             for de_sense, en_sense in zip(de_senses, en_senses, strict=True):
-                de_variants, en_variants = de_sense.split("; "), en_sense.split("; ")
+                de_variants = de_sense.split("; ")
+                en_variants = en_sense.split("; ")
                 if len(de_variants) != len(en_variants):
                     continue
                 for de, en in zip(de_variants, en_variants, strict=True):
@@ -172,7 +177,8 @@ def hash_unit(text: str) -> float:
 
 def deduplicate(pairs) -> list[tuple[str, str]]:
     """Drops untranslated pairs (both sides equal) and repeats, keeping the first."""
-    seen, kept = set(), []
+    seen = set()
+    kept = []
     for en, de in pairs:
         if en == de or (en, de) in seen or not en or not de:
             continue

@@ -5,9 +5,9 @@ Importing this module registers the builder, so `tfds.builder("offline_de_en")`,
 `tfds.load("offline_de_en", download=False)` and `tfds.data_source(...)` find it. The first
 `download_and_prepare` fetches the three Debian packages with `apt-get download` into
 `<data_dir>/downloads/offline_de_en/` and unpacks them there with `dpkg-deb -x` (nothing is
-installed); a `manual_dir` holding an already unpacked tree (`usr/share/libreoffice/help/...`,
+installed). A `manual_dir` holding an already unpacked tree (`usr/share/libreoffice/help/...`,
 `usr/share/trans/de-en`) is used instead (the tests' fixture). The package versions and .deb
-sha256 are in `info.metadata`; the packages' copyright files are copied to
+sha256 are in `info.metadata`. The packages' copyright files are copied to
 `<dataset dir>/licenses/`.
 """
 

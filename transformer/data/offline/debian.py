@@ -2,7 +2,7 @@
 once, into a cache directory. The offline datasets (`offline_de_en`, `offline_help_topics`,
 `offline_fashion_mnist`) are built from what this unpacks.
 
-It needs Debian package lists (`apt-get update`, once, as root) and a route to a mirror; without
+It needs Debian package lists (`apt-get update`, once, as root) and a route to a mirror. Without
 them, `PackagesUnavailable` says so in one line, with the dataset's alternative.
 """
 
@@ -46,7 +46,7 @@ def _sha256(path: str) -> str:
 
 def fetch(cache_dir: str, names: tuple[str, ...], *, dataset: str,
           alternative: str) -> tuple[str, list[Package]]:
-    """Downloads (once) and unpacks the packages `names` under `cache_dir`; returns the unpacked
+    """Downloads (once) and unpacks the packages `names` under `cache_dir`. Returns the unpacked
     root and the packages. `dataset` and `alternative` ("or ...") word the one-line error."""
     root = os.path.join(cache_dir, "root")
     manifest = os.path.join(cache_dir, "packages.json")

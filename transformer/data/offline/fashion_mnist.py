@@ -5,17 +5,17 @@ Importing this module registers the builder, so `tfds.builder("offline_fashion_m
 `tfds.load(..., download=False)` and `tfds.data_source(...)` find it. The first
 `download_and_prepare` runs `apt-get download dataset-fashion-mnist` (30.9 MB; it needs Debian
 package lists, i.e. `apt-get update` once, and installs nothing) into
-`<data_dir>/downloads/offline_fashion_mnist/` and unpacks it there with `dpkg-deb -x`; a
+`<data_dir>/downloads/offline_fashion_mnist/` and unpacks it there with `dpkg-deb -x`. A
 `manual_dir` holding an unpacked tree (`usr/share/datasets/fashion-mnist/*.gz`) is used instead
 (the tests' fixture, tests/data/offline_fashion_mnist).
 
 The package ships the original files: 60,000 training and 10,000 test images, 28x28 grey, in
 the idx format (gzip). Splits: `test` is the test file; `validation` is the training images whose
 stable hash (sha256 of the pixel bytes) falls below 1/12 (about 5,000, as MNIST's classic
-55,000/5,000), `train` the rest; a training image identical to a test image is dropped, so no
+55,000/5,000), `train` the rest. A training image identical to a test image is dropped, so no
 image is in two splits. Features match TFDS's `fashion_mnist` (`image` uint8 [28, 28, 1],
 `label` of the same ten class names). The package's version and the .deb's sha256 are in
-`info.metadata`; its copyright file is copied to `<dataset dir>/licenses/`.
+`info.metadata`. Its copyright file is copied to `<dataset dir>/licenses/`.
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ def read_split(root: str, split: str) -> tuple[np.ndarray, np.ndarray]:
     for path in (images_file, labels_file):
         if not os.path.exists(path):
             raise FileNotFoundError(f"{path} not found: not an unpacked {PACKAGE} tree")
-    images, labels = read_idx(images_file), read_idx(labels_file)
+    images = read_idx(images_file)
+    labels = read_idx(labels_file)
     if images.ndim != 3 or labels.shape != images.shape[:1]:
         raise ValueError(f"{images_file} holds {images.shape}, {labels_file} {labels.shape}: "
                          f"not matching image and label files")

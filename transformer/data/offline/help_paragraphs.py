@@ -6,7 +6,7 @@ The help tree of the `offline_de_en` packages (`offline_corpus`) keeps each modu
 Basic (`sbasic`); `text/shared/` belongs to none and is left out. A paragraph of at least
 `MIN_WORDS` English words becomes two examples, the English text and its German translation
 (paired by paragraph id), both with the module's label. An English paragraph found under two
-modules is ambiguous and dropped; repeats within a module are kept once. Splits follow a stable
+modules is ambiguous and dropped. Repeats within a module are kept once. Splits follow a stable
 hash of the normalised English text (`corpus.hash_unit`), so no paragraph is in two
 splits and a paragraph and its translation are always in the same one. Pure Python: the TFDS
 builder over this is `transformer.data.offline.help_topics`.
@@ -20,7 +20,8 @@ MODULES = {"swriter": "Writer", "scalc": "Calc", "simpress": "Impress", "sdraw":
            "sdatabase": "Base", "smath": "Math", "schart": "Chart", "sbasic": "Basic"}
 LABELS = tuple(MODULES.values())
 MIN_WORDS = 4
-TEST_FRACTION, VALIDATION_FRACTION = 0.1, 0.1
+TEST_FRACTION = 0.1
+VALIDATION_FRACTION = 0.1
 
 
 def labelled_pairs(root: str) -> list[tuple[str, str, int]]:

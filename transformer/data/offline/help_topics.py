@@ -6,7 +6,7 @@ Importing this module registers the builder (`tfds.builder("offline_help_topics"
 LibreOffice help packages with `apt-get download` and unpacks them with `dpkg-deb -x` (nothing
 installed; the download is shared with `offline_de_en`), or reads an unpacked tree from
 `manual_dir` (the tests' fixture). Package versions and sha256 and the examples per split and
-label are in `info.metadata`; the packages' copyright files are copied to `licenses/`.
+label are in `info.metadata`. The packages' copyright files are copied to `licenses/`.
 """
 
 from __future__ import annotations
