@@ -245,6 +245,15 @@ def test_evaluate_a_workdir_without_a_checkpoint(translation_run):
     assert snapshot(translation_run) == before  # no eval/, no metrics.jsonl line
 
 
+def test_evaluate_a_run_of_the_synthetic_task(run_workdir):
+    """A run without a vocabulary has no text to translate: one line before any scoring."""
+    before = snapshot(run_workdir)
+    result = cli("-m", "transformer.evaluate", f"--workdir={run_workdir}")
+    assert_one_line_error(result, "is missing: this run has no vocabulary (was it trained on "
+                                  "text, not the synthetic task?)")
+    assert snapshot(run_workdir) == before
+
+
 def test_train_py_names_the_config_file_that_sets_an_unknown_key(tmp_path):
     config = tmp_path / "typo.py"
     config.write_text(f"import runpy\n\n\ndef get_config():\n"

@@ -22,7 +22,7 @@ from transformer.data import tokenizer as tokenizer_lib
 from transformer.model.config import TransformerConfig
 from transformer.parallel import sharding
 
-VOCABULARY_CHOICES = ("required", "optional", "none")
+VOCABULARY_CHOICES = ("required", "optional", "none", "auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +54,9 @@ def open_run(workdir: str, *, step: int | None = None, average: int | None = Non
     the average of the last `average` checkpoints.
 
     `vocabulary` says whether the run must have one ("required": an error otherwise),
-    may have one ("optional") or is not read ("none", an image classifier). The mesh spreads
-    the batch over `devices`, by default the first device alone.
+    may have one ("optional") or is not read ("none", an image classifier). "auto" requires
+    one unless the model classifies images. The mesh spreads the batch over `devices`, by
+    default the first device alone.
     """
     if vocabulary not in VOCABULARY_CHOICES:
         raise ValueError(f"vocabulary={vocabulary!r} must be one of {VOCABULARY_CHOICES}")
@@ -67,6 +68,8 @@ def open_run(workdir: str, *, step: int | None = None, average: int | None = Non
     resolved = Resolved(run.config, run.model, dict(mesh.shape))
     params = averaging.load_params(workdir, step=step, average=average)
     at_step = averaging.params_step(workdir, step=step, average=average)
+    if vocabulary == "auto":
+        vocabulary = "none" if run.model.architecture == "vision" else "required"
     tokenizer = None
     vocab = tokenizer_lib.vocabulary_file(layout.path(workdir, layout.VOCAB))
     if vocabulary == "required" or (vocabulary == "optional" and epath.Path(vocab).is_file()):

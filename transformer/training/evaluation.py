@@ -47,7 +47,7 @@ def evaluate_run(workdir: str, split: str, *, step=None, average=None, num_sente
                  beam_size=None) -> dict:
     """What `python -m transformer.evaluate` scores: a translation run's perplexity and BLEU
     (`evaluate_translation`), or an image classifier's figures (`evaluate_classifier`)."""
-    run = open_run(workdir, step=step, average=average, vocabulary="optional")
+    run = open_run(workdir, step=step, average=average, vocabulary="auto")
     if run.model.architecture == "vision":
         return evaluate_classifier(run, split)
     return evaluate_translation(run, split, num_sentences=num_sentences, beam_size=beam_size)
