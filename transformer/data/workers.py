@@ -72,7 +72,8 @@ def _unlink_dropped_batches() -> None:
     from grain.multiprocessing import SharedMemoryArray
 
     gc.collect()
-    deletions = SharedMemoryArray._del_thread_pool  # one thread, started with the workers
+    # Grain's one deletion thread, started with the workers (private: absent, nothing to wait on)
+    deletions = getattr(SharedMemoryArray, "_del_thread_pool", None)
     if deletions is not None:
         deletions.apply(int)  # returns once the deletions queued before it are done
 
