@@ -105,11 +105,13 @@ def load(workdir: str, *, step: int | None = None) -> Classifier:
     """The classifier of a trained vision run's workdir (checkpoint `step`, or the latest)."""
     from transformer.inference.runs import open_run
 
-    run = open_run(workdir, step=step, vocabulary="none")
-    if run.model.architecture != "vision":
-        raise ValueError(f"{workdir} holds a {run.model.architecture} model, not an image "
-                         f"classifier (model.architecture='vision'): use python -m "
-                         f"transformer.translate or transformer.generate for it")
+    def require_vision(model) -> None:
+        if model.architecture != "vision":
+            raise ValueError(f"{workdir} holds a {model.architecture} model, not an image "
+                             f"classifier (model.architecture='vision'): use python -m "
+                             f"transformer.translate or transformer.generate for it")
+
+    run = open_run(workdir, step=step, vocabulary="none", check=require_vision)
     recorded = run.provenance.get("images")
     if not recorded:
         raise ValueError(f"{layout.path(workdir, layout.CONFIG)} records no image "

@@ -257,6 +257,5 @@ def _sample_fn(model: Transformer, prefix_lm: bool, max_new_tokens: int, tempera
 def load_generator(workdir: str, *, step: int | None = None) -> Generator:
     """The generator of a trained decoder-only workdir, at checkpoint `step` or the latest
     (`runs.open_run`)."""
-    run = open_run(workdir, step=step)
-    _require_decoder(run.model.architecture)
+    run = open_run(workdir, step=step, check=lambda model: _require_decoder(model.architecture))
     return Generator(run.config, run.model, run.params, run.tokenizer)

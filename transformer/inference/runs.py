@@ -9,7 +9,7 @@ benchmarks take what they need from the `Run` it returns.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 from etils import epath
@@ -49,14 +49,16 @@ class Run:
 
 def open_run(workdir: str, *, step: int | None = None, average: int | None = None,
              vocabulary: str = "required",
-             devices: Sequence[jax.Device] | None = None) -> Run:
+             devices: Sequence[jax.Device] | None = None,
+             check: Callable[[TransformerConfig], None] | None = None) -> Run:
     """The run in `workdir` with the parameters of checkpoint `step` (default the latest) or
     the average of the last `average` checkpoints.
 
     `vocabulary` says whether the run must have one ("required": an error otherwise),
     may have one ("optional") or is not read ("none", an image classifier). "auto" requires
     one unless the model classifies images. The mesh spreads the batch over `devices`, by
-    default the first device alone.
+    default the first device alone. `check` sees the model config before anything is loaded,
+    so that a run of the wrong kind is refused in one line before the parameters are read.
     """
     if vocabulary not in VOCABULARY_CHOICES:
         raise ValueError(f"vocabulary={vocabulary!r} must be one of {VOCABULARY_CHOICES}")
@@ -65,9 +67,9 @@ def open_run(workdir: str, *, step: int | None = None, average: int | None = Non
     devices = list(jax.devices()[:1] if devices is None else devices)
     mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1}, devices)
     run = resolve(ConfigDict(values))
+    if check is not None:
+        check(run.model)
     resolved = Resolved(run.config, run.model, dict(mesh.shape))
-    params = averaging.load_params(workdir, step=step, average=average)
-    at_step = averaging.params_step(workdir, step=step, average=average)
     if vocabulary == "auto":
         vocabulary = "none" if run.model.architecture == "vision" else "required"
     tokenizer = None
@@ -75,6 +77,8 @@ def open_run(workdir: str, *, step: int | None = None, average: int | None = Non
     if vocabulary == "required" or (vocabulary == "optional" and epath.Path(vocab).is_file()):
         tokenizer = tokenizer_lib.load_run(workdir, run.model.vocab_size,
                                            layout.vocabulary_sha256(provenance))
+    params = averaging.load_params(workdir, step=step, average=average)
+    at_step = averaging.params_step(workdir, step=step, average=average)
     return Run(workdir, resolved, provenance, params, at_step, _label(step, average),
                tokenizer, mesh)
 

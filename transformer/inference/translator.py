@@ -324,14 +324,21 @@ def _dropping_fns(model: Transformer, beam_size: int, alpha: float, max_length: 
 def load(workdir: str, *, step: int | None = None, average: int | None = None) -> Translator:
     """The translator of a trained workdir: checkpoint `step`, the latest, or the average of
     the last `average` (`runs.open_run`)."""
-    return from_run(open_run(workdir, step=step, average=average))
+    run = open_run(workdir, step=step, average=average,
+                   check=lambda model: require_translation(workdir, model))
+    return from_run(run)
 
 
 def from_run(run: Run) -> Translator:
     """The translator of an opened run. One line unless it is a translation model."""
-    architecture = run.model.architecture
-    if architecture != "encoder_decoder":
-        raise ValueError(f"{run.workdir} holds a language model (model.architecture="
-                         f"{architecture!r}), not a translation model: continue text with "
-                         f"python -m transformer.generate; its perplexity is in metrics.jsonl")
+    require_translation(run.workdir, run.model)
     return Translator(run.config, run.model, run.params, run.tokenizer)
+
+
+def require_translation(workdir: str, model: TransformerConfig) -> None:
+    """One line unless `model` translates: an encoder-decoder."""
+    if model.architecture != "encoder_decoder":
+        raise ValueError(f"{workdir} holds a language model (model.architecture="
+                         f"{model.architecture!r}), not a translation model: continue text "
+                         f"with python -m transformer.generate; its perplexity is in "
+                         f"metrics.jsonl")

@@ -20,7 +20,7 @@ from etils import epath
 from transformer.checkpoint import layout
 from transformer.data import make_source
 from transformer.inference.runs import Run, open_run
-from transformer.inference.translator import from_run
+from transformer.inference.translator import from_run, require_translation
 from transformer.parallel import sharding
 from transformer.training import metrics, scores, train_state
 from transformer.training.metrics import MetricWriter
@@ -47,7 +47,11 @@ def evaluate_run(workdir: str, split: str, *, step=None, average=None, num_sente
                  beam_size=None) -> dict:
     """What `python -m transformer.evaluate` scores: a translation run's perplexity and BLEU
     (`evaluate_translation`), or an image classifier's figures (`evaluate_classifier`)."""
-    run = open_run(workdir, step=step, average=average, vocabulary="auto")
+    def check(model) -> None:
+        if model.architecture != "vision":
+            require_translation(workdir, model)
+
+    run = open_run(workdir, step=step, average=average, vocabulary="auto", check=check)
     if run.model.architecture == "vision":
         return evaluate_classifier(run, split)
     return evaluate_translation(run, split, num_sentences=num_sentences, beam_size=beam_size)
