@@ -35,6 +35,7 @@ from transformer.data import make_source  # noqa: E402
 from transformer.data.tokenizer import FIRST_ORDINARY_ID  # noqa: E402
 from transformer.inference.runs import open_run  # noqa: E402
 from transformer.training import train_state  # noqa: E402
+from transformer.training.evaluation import trainer_and_params  # noqa: E402
 from transformer.util import cli  # noqa: E402, F401  (the CLIs' quiet start-up)
 
 GROUPS = {"output projection": ("logits",), "embeddings": ("embed",),
@@ -99,8 +100,7 @@ def probe(workdir: str, batches: int, seed: int = 0, step: int | None = None,
                          f"{run.model.architecture!r} has no source to probe; give an "
                          f"encoder-decoder run")
     source = make_source(run.config, workdir)
-    trainer = train_state.build_trainer(run.resolved, run.mesh)
-    params = jax.device_put(run.params, trainer.state_shardings.params)
+    trainer, params = trainer_and_params(run)
     eval_step = train_state.make_eval_step(trainer)
     rng = np.random.default_rng(seed)
     first_piece = FIRST_ORDINARY_ID + len(run.tokenizer.sentinel_ids)

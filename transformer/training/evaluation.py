@@ -63,8 +63,7 @@ def evaluate_translation(run: Run, split: str, *, num_sentences=None, beam_size=
     translator = from_run(run)
     cfg = run.config
     source = make_source(cfg, run.workdir)
-    trainer = train_state.build_trainer(run.resolved, run.mesh)
-    params = jax.device_put(run.params, trainer.state_shardings.params)
+    trainer, params = trainer_and_params(run)
     figures = evaluate(trainer, train_state.make_eval_step(trainer), params, source,
                        (0, source.eval_rows_per_batch), split)
 
@@ -79,10 +78,21 @@ def evaluate_translation(run: Run, split: str, *, num_sentences=None, beam_size=
     save_texts(run.workdir, f"{split}.{run.label}", {"source": sources, "reference": references,
                                                      "translation": hypotheses})
     figures["checkpoint"] = run.label
+    _append_figures(run, split, figures)
+    return figures
+
+
+def trainer_and_params(run: Run) -> tuple[train_state.Trainer, dict]:
+    """The run's Trainer on its mesh, and its parameters placed as the Trainer shards them."""
+    trainer = train_state.build_trainer(run.resolved, run.mesh)
+    return trainer, jax.device_put(run.params, trainer.state_shardings.params)
+
+
+def _append_figures(run: Run, split: str, figures: dict) -> None:
+    """A `split` line of `figures` at the run's step in its metrics.jsonl."""
     writer = MetricWriter(run.workdir)
     writer.write(run.step, split, figures)
     writer.close()
-    return figures
 
 
 def save_texts(workdir: str, stem: str, texts: dict[str, list[str]]) -> None:
@@ -170,8 +180,7 @@ def evaluate_classifier(run: Run, split: str) -> dict:
     to metrics.jsonl and keeps the confusion matrix in `<workdir>/eval/confusion_<split>.json`
     (the command draws it)."""
     source = make_source(run.config, run.workdir)
-    trainer = train_state.build_trainer(run.resolved, run.mesh)
-    params = jax.device_put(run.params, trainer.state_shardings.params)
+    trainer, params = trainer_and_params(run)
     figures, confusion = evaluate_split(trainer, params, source,
                                         (0, source.eval_rows_per_batch), split)
     label = run.label if run.label.startswith("average") else f"step{run.step}"
@@ -179,7 +188,5 @@ def evaluate_classifier(run: Run, split: str) -> dict:
                    f"{source.dataset} {split}, {label}: top-1 accuracy "
                    f"{100 * figures['accuracy']:.2f}%")
     figures["checkpoint"] = label
-    writer = MetricWriter(run.workdir)
-    writer.write(run.step, split, figures)
-    writer.close()
+    _append_figures(run, split, figures)
     return figures
