@@ -177,8 +177,6 @@ def _parse_flags(argv):
     """absl's parsing, with a config file that does not load (a syntax error, no get_config)
     an unknown --config.<key>, and a config argument its get_config rejects as one line too
     (ml_collections raises them while absl parses the flags, before main)."""
-    from configs import holders
-
     config_arg = next((a for a in argv[1:] if a.startswith("--config=")), "--config")
     try:
         return flags.FLAGS(argv)
@@ -193,6 +191,8 @@ def _parse_flags(argv):
                      f"returns its ConfigDict from get_config(), as configs/default.py does")
         bad = next((a.split("=")[0] for a in argv[1:] if a.startswith("--config.")
                     and name in a.split("=")[0].split(".")), "a --config.<key> override")
+        from configs import holders  # reads every config: only on this error
+
         where = holders(bad.removeprefix("--config.")) if bad.startswith("--config.") else ""
         hint_text = f"; {hint[0]}" if hint else ""
         where_text = f"; {where}" if where else ""
