@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from transformer.huggingface.gemma import Gemma2
-from transformer.huggingface.llama import Llama
+from transformer.huggingface.llama import Llama, Olmo2
 from transformer.huggingface.mapping import (
     Tensors,
     bias_heads,
@@ -298,7 +298,7 @@ class ViT:
 
 
 # Mixtral before Llama: a routed model one option away from it is closest to Mixtral.
-FAMILIES = (Mixtral, Llama, Gemma2, GPT2, ViT, Marian, T5)
+FAMILIES = (Mixtral, Llama, Olmo2, Gemma2, GPT2, ViT, Marian, T5)
 BY_MODEL_TYPE = {kind: family for family in FAMILIES for kind in family.model_types}
 
 

@@ -108,7 +108,8 @@ def token_ids_config(cfg: TransformerConfig) -> dict:
 FEATURE_DEFAULTS = dict(qkv_bias=False, rope_scaling="none", logits_bias=False,
                         post_sublayer_norm=False, norm_scale_offset=0.0,
                         attention_logit_softcap=None, logits_softcap=None,
-                        attention_scale_dim=None, num_experts=0)
+                        attention_scale_dim=None, num_experts=0, qk_norm="none",
+                        rope_local_theta=None)
 
 
 def mismatches(cfg: TransformerConfig, windows: bool = False, **wanted) -> list[str]:

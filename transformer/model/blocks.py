@@ -77,6 +77,31 @@ class Norm(nn.Module):
         return layers.layer_norm(x, scale, bias, eps=cfg.norm_eps)
 
 
+class QKNorm(nn.Module):
+    """RMSNorm of queries or keys [B, T, heads, H] (`model.qk_norm`): over each head's H
+    ("head": Qwen3, Gemma 3; scale [H]) or over all heads' heads*H together ("full": OLMo 2;
+    scale [heads, H], the checkpoint's [heads*H]). The scale applied is scale +
+    `norm_scale_offset`, as `Norm`'s."""
+
+    config: TransformerConfig
+    heads_axis: str = "heads"
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.config
+        full = cfg.qk_norm == "full"
+        shape, axes = (x.shape[-2:], (self.heads_axis, "head_dim")) if full else (
+            x.shape[-1:], ("head_dim",))
+        init = nn.initializers.constant(1.0 - cfg.norm_scale_offset)
+        scale = self.param("scale", nn.with_logical_partitioning(init, axes), shape)
+        if cfg.norm_scale_offset:
+            scale = cfg.norm_scale_offset + scale
+        if not full:
+            return layers.rms_norm(x, scale, eps=cfg.norm_eps)
+        flat = x.reshape(*x.shape[:-2], -1)
+        return layers.rms_norm(flat, scale.reshape(-1), eps=cfg.norm_eps).reshape(x.shape)
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head (grouped-query, multi-query) attention, self or cross (paper section 3.2.2).
 
@@ -126,6 +151,8 @@ class MultiHeadAttention(nn.Module):
             return y if bias is None else y + bias.astype(dtype)
 
         q = project("query", "BTD,DNH->BTNH", x, (d, n, h), ("embed", "heads", "head_dim"))
+        if cfg.qk_norm != "none":
+            q = QKNorm(cfg, name="query_norm")(q)
         if is_cross and cache is not None and cache.get("key") is not None:
             k = cache["key"]  # encoder keys/values projected once
             v = cache["value"]
@@ -133,11 +160,14 @@ class MultiHeadAttention(nn.Module):
             source = kv_inputs if is_cross else x
             k = project("key", "BSD,DKH->BSKH", source, (d, kh, h),
                         ("embed", "kv_heads", "head_dim"))
+            if cfg.qk_norm != "none":
+                k = QKNorm(cfg, "kv_heads", name="key_norm")(k)
             v = project("value", "BSD,DKE->BSKE", source, (d, kh, hv),
                         ("embed", "kv_heads", "head_dim"))
         if self.use_rope:
-            q = layers.apply_rope(q, q_positions, **cfg.rope_arguments())
-            k = layers.apply_rope(k, kv_positions, **cfg.rope_arguments())
+            rope = cfg.rope_arguments(local=self.window is not None)
+            q = layers.apply_rope(q, q_positions, **rope)
+            k = layers.apply_rope(k, kv_positions, **rope)
         q = nn.with_logical_constraint(q, ("batch", "length", "heads", "head_dim"))
         if not is_cross and cfg.attention_kind == "linear":
             y, cache = self._linear(q, k, v, cache, segments, in_prefix)
@@ -314,14 +344,16 @@ def _post_norm(cfg: TransformerConfig, sublayer: str) -> Norm | None:
 
 
 def _pre_norm(x, norm: Norm):
-    """A sublayer's input: norm(x) for pre-LN, x for post-LN."""
+    """A sublayer's input: norm(x) for pre-LN, x otherwise."""
     return norm(x) if norm.config.norm_position == "pre" else x
 
 
 def _residual(x, y, norm: Norm, deterministic: bool, post: Norm | None = None):
     """x + Dropout(y), normalised after (post-LN) or left as is (pre-LN normalised y's input).
-    Y normalised first by `post` where `post_sublayer_norm` (Gemma 2)."""
+    Y normalised first by `post` where `post_sublayer_norm` (Gemma 2), or by `norm` where
+    `norm_position="output"` (OLMo 2)."""
     y = y if post is None else post(y)
+    y = norm(y) if norm.config.norm_position == "output" else y
     y = nn.Dropout(norm.config.dropout_rate)(y, deterministic=deterministic)
     x = x + y.astype(x.dtype)
     return norm(x) if norm.config.norm_position == "post" else x

@@ -20,7 +20,12 @@ ARCHITECTURES = ("encoder_decoder", "encoder", "decoder", "vision", "classifier"
 # relative: T5's learned bias per head and relative-position bucket (`ops/relative_position.py`)
 POSITIONALS = ("sinusoidal", "learned", "rope", "relative", "none")
 NORMS = ("layer_norm", "rms_norm")
-NORM_POSITIONS = ("post", "pre")
+# post: Norm(x + Sublayer(x)), the paper's; pre: x + Sublayer(Norm(x)); output: x +
+# Norm(Sublayer(x)) (OLMo 2's; pre and output end the stack with a final norm)
+NORM_POSITIONS = ("post", "pre", "output")
+# model.qk_norm: RMSNorm of the queries and keys before RoPE, over each head's d_k ("head":
+# Qwen3, Gemma 3) or over all heads' together, num_heads*d_k ("full": OLMo 2), or none
+QK_NORMS = ("none", "head", "full")
 POOLINGS = ("cls", "gap")  # a classifier's summary: first (class) token, or mean of the tokens
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_KINDS = ("softmax", "linear")
@@ -73,6 +78,7 @@ class TransformerConfig:
     attention_logit_softcap: float | None = None
     logits_softcap: float | None = None
     attention_scale_dim: int | None = None
+    qk_norm: str = "none"  # QK_NORMS; scales multiplied by scale + norm_scale_offset too
     max_len: int = 512
     dtype: str = "float32"  # compute dtype; parameters are always float32
     scan_layers: bool = False
@@ -93,6 +99,9 @@ class TransformerConfig:
     rope_beta_fast: float = 32.0
     rope_beta_slow: float = 1.0
     rope_attention_factor: float | None = None
+    # The local (windowed) layers' own RoPE base, unscaled (Gemma 3's 10k beside its global
+    # layers' 1M); None: the global layers' RoPE
+    rope_local_theta: float | None = None
     # positional="relative" (T5): the buckets of the bias table [relative_buckets, N] that the
     # encoder's and the decoder's layers share (each stack its own; the encoder's bidirectional,
     # the decoder's causal), distances from relative_max_distance on sharing the last bucket
@@ -164,7 +173,7 @@ class TransformerConfig:
                                ("norm", NORMS), ("norm_position", NORM_POSITIONS),
                                ("activation", layers.ACTIVATIONS),
                                ("remat_policy", tuple(REMAT_POLICIES)), ("dtype", DTYPES),
-                               ("pooling", POOLINGS),
+                               ("pooling", POOLINGS), ("qk_norm", QK_NORMS),
                                ("attention_implementation", ATTENTION_IMPLEMENTATIONS),
                                ("context_parallel_strategy", CONTEXT_STRATEGIES)):
             if getattr(self, field) not in choices:
@@ -191,9 +200,15 @@ class TransformerConfig:
             if not 0 <= getattr(self, field) < self.vocab_size:
                 raise ValueError(f"model.{field}={getattr(self, field)} is not an id of the "
                                  f"vocabulary (0 to vocab_size-1={self.vocab_size - 1})")
-        if self.rope_theta <= 0:
-            raise ValueError(f"model.rope_theta={self.rope_theta} must be positive")
+        for field in ("rope_theta", "rope_local_theta"):
+            if getattr(self, field) is not None and getattr(self, field) <= 0:
+                raise ValueError(f"model.{field}={getattr(self, field)} must be positive")
         self._check_rope_scaling()
+        if self.rope_local_theta is not None and (
+                self.positional != "rope" or "local" not in self.attention_pattern.split(",")):
+            raise ValueError(f"model.rope_local_theta={self.rope_local_theta} is the RoPE base "
+                             f"of local layers: set positional='rope' and a local "
+                             f"attention_pattern, or unset it")
         for field in ("attention_logit_softcap", "logits_softcap", "attention_scale_dim"):
             if getattr(self, field) is not None and getattr(self, field) <= 0:
                 raise ValueError(f"model.{field}={getattr(self, field)} must be positive "
@@ -249,8 +264,11 @@ class TransformerConfig:
         """The logits' scale where it is not 1/sqrt(d_k) (`attention_scale_dim`), else None."""
         return None if self.attention_scale_dim is None else self.attention_scale_dim ** -0.5
 
-    def rope_arguments(self) -> dict:
-        """`layers.apply_rope`'s `inv_freq` and `scale` for this model's RoPE."""
+    def rope_arguments(self, local: bool = False) -> dict:
+        """`layers.apply_rope`'s `inv_freq` and `scale` for this model's RoPE, or for its
+        local layers' where `local` and `rope_local_theta` is set."""
+        if local and self.rope_local_theta is not None:
+            return dict(base=self.rope_local_theta)
         if self.rope_scaling == "none":
             return dict(base=self.rope_theta)
         inv_freq = layers.rope_inverse_frequencies(

@@ -88,7 +88,7 @@ def encoder_stack(cfg: TransformerConfig, attention_fn, x, mask, positions, segm
     for i, (name, window) in enumerate(_layers(cfg, cfg.num_encoder_layers)):
         x, _ = block(cfg, attention_fn, window, cfg.routed(i), name=name)(
             x, mask, positions, segments, deterministic, bias)
-    if cfg.norm_position == "pre":
+    if cfg.norm_position != "post":
         x = Norm(cfg, name="norm")(x)
     return x
 
@@ -207,7 +207,7 @@ class Decoder(nn.Module):
                 None if cache is None else cache[name], index, deterministic, bias)
             if cache is not None:
                 new_cache[name] = layer_cache
-        if cfg.norm_position == "pre":
+        if cfg.norm_position != "post":
             x = Norm(cfg, name="norm")(x)
         bias = self.param("logits_bias", nn.with_logical_partitioning(
             nn.initializers.zeros, ("vocab",)), (cfg.vocab_size,)) if cfg.logits_bias else None

@@ -1,0 +1,103 @@
+"""The families with q/k normalisation (transformer/huggingface/llama.py, families.py,
+gemma.py): Qwen3 (each head's query and key RMS-normalised), OLMo 2 (all heads' together, and
+each sublayer's output normalised), Qwen3 MoE and Gemma 3 (text). Tiny random models built by
+`transformers` (nothing downloaded), their norm scales drawn at random so that a dropped or
+misplaced norm shows: imported, the logits and greedy tokens are transformers', the sharded
+forward pass on a 2x2x2 mesh too, and export gives their tensors back bit for bit."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from test_huggingface import (
+    ATOL,
+    SPECIAL,
+    TOKENS,
+    _check_language_model,
+    _check_round_trip,
+    _hf_logits,
+    _prefill_logits,
+    _save,
+)
+
+from transformer.huggingface import convert, families
+from transformer.model.config import TransformerConfig
+from transformer.model.transformer import Transformer
+from transformer.parallel import sharding
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+# head_dim 16 is not hidden_size / heads (8): the norms' sizes and the heads' split both show.
+SIZES = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             max_position_embeddings=64, rms_norm_eps=1e-5, initializer_range=0.2, **SPECIAL)
+
+
+def _build(hf_dir, config_class, model_class, offset=1.0, **kwargs):
+    """A tiny `model_class`, its norm weights drawn around `offset` (1: a plain RMSNorm's
+    scale; 0: Gemma's, which stores scale - 1), saved to `hf_dir`."""
+    torch.manual_seed(0)
+    model = model_class(config_class(**SIZES | kwargs))
+    with torch.no_grad():
+        for name, value in model.named_parameters():
+            if name.endswith("norm.weight"):
+                value.normal_(offset, 0.3)
+    return _save(model, hf_dir)
+
+
+def _run_model(tmp_path) -> dict:
+    return json.loads((tmp_path / "run" / "config.json").read_text())["model"]
+
+
+def _check_on_mesh(hf_dir, hf_model):
+    """The checkpoint read straight onto a 2x2x2 (data, fsdp, tensor) mesh: the sharded
+    forward pass gives transformers' logits."""
+    hf = convert.read_json(str(hf_dir / convert.HF_CONFIG), "")
+    family = families.for_checkpoint(hf, "")
+    config = TransformerConfig(**family.config(hf), dtype="float32")
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    params = convert.read_params(convert.TensorReader(str(hf_dir)), family, config, mesh)
+    with jax.set_mesh(mesh):
+        ours = _prefill_logits(Transformer(config), params, TOKENS)
+    valid = TOKENS != 0
+    np.testing.assert_allclose(np.asarray(ours)[valid], _hf_logits(hf_model, TOKENS)[valid],
+                               atol=ATOL, rtol=0)
+
+
+def _check_family(tmp_path, hf_dir, hf_model, model_class):
+    workdir = _check_language_model(tmp_path, hf_model, hf_dir)
+    reloaded = _check_round_trip(tmp_path, workdir, hf_dir, model_class)
+    np.testing.assert_array_equal(_hf_logits(reloaded, TOKENS), _hf_logits(hf_model, TOKENS))
+    _check_on_mesh(hf_dir, hf_model)
+    return json.loads((tmp_path / "exported" / convert.HF_CONFIG).read_text())
+
+
+@pytest.mark.parametrize("window", [None, 4], ids=["global", "local_and_global"])
+def test_qwen3_logits_generation_mesh_and_round_trip(tmp_path, window):
+    """Qwen3: Qwen2 without the biases, with an RMSNorm of each query and key head; with
+    `use_sliding_window`, its global first and windowed later layers."""
+    hf_dir = tmp_path / "qwen3"
+    options = dict(use_sliding_window=True, sliding_window=window, max_window_layers=1) \
+        if window else {}
+    hf_model = _build(hf_dir, transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
+                      **options)
+    exported = _check_family(tmp_path, hf_dir, hf_model, transformers.Qwen3ForCausalLM)
+    run = _run_model(tmp_path)
+    assert (run["qk_norm"], run["qkv_bias"], run["attention_pattern"]) == (
+        "head", False, "global,local" if window else "global")
+    assert exported["model_type"] == "qwen3"
+    assert exported["layer_types"] == hf_model.config.layer_types
+
+
+def test_olmo2_logits_generation_mesh_and_round_trip(tmp_path):
+    """OLMo 2: no norm before a sublayer, one after it inside the residual branch, and the
+    queries' and keys' RMSNorms over all their heads at once."""
+    hf_dir = tmp_path / "olmo2"
+    hf_model = _build(hf_dir, transformers.Olmo2Config, transformers.Olmo2ForCausalLM,
+                      head_dim=8)  # OLMo 2's is D / N
+    exported = _check_family(tmp_path, hf_dir, hf_model, transformers.Olmo2ForCausalLM)
+    run = _run_model(tmp_path)
+    assert (run["qk_norm"], run["norm_position"]) == ("full", "output")
+    assert exported["model_type"] == "olmo2"
