@@ -101,3 +101,24 @@ def test_olmo2_logits_generation_mesh_and_round_trip(tmp_path):
     run = _run_model(tmp_path)
     assert (run["qk_norm"], run["norm_position"]) == ("full", "output")
     assert exported["model_type"] == "olmo2"
+
+
+def test_qwen3_moe_logits_generation_mesh_and_round_trip(tmp_path):
+    """Qwen3 MoE: Qwen3's attention, 4 experts of their own width (moe_intermediate_size),
+    top-2 without renormalising (norm_topk_prob=False, transformers' default), a router sharp
+    enough that tokens go to every expert."""
+    hf_dir = tmp_path / "qwen3_moe"
+    hf_model = _build(hf_dir, transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                      norm_topk_prob=False)
+    with torch.no_grad():
+        out = hf_model(input_ids=torch.tensor(TOKENS), output_router_logits=True)
+    chosen = np.stack([torch.topk(logits, 2, dim=-1).indices.numpy()
+                       for logits in out.router_logits])
+    assert set(chosen.reshape(-1).tolist()) == {0, 1, 2, 3}
+    exported = _check_family(tmp_path, hf_dir, hf_model, transformers.Qwen3MoeForCausalLM)
+    run = _run_model(tmp_path)
+    assert (run["qk_norm"], run["num_experts"], run["d_ff"], run["moe_renormalize"]) == (
+        "head", 4, 24, False)
+    assert (exported["model_type"], exported["num_experts"], exported["norm_topk_prob"]) == (
+        "qwen3_moe", 4, False)

@@ -6,7 +6,8 @@ option our model does not compute exactly) and back, and lists its `Tensors`: wh
 tensors make which of our parameters, and the two functions between them (transposes, heads
 split out of fused projections). Arrays here are numpy, one tensor group at a time.
 
-Llama, Mistral and Qwen2 are in `llama.py`, Gemma 2, Marian and T5 in modules of their own.
+Llama, Mistral, Qwen2, Qwen3 and OLMo 2 are in `llama.py`, the Gemmas, Marian and T5 in modules
+of their own.
 The others' checkpoint layouts (`torch.nn.Linear` stores weight [out, in]; GPT-2's `Conv1D`
 [in, out]):
     Mixtral  Mistral's tensors but the feed-forward: per layer block_sparse_moe.gate [E, D]
@@ -15,6 +16,9 @@ The others' checkpoint layouts (`torch.nn.Linear` stores weight [out, in]; GPT-2
            checkpoints hold them. Or, as `transformers` 5 holds them in memory (its
            `state_dict` saved as it is), mlp.gate [E, D], mlp.experts.gate_up_proj [E, 2F, D]
            (each expert's gate rows, then its up rows) and mlp.experts.down_proj [E, D, F]
+    Qwen3 MoE  Qwen3's tensors but a routed layer's feed-forward: mlp.gate [E, D] (the router)
+           and mlp.experts.{j}.gate_proj, up_proj [F, D] and down_proj [D, F] (F its
+           moe_intermediate_size); or `transformers` 5's fused experts, as Mixtral's
     GPT-2  c_attn [D, 3*D] (q, k, v side by side), c_proj [D, D], c_fc [D, F], mlp c_proj
            [F, D], LayerNorms, wte [V, D] (tied output), wpe [max_len, D]
     ViT    patch projection: a convolution [D, C, P, P]; cls_token [1, 1, D],
@@ -40,6 +44,7 @@ from transformer.huggingface.mapping import (
     token_ids,
     token_ids_config,
     transposed,
+    unsupported,
 )
 from transformer.huggingface.marian import Marian
 from transformer.huggingface.t5 import T5
@@ -134,6 +139,84 @@ class Mixtral:
                     _experts(hf, cfg.num_experts, "w1", f"{ours}/ff_gate"),
                     _experts(hf, cfg.num_experts, "w3", f"{ours}/ff_in"),
                     _experts(hf, cfg.num_experts, "w2", f"{ours}/ff_out")]
+        return out
+
+
+class Qwen3Moe:
+    """`Qwen3MoeForCausalLM`: Qwen3's decoder (`Llama`) with every `decoder_sparse_step`-th
+    feed-forward layer routed: the softmax (float32) of a router picks the top
+    `num_experts_per_tok` of its SwiGLU experts, their weights renormalised to sum to 1 where
+    `norm_topk_prob` (`moe_renormalize`), no shared expert. Dropless. Its window, where
+    `use_sliding_window`, is in every layer."""
+
+    model_types = ("qwen3_moe",)
+
+    @staticmethod
+    def config(hf: dict) -> dict:
+        kind = "qwen3_moe"
+        require(hf, kind, "mlp_only_layers", ([], None), "dense layers only where "
+                "decoder_sparse_step puts them (model.moe_layer_interval)")
+        step = int(hf.get("decoder_sparse_step") or 1)
+        if step > 1 and hf["moe_intermediate_size"] != hf["intermediate_size"]:
+            raise unsupported(kind, "decoder_sparse_step", step, "our dense and routed "
+                              "layers share model.d_ff: set 1, or moe_intermediate_size "
+                              "equal to intermediate_size")
+        return Llama.config(hf) | dict(
+            d_ff=hf["moe_intermediate_size"],
+            num_experts=hf.get("num_local_experts") or hf["num_experts"],
+            experts_per_token=hf["num_experts_per_tok"], moe_layer_interval=step,
+            moe_router_scores="softmax", moe_renormalize=bool(hf.get("norm_topk_prob")),
+            moe_shared_expert=False, moe_capacity_factor=0.0,
+            moe_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)), moe_z_loss_coef=0.0)
+
+    @staticmethod
+    def hf_config(cfg: TransformerConfig) -> dict:
+        out = {key: value for key, value in Llama.hf_config(cfg).items()
+               if key != "layer_types"}
+        return out | dict(
+            model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
+            moe_intermediate_size=cfg.d_ff, num_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.experts_per_token,
+            decoder_sparse_step=cfg.moe_layer_interval, mlp_only_layers=[],
+            norm_topk_prob=cfg.moe_renormalize, router_aux_loss_coef=cfg.moe_aux_loss_coef,
+            output_router_logits=False)
+
+    @staticmethod
+    def matches(cfg: TransformerConfig) -> list[str]:
+        out = mismatches(cfg, windows=True, rope_scaling=cfg.rope_scaling,
+                          architecture="decoder", positional="rope", norm="rms_norm",
+                          norm_position="pre", activation="swiglu", use_bias=False,
+                          scale_embeddings=False, num_experts=cfg.num_experts, qk_norm="head",
+                          moe_router_scores="softmax", moe_shared_expert=False)
+        if not cfg.num_experts:
+            out.append("model.num_experts=0 (wants routed layers)")
+        if len({cfg.layer_window(i) for i in range(cfg.num_decoder_layers)}) > 1:
+            out.append(f"model.attention_pattern={cfg.attention_pattern!r} (Qwen3 MoE's window "
+                       f"is in every layer)")
+        return out
+
+    @staticmethod
+    def import_tensors(cfg: TransformerConfig, hf: dict, names: set[str]) -> list[Tensors]:
+        """`tensors`, or `transformers`' fused experts where the checkpoint holds them."""
+        fused = any(name.endswith(".mlp.experts.gate_up_proj") for name in names)
+        return Qwen3Moe.tensors(cfg, fused)
+
+    @staticmethod
+    def tensors(cfg: TransformerConfig, fused: bool = False) -> list[Tensors]:
+        """Llama's (Qwen3's) groups but a routed layer's dense feed-forward, and each routed
+        layer's router and experts (per expert, as the Hub's checkpoints hold them, or
+        fused)."""
+        routed = [i for i in range(cfg.num_decoder_layers) if cfg.routed(i)]
+        dense = [group for group in Llama.tensors(cfg) if not any(
+            group.ours[0].startswith(f"decoder/layers_{i}/ffn/") for i in routed)]
+        out = dense
+        for i in routed:
+            hf = f"model.layers.{i}.mlp"
+            ours = f"decoder/layers_{i}/moe"
+            out.append(transposed(f"{hf}.gate.weight", f"{ours}/router"))
+            out += _fused_experts(hf, ours) if fused else [
+                _experts(hf, cfg.num_experts, f"{name}_proj", f"{ours}/ff_{part}")
+                for name, part in (("gate", "gate"), ("up", "in"), ("down", "out"))]
         return out
 
 
@@ -298,7 +381,7 @@ class ViT:
 
 
 # Mixtral before Llama: a routed model one option away from it is closest to Mixtral.
-FAMILIES = (Mixtral, Llama, Olmo2, Gemma2, GPT2, ViT, Marian, T5)
+FAMILIES = (Mixtral, Qwen3Moe, Llama, Olmo2, Gemma2, GPT2, ViT, Marian, T5)
 BY_MODEL_TYPE = {kind: family for family in FAMILIES for kind in family.model_types}
 
 

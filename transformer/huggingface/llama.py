@@ -34,14 +34,15 @@ from transformer.huggingface.mapping import (
 from transformer.model.config import TransformerConfig
 
 WINDOWED = {"sliding_attention": "local", "full_attention": "global"}  # layer_types entries
-QWEN = ("qwen2", "qwen3", "qwen3_moe")  # Qwen2's windows: local and global layers
+QWEN = ("qwen2", "qwen3", "qwen3_moe")  # a window only where use_sliding_window says so
 
 
 def _window_fields(hf: dict, kind: str) -> dict:
     """`attention_window` and `attention_pattern` of a sliding window: Mistral's (every layer)
-    or Qwen2's (`use_sliding_window`, the layers its `layer_types` say, else those from
-    `max_window_layers` on). `transformers`' window of w keys (the query's own included) is
-    our attention_window w - 1 (the keys before it)."""
+    or Qwen2's and Qwen3's (`use_sliding_window`, the layers its `layer_types` say, else those
+    from `max_window_layers` on), or Qwen3 MoE's (`use_sliding_window`, every layer).
+    `transformers`' window of w keys (the query's own included) is our attention_window w - 1
+    (the keys before it)."""
     window = hf.get("sliding_window")
     if kind in QWEN and not hf.get("use_sliding_window"):
         window = None
@@ -50,7 +51,7 @@ def _window_fields(hf: dict, kind: str) -> dict:
     if window < 2:
         raise unsupported(kind, "sliding_window", window, "a window of at least 2 keys")
     layers = hf["num_hidden_layers"]
-    if kind in QWEN:
+    if kind in ("qwen2", "qwen3"):  # Qwen3 MoE's window is in every layer
         types = hf.get("layer_types") or [
             "sliding_attention" if i >= hf.get("max_window_layers", 28) else "full_attention"
             for i in range(layers)]
