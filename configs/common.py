@@ -201,12 +201,14 @@ def paper_config(*, size: str, target_lang: str, dropout_rate: float) -> config_
         eps=1e-9,
         weight_decay=0.0,
         clip_norm=0.0,  # 0: no clipping
+        moments_dtype="float32",  # Adam's moments; "bfloat16" halves them
         loss_scale_initial=2**15,  # model.dtype=float16: dynamic loss scaling (NVIDIA AMP)
         loss_scale_period=2000,  # doubles after this many finite steps, halves on overflow
     ))
     cfg.distributed = config_dict.ConfigDict(dict(  # multi-process runs (train.py flags)
         initialization_timeout_seconds=300,  # waiting for all processes to join
         heartbeat_timeout_seconds=100))  # a dead peer stops the others after this long
+    cfg.metrics = config_dict.ConfigDict(dict(tracker="tensorboard"))  # or wandb, trackio
     cfg.label_smoothing = 0.1
     cfg.z_loss = 0.0
     # Target tokens per device whose logits the loss computes at once (their softmax gradient

@@ -80,6 +80,9 @@ def lm_config(*, objective: str, dataset: str, vocab_size: int, max_length: int,
         name="adamw", schedule="cosine", learning_rate=learning_rate,
         warmup_steps=warmup_steps, end_fraction=0.1,
         b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, clip_norm=1.0,
+        moments_dtype="float32",  # Adam's moments; "bfloat16" halves them
+        # name="adafactor" (T5's; learning_rate ~1e-2, relative): its decay and factoring
+        decay_rate=0.8, min_dim_size_to_factor=128,
         loss_scale_initial=2**15, loss_scale_period=2000))  # model.dtype=float16 only
     cfg.label_smoothing = 0.0
     cfg.z_loss = 1e-4  # keeps the softmax normaliser near 1 in bfloat16 (PaLM)
@@ -89,6 +92,7 @@ def lm_config(*, objective: str, dataset: str, vocab_size: int, max_length: int,
     cfg.profile_num_steps = 0
     cfg.distributed = config_dict.ConfigDict(dict(
         initialization_timeout_seconds=300, heartbeat_timeout_seconds=100))
+    cfg.metrics = config_dict.ConfigDict(dict(tracker="tensorboard"))  # or wandb, trackio
     cfg.decode = config_dict.ConfigDict(dict(beam_size=1, alpha=0.0, max_extra_length=0))
     cfg.generate = config_dict.ConfigDict(dict(  # python -m transformer.generate defaults
         max_new_tokens=64, temperature=0.8, top_k=0, top_p=0.95))

@@ -58,6 +58,8 @@ SECTIONS: dict[str, frozenset[str]] = {
     "data": data.CONFIG_KEYS,
     "optimizer": frozenset({"name", "schedule", "learning_rate", "warmup_steps", "end_fraction",
                             "b1", "b2", "eps", "weight_decay", "clip_norm",
+                            "moments_dtype",  # adam, adamw: float32 or bfloat16
+                            "decay_rate", "min_dim_size_to_factor",  # adafactor
                             "loss_scale_initial", "loss_scale_period"}),  # float16 runs
     "decode": frozenset({"beam_size", "alpha", "max_extra_length"}),
     "generate": frozenset({"max_new_tokens", "temperature", "top_k", "top_p"}),

@@ -401,3 +401,138 @@ def test_unknown_optimizer_name_is_one_line_naming_the_key():
     assert "\n" not in message
     assert message.startswith("optimizer.name='sgd'")
     assert "adam" in message and "adamw" in message
+
+
+# ---- moments in bfloat16, Adafactor -------------------------------------------------------------
+
+
+def _grads(params, steps, seed=0):
+    """`steps` gradient trees like `params`, normal draws of varied scale per leaf."""
+    rng = np.random.default_rng(seed)
+    return [jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape) * rng.uniform(0.1, 3),
+                                               jnp.float32), params) for _ in range(steps)]
+
+
+MOMENT_PARAMS = {"w": jnp.full((6, 5), 0.5), "b": jnp.linspace(-1.0, 1.0, 5)}
+
+
+def test_float32_moments_are_optax_adamw_exactly():
+    cfg = opt_config(name="adamw", schedule="constant", learning_rate=1e-2, warmup_steps=0,
+                     weight_decay=0.1, b2=0.95, eps=1e-8)
+    tx, schedule = optim.make_optimizer(cfg, d_model=64, total_steps=100)
+    reference = optax.adamw(schedule, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1,
+                            mask=optim.decay_mask)
+    params, state, ref_params, ref_state = (MOMENT_PARAMS, tx.init(MOMENT_PARAMS),
+                                            MOMENT_PARAMS, reference.init(MOMENT_PARAMS))
+    # The same state tree (a checkpoint of either restores into the other).
+    assert jax.tree.structure(state) == jax.tree.structure(ref_state)
+    for g in _grads(params, 4):
+        updates, state = tx.update(g, state, params)
+        ref_updates, ref_state = reference.update(g, ref_state, ref_params)
+        params, ref_params = (optax.apply_updates(params, updates),
+                              optax.apply_updates(ref_params, ref_updates))
+    jax.tree.map(np.testing.assert_array_equal, params, ref_params)  # the same float32 ops
+
+
+def test_bfloat16_moments_match_adam_with_moments_rounded_to_bfloat16():
+    """Both moments are stored in bfloat16; each update runs in float32 from the stored
+    moments, as numpy does here with ml_dtypes' bfloat16 rounding."""
+    import ml_dtypes
+
+    b1, b2, eps, lr = 0.9, 0.95, 1e-8, 1e-2
+    cfg = opt_config(name="adam", schedule="constant", learning_rate=lr, warmup_steps=0,
+                     b1=b1, b2=b2, eps=eps, moments_dtype="bfloat16")
+    tx, _ = optim.make_optimizer(cfg, d_model=64, total_steps=100)
+    state = tx.init(MOMENT_PARAMS)
+    adam_state = state[0]
+    assert {leaf.dtype for leaf in jax.tree.leaves((adam_state.mu, adam_state.nu))} == {
+        jnp.dtype(jnp.bfloat16)}
+
+    def bf16(x):
+        return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+    m = {k: np.zeros(p.shape, np.float32) for k, p in MOMENT_PARAMS.items()}
+    v = {k: np.zeros(p.shape, np.float32) for k, p in MOMENT_PARAMS.items()}
+    f32_tx, _ = optim.make_optimizer(opt_config(**{**cfg, "moments_dtype": "float32"}),
+                                     d_model=64, total_steps=100)
+    f32_state = f32_tx.init(MOMENT_PARAMS)
+    apart = 0.0
+    for step, g in enumerate(_grads(MOMENT_PARAMS, 6), start=1):
+        updates, state = tx.update(g, state, MOMENT_PARAMS)
+        f32_updates, f32_state = f32_tx.update(g, f32_state, MOMENT_PARAMS)
+        for k in m:
+            gk = np.asarray(g[k])
+            m_new = b1 * m[k] + (1 - b1) * gk
+            v_new = b2 * v[k] + (1 - b2) * gk * gk
+            expected = -lr * (m_new / (1 - b1**step)) / (np.sqrt(v_new / (1 - b2**step)) + eps)
+            # The same float32 formula from the same stored moments: float32 rounding (a
+            # few ulps, 1e-6 relative), unless XLA's and numpy's values straddle a bfloat16
+            # rounding boundary, which these draws do not.
+            np.testing.assert_allclose(updates[k], expected, rtol=1e-5, err_msg=f"{k} {step}")
+            apart = max(apart, float(np.max(np.abs(updates[k] - f32_updates[k])
+                                            / np.abs(f32_updates[k]))))
+            m[k], v[k] = bf16(m_new), bf16(v_new)
+    assert apart > 1e-4  # the rounding is there: float32 moments give other updates
+
+
+def test_adafactor_matches_optax_reference():
+    """T5's Adafactor (factored second moments, update clipping, relative step) with the
+    config's decay rate and factoring threshold is optax.adafactor's, over a few steps, on a
+    factored matrix, an unfactored one and a vector."""
+    params = {"kernel": jnp.full((8, 12), 0.3), "small": jnp.full((3, 12), -0.2),
+              "scale": jnp.linspace(0.5, 1.5, 12)}
+    cfg = opt_config(name="adafactor", schedule="constant", learning_rate=1e-2,
+                     warmup_steps=0, decay_rate=0.7, min_dim_size_to_factor=8)
+    tx, schedule = optim.make_optimizer(cfg, d_model=64, total_steps=100)
+    reference = optax.adafactor(schedule, decay_rate=0.7, min_dim_size_to_factor=8)
+    state, ref_state = tx.init(params), reference.init(params)
+    factored = state[0]
+    # kernel [8, 12] is factored (a row and a column statistic), small [3, 12] is not.
+    assert factored.v_row["kernel"].shape == (8,) and factored.v_col["kernel"].shape == (12,)
+    assert factored.v["small"].shape == (3, 12)
+    ref_params = params
+    for g in _grads(params, 5, seed=1):
+        updates, state = tx.update(g, state, params)
+        ref_updates, ref_state = reference.update(g, ref_state, ref_params)
+        params, ref_params = (optax.apply_updates(params, updates),
+                              optax.apply_updates(ref_params, ref_updates))
+    jax.tree.map(np.testing.assert_array_equal, params, ref_params)  # the same float32 ops
+    jax.tree.map(np.testing.assert_array_equal, state, ref_state)
+
+
+def test_adafactor_statistics_keep_their_parameters_axis_names():
+    """Boxed params (the trainer's): a factored statistic keeps the logical names of the axes
+    it keeps, an unfactored one all of them, a [1] stub none."""
+    import flax.linen as nn
+
+    params = {"ff_in": nn.LogicallyPartitioned(jnp.zeros((16, 32)), ("embed", "mlp")),
+              "norm": nn.LogicallyPartitioned(jnp.zeros((16,)), ("embed",))}
+    cfg = opt_config(name="adafactor", schedule="constant", learning_rate=1e-2,
+                     warmup_steps=0, min_dim_size_to_factor=16)
+    tx, _ = optim.make_optimizer(cfg, d_model=64, total_steps=100)
+    factored = tx.init(params)[0]
+
+    def names(tree):
+        return {k: (box.value.shape, box.names) for k, box in tree.items()}
+
+    assert names(factored.v_row) == {"ff_in": ((16,), ("embed",)), "norm": ((1,), (None,))}
+    assert names(factored.v_col) == {"ff_in": ((32,), ("mlp",)), "norm": ((1,), (None,))}
+    assert names(factored.v) == {"ff_in": ((1,), (None,)), "norm": ((16,), ("embed",))}
+    # Unboxed, the state is optax's.
+    reference = optax.adafactor(1e-2, min_dim_size_to_factor=16).init(nn.unbox(params))
+    jax.tree.map(np.testing.assert_array_equal, nn.unbox(tx.init(params))[0], reference[0])
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("moments_dtype", "float16", "optimizer.moments_dtype='float16' is not one of float32, "
+                                 "bfloat16"),
+    ("min_dim_size_to_factor", 0, "optimizer.min_dim_size_to_factor=0 must be an int >= 1"),
+])
+def test_bad_moment_settings_are_one_line_naming_the_key(key, value, message):
+    name = "adafactor" if key == "min_dim_size_to_factor" else "adam"
+    with pytest.raises(ValueError, match=f"^{message}") as err:
+        optim.make_optimizer(opt_config(name=name, **{key: value}), d_model=64, total_steps=10)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="^optimizer.moments_dtype='bfloat16' is for adam"):
+        optim.make_optimizer(opt_config(name="adafactor", moments_dtype="bfloat16"), d_model=64,
+                             total_steps=10)

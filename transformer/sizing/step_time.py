@@ -332,10 +332,14 @@ def extrapolate(one: ProgramCost, two: ProgramCost, found: list[Collective], dev
                         sum(c.count for c in found), flops_, layers, microbatches)
 
 
-def optimizer_seconds(param_bytes_per_device: int, hbm_bytes_per_s: float) -> float:
-    """Adam's update of a device's float32 params: params, both moments read and written,
-    the gradient read (7 float32 passes), at HBM bandwidth."""
-    return 7 * param_bytes_per_device / hbm_bytes_per_s
+def optimizer_seconds(param_bytes_per_device: int, hbm_bytes_per_s: float,
+                      state_bytes_per_device: int | None = None) -> float:
+    """The optimizer's update of a device's float32 params at HBM bandwidth: params read and
+    written, the gradient read, the optimizer state read and written. Adam's float32 moments
+    (state = 2 x params, the default) make 7 float32 passes; bfloat16 moments 5; Adafactor's
+    factored state about 3."""
+    state = 2 * param_bytes_per_device if state_bytes_per_device is None else state_bytes_per_device
+    return (3 * param_bytes_per_device + 2 * state) / hbm_bytes_per_s
 
 
 def _ms(seconds: float) -> str:

@@ -16,6 +16,7 @@ from transformer.config import Resolved
 from transformer.model import vit
 from transformer.model.config import TransformerConfig
 from transformer.sizing import flops
+from transformer.training import optim
 
 _COMPONENT_ORDER = ("self_attention", "cross_attention", "ffn", "norm_attention", "norm_cross",
                     "norm_ffn")
@@ -122,6 +123,24 @@ def _flops_lines(config: TransformerConfig, source_length: int, target_length: i
     ]
 
 
+def optimizer_state_bytes(run: Resolved, params) -> int:
+    """Bytes of the optimizer's state for `params` (abstract), all of it on one device."""
+    tx, _ = optim.make_optimizer(run.config.optimizer, d_model=run.model.d_model,
+                                 total_steps=int(run.config.num_train_steps))
+    return sum(leaf.size * leaf.dtype.itemsize
+               for leaf in jax.tree.leaves(jax.eval_shape(tx.init, params)))
+
+
+def optimizer_line(run: Resolved, params, total: int) -> str:
+    """`optimizer state: adamw, float32 moments: 8.00 bytes per parameter (...)`."""
+    opt = run.config.optimizer
+    name = opt.get("name", "adam")
+    kind = (f"{name}, factored second moments" if name == "adafactor"
+            else f"{name}, {opt.get('moments_dtype', 'float32')} moments")
+    state = optimizer_state_bytes(run, params)
+    return f"optimizer state: {kind}: {state / total:.2f} bytes per parameter ({state:,} bytes)"
+
+
 def summarize(run: Resolved) -> str:
     """The summary table of a resolved config; FLOPs are counted at `data.max_length` (the
     source and target length; else model.max_len)."""
@@ -175,6 +194,7 @@ def summarize(run: Resolved) -> str:
         active = flops.active_params(config)
         lines.append(_row(f"active ({config.experts_per_token} of {config.num_experts} experts)",
                           f"{active / 1e6:.1f}M", active))
+    lines.append(optimizer_line(run, params, counts["total"]))
     lines.append("")
     lines += _flops_lines(config, length, length)
     lines.append(f"total_params: {counts['total']}")

@@ -198,8 +198,9 @@ def step_estimate(run: Resolved, topology: Topology, devices,
     return step_time.extrapolate(
         *costs, list(memory_plan.collectives), device.name, layers=layers,
         microbatches=int(run.config.grad_accum_steps),
-        optimizer_seconds=step_time.optimizer_seconds(memory_plan.analytic["params"],
-                                                      device.memory_bytes_per_s),
+        optimizer_seconds=step_time.optimizer_seconds(
+            memory_plan.analytic["params"], device.memory_bytes_per_s,
+            memory_plan.analytic["optimizer_state"]),
         analytic_flops=step_flops.step_flops_per_device(model, memory_plan),
         recomputed_flops=step_flops.remat_flops(model, memory_plan),
         peak_flops=device.peak_flops)

@@ -1,0 +1,116 @@
+"""The optimizer-state choices in the real train step: Adafactor on a 2x4 mesh against 1x8, and
+checkpoints of bfloat16 Adam moments and of Adafactor's factored state that resume bit for bit
+(in process: saved, restored into the abstract state, continued)."""
+
+import jax
+import numpy as np
+import pytest
+
+from transformer.checkpoint.checkpointer import Checkpointer
+from transformer.config import resolve
+from transformer.data import make_source
+from transformer.parallel import sharding
+from transformer.training import train_state
+
+STEPS = 4
+
+# Two layouts of the same 8 devices sum the gradients, the factored row and column means and
+# the global norms in other orders: float32 rounding, a few ulps (1e-7 relative) per sum,
+# compounded over STEPS updates whose size Adafactor normalises (a relative change of the
+# gradient moves the update by as much). 1e-5 leaves a margin of 10 or more over that.
+LAYOUT_RTOL = 1e-5
+
+
+def small(load_config, **overrides):
+    """configs/tiny.py with one layer a side and 16 rows a batch; Adafactor factors its
+    [64, 128] feed-forward kernels and [32, 64] embedding (threshold 32)."""
+    return load_config("tiny.py", **{
+        "data.batch_size": 16, "model.num_encoder_layers": 1, "model.num_decoder_layers": 1,
+        "model.dropout_rate": 0.0, "optimizer.schedule": "constant",
+        "optimizer.warmup_steps": 0, **overrides})
+
+
+class Mesh:
+    """A config's trainer, jitted train step and data on a data x fsdp mesh of 8 devices."""
+
+    def __init__(self, cfg, data: int, fsdp: int):
+        cfg.mesh.data, cfg.mesh.fsdp = data, fsdp
+        run = resolve(cfg, 8)
+        self.mesh = sharding.make_mesh(run.config.mesh, jax.devices()[:8])
+        self.trainer = train_state.build_trainer(run, self.mesh)
+        self.step_fn = train_state.make_train_step(self.trainer, run.config)
+        self.source = make_source(cfg)
+        self.seed = cfg.seed
+
+    def run(self, first: int, last: int, state=None):
+        """The state after batches first..last-1 from `state` (None: a fresh one) and the
+        losses."""
+        state = train_state.init_state(self.trainer, self.seed) if state is None else state
+        losses = []
+        for index in range(first, last):
+            batch = self.source.train_batch(index, (0, self.source.rows_per_batch))
+            state, metrics = self.step_fn(state, train_state.global_batch(self.mesh, batch))
+            losses.append(float(metrics["loss"]))
+        return state, losses
+
+    def resumed(self, tmp_path, split: int):
+        """STEPS steps with a checkpoint saved after `split`, restored and continued."""
+        state, losses = self.run(0, split)
+        checkpointer = Checkpointer(str(tmp_path), keep=1, use_async=False)
+        checkpointer.save(split, state, {"next_batch": split})
+        restored, _ = checkpointer.restore(split, self.trainer.abstract_state)
+        checkpointer.close()
+        state, more = self.run(split, STEPS, restored)
+        return state, losses + more
+
+
+def assert_states_equal(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        assert x.dtype == y.dtype
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def adafactor(load_config):
+    return small(load_config, **{"optimizer.name": "adafactor",
+                                 "optimizer.learning_rate": 1e-2,
+                                 "optimizer.min_dim_size_to_factor": 32})
+
+
+def test_adafactor_on_2x4_equals_1x8_and_resumes_exactly(load_config, tmp_path):
+    one_by_eight = Mesh(adafactor(load_config), 1, 8)
+    straight, losses = one_by_eight.run(0, STEPS)
+    factored = straight.opt_state[1][0]
+    assert factored.v_row["decoder"]["layers_0"]["ffn"]["ff_in"]["kernel"].shape == (64,)
+    assert losses[-1] < losses[0]
+    resumed, resumed_losses = one_by_eight.resumed(tmp_path, 2)
+    assert resumed_losses == losses
+    assert_states_equal(resumed, straight)
+
+    state, other_losses = Mesh(adafactor(load_config), 2, 4).run(0, STEPS)
+    np.testing.assert_allclose(other_losses, losses, rtol=LAYOUT_RTOL)
+    # Absolute: LAYOUT_RTOL of the STEPS updates, each ~1e-3 (lr 1e-2 x the kernels' RMS 0.1),
+    # 4e-8. Not the attention's key biases: softmax ignores a shift of the logits, so their
+    # gradient is rounding noise, which Adafactor normalises into full steps of either sign.
+    expected = dict(jax.tree_util.tree_leaves_with_path(jax.device_get(straight.params)))
+    for path, leaf in jax.tree_util.tree_leaves_with_path(jax.device_get(state.params)):
+        name = jax.tree_util.keystr(path)
+        if "['key']['bias']" not in name:
+            np.testing.assert_allclose(leaf, expected[path], rtol=LAYOUT_RTOL, atol=1e-7,
+                                       err_msg=name)
+
+
+def test_bfloat16_moments_resume_exactly(load_config, tmp_path):
+    trained = Mesh(small(load_config, **{"optimizer.moments_dtype": "bfloat16"}), 2, 4)
+    straight, losses = trained.run(0, STEPS)
+    moments = straight.opt_state[1][0]
+    assert {leaf.dtype for leaf in jax.tree.leaves((moments.mu, moments.nu))} == {
+        np.dtype("bfloat16")}
+    resumed, resumed_losses = trained.resumed(tmp_path, 2)
+    assert resumed_losses == losses
+    assert_states_equal(resumed, straight)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks():
+    yield
+    jax.clear_caches()
