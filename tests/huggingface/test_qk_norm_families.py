@@ -6,6 +6,7 @@ misplaced norm shows: imported, the logits and greedy tokens are transformers', 
 forward pass on a 2x2x2 mesh too, and export gives their tensors back bit for bit."""
 
 import json
+import re
 
 import jax
 import numpy as np
@@ -122,3 +123,81 @@ def test_qwen3_moe_logits_generation_mesh_and_round_trip(tmp_path):
         "head", 4, 24, False)
     assert (exported["model_type"], exported["num_experts"], exported["norm_topk_prob"]) == (
         "qwen3_moe", 4, False)
+
+
+GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+               "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+
+
+def test_gemma3_logits_generation_mesh_and_round_trip(tmp_path):
+    """Gemma 3 (text): Gemma 2's sandwich norms, scale - 1 stored, query_pre_attn_scalar
+    other than its head dim, no soft-capping, each query and key head RMS-normalised, a local
+    layer (window 4, RoPE base 10k) and a global one (base 1M, scaled linearly as Gemma 3
+    4B's)."""
+    hf_dir = tmp_path / "gemma3"
+    hf_model = _build(hf_dir, transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
+                      offset=0.0, query_pre_attn_scalar=24, sliding_window=4,
+                      layer_types=["sliding_attention", "full_attention"],
+                      rope_parameters=GEMMA3_ROPE)
+    exported = _check_family(tmp_path, hf_dir, hf_model, transformers.Gemma3ForCausalLM)
+    run = _run_model(tmp_path)
+    assert (run["qk_norm"], run["attention_pattern"], run["attention_window"],
+            run["rope_local_theta"], run["rope_theta"], run["rope_scaling"],
+            run["logits_softcap"]) == ("head", "local,global", 3, 10000.0, 1e6, "linear", None)
+    assert exported["model_type"] == "gemma3_text"
+    assert exported["rope_parameters"] == hf_model.config.rope_parameters
+
+
+def _config(config_class, **kwargs) -> dict:
+    return config_class(**SIZES | kwargs).to_dict()
+
+
+@pytest.mark.parametrize("config_class, change, message", [
+    ("Qwen3Config", {"attention_bias": True}, "qwen3 option attention_bias=True"),
+    ("Olmo2Config", {"attention_bias": True}, "olmo2 option attention_bias=True"),
+    ("Qwen3MoeConfig", {"mlp_only_layers": [0]}, "qwen3_moe option mlp_only_layers=[0]"),
+    ("Qwen3MoeConfig", {"decoder_sparse_step": 2, "moe_intermediate_size": 24},
+     "qwen3_moe option decoder_sparse_step=2"),
+    ("Gemma3TextConfig", {"rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
+     "gemma3_text option rope_type='linear'"),
+])
+def test_unsupported_variants_are_one_line_errors(config_class, change, message):
+    hf = _config(getattr(transformers, config_class)) | change
+    with pytest.raises(ValueError, match=re.escape(message)) as error:
+        families.for_checkpoint(hf, "config.json").config(hf)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(qk_norm="rms"), "model.qk_norm='rms' is not one of none, head, full"),
+    (dict(rope_local_theta=1e4), "model.rope_local_theta=10000.0 is the RoPE base of local"),
+    (dict(rope_local_theta=-1.0, attention_window=3, attention_pattern="local,global"),
+     "model.rope_local_theta=-1.0 must be positive"),
+    (dict(norm_position="middle"), "model.norm_position='middle' is not one of post, pre, "
+                                   "output"),
+])
+def test_bad_qk_norm_settings_are_one_line_errors(change, message):
+    fields = families.Llama.config(_config(transformers.Qwen3Config)) | change
+    with pytest.raises(ValueError, match=re.escape(message)):
+        TransformerConfig(**fields)
+
+
+def test_export_picks_each_family_and_refuses_what_none_computes():
+    """A Qwen3 without its q/k norm is a Llama, an OLMo 2 norm position with Qwen3's per-head
+    norm is none of them (OLMo 2 normalises all heads together)."""
+    picks = {"Qwen3Config": families.Llama, "Olmo2Config": families.Olmo2,
+             "Qwen3MoeConfig": families.Qwen3Moe, "Gemma3TextConfig": families.Gemma3}
+    for name, family in picks.items():
+        hf = _config(getattr(transformers, name))
+        assert families.for_model(TransformerConfig(**family.config(hf)), "w") is family
+        assert family.hf_config(TransformerConfig(**family.config(hf)))["model_type"] == (
+            hf["model_type"])
+    qwen3 = families.Llama.config(_config(transformers.Qwen3Config))
+    assert families.Llama.hf_config(TransformerConfig(**qwen3 | dict(qk_norm="none")))[
+        "model_type"] == "llama"
+    olmo2 = families.Olmo2.config(_config(transformers.Olmo2Config, head_dim=8))
+    with pytest.raises(ValueError, match=re.escape(  # closest: Qwen3's per-head norm
+            "closest is Llama, which differs in model.norm_position='output' (wants 'pre')")):
+        families.for_model(TransformerConfig(**olmo2 | dict(qk_norm="head")), "--workdir=w")

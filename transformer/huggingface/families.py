@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from transformer.huggingface.gemma import Gemma2
+from transformer.huggingface.gemma import Gemma2, Gemma3
 from transformer.huggingface.llama import Llama, Olmo2
 from transformer.huggingface.mapping import (
     Tensors,
@@ -381,7 +381,7 @@ class ViT:
 
 
 # Mixtral before Llama: a routed model one option away from it is closest to Mixtral.
-FAMILIES = (Mixtral, Qwen3Moe, Llama, Olmo2, Gemma2, GPT2, ViT, Marian, T5)
+FAMILIES = (Mixtral, Qwen3Moe, Llama, Olmo2, Gemma2, Gemma3, GPT2, ViT, Marian, T5)
 BY_MODEL_TYPE = {kind: family for family in FAMILIES for kind in family.model_types}
 
 

@@ -5,9 +5,15 @@ attention scaled by `query_pre_attn_scalar`^-1/2 (`attention_scale_dim`), a GELU
 feed-forward (`activation="geglu"`), embeddings times sqrt(D), a tied output, and local
 (sliding window) and global layers alternating as its `layer_types` say.
 
+Gemma 3's text model (`Gemma3ForCausalLM`, model_type gemma3_text) is Gemma 2's with an
+RMSNorm of each query and key head before RoPE (`model.qk_norm="head"`, scale - 1 stored as
+the other norms), usually no soft-capping, and its local layers' own RoPE base (10k beside the
+global layers' 1M, `rope_local_theta`; its config.json's `rope_parameters` per layer type).
+
 Checkpoint layout (`torch.nn.Linear` weight [out, in]): Llama's tensors, and per layer
     input_layernorm, post_attention_layernorm    (ours: norm_attention, post_norm_attention)
     pre_feedforward_layernorm, post_feedforward_layernorm   (norm_ffn, post_norm_ffn)
+and Gemma 3's self_attn.q_norm, k_norm [H] (query_norm, key_norm).
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ class Gemma2:
 
     @staticmethod
     def config(hf: dict) -> dict:
-        kind = "gemma2"
+        kind = hf.get("model_type", "gemma2")
         require(hf, kind, "hidden_activation", GELU_TANH + ("gelu",), "a GELU gate")
         require(hf, kind, "attention_bias", (False,), "no biases")
         require(hf, kind, "use_bidirectional_attention", (None, False), "causal attention")
@@ -114,3 +120,57 @@ class Gemma2:
                 *norm(f"{hf}.pre_feedforward_layernorm", f"{ours}/norm_ffn", False),
                 *norm(f"{hf}.post_feedforward_layernorm", f"{ours}/post_norm_ffn", False)]
         return out
+
+
+class Gemma3:
+    """`Gemma3ForCausalLM` (gemma3_text) <-> our decoder with Gemma 2's options, q/k norm and
+    the local layers' RoPE base (module docstring)."""
+
+    model_types = ("gemma3_text",)
+
+    @staticmethod
+    def config(hf: dict) -> dict:
+        kind = "gemma3_text"
+        rope = hf.get("rope_parameters") or {}
+        if "full_attention" in rope:  # transformers 5: one RoPE per layer type
+            local = dict(rope.get("sliding_attention") or {})
+            hf = hf | dict(rope_parameters=rope["full_attention"])
+        else:  # older configs: rope_theta (and rope_scaling) global, rope_local_base_freq
+            local = dict(rope_theta=hf.get("rope_local_base_freq", 10000.0))
+        require(local, kind, "rope_type", ("default",), "the local layers' RoPE is unscaled")
+        if not hf.get("layer_types"):
+            every = int(hf.get("sliding_window_pattern") or 6)
+            hf = hf | dict(layer_types=[
+                "sliding_attention" if (i + 1) % every else "full_attention"
+                for i in range(hf["num_hidden_layers"])])
+        fields = Gemma2.config(hf | dict(model_type=kind)) | dict(qk_norm="head")
+        if "local" in fields["attention_pattern"].split(","):
+            fields.update(rope_local_theta=float(local.get("rope_theta", 10000.0)))
+        return fields
+
+    @staticmethod
+    def hf_config(cfg: TransformerConfig) -> dict:
+        glob = rope_parameters(cfg)
+        local = glob if cfg.rope_local_theta is None else {
+            "rope_type": "default", "rope_theta": cfg.rope_local_theta}
+        return Gemma2.hf_config(cfg) | dict(
+            model_type="gemma3_text", architectures=["Gemma3ForCausalLM"],
+            rope_parameters={"full_attention": glob, "sliding_attention": local})
+
+    @staticmethod
+    def matches(cfg: TransformerConfig) -> list[str]:
+        out = mismatches(
+            cfg, windows=True, rope_scaling=cfg.rope_scaling, architecture="decoder",
+            positional="rope", norm="rms_norm", norm_position="pre", activation="geglu",
+            use_bias=False, tie_output_embedding=True, scale_embeddings=True,
+            post_sublayer_norm=True, norm_scale_offset=1.0,
+            attention_logit_softcap=cfg.attention_logit_softcap,
+            logits_softcap=cfg.logits_softcap, attention_scale_dim=cfg.attention_scale_dim,
+            qk_norm="head", rope_local_theta=cfg.rope_local_theta)
+        if cfg.rope_local_theta is None and cfg.rope_scaling != "none" and (
+                cfg.attention_window is not None):
+            out.append(f"model.rope_scaling={cfg.rope_scaling!r} in local layers (Gemma 3's "
+                       f"are unscaled: set model.rope_local_theta)")
+        return out
+
+    tensors = staticmethod(Gemma2.tensors)
