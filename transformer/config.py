@@ -60,7 +60,9 @@ SECTIONS: dict[str, frozenset[str]] = {
                             "b1", "b2", "eps", "weight_decay", "clip_norm",
                             "moments_dtype",  # adam, adamw: float32 or bfloat16
                             "decay_rate", "min_dim_size_to_factor",  # adafactor
-                            "loss_scale_initial", "loss_scale_period"}),  # float16 runs
+                            "loss_scale_initial", "loss_scale_period",  # float16 runs
+                            "skip_spikes", "spike_window", "spike_threshold",  # spikes
+                            "max_skipped_in_a_row"}),
     "decode": frozenset({"beam_size", "alpha", "max_extra_length"}),
     "generate": frozenset({"max_new_tokens", "temperature", "top_k", "top_p"}),
     "distributed": frozenset({"initialization_timeout_seconds", "heartbeat_timeout_seconds"}),
@@ -106,6 +108,36 @@ def _batch_axes(mesh) -> str:
     " x mesh.expert" where experts are split."""
     return " x ".join(f"mesh.{axis}" for axis in sharding.BATCH_AXES
                       if axis != sharding.EXPERT_AXIS or int(mesh.get(axis, 1) or 1) != 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpikeConfig:
+    """`optimizer.spike_window`, `spike_threshold`, `max_skipped_in_a_row`, read where
+    `optimizer.skip_spikes` (training/spikes.py)."""
+
+    window: int = 100  # the applied updates whose mean and spread judge the next
+    threshold: float = 6.0  # standard deviations above the mean that make a spike
+    max_in_a_row: int = 10  # spikes skipped in a row that stop the run
+
+
+def spike_config(opt_cfg) -> SpikeConfig | None:
+    """The spike settings of an `optimizer` section; None when `skip_spikes` is off. A bad
+    value is one line naming its key."""
+    if not opt_cfg.get("skip_spikes", False):
+        return None
+    default = SpikeConfig()
+    window = opt_cfg.get("spike_window", default.window)
+    threshold = opt_cfg.get("spike_threshold", default.threshold)
+    in_a_row = opt_cfg.get("max_skipped_in_a_row", default.max_in_a_row)
+    for key, value, least in (("spike_window", window, 2), ("max_skipped_in_a_row", in_a_row, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"optimizer.{key}={value!r} must be an int >= {least} "
+                             f"(optimizer.skip_spikes=True, docs/reliability.md)")
+    if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not (
+            threshold > 0):
+        raise ValueError(f"optimizer.spike_threshold={threshold!r} must be > 0: the standard "
+                         f"deviations above the window's mean that make a spike (e.g. 6.0)")
+    return SpikeConfig(window, float(threshold), in_a_row)
 
 
 def grad_accum_steps(cfg: ConfigDict, batch_shards: int) -> int:
@@ -197,6 +229,7 @@ def _check_values(cfg: ConfigDict, model: TransformerConfig) -> None:
     optim.make_optimizer(cfg.optimizer, d_model=model.d_model,  # its checks; no arrays
                          total_steps=int(cfg.num_train_steps))
     optim.loss_scale_config(cfg.optimizer)
+    spike_config(cfg.optimizer)
     for key in ("num_train_steps", "keep_checkpoints", "log_every_steps"):
         if cfg[key] < 1:
             raise ValueError(f"{key}={cfg[key]} must be >= 1")

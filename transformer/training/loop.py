@@ -29,7 +29,7 @@ from transformer.data.workers import TrainBatches
 from transformer.inference.translator import Translator
 from transformer.parallel import distributed, sharding
 from transformer.sizing import flops
-from transformer.training import evaluation, metrics, scores, train_state, transfer
+from transformer.training import evaluation, health, metrics, scores, train_state, transfer
 
 log = logging.getLogger("transformer")
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "transformer")
@@ -349,6 +349,10 @@ class NonFiniteLoss(RuntimeError):
     """The loss or gradient was not finite (the update was not applied)."""
 
 
+class LossSpikes(NonFiniteLoss):
+    """`optimizer.max_skipped_in_a_row` updates in a row were skipped as loss spikes."""
+
+
 def _flush(pending, progress, writer, step, total, flops_per_token, peak, cfg, last_saved):
     """Fetches the pending step metrics, writes one train line per step, logs progress."""
     fetched = jax.device_get([m for _, m in pending])
@@ -358,12 +362,19 @@ def _flush(pending, progress, writer, step, total, flops_per_token, peak, cfg, l
     if peak is not None:
         window["mfu"] = flops_per_token * window["tokens_per_sec"] / (peak * jax.device_count())
     for (s, _), m in zip(pending, fetched, strict=True):
+        last = f"checkpoint {last_saved}" if last_saved else "no checkpoint yet"
         if bool(m["nonfinite"]) and not cfg.skip_nonfinite_updates:
-            last = f"checkpoint {last_saved}" if last_saved else "no checkpoint yet"
+            where = health.locate_nonfinite(float(m["loss"]), m.get("health"))
             raise NonFiniteLoss(f"step {s}: loss {float(m['loss'])} or gradient norm "
-                                f"{float(m['grad_norm'])} is not finite; the update was not "
-                                f"applied. Last good checkpoint: {last}. Lower the learning rate"
-                                f" or set clip_norm, or skip_nonfinite_updates=True")
+                                f"{float(m['grad_norm'])} is not finite ({where}); the update "
+                                f"was not applied. Last good checkpoint: {last}. Lower the "
+                                f"learning rate or set clip_norm, or skip_nonfinite_updates=True")
+        if bool(m.get("spike_stop", False)):
+            count = int(m["spikes_in_a_row"])
+            raise LossSpikes(f"steps {s - count + 1}..{s}: {count} updates in a row skipped as "
+                             f"loss spikes (optimizer.max_skipped_in_a_row), none applied since "
+                             f"step {s - count}. Last good checkpoint: {last}. Look at those "
+                             f"batches, or raise optimizer.spike_threshold")
         line = {"loss": m["loss"], "learning_rate": m["learning_rate"],
                 "grad_norm": m["grad_norm"], "tokens_per_sec": window["tokens_per_sec"],
                 "steps_per_sec": window["steps_per_sec"],
@@ -374,5 +385,8 @@ def _flush(pending, progress, writer, step, total, flops_per_token, peak, cfg, l
             line["mfu"] = window["mfu"]
         line |= {k: m[k] for k in train_state.LOSS_SCALE_METRICS if k in m}  # float16 runs
         line |= {k: m[k] for k in train_state.MOE_METRICS if k in m}  # routed layers
+        line |= {k: m[k] for k in train_state.SPIKE_METRICS if k in m}  # optimizer.skip_spikes
+        if bool(m.get("health_logged", False)):
+            line |= health.line_figures(m["health"])
         writer.write(s, "train", line)
     metrics.log_progress(step, total, fetched[-1] | window, progress.unit)

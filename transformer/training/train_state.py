@@ -17,7 +17,8 @@ For a classifier every "token" counted (loss weights, throughput) is one labelle
 
 With `model.dtype=float16` the state is a `ScaledTrainState`: the dynamic loss scale
 (`optim.LossScaleState`) travels and is checkpointed with it. Other dtypes keep `TrainState`,
-whose checkpoints hold no loss scale.
+whose checkpoints hold no loss scale. With `optimizer.skip_spikes` the state (`SpikeTrainState`,
+`ScaledSpikeTrainState`) adds the spike window (`spikes.SpikeWindow`) and its checkpoints hold it.
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from transformer.config import Resolved
-from transformer.model import experts
+from transformer.config import Resolved, SpikeConfig, spike_config
+from transformer.model import experts, quantization
 from transformer.model.transformer import Transformer, TransformerConfig
 from transformer.model.vit import VisionTransformer, mirror_averaged_logits
 from transformer.parallel import sharding
-from transformer.training import optim
+from transformer.training import health, optim, spikes
 from transformer.training.scores import perplexity
 
 BATCH_KEYS = ("inputs", "targets", "inputs_positions", "targets_positions",
@@ -49,6 +50,9 @@ BATCH_KEYS = ("inputs", "targets", "inputs_positions", "targets_positions",
 # The train-line metrics of a float16 run (docs/architecture.md): the scale in force, the
 # running count.
 LOSS_SCALE_METRICS = ("loss_scale", "skipped_overflow_steps")
+# The train-line metrics of a run with optimizer.skip_spikes: whether this step's update was
+# skipped as a spike, the running count of such steps.
+SPIKE_METRICS = ("spike_skipped", "skipped_updates")
 
 
 @flax.struct.dataclass
@@ -63,6 +67,20 @@ class ScaledTrainState(TrainState):
     """A float16 run's state: the train state and its dynamic loss scale."""
 
     loss_scale: optim.LossScaleState
+
+
+@flax.struct.dataclass
+class SpikeTrainState(TrainState):
+    """A run's state with `optimizer.skip_spikes`: the train state and its spike window."""
+
+    spikes: spikes.SpikeWindow
+
+
+@flax.struct.dataclass
+class ScaledSpikeTrainState(ScaledTrainState):
+    """A float16 run's state with `optimizer.skip_spikes`."""
+
+    spikes: spikes.SpikeWindow
 
 
 @flax.struct.dataclass
@@ -81,6 +99,8 @@ class Trainer:
                                                                  default=None)
     # Images: evaluation averages each image's class probabilities with its mirror's.
     test_time_flip: bool = flax.struct.field(pytree_node=False, default=False)
+    # optimizer.skip_spikes (else None): the spike window's settings.
+    spikes: SpikeConfig | None = flax.struct.field(pytree_node=False, default=None)
 
 
 def build_trainer(run: Resolved, mesh) -> Trainer:
@@ -89,11 +109,14 @@ def build_trainer(run: Resolved, mesh) -> Trainer:
     model_config = attention_for_mesh(run.model, mesh)
     model = (VisionTransformer(model_config) if model_config.architecture == "vision"
              else Transformer(model_config))
+    model = quantization.quantize(model, model_config.quantization,  # "none": unchanged
+                                  model_config.quantized_matmuls, mesh.devices.flat[0].platform)
     tx, schedule = optim.make_optimizer(cfg.optimizer, d_model=run.model.d_model,
                                         total_steps=cfg.num_train_steps)
     loss_scale = (optim.loss_scale_config(cfg.optimizer) if run.model.dtype == "float16"
                   else None)
-    boxed = jax.eval_shape(functools.partial(_init_boxed, model, tx, loss_scale),
+    spiking = spike_config(cfg.optimizer)
+    boxed = jax.eval_shape(functools.partial(_init_boxed, model, tx, loss_scale, spiking),
                            jax.random.key(0))
     shardings = sharding.tree_shardings(boxed, mesh)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -101,7 +124,7 @@ def build_trainer(run: Resolved, mesh) -> Trainer:
     return Trainer(model, tx, schedule, mesh, shardings, abstract,
                    loss_chunk_tokens=resolve_loss_chunk_tokens(cfg.loss_chunk_tokens),
                    loss_scale=loss_scale,
-                   test_time_flip=bool(cfg.data.get("test_time_flip")))
+                   test_time_flip=bool(cfg.data.get("test_time_flip")), spikes=spiking)
 
 
 def attention_for_mesh(model: TransformerConfig, mesh) -> TransformerConfig:
@@ -129,9 +152,10 @@ def resolve_loss_chunk_tokens(value: int) -> int:
 
 
 def _init_boxed(model: Transformer | VisionTransformer, tx,
-                loss_scale: optim.LossScaleConfig | None, rng) -> TrainState:
+                loss_scale: optim.LossScaleConfig | None, spiking: SpikeConfig | None,
+                rng) -> TrainState:
     """The initial state with logical-axis boxes (optimizer state inherits the params' boxes).
-    A `ScaledTrainState` when `loss_scale` is set."""
+    A `ScaledTrainState` when `loss_scale` is set; with `spiking` set, its spike-window kind."""
     if isinstance(model, VisionTransformer):
         cfg = model.config
         images = jnp.zeros((1, cfg.image_size, cfg.image_size, cfg.num_channels), jnp.float32)
@@ -139,17 +163,20 @@ def _init_boxed(model: Transformer | VisionTransformer, tx,
     else:
         tokens = jnp.ones((1, 1), jnp.int32)
         params = model.init({"params": rng}, tokens, tokens)["params"]
-    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
-    if loss_scale is None:
-        return state
-    return ScaledTrainState(step=state.step, params=params, opt_state=state.opt_state,
-                            loss_scale=optim.init_loss_scale(loss_scale))
+    fields = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+    if loss_scale is not None:
+        fields["loss_scale"] = optim.init_loss_scale(loss_scale)
+    if spiking is not None:
+        fields["spikes"] = spikes.init_window(spiking)
+    kind = {(False, False): TrainState, (True, False): ScaledTrainState,
+            (False, True): SpikeTrainState, (True, True): ScaledSpikeTrainState}
+    return kind[loss_scale is not None, spiking is not None](**fields)
 
 
 def init_state(trainer: Trainer, seed: int) -> TrainState:
     """Sharded init: each device computes only its own shards of params and optimizer state."""
     init = jax.jit(lambda rng: nn.unbox(_init_boxed(trainer.model, trainer.tx,
-                                                    trainer.loss_scale, rng)),
+                                                    trainer.loss_scale, trainer.spikes, rng)),
                    out_shardings=trainer.state_shardings)
     return init(jax.random.key(seed))
 
@@ -296,12 +323,23 @@ def make_train_step(trainer: Trainer, cfg) -> Callable:
     is not `nonfinite` unless the loss itself is not finite or the scale was already at its
     minimum (scaling cannot help then). Metrics `loss_scale` (the scale this step used) and
     `skipped_overflow_steps` (the running count, this step included).
+
+    With `optimizer.skip_spikes` (`trainer.spikes`) a finite update that `spikes.judge` calls a
+    spike is not applied either (metrics `spike_skipped`, `skipped_updates`, `spikes_in_a_row`
+    and `spike_stop`: `max_skipped_in_a_row` reached). A skipped update of either kind leaves
+    params and optimizer state bit-identical.
+
+    Metric "health" holds `health.group_norms` (per-layer parameter, gradient and update
+    norms) on the steps that write a train line (every `log_every_steps`, the last) and on a
+    non-finite step, where the loop names the first layer that went wrong; elsewhere it is
+    zeros, not computed (`health_logged` false).
     """
     label_smoothing = float(cfg.label_smoothing)
     z_loss = float(cfg.z_loss)
     model = trainer.model.config
     seed = int(cfg.seed)
     scaled = trainer.loss_scale is not None
+    log_every, total_steps = int(cfg.log_every_steps), int(cfg.num_train_steps)
 
     def train_step(state: TrainState, batch: dict):
         num_micro = batch["label" if "label" in batch else "targets"].shape[0]
@@ -343,8 +381,16 @@ def make_train_step(trainer: Trainer, cfg) -> Callable:
         loss = loss_sum / total_weight
         finite = (jnp.isfinite(loss) & jnp.isfinite(grad_norm)
                   & jnp.isfinite(optax.tree.norm(updates)))
-        params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+        applied = finite
+        if trainer.spikes is not None:
+            spike, window = spikes.judge(state.spikes, trainer.spikes, loss, grad_norm, finite)
+            applied = finite & ~spike
+        params, opt_state = jax.tree.map(lambda new, old: jnp.where(applied, new, old),
                                          (params, opt_state), (state.params, state.opt_state))
+        logged = ((state.step + 1) % log_every == 0) | (state.step + 1 == total_steps) | ~finite
+        norms = functools.partial(health.group_norms, state.params, grads, updates)
+        group_norms = jax.lax.cond(logged, norms, lambda: jax.tree.map(
+            lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(norms)))
         metrics = {"loss": loss, "z_loss": z_sum / total_weight, "grad_norm": grad_norm,
                    # The rate this update used: the schedule at the optimizer's count of
                    # updates applied, which a skipped (non-finite) update leaves behind
@@ -354,8 +400,14 @@ def make_train_step(trainer: Trainer, cfg) -> Callable:
                    "target_tokens": total_weight,
                    "sequence_tokens": sequence_tokens(trainer.model.config, batch),
                    "source_tokens": (batch["inputs"] != 0).sum() if "inputs" in batch else 0,
-                   "nonfinite": ~finite} | moe_sums
+                   "nonfinite": ~finite, "health": group_norms, "health_logged": logged,
+                   } | moe_sums
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+        if trainer.spikes is not None:
+            metrics |= {"spike_skipped": spike, "skipped_updates": window.skipped,
+                        "spikes_in_a_row": window.in_a_row,
+                        "spike_stop": window.in_a_row >= trainer.spikes.max_in_a_row}
+            new_state = new_state.replace(spikes=window)
         if scaled:
             overflow = ~jnp.isfinite(grad_norm)
             loss_scale = optim.update_loss_scale(state.loss_scale, ~overflow,
