@@ -36,14 +36,14 @@ SCANNED = "layers"  # a scanned stack's one subtree; its leaves have a leading L
 def kind_of(module: str) -> str:
     """The kind of a layer's (or the model's) module, from its name (docs/architecture.md's
     parameter paths)."""
+    if module.startswith(("norm", "post_norm")):  # norm_attention is a norm
+        return "norms"
     if "attention" in module:
         return "attention"
     if module == "moe":
         return "experts"
     if module == "ffn":
         return "feed_forward"
-    if module.startswith(("norm", "post_norm")):
-        return "norms"
     if module in ("head", "pre_logits"):
         return "head"
     return "embeddings"  # embedding, logits, logits_bias, relative_bias, patch and position
