@@ -81,5 +81,6 @@ def get_config():
     cfg.profile_num_steps = 0
     cfg.distributed = config_dict.ConfigDict(dict(
         initialization_timeout_seconds=300, heartbeat_timeout_seconds=100))
+    cfg.metrics = config_dict.ConfigDict(dict(tracker="tensorboard"))  # or wandb, trackio
     cfg.decode = config_dict.ConfigDict(dict(beam_size=4, alpha=0.6, max_extra_length=50))
     return cfg

@@ -58,5 +58,6 @@ def get_config():
     cfg.distributed = config_dict.ConfigDict(dict(  # multi-process runs (train.py flags)
         initialization_timeout_seconds=300,  # waiting for all processes to join
         heartbeat_timeout_seconds=100))  # a dead peer stops the others after this long
+    cfg.metrics = config_dict.ConfigDict(dict(tracker="tensorboard"))  # or wandb, trackio
     cfg.decode = config_dict.ConfigDict(dict(beam_size=4, alpha=0.6, max_extra_length=4))
     return cfg

@@ -78,6 +78,7 @@ def base_config() -> config_dict.ConfigDict:
     cfg.profile_num_steps = 0
     cfg.distributed = config_dict.ConfigDict(dict(
         initialization_timeout_seconds=300, heartbeat_timeout_seconds=100))
+    cfg.metrics = config_dict.ConfigDict(dict(tracker="tensorboard"))  # or wandb, trackio
     return cfg
 
 

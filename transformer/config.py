@@ -22,6 +22,7 @@ from transformer.data import workers
 from transformer.model.config import TransformerConfig
 from transformer.parallel import sharding
 from transformer.training import optim
+from transformer.util import trackers
 
 _REQUIRED = object()
 # Top-level keys: the type each is read as and, for the optional ones, the default.
@@ -66,6 +67,7 @@ SECTIONS: dict[str, frozenset[str]] = {
     "decode": frozenset({"beam_size", "alpha", "max_extra_length"}),
     "generate": frozenset({"max_new_tokens", "temperature", "top_k", "top_p"}),
     "distributed": frozenset({"initialization_timeout_seconds", "heartbeat_timeout_seconds"}),
+    "metrics": frozenset({"tracker"}),  # util/trackers.py; no section: "tensorboard"
 }
 _KNOWN = frozenset(TOP_LEVEL) | frozenset(SECTIONS)
 _MODEL_TYPES = typing.get_type_hints(TransformerConfig)
@@ -92,6 +94,7 @@ def resolve(cfg: ConfigDict, num_devices: int | None = None, *,
     _check_values(cfg, model)
     if num_devices is None:
         return Resolved(cfg, model, None)
+    trackers.check_tracker((cfg.get("metrics") or {}).get("tracker", "tensorboard"))
     shape = sharding.mesh_shape(cfg.mesh, num_devices, num_slices)
     sharding.validate_mesh_for_model(shape, model)
     shards = sharding.batch_shards(shape)
@@ -241,6 +244,8 @@ def _check_values(cfg: ConfigDict, model: TransformerConfig) -> None:
         if cfg[key] < 0:
             raise ValueError(f"{key}={cfg[key]} must be >= 0 (0 turns it off)")
     workers.check_workers(int(cfg.data.get("workers") or 0))
+    trackers.check_tracker((cfg.get("metrics") or {}).get("tracker", "tensorboard"),
+                           installed=False)  # the package: where a run trains (resolve)
     if cfg.bleu_every_steps and cfg.bleu_num_sentences < 1:
         raise ValueError(f"bleu_num_sentences={cfg.bleu_num_sentences} must be >= 1 when "
                          f"bleu_every_steps={cfg.bleu_every_steps} (0 turns BLEU off)")

@@ -233,7 +233,7 @@ def _train(cfg, workdir: str, config_file: str | None,
     eval_split = source.validation_split  # a language model's data.eval_split (lm1b: "test")
     translator = (Translator(cfg, run.model, state.params, source.tokenizer)
                   if cfg.bleu_every_steps else None)
-    writer = metrics.MetricWriter(workdir)
+    writer = metrics.MetricWriter(workdir, metrics.tracker_name(cfg), log_config=True)
     preemption = _Preemption()
     flops_per_token = flops.train_flops_per_token(
         run.model, source_length=source.source_length,

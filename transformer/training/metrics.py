@@ -16,6 +16,12 @@ A line torn by a kill mid-write (always of a step after the latest checkpoint) i
 the next run opens the file. In a remote workdir (gs://, through
 etils.epath; objects there cannot be appended to) the writer keeps the file's text and `sync`
 uploads it whole, so the same holds: the object has every line a checkpoint covers.
+
+`metrics.tracker` picks where the figures go besides metrics.jsonl: TensorBoard (the default),
+Weights & Biases or trackio (`transformer.util.trackers`): every numeric figure, the per-layer
+ones included, as `<split>/<name>`, and the run's config (TensorBoard: a text summary
+"config"). Those two keep their own files and queues; `sync` covers metrics.jsonl and
+TensorBoard's events only.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import jax
 from etils import epath
 
 from transformer.checkpoint import layout
+from transformer.util import trackers
 
 log = logging.getLogger("transformer")
 TENSORBOARD_FLUSH_SECS = 30  # between the flushes of the event file, besides `sync` and close
@@ -58,20 +65,30 @@ def peak_flops_per_device(device: jax.Device | None = None) -> float | None:
     return None
 
 
+def tracker_name(cfg) -> str:
+    """`metrics.tracker` of a config ("tensorboard" where it has no `metrics` section)."""
+    return (cfg.get("metrics") or {}).get("tracker", "tensorboard")
+
+
 class MetricWriter:
-    """Appends to metrics.jsonl and TensorBoard (process 0 only). Each line is handed to the
+    """Appends to metrics.jsonl and the `tracker` (process 0 only). Each line is handed to the
     operating system as it is written (kept in memory in a remote workdir), `sync` makes them
     durable. TensorBoard events go where tensorboardX puts them (gs:// needs
-    google-cloud-storage), flushed every TENSORBOARD_FLUSH_SECS, at `sync` and at close."""
+    google-cloud-storage), flushed every TENSORBOARD_FLUSH_SECS, at `sync` and at close. With
+    `log_config` (the training loop) the tracker also gets config.json (config and
+    provenance)."""
 
-    def __init__(self, workdir: str):
+    def __init__(self, workdir: str, tracker: str = "tensorboard", *, log_config: bool = False):
         self.active = jax.process_index() == 0
         self._path = layout.path(workdir, layout.METRICS)
         self._tb_dir = layout.path(workdir, layout.TENSORBOARD)
-        self._tb = self._file = None
+        self._tb = self._file = self._tracker = None
         self._opened = 0  # event files opened so far
         self._remote = layout.is_remote(workdir)
+        self._tensorboard = trackers.check_tracker(tracker) == "tensorboard"
         if self.active:
+            config = ((layout.read_config_file(workdir) or {}) if log_config or
+                      not self._tensorboard else {})
             if self._remote:
                 target = epath.Path(self._path)
                 self._file = io.StringIO(target.read_text() if target.exists() else "")
@@ -79,7 +96,15 @@ class MetricWriter:
             else:
                 cut_torn_line(self._path)
                 self._file = open(self._path, "a")
-            self._open_events()
+            if self._tensorboard:
+                self._open_events()
+                if config:
+                    self._tb.add_text("config", f"```\n{json.dumps(config, indent=1)}\n```")
+            else:
+                self._tracker = trackers.open_tracker(
+                    tracker, workdir, config, trackers.run_id(
+                        workdir, config.get("provenance", {}).get("started")),
+                    None if self._remote else os.path.abspath(workdir))
 
     def _open_events(self) -> None:
         """A new event file. After the first, its name ends in the count of those before it
@@ -98,6 +123,10 @@ class MetricWriter:
         record.update({k: _plain(v) for k, v in values.items()})
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        if self._tracker is not None:
+            self._tracker.log(step, {f"{split}/{k}": v for k, v in trackers.numeric(
+                record).items() if k not in ("step", "split")})
+            return
         for key, value in record.items():
             if key not in ("step", "split") and isinstance(value, int | float):
                 if self._tb is None:
@@ -116,9 +145,10 @@ class MetricWriter:
             return
         self._file.flush()
         os.fsync(self._file.fileno())
-        for name in glob.glob(os.path.join(self._tb_dir, "events.out.tfevents.*")):
-            _fsync_path(name)
-        _fsync_path(self._tb_dir)
+        if self._tensorboard:
+            for name in glob.glob(os.path.join(self._tb_dir, "events.out.tfevents.*")):
+                _fsync_path(name)
+            _fsync_path(self._tb_dir)
         _fsync_path(os.path.dirname(os.path.abspath(self._path)))
 
     def close(self) -> None:
@@ -128,6 +158,9 @@ class MetricWriter:
             self._close_events()
             self._file.close()
             self._file = None
+        if self._tracker is not None:
+            self._tracker.close()
+            self._tracker = None
 
     def _close_events(self) -> None:
         """Writes what tensorboardX's thread still holds, then flushes and closes the file."""

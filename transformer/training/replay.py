@@ -105,6 +105,7 @@ def replay(workdir: str, step: int, *,
     start = check_step(workdir, step)
     values = layout.read_run_config(workdir)
     provenance = values.pop("provenance", {})
+    values.pop("metrics", None)  # a replay logs nothing: its tracker's package is not needed
     run = resolve(ConfigDict(values), jax.device_count())
     cfg = run.config
     source = make_source(cfg, workdir)
