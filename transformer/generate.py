@@ -2,7 +2,8 @@
 
     python -m transformer.generate --workdir=runs/lm_default --prompt="Click the"
     python -m transformer.generate --workdir=runs/lm_default < prompts.txt \\
-        [--max_new_tokens=40] [--temperature=0.8] [--top_k=0] [--top_p=0.95] [--seed=0]
+        [--max_new_tokens=40] [--temperature=0.8] [--top_k=0] [--top_p=0.95] [--seed=0] \\
+        [--quantize=int8]
 
 `--prompt` (repeatable) or stdin (or `--input`). Writes each prompt with its continuation on
 one line to stdout (or `--output`), streamed as translate does (`text_input.stream`).
@@ -26,6 +27,8 @@ flags.DEFINE_integer("top_k", None, "Sample from the k most likely tokens (0: al
 flags.DEFINE_float("top_p", None, "Sample from the smallest set of this probability (1: all).",
                    lower_bound=0.0, upper_bound=1.0)
 flags.DEFINE_integer("seed", 0, "Sampling seed.", lower_bound=0)
+flags.DEFINE_string("quantize", "none", "int8: int8 attention and feed-forward kernels "
+                    "and KV cache (none: the run's own precision).")
 flags.DEFINE_integer("batch_size", 32, "Prompts generated together.", lower_bound=1)
 FLAGS = flags.FLAGS
 READ_AHEAD_BATCHES = 8  # prompts read at a time, bucketed into batches, then written
@@ -33,6 +36,12 @@ READ_AHEAD_BATCHES = 8  # prompts read at a time, bucketed into batches, then wr
 
 def main(argv):
     cli.start(argv)
+    from transformer.inference.quantize import check_quantize
+
+    try:
+        check_quantize(FLAGS.quantize)
+    except ValueError as error:
+        cli.usage_error(str(error))
     from transformer.inference.generator import load_generator
     from transformer.util import text_input
 
@@ -43,7 +52,7 @@ def main(argv):
         if not prompts:
             raise ValueError("no prompt: pass --prompt=... or one prompt a line on stdin")
         if generator is None:
-            generator = load_generator(FLAGS.workdir, step=FLAGS.step)
+            generator = load_generator(FLAGS.workdir, step=FLAGS.step, quantize=FLAGS.quantize)
         return generator.generate(prompts, max_new_tokens=FLAGS.max_new_tokens,
                                   temperature=FLAGS.temperature, top_k=FLAGS.top_k,
                                   top_p=FLAGS.top_p, seed=FLAGS.seed,

@@ -1,7 +1,7 @@
 """Translate text with a trained run: one sentence a line, in order.
 
     python -m transformer.translate --workdir=runs/default [--average=5 | --step=N] \\
-        [--input=file] [--output=file] [--beam_size=4] [--alpha=0.6]
+        [--input=file] [--output=file] [--beam_size=4] [--alpha=0.6] [--quantize=int8]
 
 Reads stdin (or --input) and writes stdout (or --output) as it goes: 8 batches of lines at a
 time, each written and flushed before the next are read (`text_input.stream`: bounded memory,
@@ -20,6 +20,8 @@ flags.DEFINE_integer("beam_size", None, "Beam size (default: the config's; 1: gr
                      lower_bound=1)
 flags.DEFINE_float("alpha", None, "Length penalty alpha (default: the config's).",
                    lower_bound=0.0)
+flags.DEFINE_string("quantize", "none", "int8: int8 attention and feed-forward kernels "
+                    "and KV cache (none: the run's own precision).")
 flags.DEFINE_integer("batch_size", 32, "Sentences decoded together.", lower_bound=1)
 FLAGS = flags.FLAGS
 READ_AHEAD_BATCHES = 8  # lines read at a time, sorted by length into batches, then written
@@ -27,6 +29,12 @@ READ_AHEAD_BATCHES = 8  # lines read at a time, sorted by length into batches, t
 
 def main(argv):
     cli.start(argv)
+    from transformer.inference.quantize import check_quantize
+
+    try:
+        check_quantize(FLAGS.quantize)
+    except ValueError as error:
+        cli.usage_error(str(error))
     from transformer.inference.translator import load
     from transformer.util import text_input
 
@@ -35,7 +43,8 @@ def main(argv):
     def translate(lines: list[str], first: int) -> list[str]:
         nonlocal translator
         if translator is None:
-            translator = load(FLAGS.workdir, step=FLAGS.step, average=FLAGS.average)
+            translator = load(FLAGS.workdir, step=FLAGS.step, average=FLAGS.average,
+                              quantize=FLAGS.quantize)
         return translator.translate(lines, beam_size=FLAGS.beam_size, alpha=FLAGS.alpha,
                                     batch_size=FLAGS.batch_size, show_progress=False)
 

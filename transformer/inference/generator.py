@@ -12,7 +12,8 @@ it in both directions, as in training), then tokens are drawn one at a time
 (`decoding.sample`) until EOS or `max_new_tokens`. An imported checkpoint's vocabulary may
 list further ends (`eos_ids`: those of its generation_config.json, as `transformers`' `generate`
 stops at each): a row stops at the first of any, on the device (no host round trip per token),
-and its text ends before it.
+and its text ends before it. `quantize="int8"` generates with int8 attention and feed-forward
+kernels and an int8 KV cache (`inference/quantize.py`).
 
 Prompts are padded at the end into length buckets (`translator.bucket_length`, as translation
 sources) and batches to a power of two rows, so a stream of prompts compiles one program per
@@ -35,6 +36,7 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from transformer.inference import decoding
+from transformer.inference.quantize import check_quantize, dequantize, quantize_params
 from transformer.inference.runs import open_run
 from transformer.inference.translator import bucket_length
 from transformer.model.transformer import Transformer, TransformerConfig, init_cache
@@ -52,8 +54,10 @@ class Generator:
     model_config: TransformerConfig
     params: dict
     tokenizer: object  # transformer.data.tokenizer.Tokenizer
+    quantize: str = "none"  # "int8": int8 kernels (`quantize_params`) and KV cache
 
     def __post_init__(self):
+        self.quantize = check_quantize(self.quantize)
         _require_decoder(self.model_config.architecture)
         self.start = prompt_start(self.tokenizer, self.model_config.bos_id)
         self.eos_ids = (tuple(self.tokenizer.eos_ids) if self.tokenizer is not None
@@ -62,6 +66,8 @@ class Generator:
         self.prefix_lm = self.config.data.get("objective") == "prefix"
         self.params = jax.tree.map(
             lambda x: x if isinstance(x, jax.Array) else jax.device_put(x), self.params)
+        if self.quantize == "int8":
+            self.params = quantize_params(self.params)
 
     def encode(self, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
         """Piece ids per prompt, keeping (with a warning) the last pieces that leave room for
@@ -167,7 +173,7 @@ class Generator:
             jax.random.key(seed), jnp.asarray(indices))
         stops = tuple(i for i in self.eos_ids if i != self.model_config.eos_id)
         run = _sample_fn(self.model, self.prefix_lm, max_new_tokens, temperature, top_k, top_p,
-                         stops)
+                         stops, self.quantize == "int8")
         return np.asarray(run(self.params, inputs, lengths, keys))[:len(prompts)]
 
 
@@ -218,18 +224,20 @@ def _map_layers(fn, cache: dict) -> dict:
 
 @functools.lru_cache(maxsize=32)
 def _sample_fn(model: Transformer, prefix_lm: bool, max_new_tokens: int, temperature: float,
-               top_k: int, top_p: float, stop_ids: tuple[int, ...]):
+               top_k: int, top_p: float, stop_ids: tuple[int, ...], int8_cache: bool = False):
     """A jitted `(params, inputs [B, P], lengths [B], keys [B]) -> tokens [B, max_new_tokens]`:
     row b's decoder input is `inputs[b, :lengths[b]]` (its start and prompt), then padding. A
-    row ends at EOS or an id of `stop_ids`."""
+    row ends at EOS or an id of `stop_ids`. The KV cache is int8 where `int8_cache`; int8
+    kernels are dequantized at each call of the model."""
     batch_axis = 1 if model.config.scan_layers else 0  # of the cache's layer leaves
 
     def run(params, inputs, lengths, keys):
         batch, length = inputs.shape
         # The prompts in one call; a prompt position sees no padding (it comes after them).
-        cache = init_cache(model.config, batch, length + max_new_tokens)
+        cache = init_cache(model.config, batch, length + max_new_tokens, int8=int8_cache)
         prompt = jnp.arange(length)[None, :] < lengths[:, None]  # the rest is padding
-        logits, cache = model.apply({"params": params}, None, None, inputs, cache=cache,
+        logits, cache = model.apply({"params": dequantize(params)}, None, None, inputs,
+                                    cache=cache,
                                     targets_prefix=prompt if prefix_lm else None,
                                     targets_segmentation=prompt, method="decode")
         last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)
@@ -240,7 +248,7 @@ def _sample_fn(model: Transformer, prefix_lm: bool, max_new_tokens: int, tempera
 
         def decode_row(token, row_cache):
             logits, row_cache = model.apply(  # a new token is kept, id 0 included
-                {"params": params}, None, None, token[None],
+                {"params": dequantize(params)}, None, None, token[None],
                 cache=_map_layers(lambda x: jnp.expand_dims(x, batch_axis), row_cache),
                 targets_segmentation=jnp.ones((1, 1), bool), method="decode")
             return logits[0], _map_layers(lambda x: jnp.squeeze(x, batch_axis), row_cache)
@@ -254,8 +262,10 @@ def _sample_fn(model: Transformer, prefix_lm: bool, max_new_tokens: int, tempera
     return jax.jit(run)
 
 
-def load_generator(workdir: str, *, step: int | None = None) -> Generator:
+def load_generator(workdir: str, *, step: int | None = None,
+                   quantize: str = "none") -> Generator:
     """The generator of a trained decoder-only workdir, at checkpoint `step` or the latest
-    (`runs.open_run`)."""
+    (`runs.open_run`), int8 where `quantize="int8"`."""
+    check_quantize(quantize)  # before anything is read
     run = open_run(workdir, step=step, check=lambda model: _require_decoder(model.architecture))
-    return Generator(run.config, run.model, run.params, run.tokenizer)
+    return Generator(run.config, run.model, run.params, run.tokenizer, quantize)

@@ -8,7 +8,8 @@ Sentences are SentencePiece-encoded with the run's vocabulary (`<workdir>/vocab/
 EOS as in training, padded into length buckets (one compiled search per bucket), and decoded with
 beam search (the config's `decode.*`: beam 4, alpha 0.6, input length + 50) or greedily. A
 hypothesis ends at EOS or at any further end the vocabulary lists (`eos_ids`: an imported
-checkpoint's generation config), as `transformers`' `generate` does.
+checkpoint's generation config), as `transformers`' `generate` does. `quantize="int8"` decodes
+with int8 attention and feed-forward kernels and an int8 KV cache (`inference/quantize.py`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from jax.experimental import multihost_utils
 from ml_collections import ConfigDict
 
 from transformer.inference import decoding
+from transformer.inference.quantize import check_quantize, dequantize, quantize_params
 from transformer.inference.runs import Run, open_run
 from transformer.model.transformer import (
     Transformer,
@@ -57,8 +59,10 @@ class Translator:
     model_config: TransformerConfig
     params: dict
     tokenizer: object  # transformer.data.tokenizer.Tokenizer (None: ids only, EOS ends)
+    quantize: str = "none"  # "int8": int8 kernels (`quantize_params`) and KV cache
 
     def __post_init__(self):
+        self.quantize = check_quantize(self.quantize)
         self.model = Transformer(self.model_config)
         ends = self.tokenizer.eos_ids if self.tokenizer is not None else ()
         self.stop_ids = tuple(i for i in ends if i != self.model_config.eos_id)
@@ -66,6 +70,8 @@ class Translator:
         # several processes) stay where they are.
         self.params = jax.tree.map(
             lambda x: x if isinstance(x, jax.Array) else jax.device_put(x), self.params)
+        if self.quantize == "int8":
+            self.params = quantize_params(self.params)
 
     @property
     def max_source_length(self) -> int:
@@ -145,10 +151,11 @@ class Translator:
         max_length = int(min(length + max_extra_length, self.model_config.max_len))
         if beam_size > 1 and rows > 1 and _staged(self.model.config, max_length):
             search = _BeamSearchDroppingDecided(self.model, beam_size, float(alpha), max_length,
-                                                self.stop_ids)
+                                                self.stop_ids, self.quantize == "int8")
             return search(self.params, inputs, max_lengths)[:len(sources)]
         search = _search_fn(self.model, beam_size, float(alpha), max_length,
-                            self.model_config.scan_layers, self.stop_ids)
+                            self.model_config.scan_layers, self.stop_ids,
+                            self.quantize == "int8")
         return _to_host(search(self.params, inputs, max_lengths))[:len(sources)]
 
 
@@ -167,10 +174,11 @@ def _staged(config: TransformerConfig, max_length: int) -> bool:
 
 def _decode_fn(model: Transformer, params, encoded, inputs) -> decoding.DecodeFn:
     """A search's `decode_fn(tokens, cache)` over `encoded` [B, S, D] and `inputs` [B, S]: one
-    row per sentence, which its beams share (their encoder keys and values)."""
+    row per sentence, which its beams share (their encoder keys and values). Int8 kernels are
+    dequantized at each step."""
 
     def decode_fn(tokens, cache):
-        return model.apply({"params": params}, encoded, inputs, tokens, cache=cache,
+        return model.apply({"params": dequantize(params)}, encoded, inputs, tokens, cache=cache,
                            method="decode")
 
     return decode_fn
@@ -178,13 +186,13 @@ def _decode_fn(model: Transformer, params, encoded, inputs) -> decoding.DecodeFn
 
 @functools.lru_cache(maxsize=32)
 def _search_fn(model: Transformer, beam_size: int, alpha: float, max_length: int,
-               scan_layers: bool, stop_ids: tuple[int, ...] = ()):
+               scan_layers: bool, stop_ids: tuple[int, ...] = (), int8_cache: bool = False):
     """A jitted search `(params, inputs [B, S], max_lengths [B]) -> tokens [B, L]`, rows ending
-    at EOS or an id of `stop_ids`."""
+    at EOS or an id of `stop_ids`; its KV cache int8 where `int8_cache`."""
 
     def search(params, inputs, max_lengths):
         batch = inputs.shape[0]
-        encoded = model.apply({"params": params}, inputs, method="encode")
+        encoded = model.apply({"params": dequantize(params)}, inputs, method="encode")
 
         decode_fn = _decode_fn(model, params, encoded, inputs)
         staged = {}
@@ -192,7 +200,7 @@ def _search_fn(model: Transformer, beam_size: int, alpha: float, max_length: int
             staged = {"cache_lengths": decoding.stage_lengths(max_length, DECODE_STAGE),
                       "grow_cache": functools.partial(grow_cache, model.config)}
         first_length = staged["cache_lengths"][0] if staged else max_length
-        cache = init_cache(model.config, batch * beam_size, first_length)
+        cache = init_cache(model.config, batch * beam_size, first_length, int8=int8_cache)
         bos = jnp.full((batch,), model.config.bos_id, jnp.int32)
         if beam_size == 1:
             return decoding.greedy_search(decode_fn, cache, bos=bos, max_lengths=max_lengths,
@@ -224,12 +232,14 @@ class _BeamSearchDroppingDecided:
     alpha: float
     max_length: int
     stop_ids: tuple[int, ...] = ()  # ends besides EOS
+    int8_cache: bool = False
 
     def __call__(self, params, inputs: np.ndarray, max_lengths: np.ndarray) -> np.ndarray:
         """Best hypotheses [B, T] of `inputs` [B, S] (B a power of two)."""
         lengths = decoding.stage_lengths(self.max_length, DECODE_STAGE)
         start, steps, grow, select = _dropping_fns(self.model, self.beam_size, self.alpha,
-                                                   self.max_length, lengths[0], self.stop_ids)
+                                                   self.max_length, lengths[0], self.stop_ids,
+                                                   self.int8_cache)
         state = start(params, inputs)
         best = np.zeros((inputs.shape[0], self.max_length), np.int32)
         rows = np.arange(inputs.shape[0])  # the sentence of `inputs` each row of `state` holds
@@ -278,7 +288,7 @@ def _best(state: dict) -> np.ndarray:
 
 @functools.lru_cache(maxsize=32)
 def _dropping_fns(model: Transformer, beam_size: int, alpha: float, max_length: int,
-                  first_length: int, stop_ids: tuple[int, ...] = ()):
+                  first_length: int, stop_ids: tuple[int, ...] = (), int8_cache: bool = False):
     """The jitted parts of `_BeamSearchDroppingDecided`: `start(params, inputs)` encodes and
     takes the first step; `steps(params, state, max_lengths, until)` runs up to step `until`
     and says which sentences are open; `grow(state, length=)` lengthens the cache;
@@ -289,8 +299,9 @@ def _dropping_fns(model: Transformer, beam_size: int, alpha: float, max_length: 
         return _decode_fn(model, params, state["encoded"], state["inputs"])
 
     def start(params, inputs):
-        encoded = model.apply({"params": params}, inputs, method="encode")
-        cache = init_cache(model.config, inputs.shape[0] * beam_size, first_length)
+        encoded = model.apply({"params": dequantize(params)}, inputs, method="encode")
+        cache = init_cache(model.config, inputs.shape[0] * beam_size, first_length,
+                           int8=int8_cache)
         state = {"encoded": encoded, "inputs": inputs}
         search = decoding.beam_search_start(
             decode_fn(params, state), cache,
@@ -321,18 +332,20 @@ def _dropping_fns(model: Transformer, beam_size: int, alpha: float, max_length: 
             jax.jit(grow, static_argnames="length"), jax.jit(select))
 
 
-def load(workdir: str, *, step: int | None = None, average: int | None = None) -> Translator:
+def load(workdir: str, *, step: int | None = None, average: int | None = None,
+         quantize: str = "none") -> Translator:
     """The translator of a trained workdir: checkpoint `step`, the latest, or the average of
-    the last `average` (`runs.open_run`)."""
+    the last `average` (`runs.open_run`), int8 where `quantize="int8"`."""
+    check_quantize(quantize)  # before anything is read
     run = open_run(workdir, step=step, average=average,
                    check=lambda model: require_translation(workdir, model))
-    return from_run(run)
+    return from_run(run, quantize=quantize)
 
 
-def from_run(run: Run) -> Translator:
+def from_run(run: Run, *, quantize: str = "none") -> Translator:
     """The translator of an opened run. One line unless it is a translation model."""
     require_translation(run.workdir, run.model)
-    return Translator(run.config, run.model, run.params, run.tokenizer)
+    return Translator(run.config, run.model, run.params, run.tokenizer, quantize)
 
 
 def require_translation(workdir: str, model: TransformerConfig) -> None:

@@ -199,9 +199,9 @@ class MultiHeadAttention(nn.Module):
             window = (self.window, 0 if self.causal and in_prefix is None else self.window)
         kwargs = {}
         if is_cross and cache is not None:
-            if cache.get("key") is None:  # projected just now
-                k, v = kv_cache.heads_first(k), kv_cache.heads_first(v)
-            cache = {"key": k, "value": v}
+            if cache.get("key") is None:  # projected just now (int8 in an int8 cache)
+                cache = kv_cache.store(cache, kv_cache.heads_first(k), kv_cache.heads_first(v))
+            k, v = kv_cache.read(cache, q.dtype)
         elif cache is not None and window is not None:
             new_positions = jnp.broadcast_to(cache_index + jnp.arange(q.shape[1]), q.shape[:2])
             if segments is not None:  # tokens not to remember (padding) get no position
@@ -229,8 +229,7 @@ class MultiHeadAttention(nn.Module):
             v = v_all
         elif cache is not None:
             cache = kv_cache.write_cache(cache, k, v, cache_index)
-            k = cache["key"]
-            v = cache["value"]
+            k, v = kv_cache.read(cache, q.dtype)
         elif window is not None:
             kwargs["local_window_size"] = window
             if cfg.attention_global_tokens:

@@ -404,7 +404,8 @@ def _full_cache_length(config: TransformerConfig, cache: Cache) -> int | None:
     return None
 
 
-def init_cache(config: TransformerConfig, batch_size: int, max_length: int) -> Cache:
+def init_cache(config: TransformerConfig, batch_size: int, max_length: int, *,
+               int8: bool = False) -> Cache:
     """An empty decoding cache for up to `max_length` positions: per decoder layer the
     self-attention's, in the compute dtype: keys [B, K, S, H] and values [B, K, S, Hv], heads
     first (S = max_length) for a global layer. For a local layer of window w a ring buffer of the
@@ -412,7 +413,10 @@ def init_cache(config: TransformerConfig, batch_size: int, max_length: int) -> C
     with `attention_global_tokens` a second one, "global", of the first positions).
     For a linear layer the recurrent state [B, K, H, Hv] and normaliser [B, K, H] (float32).
     An empty cross-attention entry (filled with the projected encoder output by the first
-    `decode` call), and `index`, the number of positions written."""
+    `decode` call), and `index`, the number of positions written. With `int8` the global
+    layers' keys and values and the cross-attention's are int8 with a float32 scale per
+    (row, head, position) beside them ("key_scale", "value_scale" [B, K, S, 1]:
+    `ops/kv_cache.py`); ring buffers and linear states stay as they are."""
     _check_length(config, max_length, "decode")
     dtype = config.compute_dtype
     lead = (config.num_decoder_layers,) if config.scan_layers else ()
@@ -428,8 +432,13 @@ def init_cache(config: TransformerConfig, batch_size: int, max_length: int) -> C
         else:
             length = max_length if window is None else min(window, max_length)
             kv_lead = lead + (batch_size, k, length)
-            self_attention = {"key": jnp.zeros(kv_lead + (h,), dtype),
-                              "value": jnp.zeros(kv_lead + (hv,), dtype)}
+            quantized = int8 and window is None
+            self_attention = {"key": jnp.zeros(kv_lead + (h,), jnp.int8 if quantized else dtype),
+                              "value": jnp.zeros(kv_lead + (hv,),
+                                                 jnp.int8 if quantized else dtype)}
+            if quantized:
+                self_attention.update({f"{name}_scale": jnp.ones(kv_lead + (1,), jnp.float32)
+                                       for name in ("key", "value")})
             if window is not None:
                 self_attention["position"] = jnp.full(lead + (batch_size, length), -1,
                                                       jnp.int32)
@@ -440,8 +449,8 @@ def init_cache(config: TransformerConfig, batch_size: int, max_length: int) -> C
                     "value": jnp.zeros(lead + (batch_size, k, held, hv), dtype),
                     "position": jnp.full(lead + (batch_size, held), -1, jnp.int32)}
         entry = {"self_attention": self_attention}
-        if config.architecture == "encoder_decoder":
-            entry["cross_attention"] = {}
+        if config.architecture == "encoder_decoder":  # int8: marked by its empty scales
+            entry["cross_attention"] = {"key_scale": None, "value_scale": None} if int8 else {}
         return entry
 
     layers_ = _layers(config, config.num_decoder_layers)

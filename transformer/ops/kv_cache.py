@@ -5,6 +5,11 @@ A layer's self-attention cache is {"key": [B, K, S, H], "value": [B, K, S, Hv]} 
 layer keeps a ring buffer of its last w positions (`write_ring`). A linear layer's recurrent
 state is `linear_attention.decode_step`'s. The searches that drive the cache are
 `transformer.inference.decoding`. Legend: `transformer/__init__.py`.
+
+An int8 cache (`init_cache(..., int8=True)`, decoding with `quantize="int8"`) holds the keys and
+values as int8 with a float32 scale per (row, head, position), "key_scale" [B, K, S, 1] and
+"value_scale" [B, K, S, 1] beside them: symmetric absmax quantization over each vector's H
+values (`quantize_int8`, Qwix's int8 scheme), read back in the compute dtype (`read`).
 """
 
 from __future__ import annotations
@@ -18,14 +23,51 @@ def heads_first(x: jax.Array) -> jax.Array:
     return jnp.swapaxes(x, 1, 2)
 
 
+INT8_BOUND = 127.5  # |x| / scale <= 127.5 rounds into [-128, 127] (saturating at 127.5)
+
+
+def quantize_int8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(q int8, scale float32 [..., 1]) with x ~ q * scale over the last axis: scale =
+    max|x| / 127.5 (1 where that is below sqrt(float32 tiny)), q = round(x / scale) saturated
+    to int8, so |x - q * scale| <= scale / 2. The scheme of `qwix.quantize(x, jnp.int8,
+    channelwise_axes=<all but the last>)`, written out so that the model needs no Qwix."""
+    x = x.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / INT8_BOUND
+    scale = jnp.where(scale < jnp.sqrt(jnp.finfo(jnp.float32).tiny), 1.0, scale)
+    q = jnp.clip(jnp.round(x / scale), -128, 127).astype(jnp.int8)
+    return q, scale
+
+
+def store(cache: dict, key: jax.Array, value: jax.Array) -> dict:
+    """A cache entry holding key [.., H] and value [.., Hv] whole (a cross-attention's encoder
+    keys and values, heads first): int8 with their scales where `cache` has "key_scale" (an
+    int8 cache's empty entry), else as they are."""
+    if "key_scale" not in cache:
+        return {"key": key, "value": value}
+    (key, key_scale), (value, value_scale) = quantize_int8(key), quantize_int8(value)
+    return {"key": key, "value": value, "key_scale": key_scale, "value_scale": value_scale}
+
+
+def read(cache: dict, dtype) -> tuple[jax.Array, jax.Array]:
+    """A cache entry's keys and values in `dtype`: an int8 entry's dequantized (q * scale)."""
+    if "key_scale" not in cache:
+        return cache["key"], cache["value"]
+    return tuple((cache[name].astype(jnp.float32) * cache[f"{name}_scale"]).astype(dtype)
+                 for name in ("key", "value"))
+
+
 def write_cache(cache: dict, key: jax.Array, value: jax.Array, index: jax.Array | int) -> dict:
     """A layer's self-attention cache {"key": [B, K, S, H], "value": [B, K, S, Hv]} (heads first,
     as `attention.cache_attention` reads it) with the new key [B, T, K, H] and value
-    [B, T, K, Hv] written at positions index..index+T-1, in the cache's dtype."""
+    [B, T, K, Hv] written at positions index..index+T-1, in the cache's dtype (an int8
+    cache's quantized, their scales written beside them)."""
     start = (0, 0, index, 0)
-    return {name: jax.lax.dynamic_update_slice(
-        cache[name], heads_first(new).astype(cache[name].dtype), start)
-        for name, new in (("key", key), ("value", value))}
+    new = {"key": heads_first(key), "value": heads_first(value)}
+    if "key_scale" in cache:
+        for name in ("key", "value"):
+            new[name], new[f"{name}_scale"] = quantize_int8(new[name])
+    return {name: jax.lax.dynamic_update_slice(cache[name], x.astype(cache[name].dtype), start)
+            for name, x in new.items()}
 
 
 def write_ring(cache: dict, key: jax.Array, value: jax.Array, positions: jax.Array) -> dict:
