@@ -18,6 +18,7 @@ from test_huggingface import (
     _check_language_model,
     _check_round_trip,
     _hf_logits,
+    _import,
     _prefill_logits,
     _save,
 )
@@ -125,6 +126,33 @@ def test_qwen3_moe_logits_generation_mesh_and_round_trip(tmp_path):
         "qwen3_moe", 4, False)
 
 
+def test_qwen3_moe_dense_and_routed_layers_from_fused_experts(tmp_path):
+    """Every second layer routed (decoder_sparse_step=2; the dense one as wide as the
+    experts), the checkpoint in `transformers` 5's in-memory layout (its `state_dict` saved as
+    it is: mlp.experts.gate_up_proj [E, 2F, D], down_proj [E, D, F]): imported with
+    transformers' logits, exported per expert as `save_pretrained` writes it."""
+    from safetensors.torch import save_file
+
+    hf_dir = tmp_path / "qwen3_moe"
+    hf_model = _build(hf_dir, transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                      decoder_sparse_step=2, norm_topk_prob=True)
+    fused_dir = tmp_path / "fused"
+    fused_dir.mkdir()
+    (fused_dir / convert.HF_CONFIG).write_text((hf_dir / convert.HF_CONFIG).read_text())
+    state = {name: value.contiguous() for name, value in hf_model.state_dict().items()}
+    assert "model.layers.1.mlp.experts.gate_up_proj" in state
+    assert "model.layers.0.mlp.gate_proj.weight" in state  # the dense layer
+    save_file(state, str(fused_dir / convert.SINGLE_FILE), metadata={"format": "pt"})
+    workdir, run, params = _import(tmp_path, fused_dir)
+    assert (run.model.moe_layer_interval, run.model.moe_renormalize) == (2, True)
+    ours = _prefill_logits(Transformer(run.model), params, TOKENS)
+    valid = TOKENS != 0
+    np.testing.assert_allclose(np.asarray(ours)[valid], _hf_logits(hf_model, TOKENS)[valid],
+                               atol=ATOL, rtol=0)
+    _check_round_trip(tmp_path, workdir, hf_dir, transformers.Qwen3MoeForCausalLM)
+
+
 GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
 
@@ -201,3 +229,19 @@ def test_export_picks_each_family_and_refuses_what_none_computes():
     with pytest.raises(ValueError, match=re.escape(  # closest: Qwen3's per-head norm
             "closest is Llama, which differs in model.norm_position='output' (wants 'pre')")):
         families.for_model(TransformerConfig(**olmo2 | dict(qk_norm="head")), "--workdir=w")
+
+
+def test_gemma3_config_of_the_older_format_reads_the_same():
+    """A Gemma 3 config.json as the Hub's first releases wrote it (rope_theta, rope_scaling and
+    rope_local_base_freq at the top, sliding_window_pattern instead of layer_types) gives the
+    model fields of transformers 5's per-layer-type rope_parameters."""
+    hf = _config(transformers.Gemma3TextConfig, num_hidden_layers=7, query_pre_attn_scalar=24,
+                 sliding_window=4, rope_parameters=GEMMA3_ROPE)
+    old = {key: value for key, value in hf.items() if key not in (
+        "rope_parameters", "layer_types")} | dict(
+        rope_theta=1e6, rope_scaling={"rope_type": "linear", "factor": 4.0},
+        rope_local_base_freq=10000.0, sliding_window_pattern=6)
+    fields = families.Gemma3.config(old)
+    assert fields == families.Gemma3.config(hf)
+    assert (fields["attention_pattern"], fields["rope_local_theta"], fields["rope_theta"]) == (
+        "local,local,local,local,local,global,local", 10000.0, 1e6)
