@@ -1,13 +1,14 @@
 """Decoding speed of a trained run: sentences/s and generated tokens/s, beam search and greedy.
 
     python benchmarks/decode.py --workdir=runs/default [--split=test] [--num_sentences=500]
-        [--beam_sizes=4,1] [--batch_size=32]
+        [--beam_sizes=4,1] [--batch_size=32] [--quantize=int8]
 
 Loads the run like `transformer.load` (its latest checkpoint, its vocabulary), reads the first
 `--num_sentences` source sentences of the split, and for each beam size translates them twice
 through `Translator.translate`: the first pass compiles one search per length bucket (reported
 as warm-up time), the second is timed. Generated tokens are the SentencePiece pieces of the
-outputs (EOS excluded). Prints a table, then one JSON line per beam size.
+outputs (EOS excluded). Prints a table, then one JSON line per beam size. `--quantize=int8`
+times int8 decoding (int8 kernels and KV cache; its BLEU and bytes: benchmarks/decode_int8.py).
 """
 
 from __future__ import annotations
@@ -27,16 +28,17 @@ def define_flags() -> None:
     flags.DEFINE_integer("num_sentences", 500, "Decode the first N sentences of the split.")
     flags.DEFINE_string("beam_sizes", "4,1", "Beam sizes to time (1: greedy).")
     flags.DEFINE_integer("batch_size", 32, "Sentences per search call.")
+    flags.DEFINE_enum("quantize", "none", ["none", "int8"], "int8: int8 kernels and KV cache.")
 
 
 def benchmark(workdir: str, split: str, num_sentences: int, beam_sizes: list[int],
-              batch_size: int) -> list[dict]:
+              batch_size: int, quantize: str = "none") -> list[dict]:
     import jax
 
     from transformer.data import make_source
     from transformer.inference.translator import load
 
-    translator = load(workdir)
+    translator = load(workdir, quantize=quantize)
     sources = [s for s, _ in make_source(translator.config, workdir).raw_pairs(
         split, num_sentences)]
     rows = []
@@ -49,7 +51,7 @@ def benchmark(workdir: str, split: str, num_sentences: int, beam_sizes: list[int
         seconds = time.perf_counter() - started
         tokens = sum(len(ids) for ids in translator.tokenizer.encode(outputs))
         rows.append({"workdir": workdir, "split": split, "sentences": len(sources),
-                     "beam_size": beam, "batch_size": batch_size,
+                     "beam_size": beam, "batch_size": batch_size, "quantize": quantize,
                      "backend": jax.default_backend(),
                      "device_kind": jax.devices()[0].device_kind,
                      "first_pass_s": warmup, "seconds": seconds,
@@ -67,7 +69,8 @@ def main(argv: list[str]) -> None:
     if args.num_sentences < 1 or args.batch_size < 1 or min(beams) < 1:
         sys.exit("error: --num_sentences, --batch_size and --beam_sizes must be >= 1")
     try:
-        rows = benchmark(args.workdir, args.split, args.num_sentences, beams, args.batch_size)
+        rows = benchmark(args.workdir, args.split, args.num_sentences, beams, args.batch_size,
+                         args.quantize)
     except ValueError as error:
         sys.exit(f"error: {error}")
     print(f"{'search':<8} {'sentences':>9} {'sent/s':>8} {'tokens/s':>9} {'first pass (s)':>15}")

@@ -103,3 +103,23 @@ def test_source_probe_unigram_floor_by_hand():
     floor = unigram_perplexity([batch([5, 7, 7, 3], padding=2)], [batch([7, 3], padding=3)],
                                10, [3])
     assert floor == pytest.approx(2.0)
+
+
+def test_decode_int8_scores_both_and_measures_the_cache(untrained_translation_workdir, tmp_path):
+    """benchmarks/decode_int8.py on a tiny run (in-process): both passes scored, the cache
+    and parameter bytes measured on the arrays, int8's cache at most half of float32's."""
+    import runpy
+
+    script = runpy.run_path(str(ROOT / "benchmarks" / "decode_int8.py"))
+    sources, references = tmp_path / "src.txt", tmp_path / "ref.txt"
+    sources.write_text("Sie geht oft ins Kino.\nOpens a dialog.\nJa.\n")
+    references.write_text("She goes often to the movies.\nÖffnet einen Dialog.\nYes.\n")
+    record = script["benchmark"](str(untrained_translation_workdir), "test", 0, str(sources),
+                                 str(references), 2, 2)
+    assert record["sentences"] == 3 and record["beam_size"] == 2
+    assert record["bleu_difference"] == record["int8_bleu"] - record["float_bleu"]
+    assert record["int8_sentences_per_sec"] > 0 and record["float_sentences_per_sec"] > 0
+    # configs/tiny.py: H = 64 / 4 = 16, so int8 keys and values with a float32 scale per
+    # head and position take (16 + 4) / (16 * 4) of float32's bytes.
+    assert record["cache_ratio"] == pytest.approx(20 / 64, rel=0.01)
+    assert record["cache_at_most_half"] and record["param_ratio"] < 0.5

@@ -320,3 +320,30 @@ def test_bad_quantization_is_one_line(tmp_path):
     with pytest.raises(ValueError, match=r"^quantize='int8': decoder/layers_1/ffn/ff_out/kernel "
                                          r"in the parameters is not finite"):
         Generator(cfg, config, broken, None, quantize="int8")
+
+
+@pytest.mark.slow
+def test_the_commands_take_quantize(untrained_translation_workdir, untrained_lm_workdir):
+    """--quantize=int8 on translate gives the API's int8 translation; an unknown name on
+    generate is one line, before the run is read."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    result = subprocess.run([sys.executable, "-m", "transformer.translate",
+                             f"--workdir={untrained_translation_workdir}", "--beam_size=1",
+                             "--quantize=int8"], input=b"Opens a dialog.\n", cwd=ROOT,
+                            capture_output=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    want = load(str(untrained_translation_workdir), quantize="int8").translate(
+        ["Opens a dialog."], beam_size=1)
+    assert result.stdout.decode() == want[0] + "\n"
+    result = subprocess.run([sys.executable, "-m", "transformer.generate",
+                             f"--workdir={untrained_lm_workdir}/missing", "--prompt=a",
+                             "--quantize=int4"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "error: quantize='int4' is not a quantization: choose one of none, int8 "
+        "(--quantize=int8: int8 weights and KV cache) (--help lists the flags)"]
