@@ -150,18 +150,52 @@ def test_int8_cache_holds_half_the_bytes_and_its_entries_within_half_a_scale():
 
 def test_int8_logits_within_the_first_order_bound_of_the_weight_and_cache_errors(monkeypatch):
     """A prompt's logits (greedy decoding's, teacher-forced) with int8 kernels and cache
-    against float32's. The bound: first order in every error, each at most half a scale:
+    against float32's, within `assert_first_order_bound`."""
+    config, _, params = tiny_lm()
+    tokens = jnp.asarray(np.random.default_rng(2).integers(4, V, (2, 6)), jnp.int32)
+    assert_first_order_bound(monkeypatch, config, params, tokens)
+
+
+def test_an_imported_llama_decodes_int8_within_the_bound(tmp_path, monkeypatch):
+    """A checkpoint imported from Hugging Face (a tiny random Llama built by `transformers`:
+    grouped-query attention, RoPE, SwiGLU, RMSNorm) opened by `open_run`: its kernels int8 and
+    its logits within `assert_first_order_bound`."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from transformer.huggingface import convert
+    from transformer.inference.runs import open_run
+
+    hf_config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        initializer_range=0.2, pad_token_id=0, bos_token_id=2, eos_token_id=3)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(hf_config).eval().save_pretrained(tmp_path / "hf")
+    convert.import_checkpoint(str(tmp_path / "hf"), str(tmp_path / "run"),
+                              overrides={"model.dtype": "float32"})
+    run = open_run(str(tmp_path / "run"), vocabulary="optional")
+    int8 = Generator(run.config, run.model, run.params, None, quantize="int8")
+    layer = int8.params["decoder"]["layers_1"]
+    assert all(isinstance(layer[sub][name]["kernel"], qwix.QArray) for sub, names in (
+        ("self_attention", ("query", "key", "value", "out")),
+        ("ffn", ("ff_in", "ff_gate", "ff_out"))) for name in names)
+    tokens = jnp.asarray([[2, 17, 5, 40, 11]], jnp.int32)
+    assert_first_order_bound(monkeypatch, run.model, run.params, tokens)
+
+
+def assert_first_order_bound(monkeypatch, config, params, tokens):
+    """The logits of `tokens` read into an empty cache with int8 kernels and cache, against
+    float32's. The bound: first order in every error, each at most half a scale:
     sum |dlogit/dW| * s_W / 2 over the kernels' entries plus sum |dlogit/dk| * s_k / 2 over
     every key and value read from the cache, the derivatives at the float model (jacrev, with
     a zero perturbation added where the cache is read). Doubled: the second-order terms are
     smaller by the relative error, at most 1/255."""
-    config, _, params = tiny_lm()
     model = Transformer(config)
-    tokens = jnp.asarray(np.random.default_rng(2).integers(4, V, (2, 6)), jnp.int32)
     quantized = quantize_lib.quantize_params(params)
+    batch, length = tokens.shape
 
     def logits(params, int8=False):
-        cache = init_cache(config, 2, 6, int8=int8)
+        cache = init_cache(config, batch, length, int8=int8)
         return model.apply({"params": params}, None, None, tokens, cache=cache,
                            method="decode")[0]
 
@@ -170,6 +204,7 @@ def test_int8_logits_within_the_first_order_bound_of_the_weight_and_cache_errors
 
     reads = []
     read = kv_cache.read
+    deltas = None
 
     def perturbed_read(cache, dtype):  # every read of the cache, in the order of the layers
         k, v = read(cache, dtype)
@@ -180,7 +215,6 @@ def test_int8_logits_within_the_first_order_bound_of_the_weight_and_cache_errors
         return k + dk, v + dv
 
     monkeypatch.setattr(kv_cache, "read", perturbed_read)
-    deltas = None
     logits(params)
     zeros = [(jnp.zeros_like(k), jnp.zeros_like(v)) for k, v in reads]
     cache_scales = [tuple(kv_cache.quantize_int8(x)[1] for x in pair) for pair in reads]
