@@ -36,6 +36,9 @@ LANGUAGE_PAIRS = {  # target language -> TFDS dataset and shared vocabulary size
 EXPERTS_OFF = dict(num_experts=0, experts_per_token=2, moe_layer_interval=1,
                    moe_router_scores="softmax", moe_renormalize=True, moe_shared_expert=False,
                    moe_capacity_factor=0.0, moe_aux_loss_coef=0.01, moe_z_loss_coef=0.001)
+# Float matmuls (model.quantization "none"); the paper's configs and the language models hold
+# the keys, so that --config.model.quantization=int8 reaches them (docs/training.md).
+QUANTIZATION_OFF = dict(quantization="none", quantized_matmuls="attention,feed_forward,experts")
 
 # The mesh axes, in the order of transformer/parallel/sharding.py. This module imports no JAX
 # (train.py sets up fake devices before JAX starts), so it names the axes itself, and
@@ -188,7 +191,7 @@ def paper_config(*, size: str, target_lang: str, dropout_rate: float) -> config_
         rope_high_freq_factor=4.0, rope_beta_fast=32.0, rope_beta_slow=1.0,
         rope_attention_factor=config_dict.placeholder(float),
         relative_buckets=32, relative_max_distance=128,  # read by positional="relative" (T5)
-        **EXPERTS_OFF,
+        **EXPERTS_OFF, **QUANTIZATION_OFF,
     ))
 
     cfg.optimizer = config_dict.ConfigDict(dict(

@@ -75,7 +75,7 @@ def lm_config(*, objective: str, dataset: str, vocab_size: int, max_length: int,
         max_len=max_length, dtype=dtype, scan_layers=scan_layers, remat_policy=remat_policy,
         attention_implementation="auto", norm_eps=1e-6, rope_theta=10000.0,
         scale_embeddings=True,  # an imported Llama (python -m transformer.convert): False
-        **common.EXPERTS_OFF))
+        **common.EXPERTS_OFF, **common.QUANTIZATION_OFF))
     cfg.optimizer = config_dict.ConfigDict(dict(
         name="adamw", schedule="cosine", learning_rate=learning_rate,
         warmup_steps=warmup_steps, end_fraction=0.1,

@@ -23,11 +23,12 @@ import functools
 import math
 from typing import Any, NamedTuple
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+from transformer.training import moments
 
 SCHEDULES = ("paper_rsqrt", "cosine", "rsqrt", "constant")
 OPTIMIZERS = ("adam", "adamw", "adafactor")
@@ -139,108 +140,6 @@ def decay_mask(params) -> Any:
     return jax.tree_util.tree_map_with_path(decays, params)
 
 
-def scale_by_adam(b1: float, b2: float, eps: float,
-                  moments_dtype: str = "float32") -> optax.GradientTransformation:
-    """``optax.scale_by_adam`` with both moments stored in ``moments_dtype``.
-
-    Stored in ``moments_dtype``, computed in float32: the moments are cast to float32 before
-    each update and the new ones rounded back after it, so each step rounds a moment once and
-    the update uses the unrounded new moments. optax's own ``mu_dtype`` covers the first moment
-    only (the second stays in the params' dtype) and multiplies the stored bfloat16 moment by
-    b1 in bfloat16, a second rounding; hence this wrapper for both. float32 is optax's Adam
-    exactly. In bfloat16 (8 significant bits) an increment of nu below 2**-9 of it rounds
-    away: ``1 - b2`` must stay well above that (0.98 and 0.95 do; with 0.999 nu would stall
-    wherever the gradient's square is near its mean).
-    """
-    inner = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
-    if moments_dtype == "float32":
-        return inner
-
-    def stored(state, dtype):
-        return state._replace(mu=optax.tree.cast(state.mu, dtype),
-                              nu=optax.tree.cast(state.nu, dtype))
-
-    def init(params):
-        return stored(inner.init(params), moments_dtype)
-
-    def update(updates, state, params=None):
-        updates, state = inner.update(updates, stored(state, jnp.float32), params)
-        return updates, stored(state, moments_dtype)
-
-    return optax.GradientTransformation(init, update)
-
-
-def adafactor(learning_rate: optax.Schedule, *, decay_rate: float = 0.8,
-              min_dim_size_to_factor: int = 128,
-              weight_decay: float = 0.0) -> optax.GradientTransformation:
-    """``optax.adafactor`` as T5 ran it (Shazeer and Stern, 2018): factored second moments
-    (a row and a column mean of the squared gradient for every matrix whose two largest axes
-    are >= ``min_dim_size_to_factor``; a full one otherwise), decay 1 - step**-0.8, updates
-    clipped to RMS 1, no first moment, and the step relative to the parameter's RMS
-    (``learning_rate`` ~1e-2, T5's). ``weight_decay`` > 0 decays matrices only (``decay_mask``).
-
-    Its ``init`` also takes params boxed with logical axis names (the trainer's): the factored
-    statistics, which drop one axis of their parameter, get the names of the axes they keep,
-    so they shard as their parameter does."""
-    inner = optax.adafactor(learning_rate, min_dim_size_to_factor=min_dim_size_to_factor,
-                            decay_rate=decay_rate,
-                            weight_decay_rate=weight_decay or None,
-                            weight_decay_mask=decay_mask if weight_decay else None)
-
-    def init(params):
-        boxed = _is_boxed(params)
-        state = inner.init(nn.unbox(params) if boxed else params)
-        if not boxed:
-            return state
-        factored = state[0]
-        boxes = jax.tree.leaves(params, is_leaf=_is_box)
-        treedef = jax.tree.structure(params, is_leaf=_is_box)
-
-        def rebox(stats, keep):  # keep(shape) -> the kept axes of the parameter
-            leaves = [box.replace(value=leaf, names=_kept_names(box, leaf, keep))
-                      if _is_box(box) else leaf
-                      for box, leaf in zip(boxes, treedef.flatten_up_to(stats), strict=True)]
-            return treedef.unflatten(leaves)
-
-        dims = functools.partial(_factored_dims, min_dim=min_dim_size_to_factor)
-        factored = factored._replace(
-            v_row=rebox(factored.v_row, lambda shape: _without(shape, dims(shape), 1)),
-            v_col=rebox(factored.v_col, lambda shape: _without(shape, dims(shape), 0)),
-            v=rebox(factored.v, lambda shape: tuple(range(len(shape)))))
-        return (factored, *state[1:])
-
-    return optax.GradientTransformation(init, inner.update)
-
-
-def _is_box(x) -> bool:
-    return isinstance(x, nn.Partitioned)
-
-
-def _is_boxed(tree) -> bool:
-    return any(map(_is_box, jax.tree.leaves(tree, is_leaf=_is_box)))
-
-
-def _factored_dims(shape, *, min_dim: int) -> tuple[int, int] | None:
-    """optax's choice (``factorized._factored_dims``): the indices of the second largest and
-    the largest axis, or None when the second largest is below ``min_dim``."""
-    if len(shape) < 2:
-        return None
-    order = np.argsort(shape)
-    return None if shape[order[-2]] < min_dim else (int(order[-2]), int(order[-1]))
-
-
-def _without(shape, dims, which: int) -> tuple[int, ...] | None:
-    """The axes a statistic keeps: all but ``dims[which]`` (None: not factored, a [1] stub)."""
-    return None if dims is None else tuple(a for a in range(len(shape)) if a != dims[which])
-
-
-def _kept_names(box, leaf, keep) -> tuple:
-    kept = keep(box.value.shape)
-    if kept is None or len(kept) != leaf.ndim:  # a [1] stub: replicated
-        return (None,) * leaf.ndim
-    return tuple(box.names[a] for a in kept)
-
-
 def make_optimizer(
     opt_cfg, *, d_model: int, total_steps: int
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -249,8 +148,8 @@ def make_optimizer(
     "adam": the paper's Adam (``b1``, ``b2``, ``eps`` from the config; paper 0.9, 0.98, 1e-9).
     "adamw": Adam with decoupled ``weight_decay`` on matrices only (see ``decay_mask``).
     Both store their moments in ``moments_dtype`` ("float32", default, or "bfloat16": 4 bytes
-    of state per parameter instead of 8; see ``scale_by_adam``).
-    "adafactor": see ``adafactor`` (``decay_rate``, ``min_dim_size_to_factor``,
+    of state per parameter instead of 8; see ``moments.scale_by_adam``).
+    "adafactor": see ``moments.adafactor`` (``decay_rate``, ``min_dim_size_to_factor``,
     ``weight_decay``; ``b1``, ``b2`` and ``eps`` unused).
     ``clip_norm`` > 0 clips gradients to that global norm before the optimizer sees them.
     The schedule is returned so the trainer can log ``schedule(step - 1)`` for update ``step``.
@@ -270,11 +169,12 @@ def make_optimizer(
         min_dim = opt_cfg.get("min_dim_size_to_factor", 128)
         if not isinstance(min_dim, int) or isinstance(min_dim, bool) or min_dim < 1:
             _fail("min_dim_size_to_factor", min_dim, "must be an int >= 1 (default 128)")
-        tx = adafactor(schedule, decay_rate=float(opt_cfg.get("decay_rate", 0.8)),
-                       min_dim_size_to_factor=min_dim, weight_decay=weight_decay)
+        tx = moments.adafactor(schedule, decay_rate=float(opt_cfg.get("decay_rate", 0.8)),
+                               min_dim_size_to_factor=min_dim, weight_decay=weight_decay,
+                               decay_mask=decay_mask)
     else:
         # optax.adam and optax.adamw, with the moments' dtype (the same state tree).
-        adam = scale_by_adam(float(opt_cfg.get("b1", 0.9)), float(opt_cfg.get("b2", 0.98)),
+        adam = moments.scale_by_adam(float(opt_cfg.get("b1", 0.9)), float(opt_cfg.get("b2", 0.98)),
                              float(opt_cfg.get("eps", 1e-9)), moments_dtype)
         decay = ([optax.add_decayed_weights(weight_decay, decay_mask)] if name == "adamw"
                  else [])
