@@ -12,7 +12,8 @@ grid per kind, to `<workdir>/plots/attention/`. The weights are the ones the for
 `MultiHeadAttention` records `attention.attention_weights` when applied with
 `mutable=["intermediates"]`. `curves` plots loss, perplexity, learning rate, BLEU and tokens/s
 (and a routed run's expert loads and drops) against step (or, `--x=hours`, hours of training)
-from each run's `metrics.jsonl`;
+from each run's `metrics.jsonl`, and each run's per-layer gradient, parameter and update norms
+by module kind beside it (`curves_layers.png`; `curves_layers_<run>.png` for several runs);
 `positions` the sinusoidal encoding and the dot products between positions.
 `image_attention` runs a Vision Transformer (`inference.classifier`) on one image and draws the
 class token's attention over the patches on top of it, per layer and head (`heads.png`) and rolled
@@ -103,7 +104,16 @@ def run(command: str, extra_workdirs: list[str]) -> list[str]:
 
         workdirs = [FLAGS.workdir, *extra_workdirs]
         out = FLAGS.out or layout.path(workdirs[0], layout.PLOTS, "curves.png")
-        return [plotting.plot_curves(curves.collect(workdirs, FLAGS.x), out, x=FLAGS.x)]
+        runs = curves.collect(workdirs, FLAGS.x)
+        written = [plotting.plot_curves(runs, out, x=FLAGS.x)]
+        stem, extension = os.path.splitext(out)
+        for name, run_curves, clock in runs:  # per-layer health, where logged
+            if layers := curves.layer_curves(run_curves):
+                suffix = f"_{name}" if len(runs) > 1 else ""
+                written.append(plotting.plot_layer_health(
+                    name, layers, f"{stem}_layers{suffix}{extension or '.png'}", x=FLAGS.x,
+                    clock=clock))
+        return written
     return [plot_positions(FLAGS.d_model, FLAGS.length, FLAGS.out)]
 
 

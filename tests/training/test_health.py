@@ -1,6 +1,7 @@
 """Per-layer health (training/health.py): norms grouped by layer and module kind, computed in the
 train step on logged steps, on train lines, and naming where a non-finite step went wrong."""
 
+import json
 import math
 
 import jax
@@ -181,6 +182,42 @@ def test_a_nan_in_one_layer_is_named_in_the_stop_line(one_step):
 ])
 def test_locate_nonfinite_names_the_first_group_and_what(loss, norms, where):
     assert health.locate_nonfinite(loss, norms).startswith(where)
+
+
+def test_visualize_curves_draws_each_layer_by_kind(tmp_path, monkeypatch):
+    """`visualize curves` writes curves_layers.png beside curves.png: a panel per quantity and
+    kind, a line per layer with that layer's logged values."""
+    from absl import flags
+
+    from transformer import visualize
+    from transformer.util import plotting
+
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = [{"step": s, "split": "train", "loss": 3.0 / s, "steps_per_sec": 1.0,
+              "grad_norm/decoder/layers_0/attention": 1.0 * s,
+              "grad_norm/decoder/layers_1/attention": 2.0 * s,
+              "grad_norm/embeddings": 0.5, "param_norm/decoder/layers_1/norms": 4.0}
+             for s in (10, 20)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    plt = plotting.pyplot()
+    drawn = {}
+    monkeypatch.setattr(plt, "close", lambda fig: drawn.update(
+        {ax.get_title(): ax for ax in fig.axes}))
+    flags.FLAGS(["visualize", f"--workdir={run}"])
+    try:
+        written = visualize.run("curves", [])
+    finally:
+        flags.FLAGS.unparse_flags()
+    assert written == [str(run / "plots" / "curves.png"), str(run / "plots" / "curves_layers.png")]
+    assert (run / "plots" / "curves_layers.png").exists()
+    attention = {line.get_label(): list(line.get_ydata())
+                 for line in drawn["gradient norm: attention"].get_lines()}
+    assert attention == {"decoder/layers_0": [10.0, 20.0], "decoder/layers_1": [20.0, 40.0]}
+    assert [line.get_label() for line in drawn["gradient norm: embeddings"].get_lines()] == [
+        "model"]
+    assert [line.get_label() for line in drawn["parameter norm: norms"].get_lines()] == [
+        "decoder/layers_1"]
 
 
 class _Progress:

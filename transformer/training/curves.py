@@ -1,5 +1,6 @@
-"""A run's metrics.jsonl read back: the curves per split and metric, and the hours of
-training behind each step (`visualize curves` draws them with `util/plotting.py`)."""
+"""A run's metrics.jsonl read back: the curves per split and metric, the hours of training
+behind each step, and the per-layer health curves (`visualize curves` draws them with
+`util/plotting.py`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import numpy as np
 from etils import epath
 
 from transformer.checkpoint import layout
+from transformer.training import health
 
 
 def read_metrics(workdir: str) -> dict[str, dict[str, list[tuple[int, float]]]]:
@@ -72,3 +74,21 @@ def collect(workdirs: list[str], x: str = "step") -> list[tuple[str, dict, tuple
         clock = training_hours(curves, workdir) if x == "hours" else None
         runs.append((os.path.basename(os.path.normpath(workdir)) or workdir, curves, clock))
     return runs
+
+
+def layer_curves(curves: dict) -> dict[str, dict[str, dict[str, list[tuple[int, float]]]]]:
+    """A run's per-layer health (`read_metrics`' train lines: `grad_norm/decoder/layers_3/
+    attention` and the like, training/health.py) as `{quantity: {kind: {where: points}}}`,
+    `where` the layer (`decoder/layers_3`), the stack (`decoder`) or "model", in model order.
+    Empty for a run that logged none."""
+    train = curves.get("train", {})
+    keys = [key for key in train if key.split("/", 1)[0] in health.QUANTITIES and "/" in key]
+    groups = sorted({key.split("/", 1)[1] for key in keys}, key=health.group_order)
+    found: dict[str, dict[str, dict[str, list[tuple[int, float]]]]] = {}
+    for quantity in health.QUANTITIES:
+        for group in groups:
+            points = train.get(f"{quantity}/{group}")
+            if points:
+                where, _, kind = group.rpartition("/")
+                found.setdefault(quantity, {}).setdefault(kind, {})[where or "model"] = points
+    return found

@@ -86,7 +86,7 @@ def group_norms(params: Any, grads: Any, updates: Any) -> dict[str, dict[str, ja
             for name, tree in zip(QUANTITIES, (params, grads, updates), strict=True)}
 
 
-def _order(group: str) -> tuple:
+def group_order(group: str) -> tuple:
     """Groups in model order: embeddings, then each stack's layers by index, then the rest."""
     parts = group.split("/")
     layer = next((int(p[7:]) for p in parts if p.startswith("layers_")), -1)
@@ -108,7 +108,7 @@ def per_layer(norms: Mapping[str, Any]) -> dict[str, float]:
                 flat["/".join((*parts[:at], f"layers_{i}", *parts[at + 1:]))] = v
         else:
             flat[group] = values[0]
-    return dict(sorted(flat.items(), key=lambda item: _order(item[0])))
+    return dict(sorted(flat.items(), key=lambda item: group_order(item[0])))
 
 
 def line_figures(health: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:

@@ -214,3 +214,40 @@ def plot_curves(runs, out: str, x: str = "step") -> str:
             ax.text(0.5, 0.5, "not recorded", ha="center", va="center",
                     transform=ax.transAxes)
     return save(fig, out)
+
+
+LAYER_QUANTITIES = (("grad_norm", "gradient norm"), ("param_norm", "parameter norm"),
+                    ("update_norm", "update norm"))
+
+
+def plot_layer_health(name: str, layers: dict, out: str, x: str = "step",
+                      clock: tuple | None = None) -> str:
+    """One run's per-layer health: a row per quantity (gradient, parameter, update norm), a
+    column per module kind, a line per layer coloured from the first layer (dark) to the last
+    (light), the encoder's solid and the decoder's dashed; log scale. `layers` comes from
+    `training/curves.py`'s `layer_curves`, `clock` (for `x` "hours") from `collect`."""
+    plt = pyplot()
+    kinds = list(dict.fromkeys(kind for by_kind in layers.values() for kind in by_kind))
+    rows = [(key, label) for key, label in LAYER_QUANTITIES if key in layers]
+    fig, grid = plt.subplots(len(rows), len(kinds), squeeze=False, layout="constrained",
+                             figsize=(3.6 * len(kinds), 2.8 * len(rows)))
+    colours = plt.get_cmap("viridis")
+    for (key, label), axes in zip(rows, grid, strict=True):
+        for kind, ax in zip(kinds, axes, strict=True):
+            lines = layers[key].get(kind, {})
+            for index, (where, points) in enumerate(lines.items()):
+                steps, values = zip(*points, strict=True)
+                if x == "hours":
+                    steps = np.interp(steps, *clock)
+                ax.plot(steps, values, "--" if where.startswith("decoder") else "-",
+                        color=colours(index / max(len(lines) - 1, 1)), label=where,
+                        marker="o" if len(points) < 20 else None, markersize=2)
+            ax.set_title(f"{label}: {kind}", fontsize=9)
+            ax.set_xlabel("step" if x == "step" else "hours of training (train steps only)")
+            if ax.has_data():
+                ax.set_yscale("log")
+                ax.legend(fontsize=6, ncol=2 if len(lines) > 8 else 1)
+            else:
+                ax.text(0.5, 0.5, "none", ha="center", va="center", transform=ax.transAxes)
+    fig.suptitle(f"{name}: per-layer health", fontsize=10)
+    return save(fig, out)
