@@ -45,22 +45,16 @@ TOP_LEVEL: dict[str, tuple[type | tuple[type, ...], object]] = {
     # (train_state.resolve_loss_chunk_tokens).
     "loss_chunk_tokens": (int, -1),
     "skip_nonfinite_updates": (bool, False),
-    # training/watchdog.py: a step this many times the median dumps the stacks (0: off); a
-    # step not ended after this many seconds ends the run naming who did not arrive (0: off)
-    "slow_step_factor": ((int, float), 0.0),
-    "step_timeout_seconds": ((int, float), 0.0),
     "profile_start_step": (int, 0),
     "profile_num_steps": (int, 0),
     "init_from": (str, ""),  # a run to start from (transformer/training/transfer.py); "": scratch
     "init_from_exclude": (str, ""),  # a regex: parameter paths init_from leaves fresh
 }
-# The `finetune` section's adapters (model/lora.py), copied into the model config's fields.
-LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
 # The sections beside them and the keys each may hold: the model's fields, the mesh axes, any
 # data source's keys, and what optim.make_optimizer, the Translator (decode), the Generator
 # (generate) and distributed.initialize read.
 SECTIONS: dict[str, frozenset[str]] = {
-    "model": frozenset(f.name for f in dataclasses.fields(TransformerConfig)) - set(LORA_KEYS),
+    "model": frozenset(f.name for f in dataclasses.fields(TransformerConfig)),
     "mesh": sharding.CONFIG_KEYS,
     "data": data.CONFIG_KEYS,
     "optimizer": frozenset({"name", "schedule", "learning_rate", "warmup_steps", "end_fraction",
@@ -74,7 +68,6 @@ SECTIONS: dict[str, frozenset[str]] = {
     "generate": frozenset({"max_new_tokens", "temperature", "top_k", "top_p"}),
     "distributed": frozenset({"initialization_timeout_seconds", "heartbeat_timeout_seconds"}),
     "metrics": frozenset({"tracker"}),  # util/trackers.py; no section: "tensorboard"
-    "finetune": frozenset(LORA_KEYS),  # model/lora.py; no section: no adapters
 }
 _KNOWN = frozenset(TOP_LEVEL) | frozenset(SECTIONS)
 _MODEL_TYPES = typing.get_type_hints(TransformerConfig)
@@ -97,7 +90,7 @@ def resolve(cfg: ConfigDict, num_devices: int | None = None, *,
     _check_keys(cfg, config_file)
     cfg = _with_defaults(cfg)
     _check_types(cfg)
-    model = TransformerConfig.from_dict(dict(cfg.model) | finetune_fields(cfg))
+    model = TransformerConfig.from_dict(cfg.model)
     _check_values(cfg, model)
     if num_devices is None:
         return Resolved(cfg, model, None)
@@ -111,16 +104,6 @@ def resolve(cfg: ConfigDict, num_devices: int | None = None, *,
                          f"grad_accum_steps={cfg.grad_accum_steps} x {_batch_axes(shape)}="
                          f"{shards}")
     return Resolved(cfg, model, shape)
-
-
-def finetune_fields(cfg: ConfigDict) -> dict:
-    """The `finetune` section as `model.lora_*` fields (`lora_targets` a list or a
-    comma-separated string)."""
-    fields = dict(cfg.get("finetune") or {})
-    targets = fields.get("lora_targets")
-    if targets is not None and not isinstance(targets, str):
-        fields["lora_targets"] = ",".join(targets)
-    return fields
 
 
 def _batch_axes(mesh) -> str:
@@ -277,12 +260,6 @@ def _check_values(cfg: ConfigDict, model: TransformerConfig) -> None:
                          f"'decoder/logits'") from None
     if not 0.0 <= cfg.label_smoothing < 1.0:
         raise ValueError(f"label_smoothing={cfg.label_smoothing} must be in [0, 1)")
-    if cfg.slow_step_factor != 0 and not cfg.slow_step_factor > 1:
-        raise ValueError(f"slow_step_factor={cfg.slow_step_factor} must be > 1 (a step that "
-                         f"many times the median is slow), or 0 for no check")
-    if cfg.step_timeout_seconds < 0:
-        raise ValueError(f"step_timeout_seconds={cfg.step_timeout_seconds} must be >= 0 (0: "
-                         f"no timeout)")
     if cfg.loss_chunk_tokens < -1:
         raise ValueError(f"loss_chunk_tokens={cfg.loss_chunk_tokens} must be >= 0 (0: the logits "
                          f"whole), or -1 to size chunks by backend")

@@ -60,11 +60,7 @@ def wandb_records(path):
 
 
 def wandb_run(workdir):
-    """({(key, step): value} of the history, the config) of the offline run in `workdir`,
-    once W&B's service has written it whole (it does at the latest when the process ends)."""
-    import wandb
-
-    wandb.teardown()
+    """({(key, step): value} of the history, the config) of the offline run in `workdir`."""
     history, config = {}, {}
     files = glob.glob(f"{workdir}/wandb/offline-run-*/run-*.wandb")
     for path in files:
