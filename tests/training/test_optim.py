@@ -500,6 +500,17 @@ def test_adafactor_matches_optax_reference():
     jax.tree.map(np.testing.assert_array_equal, state, ref_state)
 
 
+def test_adafactor_weight_decay_is_adamws_times_the_learning_rate():
+    cfg = opt_config(name="adafactor", schedule="constant", learning_rate=1e-2,
+                     warmup_steps=0, weight_decay=0.1)
+    tx, _ = optim.make_optimizer(cfg, d_model=64, total_steps=100)
+    params = {"kernel": jnp.full((4, 3), 2.0), "bias": jnp.full((3,), 2.0)}
+    zero_grads = jax.tree.map(jnp.zeros_like, params)  # Adafactor's own part is then 0
+    updates, _ = tx.update(zero_grads, tx.init(params), params)
+    np.testing.assert_allclose(updates["kernel"], -0.1 * 1e-2 * 2.0, rtol=1e-6)
+    np.testing.assert_array_equal(updates["bias"], 0.0)  # decay_mask: matrices only
+
+
 def test_adafactor_statistics_keep_their_parameters_axis_names():
     """Boxed params (the trainer's): a factored statistic keeps the logical names of the axes
     it keeps, an unfactored one all of them, a [1] stub none."""

@@ -48,14 +48,17 @@ def adafactor(learning_rate: optax.Schedule, *, decay_rate: float = 0.8,
     (a row and a column mean of the squared gradient for every matrix whose two largest axes
     are >= ``min_dim_size_to_factor``; a full one otherwise), decay 1 - step**-0.8, updates
     clipped to RMS 1, no first moment, and the step relative to the parameter's RMS
-    (``learning_rate`` ~1e-2, T5's). ``weight_decay`` > 0 decays where ``decay_mask`` says.
+    (``learning_rate`` ~1e-2, T5's). ``weight_decay`` > 0 decays where ``decay_mask`` says, by
+    ``weight_decay`` x the learning rate a step, as AdamW's (T5 used none).
 
     Its ``init`` also takes params boxed with logical axis names (the trainer's): the factored
     statistics, which drop one axis of their parameter, get the names of the axes they keep,
     so they shard as their parameter does."""
     inner = optax.adafactor(learning_rate, min_dim_size_to_factor=min_dim_size_to_factor,
                             decay_rate=decay_rate,
-                            weight_decay_rate=weight_decay or None,
+                            # As AdamW's: times the learning rate (optax's rate is per step).
+                            weight_decay_rate=(lambda count: weight_decay * learning_rate(count))
+                            if weight_decay else None,
                             weight_decay_mask=decay_mask if weight_decay else None)
 
     def init(params):
