@@ -22,11 +22,10 @@ cross-attention; never the scores QK^T or AV, which multiply two activations), `
 (`ffn`: ff_in, ff_gate, ff_out) and `experts` (the routed experts of `moe`; not the router).
 The embeddings and the output logits are never quantized: they are not in any class.
 
-Qwix rather than AQT or hand-written code: it is the library MaxText moved to from AQT (AQT is
-no longer developed), it quantizes an unchanged Linen model by interception (no layer of
-this package imports it, so parameter paths and checkpoints are those of the float model), and
-its quantized training defines the scales, the fp8 formats and the backward pass in one
-maintained place.
+Qwix rather than AQT or hand-written code: it is the library MaxText quantizes with (AQT before
+it); it quantizes an unchanged Linen model by interception (no layer of this package imports
+it, so parameter paths and checkpoints are those of the float model); and its quantized
+training defines the scales, the fp8 formats and the backward pass in one maintained place.
 """
 
 from __future__ import annotations
