@@ -31,7 +31,13 @@ def run_dir(tmp_path_factory, load_config):
     return str(workdir)
 
 
-def test_a_replayed_step_gives_the_logged_loss_bit_for_bit(run_dir):
+@pytest.fixture(scope="module")
+def step_3(run_dir):
+    """Step 3 replayed (from checkpoint 2)."""
+    return replay.replay(run_dir, 3)
+
+
+def test_a_replayed_step_gives_the_logged_loss_bit_for_bit(run_dir, step_3):
     result = replay.replay(run_dir, 4)  # from checkpoint 2: steps 3 and 4
     assert result.restored == 2 and sorted(result.losses) == [3, 4]
     assert set(result.logged) == {3, 4}
@@ -40,7 +46,7 @@ def test_a_replayed_step_gives_the_logged_loss_bit_for_bit(run_dir):
             np.float32(result.losses[step]).tobytes(), step
         assert result.equal(step)
     assert result.mesh == result.run_mesh
-    assert replay.replay(run_dir, 3).loss == result.losses[3]  # the newest checkpoint before it
+    assert step_3.restored == 2 and step_3.loss == result.losses[3]
 
 
 def test_a_perturbed_parameter_changes_the_loss(run_dir):
@@ -54,8 +60,8 @@ def test_a_perturbed_parameter_changes_the_loss(run_dir):
     assert result.loss != result.logged[3] and result.equal(3) is False
 
 
-def test_the_listed_examples_are_the_batch_s(run_dir, load_config):
-    result = replay.replay(run_dir, 3)
+def test_the_listed_examples_are_the_batch_s(run_dir, step_3):
+    result = step_3
     cfg = layout.load_config(run_dir)
     source = make_source(cfg, run_dir)
     batch = source.train_batch(result.batch_index, (0, source.rows_per_batch))

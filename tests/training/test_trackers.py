@@ -60,7 +60,11 @@ def wandb_records(path):
 
 
 def wandb_run(workdir):
-    """({(key, step): value} of the history, the config) of the offline run in `workdir`."""
+    """({(key, step): value} of the history, the config) of the offline run in `workdir`,
+    once W&B's service has written it whole (it does at the latest when the process ends)."""
+    import wandb
+
+    wandb.teardown()
     history, config = {}, {}
     files = glob.glob(f"{workdir}/wandb/offline-run-*/run-*.wandb")
     for path in files:
@@ -112,6 +116,7 @@ def test_trackio_locally_gets_every_figure_and_the_config(tmp_path, monkeypatch)
     assert config["model"] == {"d_model": 32} and config["provenance"]["started"] == STARTED
 
 
+@pytest.mark.slow  # a training run: ~15 s on 2 shared cores
 def test_a_training_run_sends_its_lines_and_config_to_the_tracker(tmp_path, offline_wandb,
                                                                     load_config):
     """The loop's writer: train lines (every numeric figure) and config.json."""
