@@ -212,6 +212,8 @@ def paper_config(*, size: str, target_lang: str, dropout_rate: float) -> config_
         initialization_timeout_seconds=300,  # waiting for all processes to join
         heartbeat_timeout_seconds=100))  # a dead peer stops the others after this long
     cfg.metrics = config_dict.ConfigDict(dict(tracker="tensorboard"))  # or wandb, trackio
+    cfg.slow_step_factor = 0.0  # > 1: a step this many times the median dumps the stacks
+    cfg.step_timeout_seconds = 0.0  # > 0: a step not ended then stops the run (a hang)
     cfg.label_smoothing = 0.1
     cfg.z_loss = 0.0
     # Target tokens per device whose logits the loss computes at once (their softmax gradient

@@ -93,6 +93,8 @@ def lm_config(*, objective: str, dataset: str, vocab_size: int, max_length: int,
     cfg.distributed = config_dict.ConfigDict(dict(
         initialization_timeout_seconds=300, heartbeat_timeout_seconds=100))
     cfg.metrics = config_dict.ConfigDict(dict(tracker="tensorboard"))  # or wandb, trackio
+    cfg.slow_step_factor = 0.0  # > 1: a step this many times the median dumps the stacks
+    cfg.step_timeout_seconds = 0.0  # > 0: a step not ended then stops the run (a hang)
     cfg.decode = config_dict.ConfigDict(dict(beam_size=1, alpha=0.0, max_extra_length=0))
     cfg.generate = config_dict.ConfigDict(dict(  # python -m transformer.generate defaults
         max_new_tokens=64, temperature=0.8, top_k=0, top_p=0.95))

@@ -59,5 +59,7 @@ def get_config():
         initialization_timeout_seconds=300,  # waiting for all processes to join
         heartbeat_timeout_seconds=100))  # a dead peer stops the others after this long
     cfg.metrics = config_dict.ConfigDict(dict(tracker="tensorboard"))  # or wandb, trackio
+    cfg.slow_step_factor = 0.0  # > 1: a step this many times the median dumps the stacks
+    cfg.step_timeout_seconds = 0.0  # > 0: a step not ended then stops the run (a hang)
     cfg.decode = config_dict.ConfigDict(dict(beam_size=4, alpha=0.6, max_extra_length=4))
     return cfg

@@ -79,6 +79,8 @@ def base_config() -> config_dict.ConfigDict:
     cfg.distributed = config_dict.ConfigDict(dict(
         initialization_timeout_seconds=300, heartbeat_timeout_seconds=100))
     cfg.metrics = config_dict.ConfigDict(dict(tracker="tensorboard"))  # or wandb, trackio
+    cfg.slow_step_factor = 0.0  # > 1: a step this many times the median dumps the stacks
+    cfg.step_timeout_seconds = 0.0  # > 0: a step not ended then stops the run (a hang)
     return cfg
 
 

@@ -45,6 +45,10 @@ TOP_LEVEL: dict[str, tuple[type | tuple[type, ...], object]] = {
     # (train_state.resolve_loss_chunk_tokens).
     "loss_chunk_tokens": (int, -1),
     "skip_nonfinite_updates": (bool, False),
+    # training/watchdog.py: a step this many times the median dumps the stacks (0: off); a
+    # step not ended after this many seconds ends the run naming who did not arrive (0: off)
+    "slow_step_factor": ((int, float), 0.0),
+    "step_timeout_seconds": ((int, float), 0.0),
     "profile_start_step": (int, 0),
     "profile_num_steps": (int, 0),
     "init_from": (str, ""),  # a run to start from (transformer/training/transfer.py); "": scratch
@@ -260,6 +264,12 @@ def _check_values(cfg: ConfigDict, model: TransformerConfig) -> None:
                          f"'decoder/logits'") from None
     if not 0.0 <= cfg.label_smoothing < 1.0:
         raise ValueError(f"label_smoothing={cfg.label_smoothing} must be in [0, 1)")
+    if cfg.slow_step_factor != 0 and not cfg.slow_step_factor > 1:
+        raise ValueError(f"slow_step_factor={cfg.slow_step_factor} must be > 1 (a step that "
+                         f"many times the median is slow), or 0 for no check")
+    if cfg.step_timeout_seconds < 0:
+        raise ValueError(f"step_timeout_seconds={cfg.step_timeout_seconds} must be >= 0 (0: "
+                         f"no timeout)")
     if cfg.loss_chunk_tokens < -1:
         raise ValueError(f"loss_chunk_tokens={cfg.loss_chunk_tokens} must be >= 0 (0: the logits "
                          f"whole), or -1 to size chunks by backend")

@@ -30,6 +30,7 @@ from transformer.inference.translator import Translator
 from transformer.parallel import distributed, sharding
 from transformer.sizing import flops
 from transformer.training import evaluation, health, metrics, scores, train_state, transfer
+from transformer.training.watchdog import Watchdog
 
 log = logging.getLogger("transformer")
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "transformer")
@@ -235,6 +236,7 @@ def _train(cfg, workdir: str, config_file: str | None,
                   if cfg.bleu_every_steps else None)
     writer = metrics.MetricWriter(workdir, metrics.tracker_name(cfg), log_config=True)
     preemption = _Preemption()
+    dog = Watchdog.for_run(cfg)  # slow steps and hangs named (off by default)
     flops_per_token = flops.train_flops_per_token(
         run.model, source_length=source.source_length,
         target_length=source.target_length)
@@ -254,6 +256,7 @@ def _train(cfg, workdir: str, config_file: str | None,
             progress.add_step(time.perf_counter() - started)
             state, step_metrics = train_step(state, batch)
             step, next_batch = step + 1, next_batch + 1
+            dog.beat(step, step_metrics)
             pending.append((step, step_metrics))
             faults.step_fault(step)
             if profile_steps and step == profile_start + profile_steps:
@@ -277,6 +280,7 @@ def _train(cfg, workdir: str, config_file: str | None,
                 metrics.log_evaluation(step, eval_split, figures,
                                        time.perf_counter() - started)
                 progress.exclude(time.perf_counter() - started)
+                dog.rest()
             if _should_save(cfg, step, total, last_save_time) or preempted:
                 if pending:  # the lines of every step the checkpoint covers come first
                     _flush(pending, progress, writer, step, total, flops_per_token, peak, cfg,
@@ -286,6 +290,7 @@ def _train(cfg, workdir: str, config_file: str | None,
                 checkpointer.save(step, state, {"next_batch_index": next_batch})
                 last_save_time = time.monotonic()
                 last_saved = step
+                dog.rest()
             if series is not None:
                 if step == total or preempted:
                     series.save(step, state.params)
@@ -303,6 +308,7 @@ def _train(cfg, workdir: str, config_file: str | None,
     finally:  # the checkpointer last: a failed save raises there, after the rest is closed
         batches.close()
         writer.close()
+        dog.close()
         preemption.restore()
         if series is not None:
             series.close()

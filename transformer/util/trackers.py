@@ -4,7 +4,8 @@ written by `training.metrics.MetricWriter` itself), "wandb" (Weights & Biases) o
 `<split>/<name>` at its step, and the run's config once.
 
 Weights & Biases logs where `WANDB_MODE` says (`offline`: files under `<workdir>/wandb/`, to
-`wandb sync` later); its project is `WANDB_PROJECT` (default "transformer"). Trackio writes its
+`wandb sync` later; its service writes them whole when the process ends); its project is
+`WANDB_PROJECT` (default "transformer"). Trackio writes its
 SQLite database under `TRACKIO_DIR` (trackio's default `~/.cache/huggingface/trackio`) in project
 `TRACKIO_PROJECT` (default "transformer"); `trackio show` serves it. A resumed run continues the
 same tracker run: its id follows from the workdir and the time config.json records the run
