@@ -103,7 +103,7 @@ def test_prompts_of_many_lengths_compile_one_program_per_bucket_and_batch_shape(
     texts = generator.generate(prompts, batch_size=4, **options)
     alone = [generator.generate([p], **options)[0] for p in prompts]
     assert texts == alone
-    run = generator_lib._sample_fn(generator.model, False, 4, 0.0, 0, 1.0, ())
+    run = generator_lib._sample_fn(generator.model, False, 4, 0.0, 0, 1.0, (), False)
     # (rows, length): 4 x 16, 4 x 32, 4 x 48 and 2 x 48 for the last two prompts, 1 x each
     # bucket alone; 45 lengths would have compiled 45 programs or more.
     assert run._cache_size() == 7

@@ -310,6 +310,48 @@ def test_int8_decoding_on_a_2x4_mesh_gives_the_one_device_tokens(trained):
     np.testing.assert_array_equal(got, want)
 
 
+def test_int8_decoding_scanned_and_staged_gives_the_same_tokens(trained, monkeypatch):
+    """The int8 cache through the other search paths: scanned layers (the cache's leading L
+    axis, the kernels' per-layer scales) and a cache grown in stages with decided sentences
+    dropped (`grow_cache` pads the int8 values and their scales) give the plain int8 tokens."""
+    import dataclasses
+
+    from transformer.checkpoint.checkpointer import stack_layers
+    from transformer.inference import translator as translator_lib
+
+    translator, cfg, params = trained
+    plain = Translator(translator.config, translator.model_config, params, None, "int8")
+    options = dict(beam_size=2, alpha=0.6, max_extra_length=4)
+    want = plain.translate_ids(sources(8), **options)
+    scanned = Translator(translator.config,
+                         dataclasses.replace(translator.model_config, scan_layers=True),
+                         stack_layers(params), None, "int8")
+    assert scanned.params["decoder"]["layers"]["ffn"]["ff_in"]["kernel"].scale.shape[0] == 1
+    np.testing.assert_array_equal(scanned.translate_ids(sources(8), **options), want)
+    monkeypatch.setattr(translator_lib, "MIN_STAGED_LENGTH", 0)
+    monkeypatch.setattr(translator_lib, "DECODE_STAGE", 3)
+    monkeypatch.setattr(translator_lib, "DROP_CHECK", 2)
+    np.testing.assert_array_equal(plain.translate_ids(sources(8), **options), want)
+
+
+def test_local_and_linear_layers_keep_their_float_caches():
+    """int8 applies to the caches of global softmax layers: a local layer's ring buffer and a
+    linear layer's state stay float, and generation runs with them."""
+    config, values, params = tiny_lm(attention_pattern="local,global", attention_window=3)
+    cache = init_cache(config, 1, 8, int8=True)
+    assert cache["layers_0"]["self_attention"]["key"].dtype == jnp.float32  # local
+    assert "key_scale" not in cache["layers_0"]["self_attention"]
+    assert cache["layers_1"]["self_attention"]["key"].dtype == jnp.int8  # global
+    linear = init_cache(TransformerConfig(**{**TINY_LM, "attention_kind": "linear"}), 1, 8,
+                        int8=True)
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(linear["layers_0"]))
+    cfg = ConfigDict({"model": values, "data": {"objective": "causal"}})
+    generator = Generator(cfg, config, params, None, quantize="int8")
+    tokens = generator.generate_ids([[5, 6, 7, 8, 9]], prompt_indices=[0], seed=0,
+                                    max_new_tokens=6, temperature=0.0, top_k=0, top_p=1.0)
+    assert tokens.shape == (1, 6)
+
+
 def test_a_generator_with_int8_continues_greedily_as_the_float_one():
     """Generator(quantize="int8"): int8 kernels and cache on the language model path (a
     trained-like peaked model: its logits scaled, so that int8's errors change no argmax)."""
