@@ -155,6 +155,25 @@ def test_the_window_survives_a_checkpoint_and_decides_alike(spike_config, tmp_pa
     assert_identical(after, again)
 
 
+def test_turning_skip_spikes_on_resumes_a_checkpoint_without_a_window(spike_config, tmp_path):
+    """A run that switches optimizer.skip_spikes on restores its checkpoint (written without a
+    window) whole and starts an empty window; one that keeps it off restores as before."""
+    plain_cfg = spike_config(**{"optimizer.skip_spikes": False})
+    plain, _, _, _ = setup(plain_cfg)
+    state = train_state.init_state(plain, plain_cfg.seed)
+    checkpointer = Checkpointer(str(tmp_path), keep=1, use_async=False)
+    checkpointer.save(3, state, {"next_batch_index": 3})
+    trainer = train_state.build_trainer(resolve(spike_config(), 1), plain.mesh)
+    step, restored, data = loop._restore(checkpointer, trainer)
+    assert (step, data["next_batch_index"]) == (3, 3)
+    assert isinstance(restored, train_state.SpikeTrainState)
+    assert_identical(restored.params, state.params)
+    assert_identical(restored.opt_state, state.opt_state)
+    assert int(restored.spikes.count) == 0 and restored.spikes.losses.shape == (4,)
+    assert type(loop._restore(checkpointer, plain)[1]) is train_state.TrainState
+    checkpointer.close()
+
+
 def test_k_spikes_in_a_row_stop_the_run_naming_the_steps(spike_config):
     """The second spike in a row (max_skipped_in_a_row=2) sets spike_stop; later steps apply
     nothing even when they are not spikes; the loop's line names the steps."""

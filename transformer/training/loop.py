@@ -29,7 +29,7 @@ from transformer.data.workers import TrainBatches
 from transformer.inference.translator import Translator
 from transformer.parallel import distributed, sharding
 from transformer.sizing import flops
-from transformer.training import evaluation, health, metrics, scores, train_state, transfer
+from transformer.training import evaluation, health, metrics, scores, spikes, train_state, transfer
 from transformer.training.watchdog import Watchdog
 
 log = logging.getLogger("transformer")
@@ -203,7 +203,7 @@ def _train(cfg, workdir: str, config_file: str | None,
     series = (ParamsSeries(workdir, every_minutes=float(cfg.params_every_minutes),
                            keep=int(cfg.params_keep))
               if cfg.params_every_minutes else None)
-    restored = checkpointer.restore_latest(trainer.abstract_state)
+    restored = _restore(checkpointer, trainer)
     if restored is None:
         latest = None
         state = train_state.init_state(trainer, int(cfg.seed))
@@ -314,6 +314,28 @@ def _train(cfg, workdir: str, config_file: str | None,
             series.close()
         checkpointer.close()
     return state
+
+
+def _restore(checkpointer: Checkpointer, trainer: train_state.Trainer):
+    """`checkpointer.restore_latest` for the trainer's state. A run that turns
+    `optimizer.skip_spikes` on resumes a checkpoint written without it, with an empty window."""
+    abstract = trainer.abstract_state
+    latest = checkpointer.latest_step()
+    if trainer.spikes is not None and latest is not None:
+        plain = train_state.without_spikes(abstract)
+        try:
+            fits = checkpointer.shape_problem(latest, plain) is None
+        except Exception:  # a damaged checkpoint: restore_latest moves it aside
+            fits = False
+        restored = checkpointer.restore_latest(plain) if fits else None
+        if restored is not None:
+            step, state, data_state = restored
+            log.info("checkpoint %d has no spike window (optimizer.skip_spikes was off): "
+                     "starting an empty one", step)
+            window = jax.tree.map(lambda value, like: jax.device_put(value, like.sharding),
+                                  spikes.init_window(trainer.spikes), abstract.spikes)
+            return step, train_state.with_spikes(state, window), data_state
+    return checkpointer.restore_latest(abstract)
 
 
 def _compile(jitted, what: str, *example_args):

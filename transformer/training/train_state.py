@@ -42,7 +42,7 @@ from transformer.model import experts, quantization
 from transformer.model.transformer import Transformer, TransformerConfig
 from transformer.model.vit import VisionTransformer, mirror_averaged_logits
 from transformer.parallel import sharding
-from transformer.training import health, optim, spikes
+from transformer.training import health, lora, optim, spikes
 from transformer.training.scores import perplexity
 
 BATCH_KEYS = ("inputs", "targets", "inputs_positions", "targets_positions",
@@ -113,6 +113,7 @@ def build_trainer(run: Resolved, mesh) -> Trainer:
                                   model_config.quantized_matmuls, mesh.devices.flat[0].platform)
     tx, schedule = optim.make_optimizer(cfg.optimizer, d_model=run.model.d_model,
                                         total_steps=cfg.num_train_steps)
+    tx = lora.freeze_base(tx, run.model)  # finetune.lora_rank > 0: the adapters alone
     loss_scale = (optim.loss_scale_config(cfg.optimizer) if run.model.dtype == "float16"
                   else None)
     spiking = spike_config(cfg.optimizer)
@@ -171,6 +172,20 @@ def _init_boxed(model: Transformer | VisionTransformer, tx,
     kind = {(False, False): TrainState, (True, False): ScaledTrainState,
             (False, True): SpikeTrainState, (True, True): ScaledSpikeTrainState}
     return kind[loss_scale is not None, spiking is not None](**fields)
+
+
+def without_spikes(state: TrainState) -> TrainState:
+    """`state` (arrays or abstract) as the state of a run without `optimizer.skip_spikes`."""
+    fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
+    fields.pop("spikes", None)
+    return (ScaledTrainState if "loss_scale" in fields else TrainState)(**fields)
+
+
+def with_spikes(state: TrainState, window: spikes.SpikeWindow) -> TrainState:
+    """`state` of a run without `optimizer.skip_spikes` with the spike window `window`."""
+    fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
+    kind = ScaledSpikeTrainState if "loss_scale" in fields else SpikeTrainState
+    return kind(**fields, spikes=window)
 
 
 def init_state(trainer: Trainer, seed: int) -> TrainState:
