@@ -54,11 +54,13 @@ TOP_LEVEL: dict[str, tuple[type | tuple[type, ...], object]] = {
     "init_from": (str, ""),  # a run to start from (transformer/training/transfer.py); "": scratch
     "init_from_exclude": (str, ""),  # a regex: parameter paths init_from leaves fresh
 }
+# The `finetune` section's adapters (model/lora.py), copied into the model config's fields.
+LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
 # The sections beside them and the keys each may hold: the model's fields, the mesh axes, any
 # data source's keys, and what optim.make_optimizer, the Translator (decode), the Generator
 # (generate) and distributed.initialize read.
 SECTIONS: dict[str, frozenset[str]] = {
-    "model": frozenset(f.name for f in dataclasses.fields(TransformerConfig)),
+    "model": frozenset(f.name for f in dataclasses.fields(TransformerConfig)) - set(LORA_KEYS),
     "mesh": sharding.CONFIG_KEYS,
     "data": data.CONFIG_KEYS,
     "optimizer": frozenset({"name", "schedule", "learning_rate", "warmup_steps", "end_fraction",
@@ -72,6 +74,7 @@ SECTIONS: dict[str, frozenset[str]] = {
     "generate": frozenset({"max_new_tokens", "temperature", "top_k", "top_p"}),
     "distributed": frozenset({"initialization_timeout_seconds", "heartbeat_timeout_seconds"}),
     "metrics": frozenset({"tracker"}),  # util/trackers.py; no section: "tensorboard"
+    "finetune": frozenset(LORA_KEYS),  # model/lora.py; no section: no adapters
 }
 _KNOWN = frozenset(TOP_LEVEL) | frozenset(SECTIONS)
 _MODEL_TYPES = typing.get_type_hints(TransformerConfig)
@@ -94,7 +97,7 @@ def resolve(cfg: ConfigDict, num_devices: int | None = None, *,
     _check_keys(cfg, config_file)
     cfg = _with_defaults(cfg)
     _check_types(cfg)
-    model = TransformerConfig.from_dict(cfg.model)
+    model = TransformerConfig.from_dict(dict(cfg.model) | finetune_fields(cfg))
     _check_values(cfg, model)
     if num_devices is None:
         return Resolved(cfg, model, None)
@@ -108,6 +111,16 @@ def resolve(cfg: ConfigDict, num_devices: int | None = None, *,
                          f"grad_accum_steps={cfg.grad_accum_steps} x {_batch_axes(shape)}="
                          f"{shards}")
     return Resolved(cfg, model, shape)
+
+
+def finetune_fields(cfg: ConfigDict) -> dict:
+    """The `finetune` section as `model.lora_*` fields (`lora_targets` a list or a
+    comma-separated string)."""
+    fields = dict(cfg.get("finetune") or {})
+    targets = fields.get("lora_targets")
+    if targets is not None and not isinstance(targets, str):
+        fields["lora_targets"] = ",".join(targets)
+    return fields
 
 
 def _batch_axes(mesh) -> str:

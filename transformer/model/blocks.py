@@ -16,6 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from transformer.model import lora
 from transformer.model.config import TransformerConfig
 from transformer.model.experts import MixtureOfExperts
 from transformer.ops import (
@@ -48,6 +49,7 @@ class Weights(nn.Module):
         out_axes = tuple(range(self.num_in_axes, len(self.shape)))
         init = nn.initializers.xavier_uniform(in_axis=in_axes, out_axis=out_axes)
         kernel = self.param("kernel", nn.with_logical_partitioning(init, self.axes), self.shape)
+        kernel = lora.adapt(self, kernel, self.num_in_axes, self.axes)  # finetune.lora_rank
         if not self.use_bias:
             return kernel, None
         bias_init = nn.with_logical_partitioning(nn.initializers.zeros,

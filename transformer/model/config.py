@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
-from transformer.model import quantization
+from transformer.model import lora, quantization
 from transformer.ops import attention, layers, linear_attention, moe
 
 # vision: `transformer.model.vit`; classifier: the encoder and a class head (`Transformer.classify`)
@@ -80,6 +80,12 @@ class TransformerConfig:
     logits_softcap: float | None = None
     attention_scale_dim: int | None = None
     qk_norm: str = "none"  # QK_NORMS; scales multiplied by scale + norm_scale_offset too
+    # Low-rank adapters (`transformer.model.lora`), set by the run config's `finetune` section:
+    # rank (0: none), alpha (scale alpha/rank), dropout, comma-separated target kernels
+    lora_rank: int = 0
+    lora_alpha: float = 8.0
+    lora_dropout: float = 0.0
+    lora_targets: str = "query,value"
     max_len: int = 512
     dtype: str = "float32"  # compute dtype; parameters are always float32
     scan_layers: bool = False
@@ -234,6 +240,7 @@ class TransformerConfig:
                                                          self.num_decoder_layers) < 1:
             raise ValueError("model.num_encoder_layers and num_decoder_layers must be >= 1")
         self._check_attention_pattern()
+        lora.check(self)
         if self.num_experts:
             self._check_experts()
         if self.architecture == "vision":
