@@ -24,7 +24,7 @@ def predicted(shapes, name: str, min_dim: int = 128) -> int:
         return 8 * size + COUNTS
     if name == "bfloat16":
         return 4 * size + COUNTS
-    total = COUNTS
+    total = COUNTS + 4  # and the count of the weight decay's schedule (weight_decay 0.1)
     for shape in shapes:
         largest, second = sorted(shape)[-1:], sorted(shape)[-2:-1]
         if len(shape) >= 2 and second[0] >= min_dim:
