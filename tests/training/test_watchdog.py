@@ -131,8 +131,8 @@ def test_a_training_run_names_a_step_slowed_by_its_data(load_config, monkeypatch
     read = workers.TrainBatches.__next__
 
     def slow_third(self):
-        if self.next_index == 3:
-            time.sleep(1.5)
+        if self.next_index == 3:  # well above 3x the first steps' median, ~0.05-1 s here
+            time.sleep(4.0)
         return read(self)
 
     monkeypatch.setattr(workers.TrainBatches, "__next__", slow_third)
@@ -140,7 +140,7 @@ def test_a_training_run_names_a_step_slowed_by_its_data(load_config, monkeypatch
         "data.batch_size": 16, "num_train_steps": 5, "checkpoint_every_steps": 5,
         "log_every_steps": 2, "eval_every_steps": 0, "model.d_model": 32, "model.d_ff": 64,
         "model.num_encoder_layers": 1, "model.num_decoder_layers": 1,
-        "slow_step_factor": 5.0})
+        "slow_step_factor": 3.0})
     with caplog.at_level(logging.INFO, "transformer"):
         loop.train_and_evaluate(cfg, str(tmp_path))
     lines = [r.getMessage() for r in caplog.records]
