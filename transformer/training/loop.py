@@ -30,6 +30,7 @@ from transformer.inference.translator import Translator
 from transformer.parallel import distributed, sharding
 from transformer.sizing import flops
 from transformer.training import evaluation, health, metrics, scores, spikes, train_state, transfer
+from transformer.training.goodput import STATE_KEY, Goodput, recomputed_seconds
 from transformer.training.watchdog import Watchdog
 
 log = logging.getLogger("transformer")
@@ -184,6 +185,7 @@ def train_and_evaluate(cfg, workdir: str, *,
 def _train(cfg, workdir: str, config_file: str | None,
            notices: distributed.FailureNotices) -> train_state.TrainState:
     run = resolve(cfg, jax.device_count(), config_file=config_file)
+    clock = Goodput()  # this process's time by part; the run's totals carried over
     if not cfg.grad_accum_steps:
         log.info("grad_accum_steps=0: %d microbatches of %d rows per update on %d devices",
                  run.config.grad_accum_steps,
@@ -203,7 +205,8 @@ def _train(cfg, workdir: str, config_file: str | None,
     series = (ParamsSeries(workdir, every_minutes=float(cfg.params_every_minutes),
                            keep=int(cfg.params_keep))
               if cfg.params_every_minutes else None)
-    restored = _restore(checkpointer, trainer)
+    with clock.timed("checkpoint"):
+        restored = _restore(checkpointer, trainer)
     if restored is None:
         latest = None
         state = train_state.init_state(trainer, int(cfg.seed))
@@ -217,6 +220,8 @@ def _train(cfg, workdir: str, config_file: str | None,
     else:
         latest, state, data_state = restored
         log.info("resuming from %s/%d", checkpointer.directory, latest)
+        clock.carry(data_state.get(STATE_KEY, {}), recomputed_seconds(
+            layout.path(workdir, layout.METRICS), latest))
         next_batch = int(data_state["next_batch_index"])
     step = int(jax.device_get(state.step))
     rows = train_state.process_rows(mesh, source.rows_per_batch)
@@ -225,8 +230,9 @@ def _train(cfg, workdir: str, config_file: str | None,
     batches = TrainBatches(source, cfg, workdir, rows, start=next_batch, count=total - step,
                            workers=int(cfg.data.get("workers") or 0))
     try:  # data.workers start up behind the compile
-        train_step = _compile(train_state.make_train_step(trainer, cfg), "train step",
-                              state, train_state.global_batch(mesh, source.train_batch(0, rows)))
+        with clock.timed("compile"):
+            train_step = _compile(train_state.make_train_step(trainer, cfg), "train step", state,
+                                  train_state.global_batch(mesh, source.train_batch(0, rows)))
     except BaseException:
         batches.close()
         raise
@@ -247,6 +253,7 @@ def _train(cfg, workdir: str, config_file: str | None,
     last_saved = latest
     profile_start = int(cfg.profile_start_step)
     profile_steps = int(cfg.profile_num_steps)
+    clock.start_training()  # the time so far, but restoring and compiling, was start-up
     try:
         while step < total:
             if profile_steps and step == profile_start:
@@ -254,6 +261,7 @@ def _train(cfg, workdir: str, config_file: str | None,
             started = time.perf_counter()
             batch = train_state.global_batch(mesh, next(batches))
             progress.add_step(time.perf_counter() - started)
+            clock.add("data_wait", time.perf_counter() - started)
             state, step_metrics = train_step(state, batch)
             step, next_batch = step + 1, next_batch + 1
             dog.beat(step, step_metrics)
@@ -280,28 +288,33 @@ def _train(cfg, workdir: str, config_file: str | None,
                 metrics.log_evaluation(step, eval_split, figures,
                                        time.perf_counter() - started)
                 progress.exclude(time.perf_counter() - started)
+                clock.add("evaluation", time.perf_counter() - started)
                 dog.rest()
             if _should_save(cfg, step, total, last_save_time) or preempted:
                 if pending:  # the lines of every step the checkpoint covers come first
                     _flush(pending, progress, writer, step, total, flops_per_token, peak, cfg,
                            last_saved)
                     pending = []
-                writer.sync()
-                checkpointer.save(step, state, {"next_batch_index": next_batch})
+                with clock.timed("checkpoint"):
+                    writer.sync()
+                    checkpointer.save(step, state, {"next_batch_index": next_batch,
+                                                    STATE_KEY: clock.run()})
                 last_save_time = time.monotonic()
                 last_saved = step
                 dog.rest()
             if series is not None:
-                if step == total or preempted:
-                    series.save(step, state.params)
-                else:
-                    series.maybe_save(step, state.params)
+                with clock.timed("checkpoint"):
+                    if step == total or preempted:
+                        series.save(step, state.params)
+                    else:
+                        series.maybe_save(step, state.params)
             if preempted:
                 log.warning("preempted: checkpoint %d saved, exiting", step)
                 break
         if step >= total and run.model.classifies:  # trained: score the test split
-            evaluation.evaluate_test_split(trainer, state.params, source, eval_rows, step, writer,
-                                     workdir)
+            with clock.timed("evaluation"):
+                evaluation.evaluate_test_split(trainer, state.params, source, eval_rows, step,
+                                               writer, workdir)
     except BaseException as error:  # the others learn of it before this process cleans up
         notices.post(error)
         raise
@@ -312,7 +325,9 @@ def _train(cfg, workdir: str, config_file: str | None,
         preemption.restore()
         if series is not None:
             series.close()
-        checkpointer.close()
+        with clock.timed("checkpoint"):
+            checkpointer.close()  # waits for the last save
+        log.info("%s", clock.summary())
     return state
 
 
