@@ -49,13 +49,16 @@ def _require_decoder(model) -> None:
 
 @register_model(NAME)
 class TransformerLM(TemplateLM):
-    """A run's decoder-only model as an lm-eval model (`--model_args workdir=W,step=N,...`)."""
+    """A run's decoder-only model as an lm-eval model: `--model_args workdir=W` and optionally
+    step (a checkpoint), max_length (default model.max_len), max_gen_toks (256); lm-eval's own
+    `--batch_size` (an integer; "auto" is 16) sets the rows of a forward pass."""
 
     def __init__(self, workdir: str, step: int | None = None, batch_size: int | str = 16,
                  max_length: int | None = None, max_gen_toks: int = 256, **unused):
         super().__init__()
+        unused = sorted(set(unused) - {"device", "max_batch_size"})  # lm-eval's CLI passes them
         if unused:
-            log.warning("lm-eval model %s ignores %s", NAME, ", ".join(sorted(unused)))
+            log.warning("lm-eval model %s ignores %s", NAME, ", ".join(unused))
         run = open_run(str(workdir), step=None if step is None else int(step),
                        check=_require_decoder)
         self.run = run
