@@ -17,6 +17,7 @@ from transformer.model.transformer import Transformer
 from transformer.parallel import sharding
 from transformer.training import train_state
 
+pytest.importorskip("qwix")  # the `quantize` extra (make install has it)
 # Qwix 0.1.8 checks for nnx.VariableState, which flax 0.12 deprecates.
 pytestmark = pytest.mark.filterwarnings("ignore:'VariableState' was removed:DeprecationWarning")
 D, F = 32, 24
@@ -124,6 +125,31 @@ def test_the_model_quantizes_its_projections_not_scores_logits_or_embeddings(mon
     # [F, D]: never the scores (5-D), the embedding or the logits (V = 48).
     assert all(len(lhs) in (3, 4) and len(rhs) in (2, 3) and 48 not in lhs + rhs
                for lhs, rhs in seen)
+
+
+def test_experts_quantize_their_grouped_products_not_the_router(monkeypatch):
+    """A routed layer without capacity (ragged_dot): ff_in and ff_out of the experts, [E, D, F]
+    and [E, F, D]; the router [D, E] stays in float32."""
+    from qwix._src.providers import qt
+
+    cfg = TransformerConfig(architecture="decoder", vocab_size=48, num_encoder_layers=0,
+                            num_decoder_layers=1, d_model=32, d_ff=64, num_heads=4, max_len=16,
+                            num_experts=4, experts_per_token=2)
+    tokens = jnp.ones((2, 8), jnp.int32)
+    model = Transformer(cfg)
+    params = model.init(jax.random.key(0), None, tokens)["params"]
+    seen = []
+    original = qt.ragged_dot_qt.ragged_dot_qt
+
+    def spy(lhs, rhs, *args):
+        seen.append(rhs.shape)
+        return original(lhs, rhs, *args)
+
+    monkeypatch.setattr(qt.ragged_dot_qt, "ragged_dot_qt", spy)
+    monkeypatch.setattr(qt.dot_general_qt, "dot_general_qt", None)  # nothing else
+    quantized = quantization.quantize(model, "int8", "experts")
+    jax.eval_shape(quantized.apply, {"params": params}, None, tokens)
+    assert seen == [(4, 32, 64), (4, 64, 32)]
 
 
 @pytest.mark.parametrize("settings,message", [
