@@ -2,12 +2,15 @@
 leaving the base's logits exact, the frozen base bit-identical through training while the
 adapters learn, the same training on two meshes, merging, and the `finetune` checks."""
 
+import json
+import runpy
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import train_steps
+from conftest import ROOT, _load_config, train_steps
 from ml_collections import ConfigDict
 
 from transformer.config import resolve
@@ -83,16 +86,19 @@ def _base_of(params):
     return {k: _base_of(v) for k, v in params.items() if k not in (lora.A, lora.B)}
 
 
-def test_fresh_adapters_give_the_base_logits_exactly_and_merge_equals_unmerged():
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_fresh_adapters_give_the_base_logits_exactly_and_merge_equals_unmerged(scan_layers):
     """B = 0 at init: the adapted model's logits are the base model's bit for bit. With B
     trained (random here), merging W + (alpha/r) A B into the kernels gives a plain model whose
-    logits equal the adapted model's within float32 rounding."""
-    base_cfg = TransformerConfig(**TINY)
-    cfg = TransformerConfig(**TINY, lora_rank=4, lora_alpha=8.0, lora_targets=ALL)
+    logits equal the adapted model's within float32 rounding. Per-layer and scanned layouts."""
+    base_cfg = TransformerConfig(**TINY, scan_layers=scan_layers)
+    cfg = TransformerConfig(**TINY, scan_layers=scan_layers, lora_rank=4, lora_alpha=8.0,
+                            lora_targets=ALL)
     params = _init(cfg)
     names = {"/".join(k) for k in _flat(params)}
-    assert "decoder/layers_1/ffn/ff_gate/lora_b" in names
-    assert "decoder/layers_0/self_attention/out/lora_a" in names
+    layer = "layers" if scan_layers else "layers_1"
+    assert f"decoder/{layer}/ffn/ff_gate/lora_b" in names
+    assert f"decoder/{layer}/self_attention/out/lora_a" in names
     tokens = jnp.asarray(np.random.default_rng(1).integers(3, 40, (2, 9)), jnp.int32)
     base = _base_of(params)
     np.testing.assert_array_equal(_logits(cfg, params, tokens), _logits(base_cfg, base, tokens))
@@ -179,3 +185,20 @@ def test_bad_finetune_settings_are_one_line(load_config, finetune, message):
     with pytest.raises(ValueError, match=message) as error:
         resolve(cfg)
     assert "\n" not in str(error.value)
+
+
+def test_finetune_config_takes_lora_flags_and_keeps_an_imported_adapters_section(tmp_path):
+    """configs/finetune.py has the `finetune` section (off), so --config.finetune.lora_rank=8
+    reaches the model; a pretrained run's own section (an imported PEFT adapter's) is kept."""
+    recorded = {"model": _load_config("lm_default.py").model.to_dict()}
+    (tmp_path / "config.json").write_text(json.dumps(recorded))
+    get_config = runpy.run_path(str(ROOT / "configs" / "finetune.py"))["get_config"]
+    cfg = get_config(str(tmp_path))
+    assert resolve(cfg).model.lora_rank == 0
+    cfg.finetune.lora_rank = 8
+    cfg.finetune.lora_targets = "query,key,value,out"
+    model = resolve(cfg).model
+    assert (model.lora_rank, lora.targets(model)) == (8, ("query", "key", "value", "out"))
+    section = dict(lora_rank=4, lora_alpha=8.0, lora_dropout=0.0, lora_targets="value")
+    (tmp_path / "config.json").write_text(json.dumps(recorded | {"finetune": section}))
+    assert resolve(get_config(str(tmp_path))).model.lora_targets == "value"
