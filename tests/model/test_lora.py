@@ -13,6 +13,7 @@ import pytest
 from conftest import ROOT, _load_config, train_steps
 from ml_collections import ConfigDict
 
+from transformer.checkpoint.checkpointer import Checkpointer
 from transformer.config import resolve
 from transformer.model import lora
 from transformer.model.blocks import Weights
@@ -132,10 +133,11 @@ def _config(load_config, **mesh):
     return cfg
 
 
-def test_training_moves_only_the_adapters_on_any_mesh(load_config):
+def test_training_moves_only_the_adapters_on_any_mesh(load_config, tmp_path):
     """Three steps of Adam: every base parameter is bit-identical to its init and holds no
-    optimizer state; every adapter moved. Data 8 and fsdp 2 x tensor 4 give the same losses,
-    and on the latter the adapters are split as their kernels (W's in axis on A, out on B)."""
+    optimizer state; every adapter moved; the state (frozen leaves without optimizer state)
+    checkpoints and restores. Data 8 and fsdp 2 x tensor 4 give the same losses, and on the
+    latter the adapters are split as their kernels (W's in axis on A, out on B)."""
     cfg = _config(load_config, data=8)
     mesh = sharding.make_mesh(cfg.mesh)
     trainer = train_state.build_trainer(resolve(cfg, mesh.size), mesh)
@@ -153,6 +155,13 @@ def test_training_moves_only_the_adapters_on_any_mesh(load_config):
         else:
             np.testing.assert_array_equal(value, _flat(before)[path], err_msg="/".join(path))
     assert moved == 6, moved  # A and B of 3 targets, 1 layer
+    checkpointer = Checkpointer(str(tmp_path), keep=1)
+    checkpointer.save(3, state, {"next_batch_index": 3})
+    checkpointer.close()
+    restored, _ = Checkpointer(str(tmp_path), keep=1).restore(3, trainer.abstract_state)
+    assert jax.tree.structure(restored) == jax.tree.structure(state)
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
+        np.testing.assert_array_equal(got, want)
 
     split = _config(load_config, data=1, fsdp=2, tensor=4)
     state2, lines2, _ = train_steps(split, sharding.make_mesh(split.mesh), 3)
