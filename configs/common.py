@@ -116,6 +116,9 @@ def paper_config(*, size: str, target_lang: str, dropout_rate: float) -> config_
     cfg.checkpoint_every_steps = 1000  # full checkpoints (params, Adam moments, data position)
     cfg.checkpoint_every_minutes = 10  # for resuming after preemption
     cfg.keep_checkpoints = 3
+    cfg.checkpoint_local_dir = ""  # a local tier on host disk or RAM (e.g. /dev/shm/run); "": off
+    cfg.checkpoint_local_every_steps = 100  # when on: more often than checkpoint_every_steps
+    cfg.keep_local_checkpoints = 2
     cfg.params_every_minutes = 10.0  # the paper averages checkpoints written every 10 minutes:
     cfg.params_keep = shape["average_last"]  # a params-only series keeps the last 5 (base) or
     # 20 (big) for `python -m transformer.evaluate --average=N` (docs/paper-recipe.md)

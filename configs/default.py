@@ -43,6 +43,9 @@ def get_config():
     cfg.checkpoint_every_steps = 500
     cfg.checkpoint_every_minutes = 10
     cfg.keep_checkpoints = 3
+    cfg.checkpoint_local_dir = ""  # a local tier on host disk or RAM (e.g. /dev/shm/run); "": off
+    cfg.checkpoint_local_every_steps = 0  # when on: more often than checkpoint_every_steps
+    cfg.keep_local_checkpoints = 2
     cfg.params_every_minutes = 1.0  # a params-only series for `evaluate --average=N`:
     cfg.params_keep = 10  # the last 10 minutes (~1,200 updates), 18 MB each
     cfg.eval_every_steps = 500

@@ -41,6 +41,9 @@ def lm_config(*, objective: str, dataset: str, vocab_size: int, max_length: int,
     cfg.checkpoint_every_steps = 1000
     cfg.checkpoint_every_minutes = 30  # for resuming after preemption
     cfg.keep_checkpoints = 3
+    cfg.checkpoint_local_dir = ""  # a local tier on host disk or RAM (e.g. /dev/shm/run); "": off
+    cfg.checkpoint_local_every_steps = 0  # when on: more often than checkpoint_every_steps
+    cfg.keep_local_checkpoints = 2
     cfg.params_every_minutes = 0.0  # no params-only series (checkpoint averaging is for MT)
     cfg.params_keep = 0
     cfg.eval_every_steps = 1000  # perplexity on data.eval_documents of data.eval_split

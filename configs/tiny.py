@@ -24,6 +24,9 @@ def get_config():
     cfg.checkpoint_every_steps = 100
     cfg.checkpoint_every_minutes = 0  # 0: off
     cfg.keep_checkpoints = 3
+    cfg.checkpoint_local_dir = ""  # a local tier on host disk or RAM (e.g. /dev/shm/run); "": off
+    cfg.checkpoint_local_every_steps = 0  # when on: more often than checkpoint_every_steps
+    cfg.keep_local_checkpoints = 2
     cfg.params_every_minutes = 0.0  # 0: no params-only series for averaging
     cfg.params_keep = 0
     cfg.eval_every_steps = 100

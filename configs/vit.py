@@ -65,6 +65,9 @@ def base_config() -> config_dict.ConfigDict:
     cfg.checkpoint_every_steps = 2000
     cfg.checkpoint_every_minutes = 10
     cfg.keep_checkpoints = 3
+    cfg.checkpoint_local_dir = ""  # a local tier on host disk or RAM (e.g. /dev/shm/run); "": off
+    cfg.checkpoint_local_every_steps = 0  # when on: more often than checkpoint_every_steps
+    cfg.keep_local_checkpoints = 2
     cfg.eval_every_steps = 2000
     cfg.label_smoothing = 0.0
     cfg.bleu_every_steps = 0  # no decoding: a classifier

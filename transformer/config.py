@@ -34,6 +34,10 @@ TOP_LEVEL: dict[str, tuple[type | tuple[type, ...], object]] = {
     "log_every_steps": (int, _REQUIRED),
     "checkpoint_every_steps": (int, _REQUIRED),
     "checkpoint_every_minutes": ((int, float), 0.0),
+    # checkpoint/tiers.py: a frequent local tier beside checkpoints/ ("": off)
+    "checkpoint_local_dir": (str, ""),
+    "checkpoint_local_every_steps": (int, 0),
+    "keep_local_checkpoints": (int, 2),
     "eval_every_steps": (int, _REQUIRED),
     "label_smoothing": ((int, float), _REQUIRED),
     "bleu_every_steps": (int, 0),

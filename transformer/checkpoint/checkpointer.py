@@ -93,8 +93,14 @@ def _shapes(tree) -> dict[str, tuple]:
 class Checkpointer:
     """Async saves of (state, data) under `<workdir>/checkpoints`, keeping the last `keep`."""
 
-    def __init__(self, workdir: str, *, keep: int, use_async: bool = True):
-        self.directory = os.path.join(absolute(workdir), CHECKPOINTS)  # local or gs://
+    def __init__(self, workdir: str, *, keep: int, use_async: bool = True,
+                 directory: str | None = None, skipped: str | None = None):
+        """`directory` and `skipped` (where damaged steps go) default to the workdir's
+        `checkpoints/` and `skipped_checkpoints/` (the local tier gives its own: `tiers`)."""
+        self.directory = directory or os.path.join(absolute(workdir), CHECKPOINTS)  # or gs://
+        self._skipped = skipped or os.path.join(os.path.dirname(self.directory),
+                                                SKIPPED_CHECKPOINTS)
+        self.skipped: list[str] = []  # "step (why)" of each step restore_latest moved aside
         faults.install_log_filters()
         options = ocp.CheckpointManagerOptions(
             preservation_policy=ocp.checkpoint_managers.LatestN(keep),
@@ -157,14 +163,17 @@ class Checkpointer:
         return (f"checkpoint {step} in {self.directory} {problems[0]}: resume with the config "
                 f"it was trained with (its config.json) or use a new --workdir")
 
-    def restore_latest(self, abstract_state: Any) -> tuple[int, Any, dict] | None:
-        """(step, state, data state) of the newest checkpoint that restores; None when there is
-        none. One that fails to restore is moved to `<workdir>/skipped_checkpoints/` with a
-        warning naming it and why. One whose shapes disagree with the config raises ValueError."""
+    def restore_latest(self, abstract_state: Any, steps: list[int] | None = None, *,
+                       last_resort: bool = True) -> tuple[int, Any, dict] | None:
+        """(step, state, data state) of the newest checkpoint that restores (among `steps`,
+        the same list on every process; default: all); None when there is none. One that fails
+        to restore is moved to `<workdir>/skipped_checkpoints/` with a warning naming it and
+        why; when all fail, the `last_resort` raises one line listing them. One whose shapes
+        disagree with the config raises ValueError."""
         skipped = []
         # Before any attempt: a failing restore's stray callbacks can fire before it raises.
         faults.quiet_failed_restores(self.directory)
-        for step in sorted(self.all_steps(), reverse=True):
+        for step in sorted(self.all_steps() if steps is None else steps, reverse=True):
             failure = problem = None
             try:
                 problem = self.shape_problem(step, abstract_state)
@@ -184,14 +193,15 @@ class Checkpointer:
             moved = self._move_aside(step)
             log.warning("checkpoint %d does not restore (%s): moved to %s; trying the "
                         "previous one", step, one_line(failure), moved)
-        if skipped:
+        self.skipped += skipped
+        if skipped and last_resort:
             raise ValueError(f"no checkpoint in {self.directory} restores: {'; '.join(skipped)};"
                              f" they were moved to {self._skipped_dir()}; start afresh with a new"
                              f" --workdir")
         return None
 
     def _skipped_dir(self) -> str:
-        return os.path.join(os.path.dirname(self.directory), SKIPPED_CHECKPOINTS)
+        return self._skipped
 
     def _move_aside(self, step: int) -> str:
         """Moves checkpoint `step` to `skipped_checkpoints/` (process 0; all processes wait)."""
@@ -200,7 +210,7 @@ class Checkpointer:
         suffix = 1
         while target.exists():
             target, suffix = skipped / f"{step}.{suffix}", suffix + 1
-        if jax.process_index() == 0:
+        if jax.process_index() == 0 and (epath.Path(self.directory) / str(step)).exists():
             _move_tree(epath.Path(self.directory) / str(step), target)
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices(f"checkpoint {step} moved aside")

@@ -20,7 +20,7 @@ import numpy as np
 from etils import epath
 from jax.experimental import multihost_utils
 
-from transformer.checkpoint import faults, layout
+from transformer.checkpoint import faults, layout, tiers
 from transformer.checkpoint.averaging import ParamsSeries
 from transformer.checkpoint.checkpointer import Checkpointer, list_steps
 from transformer.config import resolve
@@ -191,6 +191,7 @@ def _train(cfg, workdir: str, config_file: str | None,
                  run.config.grad_accum_steps,
                  run.config.data.batch_size // run.config.grad_accum_steps, jax.device_count())
     cfg = run.config
+    tiers.check_settings(cfg, workdir)  # the local tier's directory and interval
     starting = not list_steps(layout.path(workdir, layout.CHECKPOINTS))
     init = transfer.parse(cfg.init_from) if cfg.init_from and starting else None
     epath.Path(workdir).mkdir(parents=True, exist_ok=True)
@@ -201,7 +202,7 @@ def _train(cfg, workdir: str, config_file: str | None,
     mesh = sharding.make_mesh(cfg.mesh)
     trainer = train_state.build_trainer(run, mesh)
     _write_config(cfg, workdir, mesh, source)
-    checkpointer = Checkpointer(workdir, keep=int(cfg.keep_checkpoints))
+    checkpointer = tiers.TwoTiers.for_run(cfg, workdir)  # checkpoints/ and the local tier
     series = (ParamsSeries(workdir, every_minutes=float(cfg.params_every_minutes),
                            keep=int(cfg.params_keep))
               if cfg.params_every_minutes else None)
@@ -290,7 +291,8 @@ def _train(cfg, workdir: str, config_file: str | None,
                 progress.exclude(time.perf_counter() - started)
                 clock.add("evaluation", time.perf_counter() - started)
                 dog.rest()
-            if _should_save(cfg, step, total, last_save_time) or preempted:
+            persistent = _should_save(cfg, step, total, last_save_time) or preempted
+            if persistent or checkpointer.local_due(step):
                 if pending:  # the lines of every step the checkpoint covers come first
                     _flush(pending, progress, writer, step, total, flops_per_token, peak, cfg,
                            last_saved)
@@ -298,9 +300,11 @@ def _train(cfg, workdir: str, config_file: str | None,
                 with clock.timed("checkpoint"):
                     writer.sync()
                     checkpointer.save(step, state, {"next_batch_index": next_batch,
-                                                    STATE_KEY: clock.run()})
-                last_save_time = time.monotonic()
-                last_saved = step
+                                                    STATE_KEY: clock.run()},
+                                      persistent=persistent)
+                if persistent:
+                    last_save_time = time.monotonic()
+                    last_saved = step
                 dog.rest()
             if series is not None:
                 with clock.timed("checkpoint"):
