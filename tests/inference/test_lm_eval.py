@@ -11,6 +11,7 @@ import pytest
 from conftest import TRANSLATION_SENTENCES, byte_level_bpe
 
 from transformer.huggingface import convert
+from transformer.inference.generator import load_generator
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -85,10 +86,15 @@ def _write_tasks(folder, greedy_choice):
 
 
 def _responses(model, tasks, task_manager, **kwargs):
+    """Each task's responses per document, and its metrics as `evaluate_tasks` names them."""
     results = simple_evaluate(model=model, tasks=tasks, task_manager=task_manager,
                               log_samples=True, bootstrap_iters=0, **kwargs)
+    metrics = {f"lm_eval/{task}/{name.split(',')[0]}": value
+               for task, values in results["results"].items()
+               for name, value in values.items()
+               if "_stderr" not in name and isinstance(value, float)}
     return {name: [sample["resps"] for sample in samples]
-            for name, samples in results["samples"].items()}
+            for name, samples in results["samples"].items()}, metrics
 
 
 def test_scores_and_greedy_text_equal_lm_evals_hugging_face_model(tmp_path):
@@ -103,13 +109,14 @@ def test_scores_and_greedy_text_equal_lm_evals_hugging_face_model(tmp_path):
     convert.import_checkpoint(str(tmp_path / "llama"), workdir,
                               overrides={"model.dtype": "float32"})
     tasks = TaskManager(include_path=str(tmp_path / "tasks"), include_defaults=False)
-    ours = _responses(harness.NAME, TASKS, tasks,
-                      model_args=f"workdir={workdir},batch_size=4,max_length={MAX_LENGTH}")
+    ours, metrics = _responses(harness.NAME, TASKS, tasks,
+                               model_args=f"workdir={workdir},max_length={MAX_LENGTH}",
+                               batch_size=4)
     peer = dict(pretrained=hf_model, tokenizer=hf_tokenizer, batch_size=4,
                 max_length=MAX_LENGTH)
-    theirs = _responses(HFLM(**peer), ["tiny_choice", "tiny_gen"], tasks)
+    theirs = _responses(HFLM(**peer), ["tiny_choice", "tiny_gen"], tasks)[0]
     # A rolling text read once behind BOS: HFLM without its tokenizer's BOS (harness.py).
-    theirs |= _responses(HFLM(**peer, add_bos_token=False), ["tiny_text"], tasks)
+    theirs |= _responses(HFLM(**peer, add_bos_token=False), ["tiny_text"], tasks)[0]
 
     for name in ("tiny_choice", "tiny_text"):
         ours_flat = [r[0] for doc in ours[name] for r in doc]
@@ -123,6 +130,13 @@ def test_scores_and_greedy_text_equal_lm_evals_hugging_face_model(tmp_path):
     assert ours["tiny_gen"] == theirs["tiny_gen"]
     texts = [doc[0][0] for doc in ours["tiny_gen"]]
     assert all(texts) and not any("a" in text for text in texts)  # cut before "a"
+
+    # A training loop's model as it is (a generator, no workdir read): the same metrics.
+    lm = harness.TransformerLM(generator=load_generator(workdir), batch_size=4,
+                               max_length=MAX_LENGTH)
+    scored = harness.evaluate_tasks(lm, str(tmp_path / "tasks"), ["tiny_choice", "tiny_text"])
+    assert scored == {k: v for k, v in metrics.items() if "tiny_gen" not in k}
+    assert set(scored) == {"lm_eval/tiny_choice/acc", "lm_eval/tiny_text/word_perplexity"}
 
 
 def test_a_task_file_that_does_not_parse_is_named_before_the_run_is_opened(tmp_path):

@@ -53,23 +53,31 @@ class TransformerLM(TemplateLM):
     step (a checkpoint), max_length (default model.max_len), max_gen_toks (256); lm-eval's own
     `--batch_size` (an integer; "auto" is 16) sets the rows of a forward pass."""
 
-    def __init__(self, workdir: str, step: int | None = None, batch_size: int | str = 16,
-                 max_length: int | None = None, max_gen_toks: int = 256, **unused):
+    def __init__(self, workdir: str | None = None, step: int | None = None,
+                 batch_size: int | str = 16, max_length: int | None = None,
+                 max_gen_toks: int = 256, generator: Generator | None = None, **unused):
+        """The run in `workdir` (`runs.open_run`), or a `generator`'s model and parameters as
+        they are (a training loop's, without a workdir read)."""
         super().__init__()
         unused = sorted(set(unused) - {"device", "max_batch_size"})  # lm-eval's CLI passes them
         if unused:
             log.warning("lm-eval model %s ignores %s", NAME, ", ".join(unused))
-        run = open_run(str(workdir), step=None if step is None else int(step),
-                       check=_require_decoder)
-        self.run = run
-        self.tokenizer_ = run.tokenizer
-        self.generator = Generator(run.config, run.model, run.params, run.tokenizer)
-        self.params = self.generator.params  # on the device
-        self.model = Transformer(run.model)
-        self.prefix_lm = self.generator.prefix_lm
-        self.start = list(prompt_start(run.tokenizer, run.model.bos_id))
+        if generator is None:
+            if workdir is None:
+                raise ValueError(f"lm-eval model {NAME} needs --model_args workdir=<a run>")
+            run = open_run(str(workdir), step=None if step is None else int(step),
+                           check=_require_decoder)
+            generator = Generator(run.config, run.model, run.params, run.tokenizer)
+        model_config = generator.model_config
+        self.generator = generator
+        self.tokenizer_ = generator.tokenizer
+        self.params = generator.params  # on the device
+        self.model = Transformer(model_config)
+        self.bos_id = model_config.bos_id
+        self.prefix_lm = generator.prefix_lm
+        self.start = list(prompt_start(self.tokenizer_, model_config.bos_id))
         self.batch_size = int(batch_size) if str(batch_size).isdigit() else 16
-        self.max_length = int(max_length or run.model.max_len)
+        self.max_length = int(max_length or model_config.max_len)
         self.max_gen_toks = int(max_gen_toks)
 
     @property
@@ -78,7 +86,7 @@ class TransformerLM(TemplateLM):
 
     @property
     def prefix_token_id(self) -> int:
-        return self.run.model.bos_id
+        return self.bos_id
 
     @property
     def tokenizer_name(self) -> str:
@@ -202,6 +210,22 @@ def _score_fn(model: Transformer):
         return jnp.sum(jnp.where(scored, picked, 0.0), axis=-1), jnp.all(hits, axis=-1)
 
     return jax.jit(run)
+
+
+def evaluate_tasks(lm: TransformerLM, include_path: str, tasks: list[str],
+                   limit: int | None = None) -> dict[str, float]:
+    """Scores of `tasks` defined by the task files in `include_path` (lm-eval's own tasks left
+    out: nothing is downloaded), `limit` documents each: {"lm_eval/<task>/<metric>": value}."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    check_task_files([include_path])
+    manager = TaskManager(include_path=include_path, include_defaults=False)
+    results = simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
+                              log_samples=False, bootstrap_iters=0)
+    return {f"lm_eval/{task}/{metric.split(',')[0]}": float(value)
+            for task, metrics in results["results"].items() for metric, value in metrics.items()
+            if "_stderr" not in metric and isinstance(value, float)}
 
 
 def check_task_files(paths) -> None:
