@@ -10,6 +10,7 @@ gives `model.*` (the checkpoint's special token ids included) and `data.vocab_si
 `vocab/` (a tokenizer.json or SentencePiece model) becomes the new run's. AdamW 1e-4 (b2 0.95,
 weight decay 0.1, clipped at 1), 50 warmup updates, cosine to 10% at update 500. Rows of 128
 tokens, 16 rows per update, float32. No dropout unless the checkpoint's config asks for it.
+The whole model trains unless `finetune.lora_rank` > 0 (LoRA adapters alone).
 """
 
 import json
@@ -36,4 +37,8 @@ def get_config(pretrained: str = ""):
     cfg.data.vocab_size = cfg.model.vocab_size
     cfg.data.max_length = min(cfg.data.max_length, cfg.model.max_len)
     cfg.init_from = pretrained
+    # LoRA (model/lora.py): --config.finetune.lora_rank=8 trains adapters alone; an imported
+    # PEFT adapter's run brings its own section
+    cfg.finetune = config_dict.ConfigDict(recorded.get("finetune") or dict(
+        lora_rank=0, lora_alpha=16.0, lora_dropout=0.0, lora_targets="query,value"))
     return cfg

@@ -39,6 +39,15 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+def pytest_collection_modifyitems(config, items):
+    """The modules that hold slow tests first, each module's tests kept together and in order
+    (module-scoped fixtures are still built once a worker). xdist's workers take tests in this
+    order, so the suite ends on many short tests that both workers share, not on one worker's
+    minute-long train.py test while the other sits idle."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)  # stable: the rest keeps its order
+
+
 def subprocess_env(**overrides) -> dict:
     """The environment of a CLI the tests start: one CPU device (no fake 8), FAST_COMPILE."""
     return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE, **overrides)

@@ -48,9 +48,10 @@ from transformer.checkpoint import averaging, checkpointer, layout
 from transformer.config import resolve
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.data.tokenizer import MODEL_FILE
-from transformer.huggingface import families, marian, t5
+from transformer.huggingface import adapters, families, marian, t5
 from transformer.huggingface.mapping import end_ids, generation_config
 from transformer.inference.runs import open_run
+from transformer.model import lora
 from transformer.model.config import TransformerConfig
 from transformer.parallel import sharding
 
@@ -67,6 +68,7 @@ DEFAULT_CONFIG = {"decoder": "lm_default.py", "vision": "vit_b16_imagenet.py",
                   "encoder_decoder": "default.py"}
 MAX_SHARD_BYTES = 5 * 10**9  # export: bytes per safetensors file (save_pretrained's "5GB")
 IMPORTED_STEP = 0  # the params-only series step an import writes (no update made yet)
+ADAPTER_DIR = "adapter"  # export of a LoRA run: the PEFT adapter, beside the base's files
 EMBEDDING = "embedding/embedding"
 # Files an export may write beside the tensors: an earlier export's are removed first, so that
 # a tokenizer of another kind (tokenizer.json beside a Marian's vocab.json) does not stay.
@@ -170,11 +172,13 @@ def _check_tensors(family, groups: list, reader: TensorReader, hf_dir: str):
 
 
 def import_checkpoint(hf_dir: str, workdir: str, *, config_file: str | None = None,
-                      overrides: dict | None = None) -> str:
+                      overrides: dict | None = None, adapter: str | None = None) -> str:
     """Writes the checkpoint in `hf_dir` as a run in `workdir` (module docstring). Returns the
     params directory. The model fields the checkpoint does not fix (`dtype`,
     `attention_implementation`, `remat_policy`) come from the run config; `overrides` sets
-    dotted keys after (e.g. {"model.dtype": "float32"}), as `--config.<key>=` flags do."""
+    dotted keys after (e.g. {"model.dtype": "float32"}), as `--config.<key>=` flags do.
+    `adapter`: a PEFT LoRA adapter directory for this checkpoint, imported as the run's
+    `finetune` section and `lora_a`/`lora_b` parameters (`adapters`; its dropout not kept)."""
     if not os.path.isdir(hf_dir):
         raise ValueError(f"--from={hf_dir} is not a directory: give a save_pretrained directory")
     hf_config = read_json(os.path.join(hf_dir, HF_CONFIG), "not a save_pretrained directory")
@@ -198,6 +202,8 @@ def import_checkpoint(hf_dir: str, workdir: str, *, config_file: str | None = No
     run = resolve(cfg, config_file=config_path)
     groups = _import_groups(family, run.model, hf_config, reader.names())
     _check_tensors(family, groups, reader, hf_dir)
+    if adapter is not None:
+        run, reader, groups = _with_adapter(adapter, cfg, config_path, reader, groups)
     tokenizer = _vocabulary(hf_dir, run.model, hf_config)
     if layout.read_config_file(workdir) is not None or checkpointer.list_steps(
             layout.path(workdir, layout.PARAMS_SERIES)):
@@ -220,9 +226,44 @@ def import_checkpoint(hf_dir: str, workdir: str, *, config_file: str | None = No
         provenance = {"huggingface": {"source": os.path.abspath(hf_dir),
                                       "model_type": hf_config["model_type"],
                                       "config": hf_config}, "mesh": dict(mesh.shape)}
+        if adapter is not None:
+            provenance["huggingface"]["adapter"] = os.path.abspath(adapter)
         layout.write_config(workdir, run.config.to_dict(), provenance)  # last: complete
     log.info("imported %s (%s) into %s", hf_dir, hf_config["model_type"], workdir)
     return layout.path(workdir, layout.PARAMS_SERIES, str(IMPORTED_STEP))
+
+
+class _WithAdapter:
+    """A checkpoint's `TensorReader` and a PEFT adapter's tensors, read by name."""
+
+    def __init__(self, reader: TensorReader, tensors: dict[str, np.ndarray]):
+        self.reader, self.tensors = reader, tensors
+
+    def get(self, name: str) -> np.ndarray:
+        return self.tensors[name] if name in self.tensors else self.reader.get(name)
+
+
+def _with_adapter(adapter: str, cfg: ConfigDict, config_path: str, reader: TensorReader,
+                  groups: list):
+    """(run, reader, groups) with the PEFT adapter in `adapter` added: the run config's
+    `finetune` section from its adapter_config.json and tensor names, the adapter's tensor
+    groups after the base's. Each adapter tensor must map to one of ours, and back."""
+    fields = adapters.read_config(adapter)
+    tensors = adapters.read_tensors(adapter)
+    fields["lora_targets"] = adapters.targets_of(tensors, groups, adapter)
+    with cfg.unlocked():
+        cfg.finetune = ConfigDict(dict(fields, lora_dropout=0.0))
+    run = resolve(cfg, config_file=config_path)
+    abstract = nn.unbox(abstract_params(run.model))
+    shapes = {name: leaf.shape for name, leaf in zip(_names(abstract), jax.tree.leaves(abstract),
+                                                      strict=True)}
+    pairs = adapters.adapter_groups(groups, shapes, lora.targets(run.model), run.model.lora_rank)
+    missing = sorted({name for group in pairs for name in group.hf} - set(tensors))
+    if missing:
+        raise ValueError(f"--adapter={adapter} lacks {missing[0]}: LoRA here adapts a module "
+                         f"kind in every layer (finetune.lora_targets), not some layers")
+    adapters.check_shapes(pairs, shapes, tensors, adapter)
+    return run, _WithAdapter(reader, tensors), groups + pairs
 
 
 def read_params(reader: TensorReader, family, model_cfg: TransformerConfig, mesh,
@@ -306,10 +347,12 @@ def _names(tree) -> list[str]:
 
 
 def export_workdir(workdir: str, out_dir: str, *, step: int | None = None,
-                   max_shard_bytes: int = MAX_SHARD_BYTES) -> str:
+                   max_shard_bytes: int = MAX_SHARD_BYTES, merge_lora: bool = False) -> str:
     """Writes the run's parameters (checkpoint `step`, default the latest) to `out_dir` as a
     `transformers` checkpoint, converting one tensor group at a time and writing each shard as
-    it fills. Returns the safetensors file (one shard) or the index (several)."""
+    it fills. Returns the safetensors file (one shard) or the index (several). A LoRA run's
+    adapters go to `<out_dir>/adapter` as a PEFT adapter of the base written to `out_dir`, or
+    with `merge_lora` into the kernels (W + alpha/r A B): a plain checkpoint."""
     run = open_run(workdir, step=step, vocabulary="optional")
     model_cfg = run.model
     # The paper's embedding scale (the lm_* configs keep it) folds into an untied embedding.
@@ -323,7 +366,11 @@ def export_workdir(workdir: str, out_dir: str, *, step: int | None = None,
     params = run.params
     if model_cfg.scan_layers:
         params = checkpointer.unstack_layers(params)
+    if model_cfg.lora_rank and merge_lora:
+        params = lora.merge(params, model_cfg)
+        model_cfg = dataclasses.replace(model_cfg, lora_rank=0)
     ours = dict(zip(_names(params), jax.tree.leaves(params), strict=True))
+    adapter = {name: ours.pop(name) for name in list(ours) if lora.is_adapter(name)}
     groups = family.tensors(model_cfg)
     unused = sorted(set(ours) - {name for group in groups for name in group.ours})
     if unused:
@@ -334,13 +381,19 @@ def export_workdir(workdir: str, out_dir: str, *, step: int | None = None,
         ours[EMBEDDING] = table * np.sqrt(np.float32(model_cfg.d_model))
     os.makedirs(out_dir, exist_ok=True)
     for old in [*pathlib.Path(out_dir).glob("model*.safetensors*"),  # an earlier export's
-                *(pathlib.Path(out_dir) / name for name in EXPORTED_FILES)]:
+                *(pathlib.Path(out_dir) / name for name in EXPORTED_FILES),
+                *(pathlib.Path(out_dir, ADAPTER_DIR) / name
+                  for name in (adapters.CONFIG_FILE, adapters.WEIGHTS_FILE))]:
         old.unlink(missing_ok=True)
     with ShardWriter(out_dir, max_shard_bytes) as writer:
         for group in groups:
             values = group.to_hf([np.asarray(ours[name]) for name in group.ours])
             for name, value in zip(group.hf, values, strict=True):
                 writer.add(name, np.ascontiguousarray(value, np.float32))
+    if adapter:
+        path = adapters.write(os.path.join(out_dir, ADAPTER_DIR), adapter, groups, model_cfg,
+                              out_dir)
+        log.info("the LoRA adapter: %s", path)
     hf_config = family.hf_config(model_cfg) | {"dtype": "float32"}
     with open(os.path.join(out_dir, HF_CONFIG), "w") as f:
         json.dump(hf_config, f, indent=2)

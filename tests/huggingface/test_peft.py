@@ -1,0 +1,120 @@
+"""LoRA adapters in and out in PEFT's format (transformer/huggingface/adapters.py) against
+`peft` itself on a tiny random Llama (nothing downloaded): a PEFT adapter imported here gives
+peft's logits; exported again it is the same tensors, which peft loads onto the exported base;
+merged, a plain checkpoint with the adapted model's logits; one-line refusals."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+from test_huggingface import TOKENS, _hf_logits, _llama
+
+from transformer.checkpoint import averaging, layout
+from transformer.config import resolve
+from transformer.huggingface import adapters, convert
+from transformer.model.transformer import Transformer
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+MODULES = ["q_proj", "v_proj", "o_proj", "down_proj"]  # query, value, out, ff_out
+# Ours (XLA) against torch in float32, the adapter's terms included: along a path from an
+# embedding to a logit the sums hold ~1,400 terms whose rounding errors (2^-24 relative each,
+# of either sign) add as a random walk: ~sqrt(1400) x 6e-8 ~ 2e-6 of logits of size ~1-3,
+# ~6e-6; the issue's 2e-5 leaves a 3x margin (test_huggingface's ATOL bounds the worst order).
+ATOL = 2e-5
+
+
+def _adapter(tmp_path, hf_model, name="adapter", rank=4):
+    """A PEFT LoRA adapter with random A and B (init_lora_weights=False), saved; the peft
+    model."""
+    torch.manual_seed(1)
+    config = peft.LoraConfig(r=rank, lora_alpha=8, target_modules=MODULES, lora_dropout=0.0,
+                             init_lora_weights=False)
+    model = peft.get_peft_model(hf_model, config).eval()
+    model.save_pretrained(str(tmp_path / name))
+    return model
+
+
+def _our_logits(workdir):
+    run = resolve(layout.load_config(workdir))
+    params = averaging.load_params(workdir)
+    model = Transformer(run.model)
+    targets = np.concatenate([TOKENS[:, 1:], np.zeros((2, 1), np.int32)], axis=1)
+    logits = jax.jit(lambda p, t: model.apply({"params": p}, None, t))(params, targets)
+    return run, np.asarray(logits), targets
+
+
+def test_peft_adapter_in_out_and_merged_equal_peft(tmp_path):
+    hf_dir = tmp_path / "llama"
+    base = _llama(hf_dir)
+    plain = _hf_logits(base, TOKENS)
+    peft_model = _adapter(tmp_path, base)
+    expected = _hf_logits(peft_model, TOKENS)
+    assert np.abs(expected - plain).max() > 1e-2  # the adapter changes the logits
+
+    workdir = str(tmp_path / "run")
+    convert.import_checkpoint(str(hf_dir), workdir, overrides={"model.dtype": "float32"},
+                              adapter=str(tmp_path / "adapter"))
+    run, ours, targets = _our_logits(workdir)
+    assert (run.model.lora_rank, run.model.lora_alpha) == (4, 8.0)
+    assert run.model.lora_targets == "query,value,out,ff_out"
+    # teacher forcing: the decoder reads BOS + targets[:t], TOKENS[:t+1], as transformers at t
+    np.testing.assert_allclose(ours[targets != 0], expected[targets != 0], atol=ATOL, rtol=0)
+
+    out = tmp_path / "exported"
+    convert.export_workdir(workdir, str(out))
+    original = load_file(str(tmp_path / "adapter" / adapters.WEIGHTS_FILE))
+    exported = load_file(str(out / convert.ADAPTER_DIR / adapters.WEIGHTS_FILE))
+    assert sorted(exported) == sorted(original)
+    for name, value in exported.items():
+        np.testing.assert_array_equal(value, original[name], err_msg=name)
+    config = json.loads((out / convert.ADAPTER_DIR / adapters.CONFIG_FILE).read_text())
+    assert sorted(config["target_modules"]) == sorted(MODULES)
+    reloaded = peft.PeftModel.from_pretrained(
+        transformers.LlamaForCausalLM.from_pretrained(str(out)),
+        str(out / convert.ADAPTER_DIR)).eval()
+    # the same base and adapter tensors, bit for bit, through the same torch code
+    np.testing.assert_array_equal(_hf_logits(reloaded, TOKENS), expected)
+
+    merged_dir = tmp_path / "merged"
+    convert.export_workdir(workdir, str(merged_dir), merge_lora=True)
+    assert not (merged_dir / convert.ADAPTER_DIR).exists()
+    merged = transformers.LlamaForCausalLM.from_pretrained(str(merged_dir)).eval()
+    # W + s A B rounded once in float32 (2^-24 relative of weights ~0.2) against peft's
+    # unmerged x W + s (x A) B: far under the forward pass's own rounding (ATOL)
+    np.testing.assert_allclose(_hf_logits(merged, TOKENS), expected, atol=ATOL, rtol=0)
+    theirs = peft_model.merge_and_unload()
+    weight = theirs.model.layers[1].self_attn.o_proj.weight.detach().numpy()
+    ours_merged = load_file(str(merged_dir / convert.SINGLE_FILE))
+    np.testing.assert_allclose(ours_merged["model.layers.1.self_attn.o_proj.weight"], weight,
+                               atol=1e-6, rtol=0)  # weights ~0.2-1: a few float32 ulps
+
+
+def test_adapter_for_another_base_and_unsupported_options_are_one_line(tmp_path):
+    hf_dir = tmp_path / "llama"
+    _llama(hf_dir)
+    small = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2))
+    _adapter(tmp_path, small, "other")
+    with pytest.raises(ValueError, match=r"lora_A.weight has shape \(4, 32\); the base "
+                                         r"checkpoint implies \(4, 64\)"):
+        convert.import_checkpoint(str(hf_dir), str(tmp_path / "a"),
+                                  adapter=str(tmp_path / "other"))
+    config_file = tmp_path / "other" / adapters.CONFIG_FILE
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps(config | {"use_dora": True}))
+    with pytest.raises(ValueError, match="use_dora=True is not supported"):
+        convert.import_checkpoint(str(hf_dir), str(tmp_path / "b"),
+                                  adapter=str(tmp_path / "other"))
+    config_file.write_text(json.dumps(config))
+    tensors = load_file(str(tmp_path / "other" / adapters.WEIGHTS_FILE))
+    partial = {k: v for k, v in tensors.items() if ".layers.1." not in k}
+    save_file(partial, str(tmp_path / "other" / adapters.WEIGHTS_FILE))
+    with pytest.raises(ValueError, match="lacks base_model.model.model.layers.1"):
+        convert.import_checkpoint(str(hf_dir), str(tmp_path / "c"),
+                                  adapter=str(tmp_path / "other"))
