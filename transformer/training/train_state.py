@@ -213,6 +213,8 @@ def loss_weights(batch: dict) -> jax.Array:
     counted = batch.get("targets_segmentation", batch["targets"]) != 0
     if "targets_prefix" in batch:
         counted = counted & (batch["targets_prefix"] == 0)
+    if "targets_loss_mask" in batch:  # supervised fine-tuning: the assistant's tokens (chat.py)
+        counted = counted & (batch["targets_loss_mask"] != 0)
     return counted.astype(jnp.float32)
 
 
