@@ -42,6 +42,12 @@ TOP_LEVEL: dict[str, tuple[type | tuple[type, ...], object]] = {
     "label_smoothing": ((int, float), _REQUIRED),
     "bleu_every_steps": (int, 0),
     "bleu_num_sentences": (int, 0),
+    # inference/harness.py: lm-eval tasks, defined by the task files (yaml) in lm_eval_path,
+    # scored every lm_eval_every_steps (0: off) on their first lm_eval_limit documents (0: all)
+    "lm_eval_every_steps": (int, 0),
+    "lm_eval_tasks": (str, ""),  # task names, comma-separated
+    "lm_eval_path": (str, ""),
+    "lm_eval_limit": (int, 0),
     "params_every_minutes": ((int, float), 0.0),
     "params_keep": (int, 0),
     "z_loss": ((int, float), 0.0),
@@ -261,7 +267,7 @@ def _check_values(cfg: ConfigDict, model: TransformerConfig) -> None:
         raise ValueError(f"grad_accum_steps={cfg.grad_accum_steps} must be >= 1, or 0 to size "
                          f"it from the device count (data.max_rows_per_device)")
     for key in ("checkpoint_every_steps", "checkpoint_every_minutes", "eval_every_steps",
-                "bleu_every_steps", "params_every_minutes"):
+                "bleu_every_steps", "params_every_minutes", "lm_eval_every_steps"):
         if cfg[key] < 0:
             raise ValueError(f"{key}={cfg[key]} must be >= 0 (0 turns it off)")
     workers.check_workers(int(cfg.data.get("workers") or 0))
@@ -270,6 +276,9 @@ def _check_values(cfg: ConfigDict, model: TransformerConfig) -> None:
     if cfg.bleu_every_steps and cfg.bleu_num_sentences < 1:
         raise ValueError(f"bleu_num_sentences={cfg.bleu_num_sentences} must be >= 1 when "
                          f"bleu_every_steps={cfg.bleu_every_steps} (0 turns BLEU off)")
+    if cfg.lm_eval_every_steps and not (cfg.lm_eval_tasks and cfg.lm_eval_path):
+        raise ValueError(f"lm_eval_every_steps={cfg.lm_eval_every_steps} needs lm_eval_tasks "
+                         f"(task names) and lm_eval_path (the folder of their task files)")
     if cfg.params_every_minutes and cfg.params_keep < 1:
         raise ValueError(f"params_keep={cfg.params_keep} must be >= 1 when "
                          f"params_every_minutes={cfg.params_every_minutes}")

@@ -149,3 +149,32 @@ def test_a_task_file_that_does_not_parse_is_named_before_the_run_is_opened(tmp_p
 def test_a_run_that_is_not_a_language_model_is_refused(untrained_translation_workdir):
     with pytest.raises(ValueError, match="lm-eval scores decoder-only language models"):
         harness.TransformerLM(workdir=str(untrained_translation_workdir))
+
+
+def test_the_training_loop_scores_local_tasks_every_n_steps(offline_fixture_data_dir,
+                                                            load_config, tmp_path):
+    """`lm_eval_every_steps`: the validation lines of steps 2 and 4 carry the task's score,
+    and step 4's equals the finished run's own through the model class."""
+    from transformer.training.loop import train_and_evaluate
+
+    _write_tasks(tmp_path / "tasks", " dialog")
+    cfg = load_config("lm_default.py")
+    cfg.data.update(dict(data_dir=str(offline_fixture_data_dir), vocab_size=200, max_length=32,
+                         batch_size=8))
+    cfg.model.update(dict(d_model=32, d_ff=64, num_heads=2, num_kv_heads=1,
+                          num_decoder_layers=2, max_len=32))
+    cfg.update(dict(num_train_steps=4, eval_every_steps=4, checkpoint_every_steps=4,
+                    log_every_steps=2, lm_eval_every_steps=2, lm_eval_tasks="tiny_text",
+                    lm_eval_path=str(tmp_path / "tasks"), lm_eval_limit=1))
+    cfg.optimizer.warmup_steps = 1
+    workdir = tmp_path / "run"
+    train_and_evaluate(cfg, str(workdir))
+    key = "lm_eval/tiny_text/word_perplexity"
+    lines = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    scored = {line["step"]: line[key] for line in lines if key in line}
+    assert sorted(scored) == [2, 4] and scored[2] != scored[4]
+    lm = harness.TransformerLM(workdir=str(workdir))
+    again = harness.evaluate_tasks(lm, str(tmp_path / "tasks"), ["tiny_text"], limit=1)[key]
+    # The same float32 computation, the loop's on its mesh: log-likelihoods within 1e-4 (see
+    # ATOL), a perplexity exp(-ll / words) then within 1e-4 relative.
+    np.testing.assert_allclose(again, scored[4], rtol=1e-4)

@@ -228,6 +228,22 @@ def evaluate_tasks(lm: TransformerLM, include_path: str, tasks: list[str],
             if "_stderr" not in metric and isinstance(value, float)}
 
 
+def for_training(cfg, model_config, params, tokenizer):
+    """The scorer a training loop calls every `lm_eval_every_steps`: `score(params)` ->
+    `evaluate_tasks` of the config's `lm_eval_tasks` (task files in `lm_eval_path`, the first
+    `lm_eval_limit` documents) with those parameters. The task files are checked here, before
+    the first step."""
+    check_task_files([cfg.lm_eval_path])
+    lm = TransformerLM(generator=Generator(cfg, model_config, params, tokenizer))
+    tasks = [name.strip() for name in cfg.lm_eval_tasks.split(",") if name.strip()]
+
+    def score(params) -> dict[str, float]:
+        lm.params = lm.generator.params = params
+        return evaluate_tasks(lm, cfg.lm_eval_path, tasks, int(cfg.lm_eval_limit) or None)
+
+    return score
+
+
 def check_task_files(paths) -> None:
     """Parses each lm-eval task yaml in `paths` (files, or folders searched for *.yaml) with
     lm-eval's own reader (its `!function` tags and includes): one line naming the first that

@@ -241,6 +241,10 @@ def _train(cfg, workdir: str, config_file: str | None,
     eval_split = source.validation_split  # a language model's data.eval_split (lm1b: "test")
     translator = (Translator(cfg, run.model, state.params, source.tokenizer)
                   if cfg.bleu_every_steps else None)
+    score_tasks = None
+    if cfg.lm_eval_every_steps:  # lm-eval tasks from local files (the `eval` extra)
+        from transformer.inference import harness
+        score_tasks = harness.for_training(cfg, run.model, state.params, source.tokenizer)
     writer = metrics.MetricWriter(workdir, metrics.tracker_name(cfg), log_config=True)
     preemption = _Preemption()
     dog = Watchdog.for_run(cfg)  # slow steps and hangs named (off by default)
@@ -277,7 +281,8 @@ def _train(cfg, workdir: str, config_file: str | None,
                 pending = []
             due_loss = _due(cfg.eval_every_steps, step, total)
             due_bleu = translator is not None and _due(cfg.bleu_every_steps, step, total)
-            if due_loss or due_bleu:
+            due_tasks = score_tasks is not None and _due(cfg.lm_eval_every_steps, step, total)
+            if due_loss or due_bleu or due_tasks:
                 started = time.perf_counter()
                 figures = (evaluation.evaluate(trainer, eval_step, state.params, source, eval_rows,
                                     eval_split) if due_loss else {})
@@ -285,6 +290,8 @@ def _train(cfg, workdir: str, config_file: str | None,
                     translator.params = state.params
                     figures |= validation_bleu(translator, source, int(cfg.bleu_num_sentences),
                                                cfg.data.target_lang, eval_split)
+                if due_tasks:
+                    figures |= score_tasks(state.params)
                 writer.write(step, eval_split, figures)
                 metrics.log_evaluation(step, eval_split, figures,
                                        time.perf_counter() - started)
