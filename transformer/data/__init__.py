@@ -61,8 +61,9 @@ class Source(Protocol):
 
 def make_source(cfg, workdir: str | None = None):
     """The batch source `cfg.data.dataset` names (the contract is `Source`): labelled texts
-    when `cfg.data.objective` is "classification", a language-model source when it is another
-    objective (causal, prefix, masked, span_corruption), images for a vision model, else
+    when `cfg.data.objective` is "classification", conversations when it is "sft", a
+    language-model source when it is another objective (causal, prefix, masked,
+    span_corruption), images for a vision model, else
     translation pairs.
 
     `workdir` holds what a translation source derives once and reuses on resume: the
@@ -89,6 +90,10 @@ def make_source(cfg, workdir: str | None = None):
         from transformer.data import text_classification
 
         return text_classification.from_config(cfg, workdir)
+    if cfg.data.get("objective") == "sft":  # conversations (data/chat.py)
+        from transformer.data import chat
+
+        return chat.from_config(cfg, workdir)
     if cfg.data.get("objective"):
         return language_model.from_config(cfg, workdir)
     if cfg.model.get("architecture") == "vision":

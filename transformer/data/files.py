@@ -41,6 +41,8 @@ SAMPLE_SHARDS = 32  # shards a sample (vocabulary, mean length) reads at most, w
 class FileDocuments:
     """Documents by global id from a glob of shards, and each epoch's training order."""
 
+    reader_class = ShardReader  # reads one shard (chat.ChatReader: conversations)
+
     def __init__(self, spec: str, *, fields: tuple[str, ...] = ("text",), seed: int = 0,
                  shuffle_window: int = 8, skip_bad_lines: bool = False,
                  setting: str = "data.dataset", label_field: str | None = None,
@@ -60,7 +62,7 @@ class FileDocuments:
             raise BadData(f"data.pack_groups={self.groups} exceeds the {len(self.paths)} "
                           f"shard(s) of {setting}={spec!r}: each group reads its own shards; "
                           f"lower data.pack_groups or split the corpus into more shards")
-        self._reader = ShardReader(self.format, self.fields, skip_bad_lines, label_field)
+        self._reader = self.reader_class(self.format, self.fields, skip_bad_lines, label_field)
         self._cache: collections.OrderedDict[int, list] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.counts = self._counts(record_dir)

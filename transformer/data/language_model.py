@@ -50,7 +50,7 @@ from transformer.data.objectives import apply_objective, cut_pieces
 
 log = logging.getLogger("transformer")
 OBJECTIVES = {"causal": "decoder", "prefix": "decoder", "masked": "encoder",
-              "span_corruption": "encoder_decoder"}
+              "span_corruption": "encoder_decoder", "sft": "decoder"}  # sft: chat.py
 DEFAULT_SENTINELS = {"span_corruption": 100}  # T5's extra_ids
 LENGTH_SAMPLE = 2000  # documents whose mean length sizes docs_per_batch
 _TRAIN = 0  # the random stream of training batches
@@ -59,6 +59,8 @@ _EVAL = 1  # that of evaluation batches
 
 class LanguageModelSource:
     """Packed language-model batches from a TFDS text dataset (the `Source` contract)."""
+
+    document_class = files.FileDocuments  # a file source's documents (chat.ChatDocuments)
 
     def __init__(self, dataset: str, *, objective: str, vocab_size: int, max_length: int,
                  batch_size: int, grad_accum_steps: int = 1, eval_batch_size: int | None = None,
@@ -109,8 +111,8 @@ class LanguageModelSource:
                         skip_bad_lines=skip_bad_lines, record_dir=record)
             grouped = {**opts, "groups": self.pack_groups}  # eval reads every shard
             train = (mixture.from_sources(sources, grouped) if sources else
-                     files.FileDocuments(dataset, **grouped))
-            evaluated = files.FileDocuments(eval_dataset, setting="data.eval_dataset", **opts)
+                     self.document_class(dataset, **grouped))
+            evaluated = self.document_class(eval_dataset, setting="data.eval_dataset", **opts)
             self.documents = {"train": train, eval_split: evaluated}
             self.keys, self.name = [text_field], train.name
         else:
@@ -369,8 +371,10 @@ class LanguageModelSource:
             yield {k: v[None] for k, v in batch.items()}
 
 
-def from_config(cfg, workdir: str | None = None) -> LanguageModelSource:
-    """`LanguageModelSource` from the config's `data` keys (see configs/lm_default.py)."""
+def from_config(cfg, workdir: str | None = None, source_class=LanguageModelSource,
+                **extra) -> LanguageModelSource:
+    """`LanguageModelSource` (or `source_class`, given `extra` arguments) from the config's
+    `data` keys (see configs/lm_default.py)."""
     data = cfg.data
     objective = data.objective
     wanted = OBJECTIVES.get(objective)
@@ -378,7 +382,7 @@ def from_config(cfg, workdir: str | None = None) -> LanguageModelSource:
         raise ValueError(f"data.objective={objective!r} trains a model.architecture="
                          f"{wanted!r}, not {cfg.model.architecture!r}")
     settings.check_model_fits(cfg)
-    source = LanguageModelSource(
+    source = source_class(
         data.dataset, objective=objective, vocab_size=int(data.vocab_size),
         max_length=int(data.max_length), batch_size=int(data.batch_size),
         grad_accum_steps=int(cfg.grad_accum_steps), eval_batch_size=data.get("eval_batch_size"),
@@ -393,6 +397,6 @@ def from_config(cfg, workdir: str | None = None) -> LanguageModelSource:
         skip_bad_lines=bool(data.get("skip_bad_lines")),
         sources=[dict(s) for s in data.get("sources") or []],
         vocab_path=data.get("vocab_path") or None,
-        pack_groups=int(data.get("pack_groups") or 1))
+        pack_groups=int(data.get("pack_groups") or 1), **extra)
     tokenizer_lib.check_special_ids(source.tokenizer, cfg.model)
     return source
