@@ -89,6 +89,21 @@ def test_the_loss_mask_covers_exactly_the_assistant_tokens(hf_dir, ours):
         "<|im_start|>assistant\n")
 
 
+def test_the_template_of_an_imported_checkpoint_is_found_and_kept(hf_dir, tmp_path):
+    """init_from an import: its Hugging Face directory's template (config.json's provenance),
+    recorded in the new run's vocab/ so that a resumed run reads it there."""
+    from transformer.checkpoint import layout
+
+    imported = tmp_path / "imported"
+    (imported / "vocab").mkdir(parents=True)
+    layout.write_config(str(imported), {}, {"huggingface": {"source": str(hf_dir)}})
+    run = tmp_path / "run"
+    found = chat.find_template(workdir=str(run), vocab_path=None, init_from=f"{imported}:0")
+    assert found == {"chat_template": TEMPLATE, "bos_token": "<s>", "eos_token": "</s>"}
+    assert chat.read_template(run / "vocab") == found
+    assert chat.find_template(workdir=str(run), vocab_path=None, init_from=None) == found
+
+
 def _conversations(n: int, rng) -> list[dict]:
     sentences = sorted(set(TRANSLATION_SENTENCES))
     rows = []

@@ -82,13 +82,9 @@ def _init_from_dirs(init_from: str) -> list:
     directory it was imported from (config.json's provenance)."""
     workdir = init_from.rpartition(":")[0] if init_from.rpartition(":")[2].isdigit() \
         else init_from
-    dirs = [layout.path(workdir, layout.VOCAB)]
-    config = epath.Path(workdir) / "config.json"
-    if config.exists():
-        source = (json.loads(config.read_text()).get("provenance") or {}).get(
-            "huggingface", {}).get("source")
-        dirs += [source] if source else []
-    return dirs
+    provenance = (layout.read_config_file(workdir) or {}).get("provenance") or {}
+    source = provenance.get("huggingface", {}).get("source")
+    return [layout.path(workdir, layout.VOCAB)] + ([source] if source else [])
 
 
 def find_template(*, workdir: str | None, vocab_path: str | None,
