@@ -174,6 +174,11 @@ def test_bad_input_is_one_line(hf_dir, tmp_path):
         with pytest.raises(BadData, match=message) as error:
             _source(hf_dir, tmp_path, rows[:2] + [bad] + rows[2:])
         assert "\n" not in str(error.value)
+    last_marked = {"chat_template": "{% for m in messages %}{{ m['content'] }}"
+                                    "{% if loop.last %}!{% endif %}{% endfor %}"}
+    with pytest.raises(BadData, match=r"^the chat template renders turn 2 of a conversation "
+                                      r"differently inside the whole"):
+        chat.assistant_spans(last_marked, CONVERSATION)
     with pytest.raises(BadData, match=r"^data.dataset='jsonl:.*' .*write it as chat:<glob>"):
         chat.ChatSource("jsonl:x.jsonl", objective="sft", vocab_size=320, max_length=64,
                         batch_size=4)
