@@ -86,6 +86,8 @@ def test_abstract_batch_follows_each_batch_layout(load_config):
     expected = {"causal": {"targets", "targets_positions", "targets_segmentation"},
                 "prefix": {"targets", "targets_positions", "targets_segmentation",
                            "targets_prefix"},
+                "sft": {"targets", "targets_positions", "targets_segmentation",
+                        "targets_loss_mask"},
                 "masked": {"inputs", "inputs_positions", "inputs_segmentation", "targets"}}
     for objective, keys in expected.items():
         lm.data.objective = objective
