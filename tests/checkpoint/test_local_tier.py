@@ -7,15 +7,23 @@ import logging
 import os
 import pathlib
 import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import FAST_COMPILE
 from ml_collections import ConfigDict
 
 from transformer.checkpoint import faults, tiers
 from transformer.training import loop
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def tree(step: int) -> dict:
@@ -85,7 +93,8 @@ def test_when_no_step_of_either_tier_restores_one_line_lists_each(tmp_path):
     for step, where in ((4, tmp_path / "run" / "checkpoints"), (6, tmp_path / "local")):
         (where / str(step) / "data" / "metadata").write_bytes(b"\xff\x00garbage")
     checkpoints = two_tiers(tmp_path)
-    with pytest.raises(ValueError, match=r"no checkpoint in .* restores: local 6 \(.*; 4 \(") as error:
+    listed = r"no checkpoint in .* restores: local 6 \(.*; 4 \("
+    with pytest.raises(ValueError, match=listed) as error:
         checkpoints.restore_latest(abstract(tree(0)))
     checkpoints.close()
     assert "\n" not in str(error.value)
@@ -155,3 +164,60 @@ def test_a_run_resumed_from_a_local_step_continues_bit_for_bit(load_config, tmp_
     # step 7's line was never written, the fault came before it).
     assert {step: len(v) for step, v in resumed.items()} == {step: 1 for step in range(1, 9)}
     assert resumed == expected  # every loss, bit for bit
+
+
+def _launch(workdir, local, *, processes=2, devices=4) -> list[subprocess.Popen]:
+    """train.py on `processes` processes over 127.0.0.1 (as tests/training/test_multihost.py
+    runs them), the tiny config at one layer of 32, a local step every 2, persistent every 5."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}")
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # none with several processes (test_multihost)
+    env.pop(faults.FAULT_ENV, None)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "train.py", f"--workdir={workdir}", "--config=configs/tiny.py",
+               "--config.log_every_steps=1", "--config.data.batch_size=16",
+               "--config.eval_every_steps=0", "--config.model.num_encoder_layers=1",
+               "--config.model.num_decoder_layers=1", "--config.model.d_model=32",
+               "--config.model.d_ff=64", "--config.num_train_steps=60",
+               "--config.checkpoint_every_steps=5", f"--config.checkpoint_local_dir={local}",
+               "--config.checkpoint_local_every_steps=2",
+               f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={processes}"]
+    procs = []
+    for i in range(processes):
+        log = open(f"{workdir}-{len(list(workdir.parent.glob('*.log')))}-{i}.log", "w")
+        procs.append(subprocess.Popen(command + [f"--process_id={i}"], cwd=ROOT, env=env,
+                                      stdout=log, stderr=subprocess.STDOUT))
+        procs[-1].log_path = log.name
+    return procs
+
+
+def _steps(directory) -> list[int]:
+    return sorted(int(s) for s in os.listdir(directory) if s.isdigit()) \
+        if os.path.isdir(directory) else []
+
+
+@pytest.mark.slow
+def test_two_processes_killed_resume_from_the_same_local_step(tmp_path):
+    workdir, local = tmp_path / "run", tmp_path / "local"
+    procs = _launch(workdir, local)
+    deadline = time.monotonic() + 600
+    while not any(step >= 6 for step in _steps(local)):  # a local step newer than step 5's
+        assert all(p.poll() is None for p in procs), [open(p.log_path).read() for p in procs]
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+    for p in procs:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    newest_local, persistent = max(_steps(local)), _steps(workdir / "checkpoints")
+    assert newest_local > max(persistent, default=0) and newest_local < 60
+
+    procs = _launch(workdir, local)
+    for p in procs:
+        assert p.wait(timeout=600) == 0, open(p.log_path).read()[-4000:]
+    for p in procs:  # every process restored the same step, from the local tier
+        assert f"restoring step {newest_local} from the local tier" in open(p.log_path).read()
+    logged = _losses(workdir)
+    assert sorted(logged) == list(range(1, 61))
+    assert all(len(logged[step]) == 1 for step in range(1, newest_local + 1))

@@ -77,7 +77,7 @@ class TwoTiers:
     def __init__(self, workdir: str, *, keep: int, local_dir: str = "", local_every: int = 0,
                  keep_local: int = DEFAULT_KEEP_LOCAL, use_async: bool = True):
         self.persistent = Checkpointer(workdir, keep=keep, use_async=use_async)
-        self.directory = self.persistent.directory
+        self.directory = self.persistent.directory  # the restored step's tier, after a restore
         self.local_every = int(local_every) if local_dir else 0
         self.local = None
         if local_dir:
@@ -138,6 +138,7 @@ class TwoTiers:
                 if restored is not None:
                     log.info("restoring step %d from the local tier %s (the persistent tier's "
                              "newest: %s)", restored[0], self.local.directory, newest)
+                    self.directory = self.local.directory
                     return restored
                 continue  # they were moved aside: the persistent tier may be newest now
             if newest is None:
@@ -150,7 +151,8 @@ class TwoTiers:
             self.local.skipped if self.local else [])],
             key=lambda line: -int(line.removeprefix("local ").split()[0]))
         if skipped:
-            where = self.directory + (f" or {self.local.directory}" if self.local else "")
+            where = self.persistent.directory + (f" or {self.local.directory}"
+                                                 if self.local else "")
             raise ValueError(f"no checkpoint in {where} restores: {'; '.join(skipped)}; they "
                              f"were moved aside (skipped_checkpoints/, {SKIPPED}/); start "
                              f"afresh with a new --workdir")
