@@ -100,9 +100,9 @@ def test_when_no_step_of_either_tier_restores_one_line_lists_each(tmp_path):
     assert "\n" not in str(error.value)
 
 
-def settings(tmp_path, local, every=2, persistent=10) -> ConfigDict:
+def settings(tmp_path, local, every=2, persistent=10, keep=2) -> ConfigDict:
     return ConfigDict({"checkpoint_local_dir": str(local), "checkpoint_local_every_steps": every,
-                       "keep_local_checkpoints": 2, "checkpoint_every_steps": persistent})
+                       "keep_local_checkpoints": keep, "checkpoint_every_steps": persistent})
 
 
 def test_bad_local_tier_settings_are_one_line_each(tmp_path):
@@ -121,6 +121,7 @@ def test_bad_local_tier_settings_are_one_line_each(tmp_path):
             settings(tmp_path, tmp_path / "local", every=10),
         "is inside the workdir's": settings(tmp_path, tmp_path / "run" / "checkpoints" / "l"),
         "checkpoint_local_every_steps=0 must be >= 1": settings(tmp_path, "x", every=0),
+        "keep_local_checkpoints=0 must be >= 1": settings(tmp_path, "x", keep=0),
     }
     for message, cfg in cases.items():
         with pytest.raises(ValueError, match=message) as error:

@@ -39,7 +39,7 @@ def check_settings(cfg, workdir: str) -> None:
     one. Creates the directory."""
     local = str(cfg.get("checkpoint_local_dir") or "")
     every = int(cfg.get("checkpoint_local_every_steps") or 0)
-    keep = int(cfg.get("keep_local_checkpoints") or DEFAULT_KEEP_LOCAL)
+    keep = int(cfg.get("keep_local_checkpoints", DEFAULT_KEEP_LOCAL))
     if not local:
         return
     if every < 1:
@@ -92,7 +92,7 @@ class TwoTiers:
         return cls(workdir, keep=int(cfg.keep_checkpoints),
                    local_dir=str(cfg.get("checkpoint_local_dir") or ""),
                    local_every=int(cfg.get("checkpoint_local_every_steps") or 0),
-                   keep_local=int(cfg.get("keep_local_checkpoints") or DEFAULT_KEEP_LOCAL))
+                   keep_local=int(cfg.get("keep_local_checkpoints", DEFAULT_KEEP_LOCAL)))
 
     def local_due(self, step: int) -> bool:
         """Whether the local tier saves after step `step`."""
