@@ -224,6 +224,7 @@ def paper_config(*, size: str, target_lang: str, dropout_rate: float) -> config_
     # where a chunk then stays in cache; 8192 on an accelerator, where chunks bound memory).
     cfg.loss_chunk_tokens = -1
     cfg.skip_nonfinite_updates = False  # True: skip (and count) non-finite updates; else stop
+    cfg.elastic = False  # True: a resume on other devices refits data x fsdp, grad_accum_steps
     cfg.log_every_steps = 100
     cfg.profile_start_step = 0
     cfg.profile_num_steps = 0  # > 0: a jax.profiler trace of that many steps in <workdir>/profile

@@ -80,6 +80,7 @@ def get_config():
     cfg.z_loss = 0.0
     cfg.loss_chunk_tokens = -1  # logits a chunk at a time, sized by backend (common.py)
     cfg.skip_nonfinite_updates = False
+    cfg.elastic = False  # True: a resume on other devices refits data x fsdp, grad_accum_steps
     cfg.profile_start_step = 0
     cfg.profile_num_steps = 0
     cfg.distributed = config_dict.ConfigDict(dict(

@@ -91,6 +91,7 @@ def lm_config(*, objective: str, dataset: str, vocab_size: int, max_length: int,
     cfg.z_loss = 1e-4  # keeps the softmax normaliser near 1 in bfloat16 (PaLM)
     cfg.loss_chunk_tokens = -1  # logits a chunk at a time, sized by backend (common.py)
     cfg.skip_nonfinite_updates = False
+    cfg.elastic = False  # True: a resume on other devices refits data x fsdp, grad_accum_steps
     cfg.profile_start_step = 0
     cfg.profile_num_steps = 0
     cfg.distributed = config_dict.ConfigDict(dict(

@@ -77,6 +77,7 @@ def base_config() -> config_dict.ConfigDict:
     cfg.z_loss = 0.0
     cfg.loss_chunk_tokens = 0  # logits [B, num_classes] are small: all at once
     cfg.skip_nonfinite_updates = False
+    cfg.elastic = False  # True: a resume on other devices refits data x fsdp, grad_accum_steps
     cfg.profile_start_step = 0
     cfg.profile_num_steps = 0
     cfg.distributed = config_dict.ConfigDict(dict(

@@ -55,6 +55,9 @@ TOP_LEVEL: dict[str, tuple[type | tuple[type, ...], object]] = {
     # (train_state.resolve_loss_chunk_tokens).
     "loss_chunk_tokens": (int, -1),
     "skip_nonfinite_updates": (bool, False),
+    # training/elastic.py: a resumed run fitted to the devices it has now (data x fsdp and
+    # grad_accum_steps), the recorded global batch and rows per device kept
+    "elastic": (bool, False),
     # training/watchdog.py: a step this many times the median dumps the stacks (0: off); a
     # step not ended after this many seconds ends the run naming who did not arrive (0: off)
     "slow_step_factor": ((int, float), 0.0),

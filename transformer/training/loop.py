@@ -29,7 +29,16 @@ from transformer.data.workers import TrainBatches
 from transformer.inference.translator import Translator
 from transformer.parallel import distributed, sharding
 from transformer.sizing import flops
-from transformer.training import evaluation, health, metrics, scores, spikes, train_state, transfer
+from transformer.training import (
+    elastic,
+    evaluation,
+    health,
+    metrics,
+    scores,
+    spikes,
+    train_state,
+    transfer,
+)
 from transformer.training.goodput import STATE_KEY, Goodput, recomputed_seconds
 from transformer.training.watchdog import Watchdog
 
@@ -184,6 +193,7 @@ def train_and_evaluate(cfg, workdir: str, *,
 
 def _train(cfg, workdir: str, config_file: str | None,
            notices: distributed.FailureNotices) -> train_state.TrainState:
+    cfg = elastic.fit(cfg, workdir, jax.device_count())  # elastic=True: the devices left
     run = resolve(cfg, jax.device_count(), config_file=config_file)
     clock = Goodput()  # this process's time by part; the run's totals carried over
     if not cfg.grad_accum_steps:
