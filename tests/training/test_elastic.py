@@ -117,3 +117,27 @@ def test_resumed_on_four_devices_continues_the_eight_device_run(tmp_path, load_c
     # lr <= 2.4e-4 (warmup) stay well inside 1e-4.
     np.testing.assert_allclose([resumed[s] for s in (3, 4)], [expected[s] for s in (3, 4)],
                                rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_two_processes_resumed_on_one_with_half_the_devices(tmp_path):
+    """A run of 2 processes x 4 devices that loses a process resumes on 1 x 4: each process fed
+    half of every global batch, the survivor feeds all of it in 2 microbatches."""
+    from test_multihost import figures, finish, launch, output_of
+
+    flags = ["--config.model.dropout_rate=0.0", "--config.mesh.data=8", "--config.elastic=True",
+             "--config.checkpoint_every_steps=2", "--config.eval_every_steps=0"]
+    reference, workdir = tmp_path / "reference", tmp_path / "elastic"
+    finish(launch(reference, processes=1, devices=8,
+                  overrides=[*flags, "--config.num_train_steps=4"]))
+    finish(launch(workdir, processes=2, devices=4,
+                  overrides=[*flags, "--config.num_train_steps=2"]))
+    procs = launch(workdir, processes=1, devices=4,
+                   overrides=[*flags, "--config.num_train_steps=4"])
+    finish(procs)
+    assert "mesh.data 8 -> 4, grad_accum_steps 1 -> 2" in output_of(procs[0])
+    expected, resumed = figures(reference), figures(workdir)
+    assert sorted(resumed) == sorted(expected) == [(s, "train") for s in (1, 2, 3, 4)]
+    # as in the one-process test: float32 sums in another order, 2 steps at warmup rates
+    np.testing.assert_allclose([resumed[k] for k in sorted(expected)],
+                               [expected[k] for k in sorted(expected)], rtol=1e-4)
