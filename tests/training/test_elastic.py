@@ -27,7 +27,7 @@ SMALL = {"data.batch_size": 16, "model.dropout_rate": 0.0,  # dropout draws depe
 
 def recorded_run(tmp_path, load_config, num_devices=8, **overrides):
     """A workdir whose config.json records the tiny config resolved on `num_devices`."""
-    cfg = load_config("tiny.py", **SMALL, **overrides)
+    cfg = load_config("tiny.py", **(SMALL | overrides))
     run = resolve(cfg, num_devices)
     layout.write_config(str(tmp_path), run.config.to_dict(), {"mesh_shape": run.mesh_shape})
     cfg.elastic = True
@@ -80,6 +80,15 @@ def test_devices_the_run_cannot_use_are_one_line(tmp_path, load_config, override
     with pytest.raises(ValueError) as error:
         elastic.fit(cfg, str(tmp_path), devices)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_bad_fit_stops_train_before_any_work(tmp_path, load_config):
+    cfg = recorded_run(tmp_path, load_config, num_devices=4, **{"data.batch_size": 12})
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(ValueError, match=r"^elastic: data.batch_size=12 does not split over "
+                                         r"mesh.data x mesh.fsdp x mesh.expert=8 on the 8 "):
+        loop.train_and_evaluate(cfg, str(tmp_path))  # the tests' 8 devices
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
 
 
 def train_losses(workdir) -> dict[int, float]:
