@@ -404,11 +404,10 @@ def test_an_imported_marian_fine_tunes_on_the_offline_corpus(tmp_path, load_conf
     assert reloaded.config.activation_function == "swish"
 
 
-def test_a_marian_with_opus_mt_ids_imports_renumbered(tmp_path):
-    """OPUS-MT's ids (EOS 0, unk 1, pad = decoder start = the last id; `vocab.json` numbering
-    a unigram `source.spm`'s pieces): the run's vocabulary and model take our ids (one row
-    longer), encode sources as `MarianTokenizer` does, give its logits and its greedy and
-    beam translations (its pad never generated, as its `bad_words_ids` say)."""
+def _opus_marian(tmp_path):
+    """A random SiLU Marian with OPUS-MT's ids (EOS 0, unk 1, pad = decoder start = the last
+    id; `vocab.json` numbering a unigram `source.spm`'s pieces) in tmp_path/opus: the model,
+    that directory, its pad id and its config.json's ids."""
     import io
 
     import sentencepiece as spm
@@ -433,6 +432,15 @@ def test_a_marian_with_opus_mt_ids_imports_renumbered(tmp_path):
         **(SIZES | ids | dict(vocab_size=pad + 1)), activation_function="swish"))
     hf_model.final_logits_bias.normal_(0.0, 1.0)
     _save(hf_model, hf_dir)
+    return hf_model, hf_dir, pad, ids
+
+
+def test_a_marian_with_opus_mt_ids_imports_renumbered(tmp_path):
+    """OPUS-MT's ids (EOS 0, unk 1, pad = decoder start = the last id; `vocab.json` numbering
+    a unigram `source.spm`'s pieces): the run's vocabulary and model take our ids (one row
+    longer), encode sources as `MarianTokenizer` does, give its logits and its greedy and
+    beam translations (its pad never generated, as its `bad_words_ids` say)."""
+    hf_model, hf_dir, pad, ids = _opus_marian(tmp_path)
     workdir, run, params = _import(tmp_path, hf_dir)
     order = marian.opus_order(json.loads((hf_dir / "config.json").read_text()))
     assert run.model.vocab_size == pad + 2 == len(order)
@@ -466,3 +474,56 @@ def test_a_marian_with_opus_mt_ids_imports_renumbered(tmp_path):
             translations.append(hf_tokenizer.decode(tokens[0], skip_special_tokens=True))
         assert ours.translate(SOURCES, beam_size=beams, alpha=0.0, max_extra_length=5,
                               batch_size=1) == translations, beams
+
+
+def test_an_imported_opus_mt_marian_fine_tuned_exports_back(tmp_path):
+    """An OPUS-MT Marian imported (its vocabulary renumbered to ours, its SentencePiece files
+    kept in vocab/) exports back bit-exact with OPUS-MT's ids; after an update here (every
+    tensor moved, our pad and BOS rows apart) the export, with the checkpoint's
+    `source.spm`, `target.spm` and `vocab.json`, loads in `MarianTokenizer` (the original's
+    ids) and `MarianMTModel` (our logits within ATOL: float32 in either order, as the
+    import's comparison). A run whose vocabulary no longer matches the kept files is refused
+    in one line before anything is written."""
+    hf_model, hf_dir, pad, _ = _opus_marian(tmp_path)
+    workdir, run, params = _import(tmp_path, hf_dir)
+    _check_round_trip(tmp_path, workdir, hf_dir, transformers.MarianMTModel)
+    noise = jax.tree.map(lambda x: np.random.default_rng(x.size).normal(0, 0.05, x.shape),
+                         params)
+    tuned = jax.tree.map(lambda x, n: np.asarray(x) + n.astype(np.float32), params, noise)
+    assert np.abs(tuned["embedding"]["embedding"][0] - tuned["embedding"]["embedding"][2]).max(
+    ) > 0.01
+    series = averaging.ParamsSeries(workdir, every_minutes=1.0, keep=2, use_async=False)
+    series.save(1, tuned)
+    series.close()
+    out = tmp_path / "tuned"
+    convert.export_workdir(workdir, str(out))
+    for name in (marian.SOURCE_SPM, marian.TARGET_SPM, marian.VOCAB_JSON):
+        assert (out / name).read_bytes() == (hf_dir / name).read_bytes()
+    original = transformers.MarianTokenizer.from_pretrained(str(hf_dir))
+    exported = transformers.MarianTokenizer.from_pretrained(str(out))
+    assert exported(SOURCES)["input_ids"] == original(SOURCES)["input_ids"]
+    reloaded = transformers.MarianMTModel.from_pretrained(str(out)).eval()
+    assert (reloaded.config.pad_token_id, reloaded.config.decoder_start_token_id,
+            reloaded.config.eos_token_id, reloaded.config.vocab_size) == (pad, pad, 0, pad + 1)
+    assert reloaded.generation_config.bad_words_ids == [[pad]]
+    order = marian.opus_order(reloaded.config.to_dict())
+    to_ours = np.argsort(order, kind="stable")[:pad + 1]
+    rng = np.random.default_rng(0)
+    inputs = rng.integers(2, pad, (2, 9))
+    inputs[:, -1], inputs[1, 5:] = 0, pad
+    targets = rng.integers(2, pad, (2, 7))
+    decoder_inputs = np.concatenate([np.full((2, 1), pad), targets[:, :-1]], axis=1)
+    with torch.no_grad():
+        theirs = reloaded(input_ids=torch.tensor(inputs), attention_mask=torch.tensor(
+            inputs != pad), decoder_input_ids=torch.tensor(decoder_inputs)).logits.numpy()
+    ours = np.asarray(Transformer(run.model).apply(
+        {"params": tuned}, to_ours[inputs].astype(np.int32), to_ours[targets].astype(np.int32)))
+    real = [i for i in range(len(order)) if i not in (0, 2)]  # pad and BOS: Marian's pad
+    np.testing.assert_allclose(ours[..., real], theirs[..., order[real]], atol=ATOL, rtol=0)
+    vocab = json.loads((tmp_path / "run" / "vocab" / marian.VOCAB_JSON).read_text())
+    first, second = sorted(vocab, key=vocab.get)[5:7]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (tmp_path / "run" / "vocab" / marian.VOCAB_JSON).write_text(json.dumps(vocab))
+    with pytest.raises(ValueError, match="no longer the one") as error:
+        convert.export_workdir(workdir, str(tmp_path / "refused"))
+    assert "\n" not in str(error.value) and not (tmp_path / "refused").exists()

@@ -223,6 +223,8 @@ def import_checkpoint(hf_dir: str, workdir: str, *, config_file: str | None = No
             if family is families.T5 and os.path.isfile(os.path.join(hf_dir, t5.SPIECE_FILE)):
                 shutil.copyfile(os.path.join(hf_dir, t5.SPIECE_FILE),  # exported back as is
                                 os.path.join(vocab_dir, t5.SPIECE_FILE))
+            if family is families.Marian:  # OPUS-MT's SentencePiece files, exported back
+                marian.keep_vocabulary(hf_dir, hf_config, vocab_dir)
         provenance = {"huggingface": {"source": os.path.abspath(hf_dir),
                                       "model_type": hf_config["model_type"],
                                       "config": hf_config}, "mesh": dict(mesh.shape)}
@@ -361,6 +363,9 @@ def export_workdir(workdir: str, out_dir: str, *, step: int | None = None,
     if fold:
         model_cfg = dataclasses.replace(model_cfg, scale_embeddings=False)
     family = families.for_model(model_cfg, f"--workdir={workdir}")
+    vocab_dir = layout.path(workdir, layout.VOCAB)
+    opus = (marian.opus_ids(vocab_dir, run.tokenizer, model_cfg)
+            if family is families.Marian else None)  # an imported OPUS-MT Marian's ids
     if max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes={max_shard_bytes} must be positive")
     params = run.params
@@ -371,7 +376,8 @@ def export_workdir(workdir: str, out_dir: str, *, step: int | None = None,
         model_cfg = dataclasses.replace(model_cfg, lora_rank=0)
     ours = dict(zip(_names(params), jax.tree.leaves(params), strict=True))
     adapter = {name: ours.pop(name) for name in list(ours) if lora.is_adapter(name)}
-    groups = family.tensors(model_cfg)
+    groups = (family.import_tensors(model_cfg, opus, set()) if opus
+              else family.tensors(model_cfg))
     unused = sorted(set(ours) - {name for group in groups for name in group.ours})
     if unused:
         raise ValueError(f"--workdir={workdir}: parameter {unused[0]} has no place in a "
@@ -395,18 +401,26 @@ def export_workdir(workdir: str, out_dir: str, *, step: int | None = None,
                               out_dir)
         log.info("the LoRA adapter: %s", path)
     hf_config = family.hf_config(model_cfg) | {"dtype": "float32"}
+    if opus:
+        hf_config |= opus | {"decoder_vocab_size": opus["vocab_size"]}
     with open(os.path.join(out_dir, HF_CONFIG), "w") as f:
         json.dump(hf_config, f, indent=2)
-    vocab_dir = layout.path(workdir, layout.VOCAB)
     vocab = tokenizer_lib.vocabulary_file(vocab_dir)
-    if run.tokenizer is not None and family is families.Marian:
+    if opus:
+        generation = marian.write_kept_vocabulary(vocab_dir, out_dir, opus, model_cfg)
+        if len(run.tokenizer.eos_ids) > 1:
+            order = marian.opus_order(opus)
+            generation["eos_token_id"] = [int(order[i]) for i in run.tokenizer.eos_ids]
+        with open(os.path.join(out_dir, GENERATION_CONFIG), "w") as f:
+            json.dump(generation, f, indent=2)
+    elif run.tokenizer is not None and family is families.Marian:
         marian.write_vocabulary(vocab, out_dir, model_cfg)
     elif run.tokenizer is not None:
         name = TOKENIZER_MODEL if vocab.endswith(MODEL_FILE) else tokenizer_lib.JSON_FILE
         shutil.copyfile(vocab, os.path.join(out_dir, name))
         write_tokenizer_config(run.tokenizer, out_dir, model_cfg,
                                bos=hf_config["model_type"] not in NO_BOS_TOKEN)
-    ends = run.tokenizer.eos_ids if run.tokenizer is not None else ()
+    ends = run.tokenizer.eos_ids if run.tokenizer is not None and not opus else ()
     if len(ends) > 1:  # transformers' generate stops at each
         start = {key: hf_config[key] for key in ("decoder_start_token_id",
                                                  "forced_eos_token_id") if key in hf_config}

@@ -50,6 +50,9 @@ log = logging.getLogger("transformer")
 SOURCE_SPM = "source.spm"
 TARGET_SPM = "target.spm"
 VOCAB_JSON = "vocab.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+# An OPUS-MT checkpoint's MarianTokenizer files, kept in the run's vocab/ for its export.
+KEPT_FILES = (SOURCE_SPM, TARGET_SPM, VOCAB_JSON, TOKENIZER_CONFIG)
 PADDING_PIECE = "<padding_{}>"  # vocab.json's name of a padded vocabulary's row past the pieces
 NEVER = -1e9  # a logit bias no token wins with
 HF_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which Marian's layers keep
@@ -122,9 +125,11 @@ def _feed_forward(hf: str, ours: str, d: int) -> list[Tensors]:
             _reordered(f"{hf}.fc2.bias", f"{ours}/ffn/ff_out/bias", 0, d)]
 
 
-def _renumbered(group: Tensors, order: np.ndarray, axis: int, banned=None) -> Tensors:
+def _renumbered(group: Tensors, order: np.ndarray, axis: int, banned=None,
+                pad_row: int = PAD_ID) -> Tensors:
     """`group` (one tensor with a vocabulary axis) read with our ids (`opus_order`); `banned`
-    (a value) put at our BOS, which Marian's pad row gives and OPUS-MT never generates."""
+    (a value) put at our BOS, which Marian's pad row gives and OPUS-MT never generates.
+    Written back, Marian's pad row is our row `pad_row` (ours pad and BOS both read it)."""
     def to_ours(arrays):
         value = np.take(arrays[0], order, axis=axis)
         if banned is not None:
@@ -132,6 +137,7 @@ def _renumbered(group: Tensors, order: np.ndarray, axis: int, banned=None) -> Te
         return group.to_ours([value])
 
     inverse = np.argsort(order, kind="stable")[np.arange(len(order) - 1)]
+    inverse[order[PAD_ID]] = pad_row
     return Tensors(group.hf, group.ours, to_ours,
                    lambda a: [np.take(group.to_hf(a)[0], inverse, axis=axis)])
 
@@ -220,8 +226,8 @@ class Marian:
             return Marian.tensors(cfg)
         out = []
         for group in Marian.tensors(cfg):
-            if group.ours == ("embedding/embedding",):
-                group = _renumbered(group, order, 0)
+            if group.ours == ("embedding/embedding",):  # the pad row: the decoder's start
+                group = _renumbered(group, order, 0, pad_row=BOS_ID)
             elif group.ours == ("decoder/logits_bias",):
                 group = _renumbered(group, order, 1, banned=NEVER)
             out.append(group)
@@ -338,3 +344,51 @@ def opus_vocabulary(source_spm: str, vocab_json: str, order: np.ndarray,
     tokenizer = SpmConverter.build_tokenizer_from_spm_proto(proto, vocab)
     return HuggingFaceTokenizer(tokenizer.to_str().encode("utf-8"), bos_id=BOS_ID,
                                 eos_id=EOS_ID, pad_id=PAD_ID, eos_ids=eos_ids)
+
+
+def keep_vocabulary(hf_dir: str, hf: dict, vocab_dir: str) -> None:
+    """Keeps a checkpoint's `KEPT_FILES` in the run's `vocab_dir` where its ids are OPUS-MT's
+    (the run's vocabulary is then a `tokenizer.json` with our ids, `opus_vocabulary`), so that
+    an export writes them back (`opus_ids`, `write_kept_vocabulary`)."""
+    if opus_order(hf) is None:
+        return  # the run's vocabulary is the SentencePiece model, which exports as it is
+    for name in KEPT_FILES:
+        if os.path.isfile(os.path.join(hf_dir, name)):
+            shutil.copyfile(os.path.join(hf_dir, name), os.path.join(vocab_dir, name))
+
+
+def opus_ids(vocab_dir: str, tokenizer, cfg: TransformerConfig) -> dict | None:
+    """config.json's ids (OPUS-MT's) of a run that keeps its checkpoint's SentencePiece files
+    (`keep_vocabulary`; None where it keeps none), after checking that the run's vocabulary is
+    still the one they give (the same piece at every id); ValueError in one line otherwise."""
+    source = os.path.join(vocab_dir, SOURCE_SPM)
+    if not os.path.isfile(source):
+        return None
+    last = cfg.vocab_size - 2  # ours is one row longer (`opus_order`)
+    hf = dict(vocab_size=last + 1, pad_token_id=last, decoder_start_token_id=last,
+              eos_token_id=0)
+    kept = opus_vocabulary(source, os.path.join(vocab_dir, VOCAB_JSON), opus_order(hf))
+    if tokenizer is None or tokenizer.vocab_size != kept.vocab_size or any(
+            tokenizer.id_to_piece(i) != kept.id_to_piece(i) for i in range(kept.vocab_size)):
+        raise ValueError(f"{vocab_dir}: the run's vocabulary is no longer the one the imported "
+                         f"Marian's {SOURCE_SPM} and {VOCAB_JSON} there give: export a run "
+                         f"that keeps the imported vocabulary")
+    return hf | dict(forced_eos_token_id=0)
+
+
+def write_kept_vocabulary(vocab_dir: str, out_dir: str, hf: dict,
+                          cfg: TransformerConfig) -> dict:
+    """The imported Marian's files (`KEPT_FILES`, checked by `opus_ids`) copied to `out_dir`,
+    a `tokenizer_config.json` where the checkpoint had none; returns generation_config.json's
+    fields: OPUS-MT's ids, its pad never generated (`bad_words_ids`, as OPUS-MT's say)."""
+    for name in KEPT_FILES:
+        if os.path.isfile(os.path.join(vocab_dir, name)):
+            shutil.copyfile(os.path.join(vocab_dir, name), os.path.join(out_dir, name))
+    config = os.path.join(out_dir, TOKENIZER_CONFIG)
+    if not os.path.isfile(config):
+        with open(config, "w") as f:
+            json.dump({"tokenizer_class": "MarianTokenizer", "model_max_length": cfg.max_len,
+                       "separate_vocabs": False}, f, indent=2)
+    return {key: hf[key] for key in ("pad_token_id", "eos_token_id", "decoder_start_token_id",
+                                     "forced_eos_token_id")} | {
+        "bad_words_ids": [[hf["pad_token_id"]]]}
