@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from transformer.data.tokenizer import BOS_ID
 from transformer.model.blocks import (
+    HEALTH,
     ClassifierHead,
     DecoderBlock,
     EncoderBlock,
@@ -61,7 +62,7 @@ def _stack(block: type[nn.Module], cfg: TransformerConfig, num_layers: int, *,
                          static_argnums=(2 + args.index("deterministic"),))  # self is 0
     if cfg.scan_layers:
         in_axes = tuple(0 if arg in per_layer_args else nn.broadcast for arg in args)
-        block = nn.scan(block, variable_axes={"params": 0, COLLECTION: 0},
+        block = nn.scan(block, variable_axes={"params": 0, COLLECTION: 0, HEALTH: 0},
                         split_rngs={"params": True, "dropout": True}, in_axes=in_axes,
                         length=num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
     return block

@@ -22,7 +22,7 @@ from transformer.data import make_source
 from transformer.inference.runs import Run, open_run
 from transformer.inference.translator import from_run, require_translation
 from transformer.parallel import sharding
-from transformer.training import metrics, scores, train_state
+from transformer.training import health, metrics, scores, train_state
 from transformer.training.metrics import MetricWriter
 from transformer.util import atomic, progress
 
@@ -38,7 +38,7 @@ def evaluate(trainer, eval_step, params, source, rows, split="validation") -> di
                       show=jax.process_index() == 0) as bar:
         for local in source.eval_batches(split, rows):
             sums = jax.device_get(eval_step(params, train_state.global_batch(trainer.mesh, local)))
-            totals = {k: totals.get(k, 0.0) + float(v) for k, v in sums.items()}
+            totals = health.add_eval_sums(totals, sums)  # sums; the logit maxima: max
             bar.update()
     return train_state.eval_metrics(totals)
 

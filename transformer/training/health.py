@@ -7,6 +7,13 @@ the kind of its module (`KINDS`): `decoder/layers_3/attention`, `decoder/norms`,
 Train lines carry `grad_norm/<group>`, `param_norm/<group>` (the parameters the step started
 from) and `update_norm/<group>` (the optimizer's update, applied or not).
 
+Evaluation lines carry, per layer, `attention_logit_max/{stack}/layers_{i}/{self,cross}_attention`
+(the largest scaled q.k logit over heads, positions and the eval batches, where the attention
+materialises its scores) and `activation_rms/{stack}/layers_{i}` (the RMS of the block's output,
+the residual stream): `eval_sums` reads the model's `HEALTH` collection inside the eval step,
+`add_eval_sums` reduces over batches (max of maxima, sums of squares and counts) and
+`eval_figures` gives the line's keys.
+
 `group_squares` runs inside the jitted train step: one sum of squares per parameter (per layer
 for a scanned one) added up by group, so only a few scalars per group leave the device.
 `line_figures` turns them into the train line's keys on the host; `locate_nonfinite` names the
@@ -23,6 +30,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from transformer.model.blocks import HEALTH
 
 # The module kinds, in the order a layer's groups are listed.
 KINDS = ("attention", "feed_forward", "experts", "norms", "embeddings", "head")
@@ -137,3 +146,60 @@ def locate_nonfinite(loss: float, health: Mapping[str, Mapping[str, Any]] | None
     if group := first("update_norm"):
         return f"the update is first not finite in {group}"
     return "the loss, gradients and updates of every layer are finite: the global norm overflowed"
+
+
+# --------------------------------------------------------------------------- evaluation
+
+LOGIT_MAX = "attention_logit_max"
+_SQUARES = "activation_squares"
+_COUNT = "activation_count"
+_RECORDS = {"attention_logit_max": LOGIT_MAX, "residual_squares": _SQUARES,
+            "residual_count": _COUNT}
+
+
+def eval_sums(variables: Mapping[str, Any]) -> dict[str, jax.Array]:
+    """An eval batch's scalars from an apply's mutated `HEALTH` collection, a scanned stack's
+    [L] records split by layer index: `attention_logit_max/decoder/layers_3/self_attention`,
+    `activation_squares/decoder/layers_3` and `activation_count/...`. Runs inside jit."""
+    sums: dict[str, jax.Array] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(variables.get(HEALTH, {}))[0]:
+        keys = [k for k in _keys(path) if not k.startswith("[")]  # sow's tuple index out
+        record = _RECORDS[keys[-1]]
+        where = keys[:-1] if record == LOGIT_MAX else keys[:2]  # the block for the RMS
+        layers = ([(where, leaf)] if SCANNED not in where else
+                  [([f"layers_{i}" if k == SCANNED else k for k in where], leaf[i])
+                   for i in range(leaf.shape[0])])
+        for names, value in layers:
+            key = "/".join((record, *names))
+            if key in sums:
+                value = (jnp.maximum if record == LOGIT_MAX else jnp.add)(sums[key], value)
+            sums[key] = value
+    return sums
+
+
+def add_eval_sums(totals: Mapping[str, float], sums: Mapping[str, Any]) -> dict[str, float]:
+    """`totals` with one more eval batch's figures: the largest of the logit maxima, sums of
+    everything else (NLL, tokens, squares and counts)."""
+    added = dict(totals)
+    for key, value in sums.items():
+        value = float(value)
+        if key not in added:
+            added[key] = value
+        elif key.startswith(LOGIT_MAX + "/"):
+            added[key] = max(added[key], value)
+        else:
+            added[key] = added[key] + value
+    return added
+
+
+def eval_figures(totals: Mapping[str, float]) -> dict[str, float]:
+    """The eval line's health keys from summed totals: `attention_logit_max/...` as is and
+    `activation_rms/{stack}/layers_{i}` = sqrt(summed squares / summed count), in model order."""
+    figures = {key: value for key, value in totals.items() if key.startswith(LOGIT_MAX + "/")}
+    for key, squares in totals.items():
+        if key.startswith(_SQUARES + "/"):
+            layer = key[len(_SQUARES) + 1:]
+            count = totals.get(f"{_COUNT}/{layer}", 0.0)
+            figures[f"activation_rms/{layer}"] = math.sqrt(squares / count) if count else 0.0
+    return dict(sorted(figures.items(),
+                       key=lambda item: group_order(item[0].split("/", 1)[1])))
