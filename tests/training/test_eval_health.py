@@ -184,3 +184,39 @@ def test_the_eval_step_returns_the_per_layer_figures(load_config):
           for kind in ("self_attention", "cross_attention"))}
     assert all(np.isfinite(v) for v in figures.values())
     assert jnp.isfinite(figures["loss"])
+
+
+def test_visualize_curves_draws_the_eval_figures_per_layer(tmp_path):
+    """`curves.layer_curves` reads the eval lines' keys; `plot_layer_health` draws a line per
+    layer in the "eval attention logit max: attention" and "eval activation RMS: residual"
+    panels, and no empty eval panels."""
+    import json
+
+    from transformer.training import curves
+    from transformer.util import plotting
+
+    lines = [{"step": s, "split": "train", "loss": 1.0, "grad_norm/decoder/layers_0/attention": 1.0}
+             for s in (10, 20)]
+    lines += [{"step": s, "split": "validation", "loss": 1.0,
+               "attention_logit_max/decoder/layers_0/self_attention": 1.0 * s,
+               "attention_logit_max/decoder/layers_0/cross_attention": -2.0,
+               "activation_rms/encoder/layers_0": 3.0, "activation_rms/decoder/layers_1": 4.0}
+              for s in (10, 20)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    layers = curves.layer_curves(curves.read_metrics(str(tmp_path)))
+    assert layers["attention_logit_max"] == {"attention": {
+        "decoder/layers_0 self": [(10, 10.0), (20, 20.0)],
+        "decoder/layers_0 cross": [(10, -2.0), (20, -2.0)]}}
+    assert list(layers["activation_rms"]["residual"]) == ["encoder/layers_0", "decoder/layers_1"]
+    plt = plotting.pyplot()
+    drawn = {}
+    close = plt.close
+    plt.close = lambda fig: drawn.update({ax.get_title(): ax for ax in fig.axes})
+    try:
+        plotting.plot_layer_health("run", layers, str(tmp_path / "layers.png"))
+    finally:
+        plt.close = close
+    assert [ln.get_label() for ln in drawn["eval activation RMS: residual"].get_lines()] == [
+        "encoder/layers_0", "decoder/layers_1"]
+    assert len(drawn["eval attention logit max: attention"].get_lines()) == 2
+    assert "eval activation RMS: attention" not in drawn  # empty eval panels left out

@@ -115,9 +115,10 @@ def test_evaluate_cli_with_average_prints_records_and_writes_the_same_figures(ru
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     (line,) = metrics_lines(workdir)[before:]
-    assert set(line) == {"step", "split", "loss", "perplexity", "bleu", "bleu_signature",
-                         "bleu_tok_compound", "bleu_num_sentences", "bleu_num_truncated",
-                         "checkpoint"}
+    assert {k for k in line if "/" not in k} == {  # and the per-layer eval health keys
+        "step", "split", "loss", "perplexity", "bleu", "bleu_signature", "bleu_tok_compound",
+        "bleu_num_sentences", "bleu_num_truncated", "checkpoint"}
+    assert "activation_rms/decoder/layers_0" in line
     # The average of params 2, 3 and 4 is recorded at the step it ends with, the latest.
     assert (line["step"], line["split"], line["checkpoint"]) == (4, "validation", "average3")
     assert line["perplexity"] == pytest.approx(math.exp(line["loss"]), rel=1e-6)

@@ -80,7 +80,10 @@ def layer_curves(curves: dict) -> dict[str, dict[str, dict[str, list[tuple[int, 
     """A run's per-layer health (`read_metrics`' train lines: `grad_norm/decoder/layers_3/
     attention` and the like, training/health.py) as `{quantity: {kind: {where: points}}}`,
     `where` the layer (`decoder/layers_3`), the stack (`decoder`) or "model", in model order.
-    Empty for a run that logged none."""
+    The eval lines' `attention_logit_max/decoder/layers_3/self_attention` (kind "attention",
+    where `decoder/layers_3 self`) and `activation_rms/decoder/layers_3` (kind "residual")
+    are added from the first split other than train that has them. Empty for a run that
+    logged none."""
     train = curves.get("train", {})
     keys = [key for key in train if key.split("/", 1)[0] in health.QUANTITIES and "/" in key]
     groups = sorted({key.split("/", 1)[1] for key in keys}, key=health.group_order)
@@ -91,4 +94,22 @@ def layer_curves(curves: dict) -> dict[str, dict[str, dict[str, list[tuple[int, 
             if points:
                 where, _, kind = group.rpartition("/")
                 found.setdefault(quantity, {}).setdefault(kind, {})[where or "model"] = points
-    return found
+    return found | _eval_layer_curves(curves)
+
+
+def _eval_layer_curves(curves: dict) -> dict[str, dict[str, dict[str, list]]]:
+    """`layer_curves`' eval quantities (`health.EVAL_QUANTITIES`) of one eval split."""
+    for split, by_metric in curves.items():
+        keys = [key for key in by_metric if key.split("/", 1)[0] in health.EVAL_QUANTITIES]
+        if split == "train" or not keys:
+            continue
+        found: dict[str, dict[str, dict[str, list]]] = {}
+        for key in sorted(keys, key=lambda k: health.group_order(k.split("/", 1)[1])):
+            quantity, layer = key.split("/", 1)
+            if quantity == health.LOGIT_MAX:  # {stack}/layers_i/{self,cross}_attention
+                layer, _, kind = layer.rpartition("/")
+                layer = f"{layer} {kind.removesuffix('_attention')}"
+            column = "attention" if quantity == health.LOGIT_MAX else "residual"
+            found.setdefault(quantity, {}).setdefault(column, {})[layer] = by_metric[key]
+        return found
+    return {}

@@ -151,6 +151,7 @@ def locate_nonfinite(loss: float, health: Mapping[str, Mapping[str, Any]] | None
 # --------------------------------------------------------------------------- evaluation
 
 LOGIT_MAX = "attention_logit_max"
+EVAL_QUANTITIES = (LOGIT_MAX, "activation_rms")  # an eval line's, each `<quantity>/<layer>...`
 _SQUARES = "activation_squares"
 _COUNT = "activation_count"
 _RECORDS = {"attention_logit_max": LOGIT_MAX, "residual_squares": _SQUARES,

@@ -217,14 +217,18 @@ def plot_curves(runs, out: str, x: str = "step") -> str:
 
 
 LAYER_QUANTITIES = (("grad_norm", "gradient norm"), ("param_norm", "parameter norm"),
-                    ("update_norm", "update norm"))
+                    ("update_norm", "update norm"),
+                    ("attention_logit_max", "eval attention logit max"),
+                    ("activation_rms", "eval activation RMS"))
+EVAL_LAYER_QUANTITIES = ("attention_logit_max", "activation_rms")  # drawn where recorded only
 
 
 def plot_layer_health(name: str, layers: dict, out: str, x: str = "step",
                       clock: tuple | None = None) -> str:
     """One run's per-layer health: a row per quantity (gradient, parameter, update norm), a
     column per module kind, a line per layer coloured from the first layer (dark) to the last
-    (light), the encoder's solid and the decoder's dashed; log scale. `layers` comes from
+    (light), the encoder's solid and the decoder's dashed; log scale. The eval rows (attention
+    logit maxima, linear scale; activation RMS) have panels only where recorded. `layers` from
     `training/curves.py`'s `layer_curves`, `clock` (for `x` "hours") from `collect`."""
     plt = pyplot()
     kinds = list(dict.fromkeys(kind for by_kind in layers.values() for kind in by_kind))
@@ -235,6 +239,9 @@ def plot_layer_health(name: str, layers: dict, out: str, x: str = "step",
     for (key, label), axes in zip(rows, grid, strict=True):
         for kind, ax in zip(kinds, axes, strict=True):
             lines = layers[key].get(kind, {})
+            if key in EVAL_LAYER_QUANTITIES and not lines:
+                ax.remove()
+                continue
             for index, (where, points) in enumerate(lines.items()):
                 steps, values = zip(*points, strict=True)
                 if x == "hours":
@@ -245,7 +252,7 @@ def plot_layer_health(name: str, layers: dict, out: str, x: str = "step",
             ax.set_title(f"{label}: {kind}", fontsize=9)
             ax.set_xlabel("step" if x == "step" else "hours of training (train steps only)")
             if ax.has_data():
-                ax.set_yscale("log")
+                ax.set_yscale("linear" if key == "attention_logit_max" else "log")
                 ax.legend(fontsize=6, ncol=2 if len(lines) > 8 else 1)
             else:
                 ax.text(0.5, 0.5, "none", ha="center", va="center", transform=ax.transAxes)
