@@ -12,7 +12,8 @@ import pytest
 
 from transformer.checkpoint.checkpointer import stack_layers
 from transformer.data import make_source
-from transformer.model.blocks import HEALTH, DecoderBlock, EncoderBlock, MultiHeadAttention
+from transformer.model.blocks import DecoderBlock, EncoderBlock, MultiHeadAttention
+from transformer.model.records import HEALTH
 from transformer.model.transformer import Transformer, TransformerConfig
 from transformer.parallel import sharding
 from transformer.training import health, train_state

@@ -10,14 +10,13 @@ share, `ClassifierHead` and `pool` a classifier's head. Shapes are written in th
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer.model import lora
+from transformer.model import lora, records
 from transformer.model.config import TransformerConfig
 from transformer.model.experts import MixtureOfExperts
 from transformer.ops import (
@@ -30,11 +29,6 @@ from transformer.ops import (
     ring,
     splash,
 )
-from transformer.ops.grouping import as_5d, group_queries
-
-# The collection of evaluation's per-layer health records (`training/health.py`): sown only
-# when an apply makes it mutable, so other applies compute nothing for it.
-HEALTH = "health"
 
 
 class Weights(nn.Module):
@@ -251,7 +245,6 @@ class MultiHeadAttention(nn.Module):
             kwargs["logit_softcap"] = cfg.attention_logit_softcap
         if bias is not None:
             kwargs["bias"] = bias
-        dense = False  # attention_fn ran (its "xla" implementation materialises the scores)
         if cache is not None:  # k, v [B, K, S, H]
             y = attention.cache_attention(q, k, v, mask=mask, **kwargs)
         elif cache is None and not is_cross and ring.context_shards() > 1:
@@ -267,11 +260,7 @@ class MultiHeadAttention(nn.Module):
             y = self.attention_fn(
                 q, k, v, mask=mask, dropout_rate=0.0 if deterministic
                 else cfg.attention_dropout_rate, dropout_rng=dropout_rng, **kwargs)
-            dense = True
-        if dense and self.is_mutable_collection(HEALTH) and self._materialises_scores(
-                q, k, window, kwargs):
-            self.sow(HEALTH, "attention_logit_max", _logit_max(
-                q, k, mask, kwargs.get("scale"), window, kwargs.get("global_tokens", 0)))
+            records.sow_logit_max(self, q, k, mask, window, kwargs)  # eval's, where asked
         if self.is_mutable_collection("intermediates"):  # asked for: apply(mutable=[...])
             keys = k if cache is None else jnp.swapaxes(k, 1, 2)
             rows = q.shape[0] // keys.shape[0]  # W beams sharing their sentence's keys
@@ -299,23 +288,6 @@ class MultiHeadAttention(nn.Module):
             global_tokens=cfg.attention_global_tokens if window is not None else 0,
             segment_ids=segments, in_prefix=in_prefix,
             load_balanced=self.causal and cfg.context_load_balanced)
-
-    def _materialises_scores(self, q, k, window, kwargs) -> bool:
-        """Whether `attention_fn` ran here as "xla" (the [B, N, T, S] scores exist, so their
-        maximum costs a reduction): not a cache, the context-parallel ring, splash, "chunked"
-        or "cudnn", nor a caller's own `attention_fn`."""
-        cfg = self.config
-        if (self.attention_fn.func if isinstance(self.attention_fn, functools.partial)
-                else self.attention_fn) is not attention.dot_product_attention:
-            return False
-        if cfg.attention_logit_softcap is not None:
-            return True
-        implementation = cfg.dense_attention_implementation
-        if implementation == "auto":
-            implementation = attention.choose_implementation(
-                q, k, k, local_window_size=window,
-                global_tokens=kwargs.get("global_tokens", 0))
-        return implementation == "xla"
 
     def _runs_splash(self, q, k, is_cross, cache, in_prefix, deterministic) -> bool:
         """Whether `model.attention_implementation="splash"` runs the kernel here: training's
@@ -368,39 +340,6 @@ def _feed_forward(cfg: TransformerConfig, routed: bool, x, segments, determinist
     return y
 
 
-def _logit_max(q, k, mask, scale, window, global_tokens) -> jax.Array:
-    """The largest scaled attention logit q.k * scale (1/sqrt(d_k) unless `scale`) over the
-    unmasked (query, key) pairs of every head, float32: the same einsum as
-    `attention.attention_weights` (XLA computes it once), before any bias or soft cap."""
-    num_kv_heads = k.shape[2]
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    logits = jnp.einsum("BTKGH,BSKH->BKGTS", group_queries(q, num_kv_heads), k,
-                        preferred_element_type=jnp.float32) * scale
-    if window is not None:
-        mask = masks.combine_masks(mask, masks.make_local_mask(
-            jnp.arange(q.shape[1]), jnp.arange(k.shape[1]), window, global_tokens))
-    if mask is not None:
-        logits = jnp.where(as_5d(mask, num_kv_heads), logits, -jnp.inf)
-    return jnp.max(logits)
-
-
-def _sow_residual(module: nn.Module, x, segments) -> None:
-    """Records the block output's sum of squares and its count of values (the positions of
-    real tokens where `segments` is given, all positions otherwise, times D), for evaluation's
-    `activation_rms` (`training/health.py`). Nothing unless the apply asked for `HEALTH`."""
-    if not module.is_mutable_collection(HEALTH):
-        return
-    squares = jnp.square(x.astype(jnp.float32))
-    if segments is None:
-        count = jnp.asarray(x.size, jnp.float32)
-    else:
-        real = (segments != 0).astype(jnp.float32)[..., None]
-        squares = squares * real
-        count = real.sum() * x.shape[-1]
-    module.sow(HEALTH, "residual_squares", squares.sum())
-    module.sow(HEALTH, "residual_count", count)
-
-
 def _post_norm(cfg: TransformerConfig, sublayer: str) -> Norm | None:
     """`post_norm_<sublayer>`, the norm of a sublayer's output, where `post_sublayer_norm`."""
     return Norm(cfg, name=f"post_norm_{sublayer}") if cfg.post_sublayer_norm else None
@@ -447,7 +386,7 @@ class EncoderBlock(nn.Module):
         x = _residual(x, y, norm_attention, deterministic, _post_norm(cfg, "attention"))
         y = _feed_forward(cfg, self.routed, _pre_norm(x, norm_ffn), segments, deterministic)
         x = _residual(x, y, norm_ffn, deterministic, _post_norm(cfg, "ffn"))
-        _sow_residual(self, x, segments)
+        records.sow_residual(self, x, segments)
         return nn.with_logical_constraint(x, ("batch", "length", None)), None
 
 
@@ -491,7 +430,7 @@ class DecoderBlock(nn.Module):
         norm_ffn = Norm(cfg, name="norm_ffn")
         y = _feed_forward(cfg, self.routed, _pre_norm(x, norm_ffn), segments, deterministic)
         x = _residual(x, y, norm_ffn, deterministic, _post_norm(cfg, "ffn"))
-        _sow_residual(self, x, segments)
+        records.sow_residual(self, x, segments)
         x = nn.with_logical_constraint(x, ("batch", "length", None))
         return x, (new_cache if cache else None)
 

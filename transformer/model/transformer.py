@@ -28,7 +28,6 @@ import jax.numpy as jnp
 
 from transformer.data.tokenizer import BOS_ID
 from transformer.model.blocks import (
-    HEALTH,
     ClassifierHead,
     DecoderBlock,
     EncoderBlock,
@@ -39,6 +38,7 @@ from transformer.model.blocks import (
 )
 from transformer.model.config import REMAT_POLICIES, TransformerConfig
 from transformer.model.experts import COLLECTION
+from transformer.model.records import HEALTH
 from transformer.ops import attention, layers, linear_attention, masks, ring
 
 Cache = dict[str, Any]

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer.model.blocks import HEALTH
+from transformer.model.records import HEALTH
 
 # The module kinds, in the order a layer's groups are listed.
 KINDS = ("attention", "feed_forward", "experts", "norms", "embeddings", "head")

@@ -38,7 +38,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from transformer.config import Resolved, SpikeConfig, spike_config
-from transformer.model import blocks, experts, quantization
+from transformer.model import experts, quantization, records
 from transformer.model.transformer import Transformer, TransformerConfig
 from transformer.model.vit import VisionTransformer, mirror_averaged_logits
 from transformer.parallel import sharding
@@ -285,8 +285,7 @@ def classification_figures(logits: jax.Array, labels: jax.Array) -> dict[str, ja
 
 def _loss_sums(trainer: Trainer, params, batch, *, label_smoothing, z_loss, dropout_rng,
                grad_scale=1.0, with_health=False):
-    """(optim.LossSums, the routed layers' `experts.statistics`, {} for a dense model);
-    `with_health`: a third item, the batch's per-layer `health.eval_sums`."""
+    """(optim.LossSums, routed layers' `experts.statistics` or {}[, `health.eval_sums`])."""
     if "label" in batch:
         logits = classifier_logits(trainer, params, batch, dropout_rng)
         return classification_sums(logits, batch["label"], label_smoothing=label_smoothing,
@@ -302,9 +301,8 @@ def _loss_sums(trainer: Trainer, params, batch, *, label_smoothing, z_loss, drop
             {"params": params}, batch.get("inputs"), batch["targets"], **_model_kwargs(batch),
             deterministic=deterministic, method="output_head" if chunked else "__call__",
             rngs=None if deterministic else {"dropout": dropout_rng},
-            mutable=([experts.COLLECTION] if routed else [])
-            + ([blocks.HEALTH] if with_health else []) or False)
-        output, variables = output if routed or with_health else (output, {})
+            mutable=[experts.COLLECTION] * routed + [records.HEALTH] * with_health)
+        output, variables = output
         moe = experts.statistics(variables[experts.COLLECTION]) if routed else {}
         extra = (moe, health.eval_sums(variables)) if with_health else (moe,)
         if chunked:  # the kernel gathered over fsdp once, not in every chunk
@@ -447,8 +445,7 @@ def make_train_step(trainer: Trainer, cfg) -> Callable:
 def make_eval_step(trainer: Trainer) -> Callable:
     """`eval_step(params, batch [1, B, ...]) -> {"nll_sum", "tokens"}`: unsmoothed NLL sums.
     A classification batch adds "correct" and, with more than 10 classes, "top5_correct" (its
-    "tokens" are rows). A text model's adds its per-layer `health.eval_sums` (attention logit
-    maxima, activation squares and counts; reduce batches with `health.add_eval_sums`)."""
+    "tokens" are rows); a text model's its `health.eval_sums` (`health.add_eval_sums` adds)."""
 
     def eval_step(params, batch):
         batch = jax.tree.map(lambda x: x[0], batch)
@@ -490,14 +487,12 @@ def global_batch(mesh, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
 
 
 def eval_metrics(sums: dict) -> dict:
-    """Eval `loss` (NLL per target token), `perplexity` and the per-layer
-    `attention_logit_max/...` and `activation_rms/...` (`health.eval_figures`) from the
-    batches' figures reduced by `health.add_eval_sums`. A classifier's
+    """Eval `loss` (NLL per target token), `perplexity` and `health.eval_figures`. A classifier's
     sums (with "correct") give `loss` (NLL per row), `accuracy` (top-1 fraction) and, where
     summed (more than 10 classes), `top5_accuracy`. Perplexity means nothing there."""
     count = max(float(sums["tokens"]), 1.0)
     loss = float(sums["nll_sum"]) / count
-    if "correct" not in sums:  # with the per-layer health of `health.add_eval_sums`' totals
+    if "correct" not in sums:
         return {"loss": loss, "perplexity": perplexity(loss)} | health.eval_figures(sums)
     figures = {"loss": loss, "accuracy": float(sums["correct"]) / count}
     if "top5_correct" in sums:
