@@ -476,27 +476,37 @@ def test_a_marian_with_opus_mt_ids_imports_renumbered(tmp_path):
                               batch_size=1) == translations, beams
 
 
+def _fine_tuned_run(tmp_path, workdir, params):
+    """A run started from `workdir` (its init_from; the vocabulary copied as training copies
+    it) holding `params` moved by noise, every tensor: its workdir and parameters."""
+    from transformer.checkpoint import layout
+    from transformer.training import transfer
+
+    cfg = layout.load_config(workdir)
+    cfg.init_from = str(workdir)
+    tuned = jax.tree.map(lambda x: np.asarray(x) + np.random.default_rng(x.size).normal(
+        0, 0.05, x.shape).astype(np.float32), params)
+    out = params_run(tmp_path / "tuned_run", cfg, tuned)
+    transfer.copy_vocabulary(transfer.parse(str(workdir)), str(out), cfg.data.vocab_size)
+    return str(out), tuned
+
+
 def test_an_imported_opus_mt_marian_fine_tuned_exports_back(tmp_path):
     """An OPUS-MT Marian imported (its vocabulary renumbered to ours, its SentencePiece files
-    kept in vocab/) exports back bit-exact with OPUS-MT's ids; after an update here (every
-    tensor moved, our pad and BOS rows apart) the export, with the checkpoint's
-    `source.spm`, `target.spm` and `vocab.json`, loads in `MarianTokenizer` (the original's
-    ids) and `MarianMTModel` (our logits within ATOL: float32 in either order, as the
-    import's comparison). A run whose vocabulary no longer matches the kept files is refused
-    in one line before anything is written."""
+    kept in vocab/) exports back bit-exact with OPUS-MT's ids; a run fine-tuned from it
+    (init_from; every tensor moved, our pad and BOS rows apart) exports with the checkpoint's
+    `source.spm`, `target.spm` and `vocab.json` (found through init_from), which
+    `MarianTokenizer` loads (the original's ids), and `MarianMTModel` gives our logits within
+    ATOL (float32 in either order, as the import's comparison). A run whose vocabulary no
+    longer matches the kept files is refused in one line before anything is written."""
     hf_model, hf_dir, pad, _ = _opus_marian(tmp_path)
     workdir, run, params = _import(tmp_path, hf_dir)
     _check_round_trip(tmp_path, workdir, hf_dir, transformers.MarianMTModel)
-    noise = jax.tree.map(lambda x: np.random.default_rng(x.size).normal(0, 0.05, x.shape),
-                         params)
-    tuned = jax.tree.map(lambda x, n: np.asarray(x) + n.astype(np.float32), params, noise)
-    assert np.abs(tuned["embedding"]["embedding"][0] - tuned["embedding"]["embedding"][2]).max(
-    ) > 0.01
-    series = averaging.ParamsSeries(workdir, every_minutes=1.0, keep=2, use_async=False)
-    series.save(1, tuned)
-    series.close()
+    tuned_dir, tuned = _fine_tuned_run(tmp_path, workdir, params)
+    table = tuned["embedding"]["embedding"]
+    assert np.abs(table[0] - table[2]).max() > 0.01
     out = tmp_path / "tuned"
-    convert.export_workdir(workdir, str(out))
+    convert.export_workdir(tuned_dir, str(out))
     for name in (marian.SOURCE_SPM, marian.TARGET_SPM, marian.VOCAB_JSON):
         assert (out / name).read_bytes() == (hf_dir / name).read_bytes()
     original = transformers.MarianTokenizer.from_pretrained(str(hf_dir))
@@ -525,5 +535,5 @@ def test_an_imported_opus_mt_marian_fine_tuned_exports_back(tmp_path):
     vocab[first], vocab[second] = vocab[second], vocab[first]
     (tmp_path / "run" / "vocab" / marian.VOCAB_JSON).write_text(json.dumps(vocab))
     with pytest.raises(ValueError, match="no longer the one") as error:
-        convert.export_workdir(workdir, str(tmp_path / "refused"))
+        convert.export_workdir(tuned_dir, str(tmp_path / "refused"))
     assert "\n" not in str(error.value) and not (tmp_path / "refused").exists()

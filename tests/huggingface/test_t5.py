@@ -394,3 +394,44 @@ def test_what_t5_cannot_express_is_refused_on_export(tmp_path):
                                          "imate=False with activation='geglu'") as error:
         convert.export_workdir(workdir, str(tmp_path / "out"))
     assert "\n" not in str(error.value)
+
+
+def test_a_fine_tuned_spiece_t5_exports_its_spiece_model(tmp_path):
+    """A run fine-tuned (init_from; every tensor moved) from an imported spiece.model T5
+    exports the checkpoint's `spiece.model` (kept in the import's vocab/, found through
+    init_from), which T5Tokenizer reads as it read the original (the same ids), and a
+    T5ForConditionalGeneration with our logits within ATOL (float32 in either order, as the
+    import's comparison). A kept spiece.model that no longer gives the run's vocabulary is
+    refused in one line before anything is written."""
+    from sentencepiece import sentencepiece_model_pb2
+    from test_marian import _fine_tuned_run
+
+    hf_dir = tmp_path / "t5"
+    _, hf_tokenizer, _ = _spiece_dir(hf_dir)
+    workdir, run, params = _import(tmp_path, hf_dir)
+    tuned_dir, tuned = _fine_tuned_run(tmp_path, workdir, params)
+    out = tmp_path / "tuned"
+    convert.export_workdir(tuned_dir, str(out))
+    assert (out / t5.SPIECE_FILE).read_bytes() == (hf_dir / t5.SPIECE_FILE).read_bytes()
+    (out / tokenizer_lib.JSON_FILE).unlink()  # T5Tokenizer from spiece.model alone
+    exported = transformers.T5Tokenizer.from_pretrained(str(out))
+    expected = hf_tokenizer(SPIECE_SENTENCES)["input_ids"]
+    assert exported(SPIECE_SENTENCES)["input_ids"] == expected
+    reloaded = transformers.T5ForConditionalGeneration.from_pretrained(str(out)).eval()
+    width = max(map(len, expected))
+    inputs = np.array([ids + [0] * (width - len(ids)) for ids in expected])
+    targets = np.random.default_rng(0).integers(3, SPIECE_PIECES, (len(inputs), 7))
+    decoder_inputs = np.concatenate([np.zeros((len(inputs), 1), int), targets[:, :-1]], 1)
+    with torch.no_grad():
+        theirs = reloaded(input_ids=torch.tensor(inputs), attention_mask=torch.tensor(
+            inputs != 0), decoder_input_ids=torch.tensor(decoder_inputs)).logits.numpy()
+    ours = Transformer(run.model).apply({"params": tuned}, inputs.astype(np.int32),
+                                        targets.astype(np.int32))
+    np.testing.assert_allclose(np.asarray(ours), theirs, atol=ATOL, rtol=0)
+    kept = tmp_path / "run" / "vocab" / t5.SPIECE_FILE
+    proto = sentencepiece_model_pb2.ModelProto.FromString(kept.read_bytes())
+    proto.pieces[10].piece = "\u2581changed"
+    kept.write_bytes(proto.SerializeToString())
+    with pytest.raises(ValueError, match="no longer the one") as error:
+        convert.export_workdir(tuned_dir, str(tmp_path / "refused"))
+    assert "\n" not in str(error.value) and not (tmp_path / "refused").exists()

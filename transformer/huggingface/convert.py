@@ -48,7 +48,7 @@ from transformer.checkpoint import averaging, checkpointer, layout
 from transformer.config import resolve
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.data.tokenizer import MODEL_FILE
-from transformer.huggingface import adapters, families, marian, t5
+from transformer.huggingface import adapters, families, kept, marian, t5
 from transformer.huggingface.mapping import end_ids, generation_config
 from transformer.inference.runs import open_run
 from transformer.model import lora
@@ -364,8 +364,7 @@ def export_workdir(workdir: str, out_dir: str, *, step: int | None = None,
         model_cfg = dataclasses.replace(model_cfg, scale_embeddings=False)
     family = families.for_model(model_cfg, f"--workdir={workdir}")
     vocab_dir = layout.path(workdir, layout.VOCAB)
-    opus = (marian.opus_ids(vocab_dir, run.tokenizer, model_cfg)
-            if family is families.Marian else None)  # an imported OPUS-MT Marian's ids
+    kept_dir, opus = kept.checked(workdir, run.tokenizer, model_cfg, family)  # files to keep
     if max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes={max_shard_bytes} must be positive")
     params = run.params
@@ -406,14 +405,8 @@ def export_workdir(workdir: str, out_dir: str, *, step: int | None = None,
     with open(os.path.join(out_dir, HF_CONFIG), "w") as f:
         json.dump(hf_config, f, indent=2)
     vocab = tokenizer_lib.vocabulary_file(vocab_dir)
-    if opus:
-        generation = marian.write_kept_vocabulary(vocab_dir, out_dir, opus, model_cfg)
-        if len(run.tokenizer.eos_ids) > 1:
-            order = marian.opus_order(opus)
-            generation["eos_token_id"] = [int(order[i]) for i in run.tokenizer.eos_ids]
-        with open(os.path.join(out_dir, GENERATION_CONFIG), "w") as f:
-            json.dump(generation, f, indent=2)
-    elif run.tokenizer is not None and family is families.Marian:
+    kept.write(kept_dir, out_dir, opus, run.tokenizer, model_cfg)  # an OPUS-MT's, T5's
+    if run.tokenizer is not None and family is families.Marian and not opus:
         marian.write_vocabulary(vocab, out_dir, model_cfg)
     elif run.tokenizer is not None:
         name = TOKENIZER_MODEL if vocab.endswith(MODEL_FILE) else tokenizer_lib.JSON_FILE
@@ -426,9 +419,6 @@ def export_workdir(workdir: str, out_dir: str, *, step: int | None = None,
                                                  "forced_eos_token_id") if key in hf_config}
         with open(os.path.join(out_dir, GENERATION_CONFIG), "w") as f:
             json.dump(generation_config(model_cfg, ends) | start, f, indent=2)
-    if family is families.T5 and os.path.isfile(os.path.join(vocab_dir, t5.SPIECE_FILE)):
-        shutil.copyfile(os.path.join(vocab_dir, t5.SPIECE_FILE),
-                        os.path.join(out_dir, t5.SPIECE_FILE))
     return writer.path
 
 

@@ -37,6 +37,7 @@ dropout (an import sets ours to it; an export writes `model.dropout_rate`).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 from transformer.data.tokenizer import SENTINEL_PIECE, HuggingFaceTokenizer
@@ -224,3 +225,22 @@ def read_spiece(path: str, *, vocab_size: int, pad_id: int, eos_id: int, bos_id:
     return HuggingFaceTokenizer(tokenizer.to_str().encode("utf-8"), bos_id=bos_id,
                                 eos_id=eos_id, pad_id=pad_id, vocab_size=vocab_size,
                                 eos_ids=eos_ids)
+
+
+def check_spiece(vocab_dir: str, tokenizer) -> None:
+    """Where `vocab_dir` keeps the imported checkpoint's `spiece.model` (exported back as it
+    is), that the run's vocabulary is still the one it gives: the same piece at every id
+    (the sentinels included). ValueError in one line otherwise."""
+    path = os.path.join(vocab_dir, SPIECE_FILE)
+    if tokenizer is None or not os.path.isfile(path):
+        return
+    try:
+        kept = read_spiece(path, vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
+                           eos_id=tokenizer.eos_id, bos_id=tokenizer.bos_id)
+        same = kept.pieces == tokenizer.pieces and all(
+            kept.id_to_piece(i) == tokenizer.id_to_piece(i) for i in range(kept.pieces))
+    except ValueError:
+        same = False
+    if not same:
+        raise ValueError(f"{path}: the run's vocabulary is no longer the one this imported "
+                         f"{SPIECE_FILE} gives: export a run that keeps the imported vocabulary")
