@@ -530,6 +530,14 @@ def test_an_imported_opus_mt_marian_fine_tuned_exports_back(tmp_path):
         {"params": tuned}, to_ours[inputs].astype(np.int32), to_ours[targets].astype(np.int32)))
     real = [i for i in range(len(order)) if i not in (0, 2)]  # pad and BOS: Marian's pad
     np.testing.assert_allclose(ours[..., real], theirs[..., order[real]], atol=ATOL, rtol=0)
+    translator = transformer.load(tuned_dir)
+    for sentence in SOURCES:  # generate reads the ids and bad_words_ids the export wrote
+        batch = exported([sentence], return_tensors="pt")
+        with torch.no_grad():
+            tokens = reloaded.generate(**batch, num_beams=1, do_sample=False,
+                                       max_new_tokens=batch["input_ids"].shape[1] + 5)
+        assert translator.translate([sentence], beam_size=1, alpha=0.0, max_extra_length=5) == [
+            exported.decode(tokens[0], skip_special_tokens=True)]
     vocab = json.loads((tmp_path / "run" / "vocab" / marian.VOCAB_JSON).read_text())
     first, second = sorted(vocab, key=vocab.get)[5:7]
     vocab[first], vocab[second] = vocab[second], vocab[first]

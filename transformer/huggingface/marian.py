@@ -23,7 +23,9 @@ The token ids are ours (pad 0, decoder start = BOS 2, EOS 3: what the translator
 checkpoint with the OPUS-MT layout (EOS 0, pad = decoder start = the last id) is renumbered to
 ours on import (`opus_order`), another layout refused, naming the ids. The exported
 vocabulary is what `MarianTokenizer` reads: `source.spm` and `target.spm` (here one
-SentencePiece model, shared) and `vocab.json` (piece -> id, the model's own ids).
+SentencePiece model, shared) and `vocab.json` (piece -> id, the model's own ids). An
+imported OPUS-MT checkpoint's own files are kept in the run's vocab/ and written back with
+its ids (`keep_vocabulary`, `opus_ids`, `write_kept_vocabulary`; `huggingface/kept.py`).
 """
 
 from __future__ import annotations
