@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from transformer.checkpoint import faults
 from transformer.checkpoint.checkpointer import Checkpointer
 from transformer.config import SpikeConfig, resolve
 from transformer.data import make_source
@@ -219,3 +220,56 @@ class _Lines:
 def test_bad_spike_settings_are_one_line(spike_config, key, value, message):
     with pytest.raises(ValueError, match=message):
         resolve(spike_config(**{f"optimizer.{key}": value}), 1)
+
+
+def run_steps(step_fn, state, batch, count):
+    """`count` steps on `batch`: the states after each (fetched) and their metrics."""
+    states, logged = [], []
+    for _ in range(count):
+        state, metrics = step_fn(state, batch)
+        states.append(jax.device_get(state))
+        logged.append(jax.device_get(metrics))
+    return states, logged
+
+
+def test_an_injected_spike_is_skipped_with_skipping_on_and_applied_with_it_off(spike_config):
+    """`spike@N` (faults.injected_spikes) multiplies update N's loss by 1e3 inside the step: with
+    skip_spikes on (window 4, filled by updates 1-4) update 5 is skipped bit-identically; with it
+    off update 6 is applied and its loss jumps."""
+    cfg = spike_config()
+    trainer, _, batch, fresh = setup(cfg)
+    on = train_state.make_train_step(trainer, cfg, faults.Spikes(steps=(5,)))
+    on_states, on_metrics = run_steps(on, fresh, batch, 5)
+    assert [bool(m["spike_skipped"]) for m in on_metrics] == [False] * 4 + [True]
+    assert_identical(on_states[4].params, on_states[3].params)
+    assert_identical(on_states[4].opt_state, on_states[3].opt_state)
+
+    off_cfg = spike_config(**{"optimizer.skip_spikes": False})
+    plain, _, _, plain_fresh = setup(off_cfg)
+    off = train_state.make_train_step(plain, off_cfg, faults.Spikes(steps=(6,), factor=1e3))
+    off_states, off_metrics = run_steps(off, plain_fresh, batch, 6)
+    losses = [float(m["loss"]) for m in off_metrics]
+    # Update 5 unspiked here, spiked in the run above from the same parameters: the factor
+    # scales the logged loss (float32: a few roundings of 6e-8 each, and the two programs'
+    # fusions may sum in other orders: rtol 1e-5)
+    np.testing.assert_allclose(float(on_metrics[4]["loss"]), 1e3 * losses[4], rtol=1e-5)
+    assert losses[5] > 100 * losses[4] and not bool(off_metrics[5]["nonfinite"])
+    norms = [float(m["grad_norm"]) for m in off_metrics]  # the gradient spikes with the loss
+    assert norms[5] > 100 * max(norms[:5])
+    assert any((x != y).any() for x, y in zip(leaves(off_states[5].params),
+                                              leaves(off_states[4].params), strict=True))
+
+
+def test_the_spike_fault_setting_is_parsed_and_checked(monkeypatch):
+    monkeypatch.setenv(faults.FAULT_ENV, "spike@5,9*100;kill@7")
+    assert faults.injected_spikes() == faults.Spikes(steps=(5, 9), factor=100.0)
+    assert faults.injected_fault() == ("kill", 7)
+    monkeypatch.setenv(faults.FAULT_ENV, "spike@12")
+    assert faults.injected_spikes() == faults.Spikes(steps=(12,), factor=1e3)
+    assert faults.injected_fault() is None and faults.fault_injecting_path_class() is None
+    monkeypatch.delenv(faults.FAULT_ENV)
+    assert faults.injected_spikes() is None
+    for bad in ("spike@", "spike@5*x", "kill@5,6", "error@3;kill@4", "spike@1;spike@2"):
+        monkeypatch.setenv(faults.FAULT_ENV, bad)
+        with pytest.raises(ValueError, match="expected kill@<step>|one of kill"):
+            faults.injected_spikes()

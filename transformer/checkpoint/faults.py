@@ -7,11 +7,16 @@ written and before the rename that completes it; `enospc@<step>` makes that save
 `OSError(ENOSPC)` instead; `killafter@<step>` SIGKILLs right after the rename (the checkpoint is
 complete, the run has not gone on); `error@<step>` makes `train.py` fail with a ValueError just
 after update <step> (the training loop asks `step_fault`), as a process of a multi-process run
-does that stops on an error while the others go on.
+does that stops on an error while the others go on. `spike@<step>[,<step>...][*<factor>]`
+multiplies the loss of those updates by <factor> (default 1e3), and so their gradients, inside
+the jitted train step (`train_state.make_train_step`, given `injected_spikes()` by the loop): a
+loss spike tied to the step number, so a resumed run spikes the same updates. Several faults
+join with `;` (`spike@30,60;kill@45`), at most one of each kind.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -23,20 +28,55 @@ import orbax.checkpoint as ocp
 from transformer.checkpoint.layout import absolute
 
 FAULT_ENV = "TRANSFORMER_FAULT_INJECT"
-FAULTS = ("kill", "enospc", "killafter", "error")
+FAULTS = ("kill", "enospc", "killafter", "error", "spike")
+SPIKE_FACTOR = 1e3  # what `spike@N` multiplies update N's loss by
+_FORMS = ("expected kill@<step> or enospc@<step> (or killafter@<step>, error@<step>, "
+          "spike@<step>[,<step>...][*<factor>]; several joined by ';')")
+
+
+@dataclasses.dataclass(frozen=True)
+class Spikes:
+    """Injected loss spikes: the updates (1-based, as `state.step` after them) whose loss, and
+    so gradient, is multiplied by `factor`."""
+
+    steps: tuple[int, ...]
+    factor: float = SPIKE_FACTOR
+
+
+def _parsed() -> dict[str, tuple[tuple[int, ...], float]]:
+    """{fault: (steps, factor)} from `$TRANSFORMER_FAULT_INJECT`; ValueError naming the forms."""
+    spec = os.environ.get(FAULT_ENV)
+    found: dict[str, tuple[tuple[int, ...], float]] = {}
+    for part in (spec or "").split(";") if spec else ():
+        fault, _, where = part.strip().partition("@")
+        steps, star, factor = where.partition("*")
+        numbers = steps.split(",")
+        if (fault not in FAULTS or fault in found or not all(n.isdigit() for n in numbers)
+                or (fault != "spike" and (len(numbers) > 1 or star))):
+            raise ValueError(f"{FAULT_ENV}={spec!r}: {_FORMS}")
+        try:
+            scale = float(factor) if star else SPIKE_FACTOR
+        except ValueError:
+            raise ValueError(f"{FAULT_ENV}={spec!r}: {_FORMS}") from None
+        found[fault] = (tuple(int(n) for n in numbers), scale)
+    if len(set(found) - {"spike"}) > 1:
+        raise ValueError(f"{FAULT_ENV}={spec!r}: one of kill, enospc, killafter and error at a "
+                         f"time (spike@... may join it)")
+    return found
 
 
 def injected_fault() -> tuple[str, int] | None:
-    """(fault, step) from `$TRANSFORMER_FAULT_INJECT`, None when unset. A malformed value
-    raises ValueError naming the forms it takes."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return None
-    fault, _, step = spec.partition("@")
-    if fault not in FAULTS or not step.isdigit():
-        raise ValueError(f"{FAULT_ENV}={spec!r}: expected kill@<step> or enospc@<step> (or "
-                         f"killafter@<step>, error@<step>)")
-    return fault, int(step)
+    """(fault, step) of the process-level fault in `$TRANSFORMER_FAULT_INJECT` (kill, enospc,
+    killafter or error), None when there is none. A malformed value raises ValueError naming
+    the forms it takes."""
+    faults = [(fault, steps[0]) for fault, (steps, _) in _parsed().items() if fault != "spike"]
+    return faults[0] if faults else None
+
+
+def injected_spikes() -> Spikes | None:
+    """The `spike@...` part of `$TRANSFORMER_FAULT_INJECT`, None when there is none."""
+    spike = _parsed().get("spike")
+    return Spikes(*spike) if spike else None
 
 
 def step_fault(step: int) -> None:

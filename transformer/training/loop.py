@@ -242,7 +242,8 @@ def _train(cfg, workdir: str, config_file: str | None,
                            workers=int(cfg.data.get("workers") or 0))
     try:  # data.workers start up behind the compile
         with clock.timed("compile"):
-            train_step = _compile(train_state.make_train_step(trainer, cfg), "train step", state,
+            step_fn = train_state.make_train_step(trainer, cfg, faults.injected_spikes())
+            train_step = _compile(step_fn, "train step", state,
                                   train_state.global_batch(mesh, source.train_batch(0, rows)))
     except BaseException:
         batches.close()

@@ -37,6 +37,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from transformer.checkpoint import faults
 from transformer.config import Resolved, SpikeConfig, spike_config
 from transformer.model import experts, quantization, records
 from transformer.model.transformer import Transformer, TransformerConfig
@@ -326,9 +327,11 @@ MOE_METRICS = ("moe_aux_loss", "router_z_loss", "expert_load_max", "expert_load_
                "moe_dropped")
 
 
-def make_train_step(trainer: Trainer, cfg) -> Callable:
+def make_train_step(trainer: Trainer, cfg, injected: faults.Spikes | None = None) -> Callable:
     """`train_step(state, batch) -> (state, metrics)`, jitted with the state donated; `cfg` is
-    a `Resolved.config`.
+    a `Resolved.config`. `injected` (fault injection, `faults.injected_spikes()`): the loss of
+    those updates, and so their gradient, is multiplied by its factor (a traced factor chosen
+    by the state's step, so a resumed run spikes the same updates); None adds nothing.
 
     The loss is the sum over all devices and accumulation steps divided by the global count of
     target tokens in the loss (`loss_weights`), so accumulating A microbatches equals one batch
@@ -364,6 +367,10 @@ def make_train_step(trainer: Trainer, cfg) -> Callable:
         total_weight = jnp.maximum(loss_weights(batch).sum(), 1.0)
         step_rng = jax.random.fold_in(jax.random.key(seed), state.step + 1)
         scale = state.loss_scale.scale if scaled else 1.0
+        spiked = None  # an injected spike's factor on the loss (1 on other updates)
+        if injected is not None:
+            spiked = jnp.where(jnp.isin(state.step + 1, jnp.asarray(injected.steps)),
+                               jnp.float32(injected.factor), jnp.float32(1.0))
 
         def microbatch(grads_and_sums, xs):
             micro, index = xs
@@ -377,6 +384,8 @@ def make_train_step(trainer: Trainer, cfg) -> Callable:
                 if moe:  # the routers' losses, each microbatch's mean over its routed tokens
                     loss += (model.moe_aux_loss_coef * moe["moe_aux_loss"]
                              + model.moe_z_loss_coef * moe["router_z_loss"]) / num_micro
+                if spiked is not None:
+                    loss = loss * spiked
                 return (loss * scale if scaled else loss), (sums, moe)
 
             (_, (sums, moe)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
@@ -397,6 +406,8 @@ def make_train_step(trainer: Trainer, cfg) -> Callable:
         updates, opt_state = trainer.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         loss = loss_sum / total_weight
+        if spiked is not None:
+            loss = loss * spiked
         finite = (jnp.isfinite(loss) & jnp.isfinite(grad_norm)
                   & jnp.isfinite(optax.tree.norm(updates)))
         applied = finite
