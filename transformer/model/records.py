@@ -50,12 +50,17 @@ def _materialises_scores(module: nn.Module, q, k, window, kwargs) -> bool:
     return implementation == "xla"
 
 
+def _asked(module: nn.Module) -> bool:
+    """Whether this apply asked for `HEALTH`: `init` makes every collection mutable, so the
+    records would otherwise land in the initial variables beside the parameters."""
+    return module.is_mutable_collection(HEALTH) and not module.is_initializing()
+
+
 def sow_logit_max(module: nn.Module, q, k, mask, window, kwargs) -> None:
     """After `module.attention_fn` ran (not a cache, ring or splash): records `logit_max` as
     `attention_logit_max` where the scores exist. Nothing unless the apply asked for
     `HEALTH`."""
-    if module.is_mutable_collection(HEALTH) and _materialises_scores(module, q, k, window,
-                                                                      kwargs):
+    if _asked(module) and _materialises_scores(module, q, k, window, kwargs):
         module.sow(HEALTH, "attention_logit_max", logit_max(
             q, k, mask, kwargs.get("scale"), window, kwargs.get("global_tokens", 0)))
 
@@ -64,7 +69,7 @@ def sow_residual(module: nn.Module, x, segments) -> None:
     """Records the block output's sum of squares and its count of values (the positions of
     real tokens where `segments` is given, all positions otherwise, times D), for evaluation's
     `activation_rms`. Nothing unless the apply asked for `HEALTH`."""
-    if not module.is_mutable_collection(HEALTH):
+    if not _asked(module):
         return
     squares = jnp.square(x.astype(jnp.float32))
     if segments is None:
