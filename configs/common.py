@@ -186,6 +186,8 @@ def paper_config(*, size: str, target_lang: str, dropout_rate: float) -> config_
         # The later families' options, all off: the paper has none of them
         qkv_bias=False, logits_bias=False,  # Qwen2's q/k/v biases, Marian's final_logits_bias
         post_sublayer_norm=False, norm_scale_offset=0.0,  # Gemma 2's norms
+        qk_norm="none",  # Qwen3's, Gemma 3's and OLMo 2's q/k norms
+        rope_local_theta=config_dict.placeholder(float),  # Gemma 3's local layers' base
         attention_logit_softcap=config_dict.placeholder(float),  # Gemma 2's caps
         logits_softcap=config_dict.placeholder(float),
         attention_scale_dim=config_dict.placeholder(int),  # None: 1/sqrt(d_k), as the paper

@@ -6,7 +6,7 @@ import dataclasses
 import jax.numpy as jnp
 import pytest
 
-from transformer.config import resolve
+from transformer.config import LORA_KEYS, resolve
 from transformer.model.config import VISION_FIELDS
 from transformer.model.transformer import TransformerConfig
 from transformer.ops import masks
@@ -139,6 +139,7 @@ def test_paper_configs_build_the_paper_models(name, total, load_config):
     cfg = load_config(f"{name}.py")
     model = TransformerConfig.from_dict(cfg.model)
     text_fields = {f.name for f in dataclasses.fields(TransformerConfig)} - set(VISION_FIELDS)
+    text_fields -= set(LORA_KEYS)  # set in the `finetune` section, copied in by resolve
     assert text_fields == set(cfg.model)  # the paper's configs spell out every text setting
     assert model.vocab_size == cfg.data.vocab_size
     assert flops.param_counts(model)["total"] == total
