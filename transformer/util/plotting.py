@@ -252,7 +252,11 @@ def plot_layer_health(name: str, layers: dict, out: str, x: str = "step",
             ax.set_title(f"{label}: {kind}", fontsize=9)
             ax.set_xlabel("step" if x == "step" else "hours of training (train steps only)")
             if ax.has_data():
-                ax.set_yscale("linear" if key == "attention_logit_max" else "log")
+                # Log scale where some value is positive: a quantity that stayed zero (say
+                # the updates of a frozen group) is drawn on a linear axis.
+                positive = any(value > 0 for points in lines.values() for _, value in points)
+                logarithmic = key != "attention_logit_max" and positive
+                ax.set_yscale("log" if logarithmic else "linear")
                 ax.legend(fontsize=6, ncol=2 if len(lines) > 8 else 1)
             else:
                 ax.text(0.5, 0.5, "none", ha="center", va="center", transform=ax.transAxes)
