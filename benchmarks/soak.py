@@ -15,6 +15,9 @@ Faults, in a seeded mix (each kind once, in a shuffled order, before any kind tw
                    (with 2 processes: process 0's save fails, and both exit 1 at its next save)
   damaged          the latest complete checkpoint's state manifest truncated between two runs: the
                    next run moves it aside and resumes from the one before
+With --spikes=K, K loss spikes besides (spike@N: update N's loss and gradient x1e3) at seeded
+steps, injected in every run, the uninterrupted reference's too, with optimizer.skip_spikes on:
+each spiked update must be skipped in both, and a run resumed before one spikes it again.
 Each fault's outcome is checked (exit status, the checkpoint it leaves, the log line it must
 print). Anything unexpected is listed under "problems". One summary line is printed and the
 whole summary written as JSON (`--out`). The exit status is 0 when every check passed.
@@ -40,6 +43,20 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 KINDS = ("sigkill", "sigterm", "kill_in_save", "kill_after_save", "disk_full", "damaged")
 FAULT_ENV = "TRANSFORMER_FAULT_INJECT"  # transformer/checkpoint/faults.py (not imported: no jax)
+SPIKE_WINDOW = 10  # optimizer.spike_window with --spikes: spikes come after it fills
+# The runs' config with --spikes: configs/tiny.py with the spike-skipping keys, which it does
+# not declare (so --config.optimizer.skip_spikes=True cannot set them).
+SPIKE_CONFIG = f"""from configs.tiny import get_config as tiny
+
+
+def get_config():
+    cfg = tiny()
+    cfg.optimizer.skip_spikes = True
+    cfg.optimizer.spike_window = {SPIKE_WINDOW}
+    cfg.optimizer.spike_threshold = 6.0
+    cfg.optimizer.max_skipped_in_a_row = 10
+    return cfg
+"""
 
 
 class Soak:
@@ -47,10 +64,15 @@ class Soak:
 
     def __init__(self, workdir: pathlib.Path, *, steps: int, checkpoint_every: int,
                  log_every: int, eval_every: int, processes: int, devices: int,
-                 heartbeat: int, config: tuple[str, ...] = ()):
+                 heartbeat: int, config: tuple[str, ...] = (), spiked: tuple[int, ...] = ()):
         self.workdir, self.processes, self.devices = workdir, processes, devices
         self.checkpoint_every, self.runs, self.seconds = checkpoint_every, 0, 0.0
-        self.flags = ["--config=configs/tiny.py", f"--config.num_train_steps={steps}",
+        self.spikes = f"spike@{','.join(map(str, spiked))}" if spiked else ""
+        config_file = "configs/tiny.py"
+        if spiked:
+            config_file = workdir.parent / "spike_config.py"
+            config_file.write_text(SPIKE_CONFIG)
+        self.flags = [f"--config={config_file}", f"--config.num_train_steps={steps}",
                       f"--config.log_every_steps={log_every}",
                       f"--config.eval_every_steps={eval_every}",
                       f"--config.checkpoint_every_steps={checkpoint_every}",
@@ -64,8 +86,8 @@ class Soak:
         env = dict(os.environ, JAX_PLATFORMS="cpu",
                    XLA_FLAGS=f"--xla_force_host_platform_device_count={self.devices}")
         env.pop(FAULT_ENV, None)
-        if fault:
-            env[FAULT_ENV] = fault
+        if fault or self.spikes:  # the spikes in every run, with the process fault if any
+            env[FAULT_ENV] = ";".join(f for f in (self.spikes, fault) if f)
         command = [sys.executable, "train.py", f"--workdir={self.workdir}", *self.flags]
         if self.processes > 1:
             # No persistent compilation cache with several processes
@@ -271,6 +293,25 @@ class Faults:
                              f"resuming from {self.soak.workdir / 'checkpoints'}/{steps[-2]}\n"]
 
 
+def spike_steps(spikes: int, total: int, rng: random.Random) -> tuple[int, ...]:
+    """`spikes` distinct updates to spike, after the window fills and before the last 3."""
+    first, last = SPIKE_WINDOW + 2, total - 3
+    if spikes > last - first + 1:
+        raise app.UsageError(f"--spikes={spikes}: at most {max(0, last - first + 1)} fit in "
+                             f"{total} steps (from step {first} to {last}); raise --steps")
+    return tuple(sorted(rng.sample(range(first, last + 1), spikes)))
+
+
+def skipped_spikes(lines: list[dict], spiked: tuple[int, ...]) -> dict:
+    """Whether every spiked update's last train line says it was skipped, and the steps
+    skipped that were not spiked (judged spikes of the run's own)."""
+    skipped = {r["step"]: bool(r.get("spike_skipped")) for r in lines if r["split"] == "train"}
+    return {"spikes_skipped": all(skipped.get(s) for s in spiked),
+            "spikes_not_skipped": [s for s in spiked if not skipped.get(s)],
+            "other_steps_skipped": sorted(s for s, x in skipped.items()
+                                          if x and s not in spiked)}
+
+
 def compare(reference: list[dict], faulted: list[dict]) -> dict:
     """Every train loss of `faulted` (steps redone included) against the reference's, the
     sets of (step, split), and the last line per (step, split) field by field (timings
@@ -329,6 +370,9 @@ def define_flags() -> None:
     flags.DEFINE_integer("seed", 0, "Seed of the faults' kinds and moments.")
     flags.DEFINE_list("kinds", None, f"A subset of {', '.join(KINDS)} (default: all).")
     flags.register_validator("kinds", _known_kinds)
+    flags.DEFINE_integer("spikes", 0, "Loss spikes (spike@N) besides the faults, at seeded "
+                         "steps, in every run (the reference's too) with optimizer.skip_spikes "
+                         "on.", lower_bound=0)
     flags.DEFINE_integer("steps", None, "Train steps (default: 5 per fault + 20).")
     flags.DEFINE_integer("checkpoint_every", 5, "checkpoint_every_steps of the runs.",
                          lower_bound=1)
@@ -359,7 +403,8 @@ def main(argv: list[str]) -> int:
     common = dict(steps=total, checkpoint_every=args.checkpoint_every, log_every=args.log_every,
                   eval_every=args.eval_every, processes=args.processes,
                   devices=4 if args.processes > 1 else 2, heartbeat=args.heartbeat,
-                  config=tuple(args.config))
+                  config=tuple(args.config),
+                  spiked=spike_steps(args.spikes, total, random.Random(f"spikes {args.seed}")))
 
     reference = Soak(base / "reference", **common)
     codes = reference.wait(reference.start())
@@ -394,6 +439,16 @@ def main(argv: list[str]) -> int:
     figures = compare(reference.lines(), soak.lines())
     identical = params_identical(base / "faulted", base / "reference")
     delivered = collections.Counter(f["kind"] for f in faults.delivered)
+    spikes = {}
+    if common["spiked"]:
+        delivered["spike"] = len(common["spiked"])
+        spikes = {"spiked_steps": list(common["spiked"]),
+                  "reference": skipped_spikes(reference.lines(), common["spiked"]),
+                  "faulted": skipped_spikes(soak.lines(), common["spiked"])}
+        for run in ("reference", "faulted"):
+            if not spikes[run]["spikes_skipped"]:
+                faults.problems.append(f"{run}: spiked steps {spikes[run]['spikes_not_skipped']}"
+                                       f" were not skipped")
     summary = {
         "faults": sum(delivered.values()), "faults_by_kind": dict(sorted(delivered.items())),
         "processes": args.processes, "devices_per_process": common["devices"],
@@ -403,7 +458,7 @@ def main(argv: list[str]) -> int:
         "faulted_seconds": round(soak.seconds, 1),
         "seconds_lost_per_fault": round((soak.seconds - reference.seconds)
                                         / max(1, sum(delivered.values())), 1),
-        "final_params_bit_identical": identical, **figures,
+        "final_params_bit_identical": identical, **figures, **spikes,
         "problems": faults.problems, "fault_log": faults.delivered, "workdir": str(base),
     }
     summary["ok"] = bool(identical and figures["metric_steps_equal"]

@@ -218,7 +218,8 @@ def train_losses(workdir) -> dict[int, list[float]]:
 def test_a_short_soak_of_every_fault_kind_loses_nothing(tmp_path):
     """benchmarks/soak.py with 6 faults at seeded random moments, one of each kind (SIGKILL,
     SIGTERM, a kill inside an async save, a kill just after a save completes, a full disk, a
-    damaged latest checkpoint), each followed by a restart of the same train.py command; the
+    damaged latest checkpoint), each followed by a restart of the same train.py command, and 2
+    loss spikes (spike@N) in every run, the reference's too, skipped in both; the
     script checks each outcome (exit status, checkpoints, the log line each must print) and
     compares the faulted run with an uninterrupted one. The model has one layer each side (as
     test_multihost.COMMON): the faults and restarts are what is under test."""
@@ -227,13 +228,16 @@ def test_a_short_soak_of_every_fault_kind_loses_nothing(tmp_path):
         "model.num_encoder_layers=1", "model.num_decoder_layers=1", "model.d_model=32",
         "model.d_ff=64")]
     result = subprocess.run([sys.executable, "benchmarks/soak.py", "--faults=6", "--seed=9",
+                             "--spikes=2",
                              *shrink, f"--workdir={tmp_path / 'soak'}", f"--out={out}"],
                             cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert out.exists(), result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads(out.read_text())
     assert summary["problems"] == [], summary["fault_log"]
     assert summary["faults_by_kind"] == {kind: 1 for kind in (
-        "damaged", "disk_full", "kill_after_save", "kill_in_save", "sigkill", "sigterm")}
+        "damaged", "disk_full", "kill_after_save", "kill_in_save", "sigkill", "sigterm")} | {
+        "spike": 2}
+    assert summary["reference"]["spikes_skipped"] and summary["faulted"]["spikes_skipped"]
     assert summary["metric_steps_equal"], (summary["missing_lines"], summary["extra_lines"])
     # Every loss logged, including each step computed again after a fault, is the
     # reference's exactly, and the final parameters are bit for bit the same.
@@ -241,7 +245,7 @@ def test_a_short_soak_of_every_fault_kind_loses_nothing(tmp_path):
     assert summary["steps_recomputed"] > 0
     assert summary["final_params_bit_identical"]
     assert result.returncode == 0 and summary["ok"]
-    assert result.stdout.startswith("soak: 6 faults (damaged 1, disk_full 1, ")
+    assert result.stdout.startswith("soak: 8 faults (damaged 1, disk_full 1, ")
 
 
 @pytest.mark.slow
