@@ -39,6 +39,10 @@ EXPERTS_OFF = dict(num_experts=0, experts_per_token=2, moe_layer_interval=1,
 # Float matmuls (model.quantization "none"); the paper's configs and the language models hold
 # the keys, so that --config.model.quantization=int8 reaches them (docs/training.md).
 QUANTIZATION_OFF = dict(quantization="none", quantized_matmuls="attention,feed_forward,experts")
+# Loss-spike skipping off (docs/reliability.md); every config's optimizer holds the keys, so
+# that --config.optimizer.skip_spikes=True reaches it. The values are SpikeConfig's defaults.
+SPIKES_OFF = dict(skip_spikes=False, spike_window=100, spike_threshold=6.0,
+                  max_skipped_in_a_row=10)
 
 # The mesh axes, in the order of transformer/parallel/sharding.py. This module imports no JAX
 # (train.py sets up fake devices before JAX starts), so it names the axes itself, and
@@ -212,6 +216,7 @@ def paper_config(*, size: str, target_lang: str, dropout_rate: float) -> config_
         moments_dtype="float32",  # Adam's moments; "bfloat16" halves them
         loss_scale_initial=2**15,  # model.dtype=float16: dynamic loss scaling (NVIDIA AMP)
         loss_scale_period=2000,  # doubles after this many finite steps, halves on overflow
+        **SPIKES_OFF,
     ))
     cfg.distributed = config_dict.ConfigDict(dict(  # multi-process runs (train.py flags)
         initialization_timeout_seconds=300,  # waiting for all processes to join

@@ -106,5 +106,6 @@ def get_config(arg: str = "B/16"):
     cfg.num_train_steps = 300 * IMAGENET_TRAIN_IMAGES // 4096  # 300 epochs: 93,835 updates
     cfg.optimizer = config_dict.ConfigDict(dict(
         name="adamw", schedule="cosine", learning_rate=3e-3, warmup_steps=10_000,
-        end_fraction=0.0, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.3, clip_norm=1.0))
+        end_fraction=0.0, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.3, clip_norm=1.0,
+        **common.SPIKES_OFF))
     return cfg

@@ -21,7 +21,7 @@ Hardware, time and expected result: a 2-core CPU VM, 8.5-18.5 minutes for the 4,
 
 from ml_collections import config_dict
 
-from configs import vit
+from configs import common, vit
 
 
 def get_config():
@@ -43,5 +43,6 @@ def get_config():
     cfg.checkpoint_every_steps = 1000
     cfg.optimizer = config_dict.ConfigDict(dict(
         name="adamw", schedule="cosine", learning_rate=3e-3, warmup_steps=300,
-        end_fraction=0.0, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.05, clip_norm=1.0))
+        end_fraction=0.0, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.05, clip_norm=1.0,
+        **common.SPIKES_OFF))
     return cfg

@@ -11,7 +11,7 @@ from conftest import subprocess_env
 from ml_collections import ConfigDict
 
 from configs import common, holders
-from transformer.config import TOP_LEVEL, resolve
+from transformer.config import TOP_LEVEL, SpikeConfig, resolve, spike_config
 from transformer.model.transformer import TransformerConfig
 from transformer.parallel import sharding
 
@@ -70,6 +70,18 @@ def test_every_config_takes_data_workers_from_the_command_line(path, load_config
     cfg.lock()
     cfg.data.workers = 2
     assert resolve(cfg, POD_DEVICES.get(path, 1), config_file=path).config.data.workers == 2
+
+
+@pytest.mark.parametrize("path", [p for p in CONFIG_FILES if p.startswith("configs/")])
+def test_every_config_takes_spike_skipping_from_the_command_line(path, load_config):
+    """`--config.optimizer.skip_spikes=True` and its settings reach every config in configs/
+    (docs/reliability.md), with SpikeConfig's defaults until set."""
+    cfg = load_config(path)
+    cfg.lock()
+    cfg.optimizer.skip_spikes = True
+    cfg.optimizer.spike_threshold = 4.0
+    resolved = resolve(cfg, POD_DEVICES.get(path, 1), config_file=path).config
+    assert spike_config(resolved.optimizer) == SpikeConfig(threshold=4.0)
 
 
 CONFIGS = [p for p in CONFIG_FILES if p.startswith("configs/")]
