@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from transformer.checkpoint.layout import absolute
@@ -181,3 +182,12 @@ def quiet_failed_restores(directory: str) -> None:
     _add_once(logging.getLogger("asyncio"), _DropOrphanedReads(directory),
               lambda f: isinstance(f, _DropOrphanedReads)
               and f.directory == absolute(directory))
+
+
+def spike_factor(injected: Spikes | None, step):
+    """The factor on update `step`'s loss (traced): `injected.factor` on its spiked updates,
+    1 on the others, so a resumed run spikes the same updates. None when nothing is injected."""
+    if injected is None:
+        return None
+    return jnp.where(jnp.isin(step, jnp.asarray(injected.steps)), jnp.float32(injected.factor),
+                     jnp.float32(1.0))

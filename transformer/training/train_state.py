@@ -12,13 +12,11 @@ with in/out shardings and the state donated. Nothing in it reads host randomness
 Sequence batches ("targets", and "inputs" where there is a source) train the token loss. A
 batch with "label" [A, B] (an image classifier's "image" [A, B, H, W, C], a text classifier's
 "inputs" [A, B, S]) trains the classification loss over the logits [B, num_classes], rows
-labelled -1 (eval padding) left out.
-For a classifier every "token" counted (loss weights, throughput) is one labelled row.
+labelled -1 (eval padding) left out: every "token" counted is one labelled row.
 
-With `model.dtype=float16` the state is a `ScaledTrainState`: the dynamic loss scale
-(`optim.LossScaleState`) travels and is checkpointed with it. Other dtypes keep `TrainState`,
-whose checkpoints hold no loss scale. With `optimizer.skip_spikes` the state (`SpikeTrainState`,
-`ScaledSpikeTrainState`) adds the spike window (`spikes.SpikeWindow`) and its checkpoints hold it.
+With `model.dtype=float16` the state is a `ScaledTrainState`, its dynamic loss scale
+(`optim.LossScaleState`) checkpointed with it. With `optimizer.skip_spikes` the state
+(`SpikeTrainState`, `ScaledSpikeTrainState`) adds the spike window (`spikes.SpikeWindow`).
 """
 
 from __future__ import annotations
@@ -66,21 +64,18 @@ class TrainState:
 @flax.struct.dataclass
 class ScaledTrainState(TrainState):
     """A float16 run's state: the train state and its dynamic loss scale."""
-
     loss_scale: optim.LossScaleState
 
 
 @flax.struct.dataclass
 class SpikeTrainState(TrainState):
     """A run's state with `optimizer.skip_spikes`: the train state and its spike window."""
-
     spikes: spikes.SpikeWindow
 
 
 @flax.struct.dataclass
 class ScaledSpikeTrainState(ScaledTrainState):
     """A float16 run's state with `optimizer.skip_spikes`."""
-
     spikes: spikes.SpikeWindow
 
 
@@ -329,9 +324,7 @@ MOE_METRICS = ("moe_aux_loss", "router_z_loss", "expert_load_max", "expert_load_
 
 def make_train_step(trainer: Trainer, cfg, injected: faults.Spikes | None = None) -> Callable:
     """`train_step(state, batch) -> (state, metrics)`, jitted with the state donated; `cfg` is
-    a `Resolved.config`. `injected` (fault injection, `faults.injected_spikes()`): the loss of
-    those updates, and so their gradient, is multiplied by its factor (a traced factor chosen
-    by the state's step, so a resumed run spikes the same updates); None adds nothing.
+    a `Resolved.config`. `injected`: spikes put into the loss (`faults.spike_factor`).
 
     The loss is the sum over all devices and accumulation steps divided by the global count of
     target tokens in the loss (`loss_weights`), so accumulating A microbatches equals one batch
@@ -367,10 +360,7 @@ def make_train_step(trainer: Trainer, cfg, injected: faults.Spikes | None = None
         total_weight = jnp.maximum(loss_weights(batch).sum(), 1.0)
         step_rng = jax.random.fold_in(jax.random.key(seed), state.step + 1)
         scale = state.loss_scale.scale if scaled else 1.0
-        spiked = None  # an injected spike's factor on the loss (1 on other updates)
-        if injected is not None:
-            spiked = jnp.where(jnp.isin(state.step + 1, jnp.asarray(injected.steps)),
-                               jnp.float32(injected.factor), jnp.float32(1.0))
+        spiked = faults.spike_factor(injected, state.step + 1)  # None: nothing injected
 
         def microbatch(grads_and_sums, xs):
             micro, index = xs
@@ -422,8 +412,7 @@ def make_train_step(trainer: Trainer, cfg, injected: faults.Spikes | None = None
             lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(norms)))
         metrics = {"loss": loss, "z_loss": z_sum / total_weight, "grad_norm": grad_norm,
                    # The rate this update used: the schedule at the optimizer's count of
-                   # updates applied, which a skipped (non-finite) update leaves behind
-                   # state.step (train steps taken, each with its batch and dropout key).
+                   # applied updates, which a skipped update leaves behind state.step.
                    "learning_rate": trainer.schedule(
                        optax.tree.get(state.opt_state, "ScaleByScheduleState").count),
                    "target_tokens": total_weight,
