@@ -69,6 +69,17 @@ def _fused_experts(hf: str, ours: str) -> list[Tensors]:
                     lambda a: [a[0].transpose(0, 2, 1)], lambda a: [a[0].transpose(0, 2, 1)])]
 
 
+def _routed_mismatches(cfg: TransformerConfig, family: str) -> list[str]:
+    """What a routed family (Mixtral, Qwen3 MoE) wants beyond its keys: routed layers, and one
+    window in every layer."""
+    out = []
+    if not cfg.num_experts:
+        out.append("model.num_experts=0 (wants routed layers)")
+    if len({cfg.layer_window(i) for i in range(cfg.num_decoder_layers)}) > 1:
+        out.append(f"model.attention_pattern={cfg.attention_pattern!r} ({family}'s window "
+                   f"is in every layer)")
+    return out
+
 class Mixtral:
     """`MixtralForCausalLM`: Mistral's decoder (its window in every layer or none) with every
     feed-forward layer routed (docs/moe.md): the softmax (float32) of a router picks the top
@@ -106,12 +117,7 @@ class Mixtral:
                           scale_embeddings=False, num_experts=cfg.num_experts,
                           moe_layer_interval=1, moe_router_scores="softmax",
                           moe_renormalize=True, moe_shared_expert=False)
-        if not cfg.num_experts:
-            out.append("model.num_experts=0 (wants routed layers)")
-        if len({cfg.layer_window(i) for i in range(cfg.num_decoder_layers)}) > 1:
-            out.append(f"model.attention_pattern={cfg.attention_pattern!r} (Mixtral's window "
-                       f"is in every layer)")
-        return out
+        return out + _routed_mismatches(cfg, "Mixtral")
 
     @staticmethod
     def import_tensors(cfg: TransformerConfig, hf: dict, names: set[str]) -> list[Tensors]:
@@ -188,12 +194,7 @@ class Qwen3Moe:
                           norm_position="pre", activation="swiglu", use_bias=False,
                           scale_embeddings=False, num_experts=cfg.num_experts, qk_norm="head",
                           moe_router_scores="softmax", moe_shared_expert=False)
-        if not cfg.num_experts:
-            out.append("model.num_experts=0 (wants routed layers)")
-        if len({cfg.layer_window(i) for i in range(cfg.num_decoder_layers)}) > 1:
-            out.append(f"model.attention_pattern={cfg.attention_pattern!r} (Qwen3 MoE's window "
-                       f"is in every layer)")
-        return out
+        return out + _routed_mismatches(cfg, "Qwen3 MoE")
 
     @staticmethod
     def import_tensors(cfg: TransformerConfig, hf: dict, names: set[str]) -> list[Tensors]:
