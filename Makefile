@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml
 	  test -n "$$py" || { ./.ci/find_python --help-install >&2; exit 1; }; \
 	  echo "creating $(VENV) with $$py"; "$$py" -m venv $(VENV); }
 	$(BIN)/pip install --upgrade pip
-	$(BIN)/pip install -e ".[data,viz,test,docs,torch,tpu,quantize]"
+	$(BIN)/pip install -e ".[data,viz,test,docs,torch,tpu,quantize,eval]"
 	touch $(STAMP)
 
 lint: $(STAMP)
