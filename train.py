@@ -28,6 +28,8 @@ flags.DEFINE_integer("num_slices", 1, "With --topology: the number of slices (mu
 flags.DEFINE_bool("sweep", False, "With --topology: compile a grid of context splits, remat "
                   "policies and microbatch counts, drop what does not fit, rank the rest by "
                   "estimated step time.")
+flags.DEFINE_string("sweep_quantization", None, "With --sweep: model.quantization values to "
+                    "try at every point, e.g. none,int8 (default: the config's own).")
 flags.DEFINE_string("coordinator_address", None, "host:port of process 0, for clusters that "
                     "jax.distributed cannot detect.")
 flags.DEFINE_integer("num_processes", None, "Number of processes (with --coordinator_address).")
@@ -46,13 +48,14 @@ def _quiet_libraries():
 
 
 def _compile_for_topology(cfg, name: str, num_slices: int, config_file: str,
-                          sweep: bool = False):
+                          sweep: bool = False, sweep_quantization: str | None = None):
     """Compiles the train step for a TPU topology's abstract devices
     (`transformer/sizing/tpu.py`)."""
     from transformer.sizing import tpu
 
     try:
         topology = tpu.parse_topology(name, num_slices)
+        quantizations = tpu.sweep_quantizations(sweep_quantization)
     except ValueError as error:
         sys.exit(f"error: {error}")
     if not tpu.libtpu_installed():
@@ -65,7 +68,8 @@ def _compile_for_topology(cfg, name: str, num_slices: int, config_file: str,
         devices = tpu.abstract_devices(topology)
         run = resolve(cfg, len(devices), config_file=config_file, num_slices=num_slices)
         if sweep:
-            print(tpu.sweep_report(cfg, topology, devices, tpu.sweep_points(cfg, len(devices))))
+            print(tpu.sweep_report(cfg, topology, devices,
+                                   tpu.sweep_points(cfg, len(devices), quantizations)))
         else:
             print(tpu.compile_report(run, topology, devices))
 
@@ -134,11 +138,14 @@ def main(argv):
         with cli.one_line_errors():
             print(summarize(resolve(cfg, config_file=config_file)))
         return
+    if FLAGS.sweep_quantization is not None and not FLAGS.sweep:
+        sys.exit("error: --sweep_quantization goes with --sweep")
     if FLAGS.topology is not None or FLAGS["num_slices"].present or FLAGS.sweep:
         if not FLAGS.compile_only or FLAGS.mesh_devices is not None or FLAGS.topology is None:
             sys.exit("error: --topology (and --num_slices, --sweep) go with --compile_only, "
                      "without --mesh_devices")
-        _compile_for_topology(cfg, FLAGS.topology, FLAGS.num_slices, config_file, FLAGS.sweep)
+        _compile_for_topology(cfg, FLAGS.topology, FLAGS.num_slices, config_file, FLAGS.sweep,
+                              FLAGS.sweep_quantization)
         return
     if FLAGS.compile_only:
         _compile_only(cfg, FLAGS.mesh_devices, config_file)

@@ -25,7 +25,7 @@ from transformer.config import resolve
 from transformer.model.transformer import OutputHead, Transformer, TransformerConfig
 from transformer.ops import attention, expert_parallel, masks, moe, splash
 from transformer.parallel import sharding
-from transformer.sizing import batches, flops, memory, step_flops, tpu
+from transformer.sizing import batches, flops, memory, step_flops, step_time, tpu
 from transformer.training import optim, train_state
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -595,3 +595,59 @@ def test_step_estimate_adds_the_splash_kernels_flops_and_their_recomputation(lib
     assert estimate.unseen * peak == pytest.approx(4 * attention, rel=0.1)
     before = step_flops.step_flops_per_device(run.model, plan) - estimate.compiler_flops
     assert before < 0.5 * 4 * attention
+
+
+def test_int8_matmuls_counted_in_the_tpu_program_and_priced_at_the_int8_peak(libtpu,
+                                                                            load_config):
+    """`model.quantization=int8` (Qwix) on a 1-layer decoder compiled for v5e:2x2 (one TPU
+    compile): the compiled program holds the layer's 7 weight matmuls forward (q, k, v, out,
+    ff_in, ff_gate, ff_out) as s8 x s8 dots, the backward pass's in bfloat16 (Qwix's int8
+    training); their FLOPs per device are the by-hand count exactly (integers); and the
+    estimate takes them off the compute at the int8 peak, 393 TOP/s against 197 TFLOP/s."""
+    d, heads, kv_heads, d_k, d_ff = 128, 4, 2, 32, 256
+    cfg = load_config("lm_default.py", **{
+        "data.vocab_size": 256, "data.max_length": 64, "model.max_len": 64,
+        "model.num_decoder_layers": 1, "model.d_model": d, "model.d_ff": d_ff,
+        "model.num_heads": heads, "model.num_kv_heads": kv_heads, "model.scan_layers": False,
+        "model.dtype": "bfloat16", "model.attention_implementation": "xla",
+        "model.quantization": "int8", "data.batch_size": 8, "grad_accum_steps": 1,
+        "data.max_rows_per_device": 0})
+    with _tpu_compile():
+        topology = tpu.parse_topology("v5e:2x2")
+        devices = tpu.abstract_devices(topology)
+        run = resolve(cfg, len(devices))
+        plan = tpu._plan(run, sharding.make_mesh(run.config.mesh, devices), topology)
+    assert plan.int8_dots == 7
+    per_token = 2 * (d * heads * d_k + 2 * d * kv_heads * d_k + heads * d_k * d + 3 * d * d_ff)
+    assert plan.int8_flops == per_token * 8 * 64 / 4  # a device's 2 rows of 64 tokens
+    chip = topology.chip
+    assert (chip.device.peak_flops, chip.int8_ops) == (197e12, 393e12)
+    one = step_time.program_cost(plan.cost, chip.device.peak_flops,
+                                 chip.device.memory_bytes_per_s, plan.int8_flops)
+
+    def estimate(int8_peak):
+        return step_time.extrapolate(
+            one, one, [], chip.device.name, layers=1, microbatches=1, optimizer_seconds=0.0,
+            analytic_flops=0.0, recomputed_flops=0.0, peak_flops=chip.device.peak_flops,
+            int8_peak=int8_peak, int8_dots_=plan.int8_dots)
+
+    bf16, int8 = estimate(None), estimate(chip.int8_ops)
+    saved = plan.int8_flops * (1 / 197e12 - 1 / 393e12)
+    assert int8.int8_saved == pytest.approx(saved, rel=1e-12)  # float64 sums
+    assert bf16.compute - int8.compute == pytest.approx(saved, rel=1e-9)
+    line = step_time.describe(int8, 1.0, chip.device.peak_flops, chip.int8_ops)[-1]
+    assert line.startswith("int8 matmuls: 7 s8 x s8 dot(s) a step in the compiled program")
+    assert "priced at the int8 peak 393 TOP/s" in line
+
+
+def test_sweep_tries_each_quantization_at_every_point(load_config):
+    """`--sweep_quantization=none,int8` doubles the grid, each point with each value, and
+    names the value in its line; an unknown name is one line before any compile."""
+    cfg = load_config("lm_125m.py", **{"data.batch_size": 16, "data.max_rows_per_device": 1})
+    plain = tpu.sweep_points(cfg, 8)
+    both = tpu.sweep_points(cfg, 8, tpu.sweep_quantizations("none, int8"))
+    assert both == [{**p, "model.quantization": q} for p in plain for q in ("none", "int8")]
+    assert tpu.sweep_quantizations(None) == ()
+    with pytest.raises(ValueError, match=r"^--sweep_quantization names 'int4'; use a "
+                                         r"comma-separated list of none, int8, fp8$"):
+        tpu.sweep_quantizations("none,int4")

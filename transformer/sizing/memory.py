@@ -60,6 +60,8 @@ class MemoryPlan:
     cost: dict[str, float]  # the compiler's per-device flops, bytes accessed, optimal_seconds
     attention_implementation: str  # as compiled: "auto" on a TPU mesh is "splash"
     collectives: tuple = ()  # step_time.Collective of the compiled program
+    int8_flops: float = 0.0  # per device, its int8 matmuls' (step_time.int8_flops)
+    int8_dots: int = 0  # s8 x s8 matmuls a step runs (step_time.int8_dots)
 
     @property
     def analytic_total(self) -> int:
@@ -111,6 +113,7 @@ def plan(run: Resolved, mesh) -> MemoryPlan:
         // dict(mesh.shape).get(sharding.LENGTH_AXIS, 1),  # context splits every position
         "batch": device_bytes(batch),
     }
+    hlo = executable.as_text()
     compiled = {
         "arguments": stats.argument_size_in_bytes,
         "outputs": stats.output_size_in_bytes,
@@ -123,5 +126,6 @@ def plan(run: Resolved, mesh) -> MemoryPlan:
                       lowered_at - started, compiled_at - lowered_at, stats.peak_memory_in_bytes,
                       {key: float(cost.get(key, 0.0))
                        for key in ("flops", "bytes accessed", "optimal_seconds")},
-                      model.attention_implementation,
-                      tuple(step_time.collectives(executable.as_text())))
+                      model.attention_implementation, tuple(step_time.collectives(hlo)),
+                      step_time.int8_flops(lowered.as_text(), mesh.devices.size),
+                      step_time.int8_dots(hlo))

@@ -260,6 +260,46 @@ def collectives(hlo: str) -> list[Collective]:
     return list(found.values())
 
 
+_OPERANDS = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[", re.M)
+_DOT = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = \w+\[[\d,]*\]\S* (?:convolution|dot)\("
+                  r"%([\w.\-]+), %([\w.\-]+)\)", re.M)
+
+
+def int8_dots(hlo: str) -> int:
+    """How many int8 matmuls a step of a compiled program runs: its dots and convolutions (the
+    TPU compiler writes a matmul as a convolution) whose two operands are s8, each times the
+    runs of its computation (`_counts`: the loops' trips)."""
+    computations = _computations(hlo)
+    counts = _counts(computations)
+    found = 0
+    for name, lines in computations.items():
+        text = "\n".join(lines)
+        dtypes = dict(_OPERANDS.findall(text))
+        found += counts.get(name, 0) * sum(
+            1 for a, b in _DOT.findall(text) if dtypes.get(a) == dtypes.get(b) == "s8")
+    return found
+
+
+_DOT_GENERAL = re.compile(
+    r"stablehlo\.dot_general .*contracting_dims = \[([\d, ]*)\] x .*: "
+    r"\(tensor<([^>]*)>, tensor<([^>]*)>\) -> tensor<([^>]*)>")
+
+
+def int8_flops(stablehlo: str, num_devices: int) -> float:
+    """The FLOPs per device of the int8 matmuls in a lowered program's StableHLO
+    (`lowered.as_text()`): 2 x result elements x contracted size over the dot_generals of two
+    i8 operands, a loop's body counted once (as the cost model counts it), the program's
+    global shapes divided over its `num_devices` (every such matmul split over all of them)."""
+    total = 0
+    for contracting, lhs, rhs, result in _DOT_GENERAL.findall(stablehlo):
+        if not (lhs.endswith("xi8") and rhs.endswith("xi8")):
+            continue
+        lhs_shape = [int(n) for n in lhs.split("x")[:-1]]
+        contracted = math.prod(lhs_shape[int(d)] for d in contracting.split(",") if d.strip())
+        total += 2 * math.prod(int(n) for n in result.split("x")[:-1]) * contracted
+    return total / num_devices
+
+
 def communication_seconds(found: list[Collective], device_kind: str) -> float:
     return sum(c.seconds(device_kind) for c in found)
 
@@ -270,18 +310,20 @@ class ProgramCost:
 
     optimal_seconds: float
     flops: float
+    int8_flops: float = 0.0  # of `flops`, the int8 matmuls' (`int8_flops`)
 
 
 def program_cost(cost: dict[str, float], peak_flops: float,
-                 hbm_bytes_per_s: float) -> ProgramCost:
+                 hbm_bytes_per_s: float, int8_flops_: float = 0.0) -> ProgramCost:
     """A compiled program's figures: the cost model's `optimal_seconds` where it gives one,
     else (it gives a negative figure for some TPU programs) the program's roofline from the
-    compiler's own counts, max(FLOPs / peak, bytes accessed / HBM bandwidth)."""
+    compiler's own counts, max(FLOPs / peak, bytes accessed / HBM bandwidth); and the FLOPs of
+    its int8 matmuls, which both price at the bfloat16 peak (`extrapolate` reprices them)."""
     flops_ = cost.get("flops", 0.0)
     seconds = cost.get("optimal_seconds", 0.0)
     if seconds <= 0:
         seconds = max(flops_ / peak_flops, cost.get("bytes accessed", 0.0) / hbm_bytes_per_s)
-    return ProgramCost(seconds, flops_)
+    return ProgramCost(seconds, flops_, int8_flops_)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,6 +339,9 @@ class StepEstimate:
     compiler_flops: float
     layers: int
     microbatches: int
+    int8_flops: float = 0.0  # the int8 matmuls' FLOPs over the step (`extrapolate`)
+    int8_saved: float = 0.0  # seconds: those FLOPs at the int8 peak instead of bfloat16's
+    int8_dots: int = 0  # int8 matmuls a step of the step's own program runs (`int8_dots`)
 
     @property
     def seconds(self) -> float:
@@ -312,24 +357,35 @@ class StepEstimate:
 def extrapolate(one: ProgramCost, two: ProgramCost, found: list[Collective], device_kind: str,
                 *, layers: int, microbatches: int, optimizer_seconds: float,
                 analytic_flops: float, recomputed_flops: float,
-                peak_flops: float) -> StepEstimate:
+                peak_flops: float, int8_peak: float | None = None,
+                int8_dots_: int = 0) -> StepEstimate:
     """The step's estimate: its compute from the programs with 1 and 2 layers per stack and
     one microbatch, `layers` per stack, `microbatches` A, the optimizer's update counted once.
     The FLOPs the cost model leaves out, flops.py's per device (`analytic_flops`) and remat's
     recomputation (`recomputed_flops`) less the compiler's, at peak. Its communication from
-    `found`, the collectives of the step's own program (`collectives`)."""
+    `found`, the collectives of the step's own program (`collectives`).
+
+    The int8 matmuls' FLOPs (the programs' `int8_flops`, extrapolated alike) are priced at
+    `int8_peak` (ops/s; None: the bfloat16 peak): the TPU cost model prices an s8 x s8 matmul
+    as a bfloat16 one or slower (an 8192^3 product takes the same `optimal_seconds` on v5p, 6%
+    and 14% longer on v5e and v6e), so the compute loses int8 FLOPs x (1 / peak - 1 / int8
+    peak) and keeps that surplus.
+    `int8_dots_` (the step's own program's count) is carried for the report."""
 
     def whole(field: str) -> float:
         a = getattr(one, field)
         b = getattr(two, field)
         return microbatches * (a + (layers - 1) * (b - a))
 
-    compute = whole("optimal_seconds") - (microbatches - 1) * optimizer_seconds
+    int8 = whole("int8_flops")
+    saved = int8 * (1 / peak_flops - 1 / (int8_peak or peak_flops))
+    compute = whole("optimal_seconds") - (microbatches - 1) * optimizer_seconds - saved
     flops_ = whole("flops")
     return StepEstimate(compute, max(0.0, analytic_flops + recomputed_flops - flops_) / peak_flops,
                         recomputed_flops / peak_flops, communication_seconds(found, device_kind),
                         sum(c.count * c.bytes_per_device() for c in found),
-                        sum(c.count for c in found), flops_, layers, microbatches)
+                        sum(c.count for c in found), flops_, layers, microbatches, int8, saved,
+                        int8_dots_)
 
 
 def optimizer_seconds(param_bytes_per_device: int, hbm_bytes_per_s: float,
@@ -346,9 +402,16 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.4g} ms"
 
 
-def describe(estimate: StepEstimate, analytic_flops: float, peak_flops: float) -> list[str]:
-    """The report's lines: the estimate, its parts, and the MFU it implies."""
+def describe(estimate: StepEstimate, analytic_flops: float, peak_flops: float,
+             int8_peak: float | None = None) -> list[str]:
+    """The report's lines: the estimate, its parts, the MFU it implies (against the bfloat16
+    peak), and the int8 matmuls where there are any."""
     e = estimate
+    int8 = [f"int8 matmuls: {e.int8_dots} s8 x s8 dot(s) a step in the compiled program, "
+            f"{e.int8_flops:.4g} FLOPs per device = {e.int8_flops / max(e.compiler_flops, 1):.1%}"
+            f" of the compiler's, priced at the int8 peak {(int8_peak or peak_flops) / 1e12:.0f}"
+            f" TOP/s: {_ms(e.int8_saved)} less than at the bfloat16 peak"] \
+        if e.int8_dots or e.int8_flops else []
     return [
         f"step time estimate: {_ms(e.seconds)} = compute {_ms(e.compute)} (the compiler's cost "
         f"model over {e.layers} layer(s) x {e.microbatches} microbatch(es)) + {_ms(e.unseen)} "
@@ -360,7 +423,7 @@ def describe(estimate: StepEstimate, analytic_flops: float, peak_flops: float) -
         f"MFU estimate: {analytic_flops / (e.seconds * peak_flops):.1%} "
         f"({analytic_flops / (e.overlapped_seconds * peak_flops):.1%} with the communication "
         f"hidden; flops.py FLOPs / estimated time / peak)",
-    ]
+    ] + int8
 
 
 def group_sizes(found: list[Collective]) -> dict[str, list[int]]:

@@ -40,14 +40,20 @@ class Chip:
     cores_per_chip: int  # TensorCores; the number in a Cloud name counts these on v4/v5p
     megacore: bool
     dims: int  # 2: AxB slices, 3: AxBxC
+    int8_ops: float  # peak int8 matmul ops/s per device
 
 
-# Cloud TPU docs (cloud.google.com/tpu/docs/{v4,v5e,v5p,v6e}): HBM, peak bf16, HBM bandwidth.
+# Cloud TPU docs (cloud.google.com/tpu/docs/{v4,v5e,v5p,v6e}): HBM, peak bf16, HBM bandwidth,
+# peak int8 (v4: "bf16 or int8", one rate; v5e 393 and v6e 1836 TOP/s; v5p's page gives bf16
+# only, 918 TOP/s int8 is Google's announcement of it).
 CHIPS = {
-    "v4": Chip("v4", report.Accelerator("TPU v4", 32 * GiB, 275e12, 1200e9), 2, True, 3),
-    "v5p": Chip("v5", report.Accelerator("TPU v5", 95 * GiB, 459e12, 2765e9), 2, True, 3),
-    "v5e": Chip("v5e", report.Accelerator("TPU v5 lite", 16 * GB, 197e12, 819e9), 1, False, 2),
-    "v6e": Chip("v6e", report.Accelerator("TPU v6 lite", 32 * GB, 918e12, 1640e9), 1, False, 2),
+    "v4": Chip("v4", report.Accelerator("TPU v4", 32 * GiB, 275e12, 1200e9), 2, True, 3, 275e12),
+    "v5p": Chip("v5", report.Accelerator("TPU v5", 95 * GiB, 459e12, 2765e9), 2, True, 3,
+                918e12),
+    "v5e": Chip("v5e", report.Accelerator("TPU v5 lite", 16 * GB, 197e12, 819e9), 1, False, 2,
+                393e12),
+    "v6e": Chip("v6e", report.Accelerator("TPU v6 lite", 32 * GB, 918e12, 1640e9), 1, False, 2,
+                1836e12),
 }
 ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "v6": "v6e"}
 # Cloud TPU's slice shape for each chip count (the same table as MaxText's).
@@ -160,7 +166,7 @@ def compile_report(run: Resolved, topology: Topology, devices) -> str:
     analytic = step_flops.step_flops_per_device(run.model, memory_plan)
     device = topology.chip.device
     lines = report.format_report(run.model, memory_plan, device, step_time.describe(
-        estimate, analytic, device.peak_flops))
+        estimate, analytic, device.peak_flops, topology.chip.int8_ops))
     return f"{header}\n{lines}"
 
 
@@ -194,7 +200,7 @@ def step_estimate(run: Resolved, topology: Topology, devices,
         variant = layer_variant(run, depth, len(devices), topology.num_slices)
         variant_plan = _plan(variant, mesh, topology)
         costs.append(step_time.program_cost(variant_plan.cost, device.peak_flops,
-                                            device.memory_bytes_per_s))
+                                            device.memory_bytes_per_s, variant_plan.int8_flops))
     return step_time.extrapolate(
         *costs, list(memory_plan.collectives), device.name, layers=layers,
         microbatches=int(run.config.grad_accum_steps),
@@ -203,7 +209,8 @@ def step_estimate(run: Resolved, topology: Topology, devices,
             memory_plan.analytic["optimizer_state"]),
         analytic_flops=step_flops.step_flops_per_device(model, memory_plan),
         recomputed_flops=step_flops.remat_flops(model, memory_plan),
-        peak_flops=device.peak_flops)
+        peak_flops=device.peak_flops, int8_peak=topology.chip.int8_ops,
+        int8_dots_=memory_plan.int8_dots)
 
 
 class DoesNotFit(ValueError):
@@ -253,14 +260,32 @@ def sweep_microbatches(cfg, num_devices: int, context: int) -> list[int]:
     return counts
 
 
-def sweep_points(cfg, num_devices: int) -> list[dict[str, object]]:
+def sweep_quantizations(value: str | None) -> tuple[str, ...]:
+    """`--sweep_quantization` ("none,int8") as a tuple of `model.quantization` values; None
+    or "" is () (the config's own). ValueError (one line) for a name that is not one."""
+    from transformer.model import quantization
+
+    names = tuple(name.strip() for name in (value or "").split(",") if name.strip())
+    for name in names:
+        if name not in quantization.QUANTIZATIONS:
+            raise ValueError(f"--sweep_quantization names {name!r}; use a comma-separated list "
+                             f"of {', '.join(quantization.QUANTIZATIONS)}")
+    return names
+
+
+def sweep_points(cfg, num_devices: int,
+                 quantizations: tuple[str, ...] = ()) -> list[dict[str, object]]:
     """The default grid: for each split of the positions over `context` in SWEEP_CONTEXTS
     that divides the devices, the rest of the devices as FSDP, under each remat policy in
-    SWEEP_REMAT, at each of `sweep_microbatches`, fewest last."""
-    return [{"mesh.data": 1, "mesh.fsdp": num_devices // c, "mesh.context": c,
-             "mesh.tensor": 1, "model.remat_policy": remat, "grad_accum_steps": a}
-            for c in SWEEP_CONTEXTS if num_devices % c == 0 for remat in SWEEP_REMAT
-            for a in sweep_microbatches(cfg, num_devices, c)]
+    SWEEP_REMAT, at each of `sweep_microbatches`, fewest last; with `quantizations`
+    (`model.quantization` values), each point once with each."""
+    points = [{"mesh.data": 1, "mesh.fsdp": num_devices // c, "mesh.context": c,
+               "mesh.tensor": 1, "model.remat_policy": remat, "grad_accum_steps": a}
+              for c in SWEEP_CONTEXTS if num_devices % c == 0 for remat in SWEEP_REMAT
+              for a in sweep_microbatches(cfg, num_devices, c)]
+    if not quantizations:
+        return points
+    return [{**point, "model.quantization": q} for point in points for q in quantizations]
 
 
 def sweep_report(cfg, topology: Topology, devices, points: list[dict[str, object]]) -> str:
@@ -300,6 +325,8 @@ def _sweep_point(cfg, topology: Topology, devices, overrides: dict[str, object],
     label = (f"data {point.mesh.data} fsdp {point.mesh.fsdp} context "
              f"{point.mesh.context} tensor {point.mesh.tensor}, remat "
              f"{point.model.remat_policy}")
+    if "model.quantization" in overrides:
+        label += f", {point.model.quantization}"
     if "grad_accum_steps" in overrides:
         label += f", {point.grad_accum_steps} microbatch(es)"
     rest = {k: v for k, v in overrides.items() if k != "grad_accum_steps"}
