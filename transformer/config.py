@@ -69,6 +69,7 @@ TOP_LEVEL: dict[str, tuple[type | tuple[type, ...], object]] = {
 }
 # The `finetune` section's adapters (model/lora.py), copied into the model config's fields.
 LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
+DPO_BETA = 0.1  # finetune.dpo_beta's default, trl's (training/dpo.py)
 # The sections beside them and the keys each may hold: the model's fields, the mesh axes, any
 # data source's keys, and what optim.make_optimizer, the Translator (decode), the Generator
 # (generate) and distributed.initialize read.
@@ -87,7 +88,7 @@ SECTIONS: dict[str, frozenset[str]] = {
     "generate": frozenset({"max_new_tokens", "temperature", "top_k", "top_p"}),
     "distributed": frozenset({"initialization_timeout_seconds", "heartbeat_timeout_seconds"}),
     "metrics": frozenset({"tracker"}),  # util/trackers.py; no section: "tensorboard"
-    "finetune": frozenset(LORA_KEYS),  # model/lora.py; no section: no adapters
+    "finetune": frozenset(LORA_KEYS) | {"dpo_beta"},  # model/lora.py; training/dpo.py
 }
 _KNOWN = frozenset(TOP_LEVEL) | frozenset(SECTIONS)
 _MODEL_TYPES = typing.get_type_hints(TransformerConfig)
@@ -129,7 +130,7 @@ def resolve(cfg: ConfigDict, num_devices: int | None = None, *,
 def finetune_fields(cfg: ConfigDict) -> dict:
     """The `finetune` section as `model.lora_*` fields (`lora_targets` a list or a
     comma-separated string)."""
-    fields = dict(cfg.get("finetune") or {})
+    fields = {k: v for k, v in (cfg.get("finetune") or {}).items() if k in LORA_KEYS}
     targets = fields.get("lora_targets")
     if targets is not None and not isinstance(targets, str):
         fields["lora_targets"] = ",".join(targets)
@@ -299,6 +300,20 @@ def _check_values(cfg: ConfigDict, model: TransformerConfig) -> None:
     if cfg.step_timeout_seconds < 0:
         raise ValueError(f"step_timeout_seconds={cfg.step_timeout_seconds} must be >= 0 (0: "
                          f"no timeout)")
+    _check_dpo(cfg, model)
     if cfg.loss_chunk_tokens < -1:
         raise ValueError(f"loss_chunk_tokens={cfg.loss_chunk_tokens} must be >= 0 (0: the logits "
                          f"whole), or -1 to size chunks by backend")
+
+
+def _check_dpo(cfg: ConfigDict, model: TransformerConfig) -> None:
+    """`data.objective="dpo"` (training/dpo.py): beta > 0 and a dense decoder, else one line."""
+    if cfg.data.get("objective") != "dpo":
+        return
+    beta = (cfg.get("finetune") or {}).get("dpo_beta", DPO_BETA)
+    if not isinstance(beta, (int, float)) or isinstance(beta, bool) or not beta > 0:
+        raise ValueError(f"finetune.dpo_beta={beta!r} must be a number > 0 (trl's default: "
+                         f"{DPO_BETA})")
+    if model.architecture != "decoder" or model.num_experts:
+        raise ValueError(f"data.objective='dpo' trains a dense decoder, not model.architecture="
+                         f"{model.architecture!r} with num_experts={model.num_experts}")

@@ -94,6 +94,10 @@ def make_source(cfg, workdir: str | None = None):
         from transformer.data import chat
 
         return chat.from_config(cfg, workdir)
+    if cfg.data.get("objective") == "dpo":  # preference pairs (data/preference.py)
+        from transformer.data import preference
+
+        return preference.from_config(cfg, workdir)
     if cfg.data.get("objective"):
         return language_model.from_config(cfg, workdir)
     if cfg.model.get("architecture") == "vision":

@@ -24,11 +24,11 @@ def batch_shapes(cfg) -> dict[str, tuple[int, ...]]:
     """The global train batch's keys and shapes [A, rows per microbatch, length], from the
     config alone (no dataset is read). `grad_accum_steps` must be resolved (>= 1).
 
-    Language-model configs (`data.objective` causal | prefix | sft | masked) and translation configs
-    use rows of `data.max_length`. The synthetic task's targets carry one more token (EOS).
-    Span corruption's targets are as long as one piece's noise and sentinels. Classifiers
-    have "label" [A, rows] beside "inputs" (text) or "image" [A, rows, image_size,
-    image_size, num_channels]."""
+    Language-model configs (`data.objective` causal | prefix | sft | dpo | masked) and
+    translation configs use rows of `data.max_length`. The synthetic task's targets carry one
+    more token (EOS). Span corruption's targets are as long as one piece's noise and
+    sentinels. Classifiers have "label" [A, rows] beside "inputs" (text) or "image" [A, rows,
+    image_size, image_size, num_channels]."""
     accum = int(cfg.grad_accum_steps)
     rows = int(cfg.data.batch_size) // accum
     if cfg.model.architecture == "vision":
@@ -37,10 +37,11 @@ def batch_shapes(cfg) -> dict[str, tuple[int, ...]]:
         return {"image": (accum, rows, side, side, channels), "label": (accum, rows)}
     length = int(cfg.data.max_length)
     objective = cfg.data.get("objective")
-    if objective in ("causal", "prefix", "sft"):
+    if objective in ("causal", "prefix", "sft", "dpo"):
         keys = ["targets", "targets_positions", "targets_segmentation"]
         keys += ["targets_prefix"] if objective == "prefix" else []
-        keys += ["targets_loss_mask"] if objective == "sft" else []  # the assistant's tokens
+        # sft: the assistant's tokens; dpo: the responses' (data/preference.py)
+        keys += ["targets_loss_mask"] if objective in ("sft", "dpo") else []
         return {k: (accum, rows, length) for k in keys}
     if objective == "masked":
         return {k: (accum, rows, length) for k in ("inputs", "inputs_positions",
@@ -53,7 +54,7 @@ def batch_shapes(cfg) -> dict[str, tuple[int, ...]]:
         return {"inputs": (accum, rows, length), "label": (accum, rows)}
     if objective is not None:
         raise ValueError(f"data.objective={objective!r} is not one of causal, prefix, sft, "
-                         f"masked, span_corruption, classification")
+                         f"dpo, masked, span_corruption, classification")
     if cfg.data.dataset == "synthetic":
         from transformer.data.synthetic import SyntheticTask
 

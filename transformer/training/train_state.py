@@ -41,7 +41,8 @@ from transformer.model import experts, quantization, records
 from transformer.model.transformer import Transformer, TransformerConfig
 from transformer.model.vit import VisionTransformer, mirror_averaged_logits
 from transformer.parallel import sharding
-from transformer.training import health, lora, optim, spikes
+from transformer.training import dpo, health, lora, optim, spikes
+from transformer.training.classification import classification_figures, classification_sums
 from transformer.training.scores import perplexity
 
 BATCH_KEYS = ("inputs", "targets", "inputs_positions", "targets_positions",
@@ -97,6 +98,8 @@ class Trainer:
     test_time_flip: bool = flax.struct.field(pytree_node=False, default=False)
     # optimizer.skip_spikes (else None): the spike window's settings.
     spikes: SpikeConfig | None = flax.struct.field(pytree_node=False, default=None)
+    # data.objective="dpo" (else 0): beta of dpo.py's loss over preference pairs
+    dpo_beta: float = flax.struct.field(pytree_node=False, default=0.0)
 
 
 def build_trainer(run: Resolved, mesh) -> Trainer:
@@ -110,6 +113,7 @@ def build_trainer(run: Resolved, mesh) -> Trainer:
     tx, schedule = optim.make_optimizer(cfg.optimizer, d_model=run.model.d_model,
                                         total_steps=cfg.num_train_steps)
     tx = lora.freeze_base(tx, run.model)  # finetune.lora_rank > 0: the adapters alone
+    tx = dpo.with_reference(tx, run.model) if dpo.beta(cfg) else tx  # its frozen copy
     loss_scale = (optim.loss_scale_config(cfg.optimizer) if run.model.dtype == "float16"
                   else None)
     spiking = spike_config(cfg.optimizer)
@@ -121,7 +125,8 @@ def build_trainer(run: Resolved, mesh) -> Trainer:
     return Trainer(model, tx, schedule, mesh, shardings, abstract,
                    loss_chunk_tokens=resolve_loss_chunk_tokens(cfg.loss_chunk_tokens),
                    loss_scale=loss_scale,
-                   test_time_flip=bool(cfg.data.get("test_time_flip")), spikes=spiking)
+                   test_time_flip=bool(cfg.data.get("test_time_flip")), spikes=spiking,
+                   dpo_beta=dpo.beta(cfg))
 
 
 def attention_for_mesh(model: TransformerConfig, mesh) -> TransformerConfig:
@@ -250,38 +255,13 @@ def classifier_logits(trainer: Trainer, params, batch: dict, dropout_rng) -> jax
     raise ValueError(f"a classification batch needs 'image' or 'inputs' (keys: {sorted(batch)})")
 
 
-def classification_sums(logits: jax.Array, labels: jax.Array, *, label_smoothing=0.0,
-                        z_loss=0.0) -> tuple[optim.LossSums, jax.Array, jax.Array]:
-    """logits [B, C], labels [B] int (-1: padding, left out) -> (the loss sums of
-    `optim.cross_entropy_loss`, the count of rows whose top-1 class is the label, the count
-    whose label is among the top 5)."""
-    weights = (labels >= 0).astype(jnp.float32)
-    targets = jnp.maximum(labels, 0)
-    sums = optim.cross_entropy_loss(logits, targets, weights, label_smoothing=label_smoothing,
-                                    z_loss=z_loss)
-    logits = logits.astype(jnp.float32)
-    target_logit = jnp.take_along_axis(logits, targets[:, None], axis=-1)
-    # the label's rank as `jax.lax.top_k` orders: higher logits first, ties by lower class
-    # index (so the uniform logits of the zero-initialised head rank class 0 first)
-    classes = jnp.arange(logits.shape[-1])
-    rank = jnp.sum((logits > target_logit)
-                   | ((logits == target_logit) & (classes < targets[:, None])), axis=-1)
-    correct = jnp.sum((rank == 0) * weights)
-    top5 = jnp.sum((rank < 5) * weights)
-    return sums, correct, top5
-
-
-def classification_figures(logits: jax.Array, labels: jax.Array) -> dict[str, jax.Array]:
-    """An eval step's sums for a classifier, logits [B, C] and labels [B] (-1: padding):
-    "nll_sum", "tokens" (rows), "correct" and, with more than 10 classes, "top5_correct"."""
-    sums, correct, top5 = classification_sums(logits, labels)
-    figures = {"nll_sum": sums.loss_sum, "tokens": sums.weight_sum, "correct": correct}
-    return figures | ({"top5_correct": top5} if logits.shape[-1] > 10 else {})
-
-
 def _loss_sums(trainer: Trainer, params, batch, *, label_smoothing, z_loss, dropout_rng,
-               grad_scale=1.0, with_health=False):
-    """(optim.LossSums, routed layers' `experts.statistics` or {}[, `health.eval_sums`])."""
+               grad_scale=1.0, with_health=False, reference=None):
+    """(optim.LossSums, routed layers' `experts.statistics` or {}[, `health.eval_sums`]).
+    DPO: (its loss summed over the pairs, the pairs), `dpo.figure_sums`."""
+    if trainer.dpo_beta:
+        sums = dpo.figure_sums(trainer, params, reference, batch, dropout_rng)
+        return optim.LossSums(sums.pop("loss"), sums.pop("pairs"), jnp.zeros(())), sums
     if "label" in batch:
         logits = classifier_logits(trainer, params, batch, dropout_rng)
         return classification_sums(logits, batch["label"], label_smoothing=label_smoothing,
@@ -357,7 +337,10 @@ def make_train_step(trainer: Trainer, cfg, injected: faults.Spikes | None = None
 
     def train_step(state: TrainState, batch: dict):
         num_micro = batch["label" if "label" in batch else "targets"].shape[0]
-        total_weight = jnp.maximum(loss_weights(batch).sum(), 1.0)
+        total_weight = jnp.maximum((dpo.pair_count(batch) if trainer.dpo_beta
+                                    else loss_weights(batch)).sum(), 1.0)
+        reference = dpo.reference(trainer, state.opt_state, state.params
+                                  ) if trainer.dpo_beta else None
         step_rng = jax.random.fold_in(jax.random.key(seed), state.step + 1)
         scale = state.loss_scale.scale if scaled else 1.0
         spiked = faults.spike_factor(injected, state.step + 1)  # None: nothing injected
@@ -369,9 +352,13 @@ def make_train_step(trainer: Trainer, cfg, injected: faults.Spikes | None = None
                 sums, moe = _loss_sums(trainer, params, micro, label_smoothing=label_smoothing,
                                        z_loss=z_loss,
                                        dropout_rng=jax.random.fold_in(step_rng, index),
-                                       grad_scale=scale / total_weight if scaled else 1.0)
+                                       grad_scale=scale / total_weight if scaled else 1.0,
+                                       reference=reference)
                 loss = sums.loss_sum / total_weight
-                if moe:  # the routers' losses, each microbatch's mean over its routed tokens
+                if trainer.dpo_beta:  # the pairs' figures, means over the update's pairs
+                    # once the scan below has divided each microbatch's by num_micro
+                    moe = {k: v / total_weight * num_micro for k, v in moe.items()}
+                elif moe:  # the routers' losses, each microbatch's mean over its routed tokens
                     loss += (model.moe_aux_loss_coef * moe["moe_aux_loss"]
                              + model.moe_z_loss_coef * moe["router_z_loss"]) / num_micro
                 if spiked is not None:
@@ -384,8 +371,8 @@ def make_train_step(trainer: Trainer, cfg, injected: faults.Spikes | None = None
                     acc_z + sums.z_loss_sum,
                     jax.tree.map(lambda a, m: a + m / num_micro, acc_moe, moe)), None
 
-        moe_zeros = {name: jnp.zeros((), jnp.float32) for name in MOE_METRICS
-                     } if model.num_experts else {}
+        moe_zeros = {name: jnp.zeros((), jnp.float32) for name in (
+            dpo.METRICS if trainer.dpo_beta else MOE_METRICS if model.num_experts else ())}
         zeros = (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros((), jnp.float32),
                  jnp.zeros((), jnp.float32), moe_zeros)
         (grads, loss_sum, z_sum, moe_sums), _ = jax.lax.scan(microbatch, zeros,
@@ -415,7 +402,7 @@ def make_train_step(trainer: Trainer, cfg, injected: faults.Spikes | None = None
                    # applied updates, which a skipped update leaves behind state.step.
                    "learning_rate": trainer.schedule(
                        optax.tree.get(state.opt_state, "ScaleByScheduleState").count),
-                   "target_tokens": total_weight,
+                   "target_tokens": jnp.maximum(loss_weights(batch).sum(), 1.0),
                    "sequence_tokens": sequence_tokens(trainer.model.config, batch),
                    "source_tokens": (batch["inputs"] != 0).sum() if "inputs" in batch else 0,
                    "nonfinite": ~finite, "health": group_norms, "health_logged": logged,
@@ -449,6 +436,8 @@ def make_eval_step(trainer: Trainer) -> Callable:
 
     def eval_step(params, batch):
         batch = jax.tree.map(lambda x: x[0], batch)
+        if trainer.dpo_beta:  # params: dpo.eval_params
+            return dpo.eval_sums(trainer, *params, batch)
         if "label" in batch:
             return classification_figures(classifier_logits(trainer, params, batch, None),
                                           batch["label"])
@@ -457,7 +446,7 @@ def make_eval_step(trainer: Trainer) -> Callable:
         return {"nll_sum": sums.loss_sum, "tokens": sums.weight_sum} | layers
 
     batch_sharding = NamedSharding(trainer.mesh, P(None, sharding.BATCH_AXES))
-    return jax.jit(eval_step, in_shardings=(trainer.state_shardings.params, batch_sharding),
+    return jax.jit(eval_step, in_shardings=(dpo.eval_shardings(trainer), batch_sharding),
                    out_shardings=sharding.replicated(trainer.mesh))
 
 
@@ -490,6 +479,8 @@ def eval_metrics(sums: dict) -> dict:
     """Eval `loss` (NLL per target token), `perplexity` and `health.eval_figures`. A classifier's
     sums (with "correct") give `loss` (NLL per row), `accuracy` (top-1 fraction) and, where
     summed (more than 10 classes), `top5_accuracy`. Perplexity means nothing there."""
+    if "pairs" in sums:  # DPO
+        return dpo.eval_figures(sums)
     count = max(float(sums["tokens"]), 1.0)
     loss = float(sums["nll_sum"]) / count
     if "correct" not in sums:
