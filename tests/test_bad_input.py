@@ -125,6 +125,22 @@ def test_init_from_that_is_not_a_run_is_one_line_before_any_work(run_workdir, tm
         assert "\n" not in str(error.value) and not workdir.exists()
 
 
+def test_a_read_only_local_tier_is_one_line_at_start(tmp_path):
+    """`checkpoint_local_dir` not writable: said before the data or a compile, not at the first
+    local save (a new workdir: nothing created)."""
+    readonly = tmp_path / "readonly"
+    readonly.mkdir()
+    readonly.chmod(0o500)
+    if os.access(readonly, os.W_OK):  # root writes anyway: sysfs refuses root too
+        readonly = pathlib.Path("/sys/transformer-local-tier")
+    workdir = tmp_path / "run"
+    with pytest.raises(ValueError) as error:
+        train_and_evaluate(tiny(checkpoint_local_dir=str(readonly / "local"),
+                                checkpoint_local_every_steps=1), str(workdir))
+    assert f"checkpoint_local_dir={readonly / 'local'} is not writable" in str(error.value)
+    assert "\n" not in str(error.value) and not workdir.exists()
+
+
 def test_checkpoints_of_another_model_name_the_parameter_and_both_shapes(run_workdir,
                                                                           tmp_path):
     # Checkpoints copied into a new workdir, trained with another d_ff than the config's.
