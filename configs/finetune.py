@@ -11,6 +11,14 @@ gives `model.*` (the checkpoint's special token ids included) and `data.vocab_si
 weight decay 0.1, clipped at 1), 50 warmup updates, cosine to 10% at update 500. Rows of 128
 tokens, 16 rows per update, float32. No dropout unless the checkpoint's config asks for it.
 The whole model trains unless `finetune.lora_rank` > 0 (LoRA adapters alone).
+
+Preference tuning (DPO, `transformer/training/dpo.py`) is the argument `<workdir>,dpo`: pairs
+in jsonl rows of prompt, chosen and rejected, the reference the pretrained weights, beta 0.1
+(`finetune.dpo_beta`), AdamW 5e-6 (no weight decay) with 10 warmup updates, 200 updates:
+
+    python train.py --config=configs/finetune.py:runs/gpt2,dpo --workdir=runs/gpt2_dpo \
+        --config.data.dataset=preference:pairs/train.jsonl \
+        --config.data.eval_dataset=preference:pairs/validation.jsonl
 """
 
 import json
@@ -22,6 +30,10 @@ from configs.lm_default import cpu_config
 
 
 def get_config(pretrained: str = ""):
+    pretrained, _, objective = pretrained.partition(",")
+    if objective not in ("", "dpo"):
+        raise ValueError(f"configs/finetune.py:{pretrained},{objective}: after the comma comes "
+                         f"'dpo' (preference tuning) or nothing")
     if not pretrained:
         raise ValueError("configs/finetune.py needs the pretrained run: "
                          "--config=configs/finetune.py:<workdir>")
@@ -41,4 +53,13 @@ def get_config(pretrained: str = ""):
     # PEFT adapter's run brings its own section
     cfg.finetune = config_dict.ConfigDict(recorded.get("finetune") or dict(
         lora_rank=0, lora_alpha=16.0, lora_dropout=0.0, lora_targets="query,value"))
+    cfg.finetune.dpo_beta = 0.1  # read where data.objective="dpo"
+    if objective == "dpo":
+        cfg.data.objective = "dpo"
+        cfg.data.dataset = cfg.data.eval_dataset = ""  # preference:<glob>, given by flags
+        cfg.num_train_steps = 200
+        cfg.optimizer.learning_rate = 5e-6
+        cfg.optimizer.warmup_steps = 10
+        cfg.optimizer.weight_decay = 0.0
+        cfg.eval_every_steps = cfg.checkpoint_every_steps = 50
     return cfg

@@ -99,7 +99,7 @@ def test_lora_reference_is_the_base_with_adapters_off(load_config):
         state, metrics = step(state, batch)
     sums = jax.device_get(evaluate(dpo.eval_params(trainer, state), batch))
     figures = train_state.eval_metrics(sums)
-    assert set(figures) == {"loss", *dpo.METRICS}
+    assert set(figures) == {"loss", "perplexity", *dpo.METRICS}
     assert figures["rewards/margins"] > 0.05 and figures["loss"] < math.log(2)
 
 
@@ -161,8 +161,8 @@ def test_loss_and_figures_equal_trls_dpo_trainer(tmp_path, load_config):
     for seed in (0, 1):  # the policy, the reference
         path = tmp_path / f"llama{seed}"
         config = transformers.LlamaConfig(
-            vocab_size=tokenizer.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            vocab_size=tokenizer.get_vocab_size(), hidden_size=32, intermediate_size=64,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
             initializer_range=0.2, pad_token_id=0, bos_token_id=2, eos_token_id=3)
         torch.manual_seed(seed)
         model = transformers.LlamaForCausalLM(config).eval()

@@ -30,6 +30,7 @@ from transformer.config import DPO_BETA
 from transformer.model import lora
 from transformer.model.config import TransformerConfig
 from transformer.parallel import sharding
+from transformer.training.scores import perplexity
 
 # The train and eval lines' figures, named as trl logs them
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
@@ -115,16 +116,20 @@ def figure_sums(trainer, params, reference, batch: dict, dropout_rng) -> dict[st
 
 
 def eval_figures(sums: dict) -> dict[str, float]:
-    """An eval line from summed `figure_sums`: `loss` and METRICS, means over the pairs."""
+    """An eval line from summed `eval_sums`: `loss` and METRICS, means over the pairs, and
+    `perplexity`, the policy's on the chosen responses' tokens."""
     count = max(float(sums["pairs"]), 1.0)
-    return {k: float(sums[k]) / count for k in ("loss", *METRICS)}
+    nll = -float(sums["logps/chosen"]) / max(float(sums.get("chosen_tokens", 0.0)), 1.0)
+    return {k: float(sums[k]) / count for k in ("loss", *METRICS)} | {
+        "perplexity": perplexity(nll)}
 
 
 # --------------------------------------------------------------------------- the reference
 
 class ReferenceState(NamedTuple):
     """The optimizer state of a full fine-tuning DPO run: the wrapped optimizer's and the
-    frozen reference params, `filled` once the first step has copied them in."""
+    frozen reference params, `filled` 1 once the first step has copied them in (an int32:
+    the checkpoint's checksums read no bool)."""
     inner: Any
     reference: Any
     filled: jax.Array
@@ -139,17 +144,17 @@ def with_reference(tx: optax.GradientTransformation,
 
     def init(params):
         return ReferenceState(tx.init(params), jax.tree.map(jnp.zeros_like, params),
-                              jnp.zeros((), bool))
+                              jnp.zeros((), jnp.int32))
 
     def update(updates, state, params=None):
         updates, inner = tx.update(updates, state.inner, params)
-        return updates, ReferenceState(inner, _stored(state, params), jnp.ones((), bool))
+        return updates, ReferenceState(inner, _stored(state, params), jnp.ones((), jnp.int32))
 
     return optax.GradientTransformation(init, update)
 
 
 def _stored(state: ReferenceState, params):
-    return jax.tree.map(lambda r, p: jnp.where(state.filled, r, p), state.reference, params)
+    return jax.tree.map(lambda r, p: jnp.where(state.filled > 0, r, p), state.reference, params)
 
 
 def reference(trainer, opt_state, params):
@@ -180,6 +185,7 @@ def eval_shardings(trainer):
 
 
 def eval_sums(trainer, params, stored, batch: dict) -> dict[str, jax.Array]:
-    """An eval step's `figure_sums` from `eval_params`."""
+    """An eval step's `figure_sums` from `eval_params`, and "chosen_tokens"."""
     ref = stored if stored is not None else reference(trainer, None, params)
-    return figure_sums(trainer, params, ref, batch, None)
+    chosen = (batch["targets_loss_mask"] != 0) & (batch["targets_segmentation"] % 2 == 1)
+    return figure_sums(trainer, params, ref, batch, None) | {"chosen_tokens": chosen.sum()}
