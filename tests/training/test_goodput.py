@@ -6,6 +6,7 @@ import logging
 
 import pytest
 
+from transformer.checkpoint import faults
 from transformer.checkpoint.checkpointer import Checkpointer
 from transformer.training import goodput, loop
 
@@ -47,6 +48,13 @@ def test_parts_are_timed_and_the_rest_is_steps():
     assert run["steps"] == 7.5 + 6.0
     assert resumed.summary().startswith(f"goodput {100 * 13.5 / 30:.1f}% of the run's 30.0 s")
     assert "this process 100.0% of 6.0 s" in resumed.summary()
+    figures = resumed.figures()  # a train line's keys
+    assert figures["goodput/run"] == 13.5 / 30 and figures["goodput/segment"] == 1.0
+    assert figures["goodput/segment_index"] == 1 and resumed.state()[goodput.SEGMENT] == 1
+    assert figures["goodput_seconds/restart"] == 4.0
+    assert figures["goodput_seconds/compile"] == 5.0
+    assert figures["goodput_segment_seconds/compile"] == 0.0
+    assert figures["goodput_segment_seconds/total"] == 6.0
 
 
 def test_recomputed_seconds_are_the_logged_steps_after_the_checkpoint(tmp_path):
@@ -62,21 +70,59 @@ def test_recomputed_seconds_are_the_logged_steps_after_the_checkpoint(tmp_path):
     assert goodput.recomputed_seconds(str(tmp_path / "none.jsonl"), 0) == 0.0
 
 
-def test_the_loop_saves_the_totals_and_says_goodput_at_exit(load_config, tmp_path, caplog):
+def train_lines(workdir) -> list[dict]:
+    return [r for r in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())
+            if r["split"] == "train"]
+
+
+def saved_totals(workdir, step: int) -> dict:
+    checkpointer = Checkpointer(str(workdir), keep=2)
+    data = checkpointer._manager.restore(step, args=_data_only())["data"]
+    checkpointer.close()
+    return data[goodput.STATE_KEY]
+
+
+def test_a_run_resumed_once_logs_carried_totals_and_the_lost_work(load_config, tmp_path,
+                                                                   monkeypatch, caplog):
+    """Segment 0 logs steps 1-3 and stops after update 4 (before its line); checkpoint 2 holds
+    its totals. Segment 1 resumes from 2: its lines carry those totals, count step 3's logged
+    time as lost to the restart and say segment 1; the exit line says goodput."""
     cfg = load_config("tiny.py", **{
         "data.batch_size": 16, "model.num_encoder_layers": 1, "model.num_decoder_layers": 1,
-        "num_train_steps": 2, "eval_every_steps": 0, "checkpoint_every_steps": 2})
+        "model.d_model": 32, "model.d_ff": 64, "num_train_steps": 4, "eval_every_steps": 0,
+        "log_every_steps": 1, "checkpoint_every_steps": 2})
+    monkeypatch.setenv(faults.FAULT_ENV, "error@4")
+    with pytest.raises(ValueError, match="injected fault after step 4"):
+        loop.train_and_evaluate(cfg, str(tmp_path))
+    monkeypatch.delenv(faults.FAULT_ENV)
+    first = train_lines(tmp_path)
+    assert [r["step"] for r in first] == [1, 2, 3]
+    for r in first:  # segment 0: the run is the segment
+        assert r["goodput/segment_index"] == 0 and r["goodput_seconds/restart"] == 0
+        assert r["goodput/run"] == r["goodput/segment"] and 0 < r["goodput/run"] < 1
+        assert r["goodput_seconds/compile"] > 0 and r["goodput_seconds/steps"] > 0
+    carried = saved_totals(tmp_path, 2)
+    assert set(carried) == {*goodput.PARTS, "steps", "total", goodput.SEGMENT}
+    assert carried[goodput.SEGMENT] == 0 and carried["compile"] > 0
+
     with caplog.at_level(logging.INFO, logger="transformer"):
         loop.train_and_evaluate(cfg, str(tmp_path))
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("goodput ")]
-    assert "compile" in line and "checkpoint" in line and "this process" in line
-    checkpointer = Checkpointer(str(tmp_path), keep=1)
-    data = checkpointer._manager.restore(2, args=_data_only())["data"]
-    checkpointer.close()
-    totals = data[goodput.STATE_KEY]
-    assert set(totals) == {*goodput.PARTS, "steps", "total"}
-    assert totals["compile"] > 0 and totals["steps"] > 0
-    assert totals["total"] >= sum(v for k, v in totals.items() if k != "total") - 1e-6
+    assert "compile" in line and "restart" in line and "this process" in line
+    resumed = train_lines(tmp_path)[3:]
+    assert [r["step"] for r in resumed] == [3, 4]
+    lost = 1 / first[2]["steps_per_sec"]  # step 3, computed again
+    for r in resumed:
+        assert r["goodput/segment_index"] == 1
+        assert r["goodput_seconds/restart"] == pytest.approx(lost, rel=1e-12)
+        assert r["goodput_segment_seconds/restart"] == 0
+        for part in (*goodput.PARTS, "steps", "total"):  # the run: carried plus the segment
+            extra = lost if part in ("restart", "total") else 0.0
+            assert r[f"goodput_seconds/{part}"] == pytest.approx(
+                carried[part] + extra + r[f"goodput_segment_seconds/{part}"], rel=1e-9), part
+        assert r["goodput/run"] == pytest.approx(
+            r["goodput_seconds/steps"] / r["goodput_seconds/total"], rel=1e-9)
+    assert saved_totals(tmp_path, 4)[goodput.SEGMENT] == 1
 
 
 def _data_only():

@@ -288,7 +288,7 @@ def _train(cfg, workdir: str, config_file: str | None,
             preempted = preemption.agreed(step, cfg.log_every_steps)
             if step % cfg.log_every_steps == 0 or step == total or preempted:
                 _flush(pending, progress, writer, step, total, flops_per_token, peak, cfg,
-                       last_saved)
+                       last_saved, clock.figures())
                 pending = []
             due_loss = _due(cfg.eval_every_steps, step, total)
             due_bleu = translator is not None and _due(cfg.bleu_every_steps, step, total)
@@ -313,12 +313,12 @@ def _train(cfg, workdir: str, config_file: str | None,
             if persistent or checkpointer.local_due(step):
                 if pending:  # the lines of every step the checkpoint covers come first
                     _flush(pending, progress, writer, step, total, flops_per_token, peak, cfg,
-                           last_saved)
+                           last_saved, clock.figures())
                     pending = []
                 with clock.timed("checkpoint"):
                     writer.sync()
                     checkpointer.save(step, state, {"next_batch_index": next_batch,
-                                                    STATE_KEY: clock.run()},
+                                                    STATE_KEY: clock.state()},
                                       persistent=persistent)
                 if persistent:
                     last_save_time = time.monotonic()
@@ -418,8 +418,10 @@ class LossSpikes(NonFiniteLoss):
     """`optimizer.max_skipped_in_a_row` updates in a row were skipped as loss spikes."""
 
 
-def _flush(pending, progress, writer, step, total, flops_per_token, peak, cfg, last_saved):
-    """Fetches the pending step metrics, writes one train line per step, logs progress."""
+def _flush(pending, progress, writer, step, total, flops_per_token, peak, cfg, last_saved,
+           goodput: dict | None = None):
+    """Fetches the pending step metrics, writes one train line per step (the last with the
+    `goodput` figures), logs progress."""
     fetched = jax.device_get([m for _, m in pending])
     tokens = sum(float(m["sequence_tokens"]) for m in fetched)
     progress.add_tokens(tokens)
@@ -453,5 +455,7 @@ def _flush(pending, progress, writer, step, total, flops_per_token, peak, cfg, l
         line |= {k: m[k] for k in train_state.SPIKE_METRICS if k in m}  # optimizer.skip_spikes
         if bool(m.get("health_logged", False)):
             line |= health.line_figures(m["health"])
+        if goodput and s == pending[-1][0]:
+            line |= goodput
         writer.write(s, "train", line)
     metrics.log_progress(step, total, fetched[-1] | window, progress.unit)
