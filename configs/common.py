@@ -47,11 +47,12 @@ SPIKES_OFF = dict(skip_spikes=False, spike_window=100, spike_threshold=6.0,
 # The mesh axes, in the order of transformer/parallel/sharding.py. This module imports no JAX
 # (train.py sets up fake devices before JAX starts), so it names the axes itself, and
 # tests/test_config.py checks them against sharding.CONFIG_KEYS.
-MESH_AXES = ("data", "fsdp", "context", "tensor", "expert")
+MESH_AXES = ("stage", "data", "fsdp", "context", "tensor", "expert")
 
 
 def mesh(**sizes: int) -> config_dict.ConfigDict:
-    """The `mesh` section of a config: each axis's size within a TPU slice, and across slices.
+    """The `mesh` section of a config: each axis's size within a TPU slice, and across slices,
+    and the pipeline stages' schedule.
 
     Unless `sizes` says otherwise, `data` takes the devices that the other axes leave (-1) and
     every other axis is 1. Across slices (the `dcn_` keys), data parallelism takes all the
@@ -62,6 +63,8 @@ def mesh(**sizes: int) -> config_dict.ConfigDict:
     for axis in MESH_AXES:
         section[f"dcn_{axis}"] = 1
     section["dcn_data"] = -1
+    # pipeline stages' schedule (read where mesh.stage > 1): repeats, microbatches (0: stages)
+    section.update(pipeline_repeats=1, pipeline_microbatches=0)
     unknown = sorted(set(sizes) - set(section))
     if unknown:
         raise ValueError(f"mesh(): unknown axes {unknown}; the keys are {sorted(section)}")

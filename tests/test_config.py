@@ -91,7 +91,8 @@ SPLITS_EXPERTS = {"configs/lm_moe.py", "configs/mixtral_8x7b.py"}
 def test_the_mesh_section_of_the_configs_is_the_meshs():
     """configs/common.py's `mesh()` holds every key that sharding reads, with its defaults."""
     section = common.mesh()
-    assert common.MESH_AXES == sharding.MESH_AXES + (sharding.EXPERT_AXIS,)
+    assert common.MESH_AXES == ((sharding.STAGE_AXIS,) + sharding.MESH_AXES
+                                + (sharding.EXPERT_AXIS,))
     assert set(section) == sharding.CONFIG_KEYS
     for key, default in {**sharding.MESH_DEFAULTS, **sharding.DCN_DEFAULTS}.items():
         assert section[key] == default
@@ -203,8 +204,9 @@ def test_a_key_names_the_configs_that_hold_it():
     ("learning_rate", 1e-3, "did you mean 'optimizer.learning_rate'?"),  # in the wrong place
     ("vocab_size", 64, "did you mean 'model.vocab_size' or 'data.vocab_size'?"),
     ("mesh.model", 2, "unknown config key 'mesh.model' in configs/typo.py; known: context, "
-                      "data, dcn_context, dcn_data, dcn_expert, dcn_fsdp, dcn_tensor, expert, "
-                      "fsdp, tensor"),
+                      "data, dcn_context, dcn_data, dcn_expert, dcn_fsdp, dcn_stage, "
+                      "dcn_tensor, expert, fsdp, pipeline_microbatches, pipeline_repeats, "
+                      "stage, tensor"),
 ])
 def test_unknown_config_keys_are_named_with_the_closest_known_key(key, value, message,
                                                                    tiny_config):

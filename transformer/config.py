@@ -74,7 +74,8 @@ DPO_BETA = 0.1  # finetune.dpo_beta's default, trl's (training/dpo.py)
 # data source's keys, and what optim.make_optimizer, the Translator (decode), the Generator
 # (generate) and distributed.initialize read.
 SECTIONS: dict[str, frozenset[str]] = {
-    "model": frozenset(f.name for f in dataclasses.fields(TransformerConfig)) - set(LORA_KEYS),
+    "model": frozenset(f.name for f in dataclasses.fields(TransformerConfig)) - set(LORA_KEYS)
+    - set(sharding.PIPELINE_KEYS),  # mesh.pipeline_*: copied into the model's fields
     "mesh": sharding.CONFIG_KEYS,
     "data": data.CONFIG_KEYS,
     "optimizer": frozenset({"name", "schedule", "learning_rate", "warmup_steps", "end_fraction",
@@ -111,7 +112,8 @@ def resolve(cfg: ConfigDict, num_devices: int | None = None, *,
     _check_keys(cfg, config_file)
     cfg = _with_defaults(cfg)
     _check_types(cfg)
-    model = TransformerConfig.from_dict(dict(cfg.model) | finetune_fields(cfg))
+    model = TransformerConfig.from_dict(dict(cfg.model) | finetune_fields(cfg)
+                                        | sharding.pipeline_fields(cfg.get("mesh") or {}))
     _check_values(cfg, model)
     if num_devices is None:
         return Resolved(cfg, model, None)

@@ -15,7 +15,8 @@ def test_mesh_axes_and_the_context_default():
     assert sharding.mesh_shape({"data": -1, "fsdp": 1, "tensor": 2}, 8) == {
         "data": 4, "fsdp": 1, "context": 1, "tensor": 2}
     mesh = sharding.make_mesh({"data": 1, "fsdp": 2, "context": 4, "tensor": 1})
-    assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "context": 4, "tensor": 1, "expert": 1}
+    assert dict(mesh.shape) == {"stage": 1, "data": 1, "fsdp": 2, "context": 4, "tensor": 1,
+                                "expert": 1}
     with pytest.raises(ValueError, match="mesh.context=3, mesh.tensor=1 needs 6 devices"):
         sharding.mesh_shape({"data": 2, "fsdp": 1, "context": 3, "tensor": 1}, 8)
 

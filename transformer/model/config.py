@@ -139,6 +139,12 @@ class TransformerConfig:
     # a decoder's rows are reordered so that every chip has as much causal work
     context_parallel_strategy: str = "all_gather"
     context_load_balance: bool = True
+    # Pipeline stages (mesh.stage > 1, `transformer.parallel.pipeline`): the layers' passes
+    # through the stages (the circular schedule's repeats) and the microbatches a step's rows
+    # are cut into (0: as many as stages). A run config sets them as mesh.pipeline_* (the
+    # layout, not the model: a resume may change them).
+    pipeline_repeats: int = 1
+    pipeline_microbatches: int = 0
     # VISION_FIELDS, read by architecture="vision" (the ViT, `transformer.model.vit`): square
     # images cut into square patches; num_classes and pooling also by "classifier" (text)
     image_size: int = 224
@@ -196,6 +202,10 @@ class TransformerConfig:
                       "num_classes"):
             if getattr(self, field) < 1:
                 raise ValueError(f"model.{field}={getattr(self, field)} must be positive")
+        if self.pipeline_repeats < 1 or self.pipeline_microbatches < 0:
+            raise ValueError(f"mesh.pipeline_repeats={self.pipeline_repeats} must be >= 1 and "
+                             f"mesh.pipeline_microbatches={self.pipeline_microbatches} >= 1 "
+                             f"(0: as many as mesh.stage)")
         for field in ("dropout_rate", "attention_dropout_rate", "relu_dropout_rate"):
             if not 0.0 <= getattr(self, field) < 1.0:
                 raise ValueError(f"model.{field}={getattr(self, field)} must be in [0, 1)")

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer.data.tokenizer import BOS_ID
+from transformer.model import pipelined
 from transformer.model.blocks import (
     ClassifierHead,
     DecoderBlock,
@@ -202,7 +203,14 @@ class Decoder(nn.Module):
         block = _stack(DecoderBlock, cfg, cfg.num_decoder_layers, per_layer_args=("cache",))
         bias = relative_bias(cfg, positions, causal=True, key_length=None if cache is None
                              else _full_cache_length(cfg, cache))
-        for i, (name, window) in enumerate(_layers(cfg, cfg.num_decoder_layers)):
+        stages = pipelined.applies(self, cache)  # mesh.stage > 1: the stack as one pipeline
+        if stages:
+            x = pipelined.decoder_layers(
+                self, functools.partial(_stack, DecoderBlock, cfg, per_layer_args=("cache",)),
+                x, (encoded, self_mask, cross_mask, positions, segments, in_prefix),
+                deterministic, bias)
+        for i, (name, window) in enumerate([] if stages else
+                                           _layers(cfg, cfg.num_decoder_layers)):
             x, layer_cache = block(cfg, self.attention_fn, window, cfg.routed(i), name=name)(
                 x, encoded, self_mask, cross_mask, positions, segments, in_prefix,
                 None if cache is None else cache[name], index, deterministic, bias)

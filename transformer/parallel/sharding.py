@@ -10,6 +10,11 @@ heads and d_ff over "tensor" (Megatron-style). A parameter dimension that its me
 divide is replicated instead (e.g. a single kv head under tensor parallelism: multi-query).
 `mesh.context` defaults to 1 (configs and runs written before it).
 
+Pipeline stages (`mesh.stage`, `parallel/pipeline.py`): the mesh always starts with a "stage"
+axis, of size 1 unless the config sets another (only then does `mesh_shape` name it). It
+splits the stacked layers' leading axis (logical `layers`) among its chips, which pass the
+activations on to the next stage.
+
 Expert parallelism (`mesh.expert`, a mixture-of-experts model, docs/moe.md): the mesh always
 ends with an "expert" axis. Its size is 1 unless the config sets another, and only then does
 `mesh_shape` name it. It splits the batch as data parallelism does and the experts' weights
@@ -37,16 +42,24 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from transformer.parallel import pipeline
+from transformer.parallel.pipeline import STAGE_AXIS
+
 log = logging.getLogger("transformer")
 
 MESH_AXES = ("data", "fsdp", "context", "tensor")
 DCN_AXES = tuple(f"dcn_{axis}" for axis in MESH_AXES)  # config keys: the axes across slices
-EXPERT_AXIS = "expert"  # last in every mesh (`mesh_axes`)
-MESH_DEFAULTS = {"context": 1, EXPERT_AXIS: 1}  # the axes a config may leave out
+EXPERT_AXIS = "expert"  # last in every mesh (`mesh_axes`); STAGE_AXIS is first
+MESH_DEFAULTS = {"context": 1, EXPERT_AXIS: 1, STAGE_AXIS: 1}  # the axes a config may leave out
 DCN_DEFAULTS = {"dcn_data": -1, "dcn_fsdp": 1, "dcn_context": 1, "dcn_tensor": 1,
-                f"dcn_{EXPERT_AXIS}": 1}
+                f"dcn_{EXPERT_AXIS}": 1, f"dcn_{STAGE_AXIS}": 1}
+_OPTIONAL = (STAGE_AXIS, EXPERT_AXIS)  # named by `mesh_axes` only where not 1
+# The pipeline's schedule: how the run is laid out, not the model, so a resume may change it.
+# Copied into the model config's fields (`pipeline_fields`); their defaults.
+PIPELINE_KEYS = {"pipeline_repeats": 1, "pipeline_microbatches": 0}
 # The keys of a config's `mesh` section. Every config holds them all (configs/common.py).
-CONFIG_KEYS = frozenset(MESH_AXES + DCN_AXES + (EXPERT_AXIS, f"dcn_{EXPERT_AXIS}"))
+CONFIG_KEYS = frozenset(MESH_AXES + DCN_AXES + tuple(PIPELINE_KEYS)
+                        + tuple(k for a in _OPTIONAL for k in (a, f"dcn_{a}")))
 BATCH_AXES = ("data", "fsdp", EXPERT_AXIS)
 LENGTH_AXIS = "context"  # the mesh axis of the activations' positions
 PARAM_AXES = ("fsdp", LENGTH_AXIS)  # the mesh axes a parameter's `embed` axis is sharded over
@@ -63,14 +76,14 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("head_dim", None),
     ("mlp", "tensor"),
     ("vocab", "tensor"),
-    ("layers", None),
+    ("layers", STAGE_AXIS),
 )
 
 
 def _fill(keys: Sequence[str], sizes: list[int], total: int, what: str) -> list[int]:
     """`sizes` with its one -1 (if any) taking the rest of `total`. One line on a mismatch."""
     described = ", ".join(f"mesh.{k}={s}" for k, s in zip(keys, sizes, strict=True)
-                          if s != 1 or not k.endswith(("context", EXPERT_AXIS)))  # unsplit
+                          if s != 1 or not k.endswith(("context",) + _OPTIONAL))  # unsplit
     if sizes.count(-1) > 1:
         raise ValueError(f"at most one mesh axis may be -1, got {described}")
     if any(s == 0 or s < -1 for s in sizes):
@@ -88,15 +101,19 @@ def _fill(keys: Sequence[str], sizes: list[int], total: int, what: str) -> list[
 
 
 def mesh_axes(mesh_cfg) -> tuple[str, ...]:
-    """MESH_AXES, and "expert" where the config's `mesh` section sets it to anything but 1.
+    """MESH_AXES, after "stage" and before "expert" where the config's `mesh` section sets
+    that axis to anything but 1.
 
-    Every config declares `mesh.expert = 1`, and runs written before it have no such key. In
-    both, `mesh_shape` leaves the axis out, so summaries and run metadata name it only where
-    experts are split. A size of -1 names it too, as lm_moe.py's does on any device count.
+    Every config declares `mesh.expert = 1` and `mesh.stage = 1`, and runs written before them
+    have no such keys. In both, `mesh_shape` leaves the axis out, so summaries and run metadata
+    name it only where it splits. A size of -1 names it too, as lm_moe.py's does on any device
+    count.
     """
-    expert_keys = (EXPERT_AXIS, f"dcn_{EXPERT_AXIS}")
-    splits_experts = any(int(mesh_cfg.get(key, 1)) != 1 for key in expert_keys)
-    return MESH_AXES + ((EXPERT_AXIS,) if splits_experts else ())
+    def split(axis):
+        return any(int(mesh_cfg.get(key, 1)) != 1 for key in (axis, f"dcn_{axis}"))
+
+    return ((STAGE_AXIS,) * split(STAGE_AXIS) + MESH_AXES
+            + (EXPERT_AXIS,) * split(EXPERT_AXIS))
 
 
 def hybrid_shape(mesh_cfg, num_devices: int, num_slices: int = 1) -> tuple[list[int], list[int]]:
@@ -122,6 +139,12 @@ def mesh_shape(mesh_cfg, num_devices: int, num_slices: int = 1) -> dict[str, int
     return {axis: i * d for axis, i, d in zip(mesh_axes(mesh_cfg), ici, dcn, strict=True)}
 
 
+def pipeline_fields(mesh_cfg) -> dict[str, int]:
+    """The `mesh` section's pipeline keys as the model config's fields (a config written
+    before them: their defaults)."""
+    return {key: int(mesh_cfg.get(key, default)) for key, default in PIPELINE_KEYS.items()}
+
+
 def num_slices(devices: Sequence[jax.Device]) -> int:
     """How many TPU slices `devices` span (devices of a multi-slice pod carry `slice_index`)."""
     return len({getattr(device, "slice_index", 0) for device in devices})
@@ -129,11 +152,18 @@ def num_slices(devices: Sequence[jax.Device]) -> int:
 
 def validate_mesh_for_model(shape: Mapping[str, int], model) -> None:
     """Tensor parallelism must divide the model's heads and d_ff, expert parallelism its
-    experts. `model` is a TransformerConfig. A mismatch raises one line naming the sizes."""
+    experts; pipeline stages need a model they can split (`pipeline.check`). `model` is a
+    TransformerConfig. A mismatch raises one line naming the sizes."""
     expert = shape.get(EXPERT_AXIS, 1)
     if expert > 1 and model.num_experts % expert:
         raise ValueError(f"mesh.expert={expert} does not divide model.num_experts="
                          f"{model.num_experts}")
+    stages = shape.get(STAGE_AXIS, 1)
+    pipeline.check(stages_=stages, layers=model.num_decoder_layers,
+                   repeats=model.pipeline_repeats,
+                   microbatches=model.pipeline_microbatches or stages,
+                   architecture=model.architecture, scan_layers=model.scan_layers,
+                   num_experts=model.num_experts, context=shape.get("context", 1))
     tensor = shape["tensor"]
     for field in ("num_heads", "d_ff"):
         value = getattr(model, field)
@@ -142,16 +172,19 @@ def validate_mesh_for_model(shape: Mapping[str, int], model) -> None:
 
 
 def make_mesh(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """The MESH_AXES + ("expert",) mesh over `devices` (default: all), Auto axis types.
+    """The ("stage",) + MESH_AXES + ("expert",) mesh over `devices` (default: all), Auto
+    axis types.
     Over several slices a hybrid mesh whose DCN part spans the slices. A mesh axis that no
     product of the torus' physical axes equals (8 on a v5p-128's 4x4x4) splits a physical
     axis, with a warning, rather than failing as `jax.make_mesh` does off v5e."""
     devices = list(jax.devices() if devices is None else devices)
     slices = num_slices(devices)
     ici, dcn = hybrid_shape(mesh_cfg, len(devices), slices)
+    if STAGE_AXIS not in mesh_axes(mesh_cfg):
+        ici, dcn = [1] + ici, [1] + dcn
     if EXPERT_AXIS not in mesh_axes(mesh_cfg):
         ici, dcn = ici + [1], dcn + [1]
-    axes = MESH_AXES + (EXPERT_AXIS,)
+    axes = (STAGE_AXIS,) + MESH_AXES + (EXPERT_AXIS,)
     axis_types = (jax.sharding.AxisType.Auto,) * len(axes)
     if slices == 1:
         try:

@@ -1,0 +1,66 @@
+"""The decoder's stacked layers run through the pipeline stages (`parallel/pipeline.py`).
+
+The `decoder/layers` parameters stay as `model.scan_layers` makes them ([L, ...], the same
+paths with or without stages); here they are read, viewed as [S, R, L / (S R), ...] chunks,
+and each chunk is applied as a scanned block of L / (S R) layers (the class `_stack` builds,
+so remat and scan are those of the unpipelined stack). docs/architecture.md, "Pipeline
+stages", is the contract.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+
+from transformer.parallel import pipeline
+
+
+def applies(module: nn.Module, cache) -> bool:
+    """Whether the decoder's layers run pipelined: the mesh in context has stages, no decoding
+    cache is passed, and the parameters exist (init runs the plain stack, which makes them)."""
+    return cache is None and pipeline.stages() > 1 and not module.is_initializing()
+
+
+def decoder_layers(module: nn.Module, stack: Callable[[int], type[nn.Module]], x, args,
+                   deterministic: bool, bias) -> jax.Array:
+    """x [B, T, D] through `module`'s (the Decoder's) `layers`, pipelined -> [B, T, D].
+
+    `stack(n)` is the block class of n scanned layers; `args` the block's arguments that come
+    before the cache (encoded, self_mask, cross_mask, positions, segments, in_prefix). Those
+    with a leading B axis, and `bias`, are cut into microbatches with the rows."""
+    cfg = module.config
+    stages = pipeline.stages()
+    repeats = cfg.pipeline_repeats
+    microbatches = cfg.pipeline_microbatches or stages
+    layers = cfg.num_decoder_layers
+    pipeline.check(stages_=stages, layers=layers, repeats=repeats, microbatches=microbatches,
+                   architecture=cfg.architecture, scan_layers=cfg.scan_layers,
+                   num_experts=cfg.num_experts, context=1)
+    rows = x.shape[0]
+    if rows % microbatches:
+        raise ValueError(f"{rows} rows a step (per accumulation microbatch) are not divisible "
+                         f"by mesh.pipeline_microbatches={microbatches}")
+    block = stack(layers // (stages * repeats))(cfg, module.attention_fn, cfg.layer_window(0),
+                                                cfg.routed(0), parent=None)
+    chunks = pipeline.to_stages(nn.unbox(module.variables["params"]["layers"]), stages,
+                                repeats)
+    args = tuple(args) + (bias,)
+    per_row = tuple(a is not None and a.shape[0] == rows for a in args)
+    side = tuple(pipeline.split_rows(a, microbatches) if split else None
+                 for a, split in zip(args, per_row, strict=True))
+    key = None if deterministic else module.make_rng("dropout")
+
+    def stage_fn(params, inp, side_m, microbatch, chunk):
+        full = [s if split else a for a, s, split in zip(args, side_m, per_row, strict=True)]
+        rngs = None
+        if key is not None:  # one key per (microbatch, chunk)
+            rngs = {"dropout": jax.random.fold_in(jax.random.fold_in(key, microbatch), chunk)}
+        out, _ = block.apply({"params": params}, inp, *full[:-1], None, None, deterministic,
+                             full[-1], rngs=rngs)
+        return out
+
+    out = pipeline.run(stage_fn, chunks, pipeline.split_rows(x, microbatches), side,
+                       stages_=stages, repeats=repeats)
+    return nn.with_logical_constraint(pipeline.join_rows(out), ("batch", "length", None))
