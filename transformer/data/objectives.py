@@ -19,6 +19,9 @@ The objectives, `data.objective`:
   their sentinels in `targets`. The pairs are packed as translation pairs are, with segment ids
   on both sides. The vocabulary reserves `data.num_sentinels` (default 100) sentinels after
   [MASK]. Keys those of a translation batch.
+- "sft" and "dpo": conversations (`chat.py`) and preference pairs (`preference.py`), whose
+  sources tokenize and pack them: the causal keys and `targets_loss_mask`, 1 on the
+  assistant's tokens or on the responses' (a pair is segments 2k + 1 and 2k + 2 of its row).
 """
 
 from __future__ import annotations
