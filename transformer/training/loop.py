@@ -316,7 +316,7 @@ def _train(cfg, workdir: str, config_file: str | None,
                            last_saved, clock.figures())
                     pending = []
                 with clock.timed("checkpoint"):
-                    writer.sync()
+                    writer.sync(durable=persistent)  # a local save: to the OS, no fsync
                     checkpointer.save(step, state, {"next_batch_index": next_batch,
                                                     STATE_KEY: clock.state()},
                                       persistent=persistent)

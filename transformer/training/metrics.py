@@ -84,6 +84,7 @@ class MetricWriter:
         self._tb_dir = layout.path(workdir, layout.TENSORBOARD)
         self._tb = self._file = self._tracker = None
         self._opened = 0  # event files opened so far
+        self._synced_events: set[str] = set()  # closed event files fsync'd by `sync`
         self._remote = layout.is_remote(workdir)
         self._tensorboard = trackers.check_tracker(tracker) == "tensorboard"
         if self.active:
@@ -133,10 +134,13 @@ class MetricWriter:
                     self._open_events()
                 self._tb.add_scalar(f"{split}/{key}", value, step)
 
-    def sync(self) -> None:
-        """Every line written so far on disk (fsync of metrics.jsonl, the event files and their
-        directories): call before a checkpoint save starts. Closes the event file (the one way
-        to drain tensorboardX's queue). The next line opens another."""
+    def sync(self, *, durable: bool = True) -> None:
+        """Every line written so far on disk (fsync of metrics.jsonl, the event files not yet
+        fsync'd and their directories): call before a checkpoint save starts. Closes the event
+        file (the one way to drain tensorboardX's queue). The next line opens another. With
+        `durable=False` (a local-tier save) the lines reach the operating system, which keeps
+        them through a kill of the process, without the fsyncs (a host crash: see
+        docs/reliability.md, "Two tiers of checkpoints")."""
         if not self.active:
             return
         self._close_events()
@@ -144,10 +148,14 @@ class MetricWriter:
             epath.Path(self._path).write_text(self._file.getvalue())
             return
         self._file.flush()
+        if not durable:
+            return
         os.fsync(self._file.fileno())
-        if self._tensorboard:
-            for name in glob.glob(os.path.join(self._tb_dir, "events.out.tfevents.*")):
+        if self._tensorboard:  # a closed event file is never written again: fsync'd once
+            names = set(glob.glob(os.path.join(self._tb_dir, "events.out.tfevents.*")))
+            for name in sorted(names - self._synced_events):
                 _fsync_path(name)
+            self._synced_events = names
             _fsync_path(self._tb_dir)
         _fsync_path(os.path.dirname(os.path.abspath(self._path)))
 

@@ -1,0 +1,42 @@
+"""`MetricWriter.sync` before a checkpoint save (training/metrics.py): a persistent save's sync
+fsyncs metrics.jsonl and only the event files not fsync'd before (a closed event file is never
+written again); a local-tier save's (`durable=False`) hands the lines to the operating system
+and drains tensorboardX's queue without an fsync."""
+
+import json
+import os
+
+from transformer.training import metrics
+
+
+def test_sync_fsyncs_each_event_file_once_and_a_local_sync_none(tmp_path, monkeypatch):
+    fsynced = []  # by name: the writer's own fsyncs (tensorboardX's close does one of its own)
+    monkeypatch.setattr(metrics, "_fsync_path", fsynced.append)
+    fsync = os.fsync
+
+    def named_fsync(fd):
+        name = os.readlink(f"/proc/self/fd/{fd}")
+        if name.endswith("metrics.jsonl"):
+            fsynced.append(name)
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", named_fsync)
+    events = tmp_path / "tensorboard"
+    writer = metrics.MetricWriter(str(tmp_path))
+
+    def synced_files(step: int, durable: bool) -> list[str]:
+        writer.write(step, "train", {"loss": 1.0 / step})
+        fsynced.clear()
+        writer.sync(durable=durable)
+        return sorted(os.path.basename(p) for p in fsynced if p.startswith(str(events) + "/"))
+
+    first = synced_files(1, durable=True)
+    assert len(first) == 1 and len(list(events.iterdir())) == 1  # the one event file
+    assert str(tmp_path / "metrics.jsonl") in fsynced
+    assert synced_files(2, durable=False) == [] and fsynced == []  # a local save: no fsync
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()  # yet every line is written
+    assert [json.loads(line)["step"] for line in lines] == [1, 2]
+    third = synced_files(3, durable=True)  # the files of steps 2 and 3, not step 1's again
+    assert len(third) == 2 and not set(third) & set(first)
+    assert len(list(events.iterdir())) == 3
+    writer.close()
