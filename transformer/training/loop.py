@@ -30,6 +30,7 @@ from transformer.inference.translator import Translator
 from transformer.parallel import distributed, sharding
 from transformer.sizing import flops
 from transformer.training import (
+    dpo,
     elastic,
     evaluation,
     health,
@@ -295,8 +296,9 @@ def _train(cfg, workdir: str, config_file: str | None,
             due_tasks = score_tasks is not None and _due(cfg.lm_eval_every_steps, step, total)
             if due_loss or due_bleu or due_tasks:
                 started = time.perf_counter()
-                figures = (evaluation.evaluate(trainer, eval_step, state.params, source, eval_rows,
-                                    eval_split) if due_loss else {})
+                figures = (evaluation.evaluate(  # DPO: the reference too
+                    trainer, eval_step, dpo.eval_params(trainer, state), source, eval_rows,
+                    eval_split) if due_loss else {})
                 if due_bleu:
                     translator.params = state.params
                     figures |= validation_bleu(translator, source, int(cfg.bleu_num_sentences),
@@ -453,6 +455,7 @@ def _flush(pending, progress, writer, step, total, flops_per_token, peak, cfg, l
         line |= {k: m[k] for k in train_state.LOSS_SCALE_METRICS if k in m}  # float16 runs
         line |= {k: m[k] for k in train_state.MOE_METRICS if k in m}  # routed layers
         line |= {k: m[k] for k in train_state.SPIKE_METRICS if k in m}  # optimizer.skip_spikes
+        line |= {k: m[k] for k in dpo.METRICS if k in m}  # data.objective="dpo"
         if bool(m.get("health_logged", False)):
             line |= health.line_figures(m["health"])
         if goodput and s == pending[-1][0]:
