@@ -157,3 +157,9 @@ def test_bad_input_is_one_line(hf_dir, tmp_path):
     with pytest.raises(BadData, match=r"^data.dataset='jsonl:x.jsonl': .*preference:<glob>"):
         preference.PreferenceSource("jsonl:x.jsonl", vocab_size=320, max_length=64,
                                     batch_size=4)
+    from ml_collections import ConfigDict
+
+    with pytest.raises(BadData, match=r"^data.objective='dpo' evaluates held-out pairs: set "
+                                      r"data.eval_dataset='preference:<glob>'"):
+        preference.from_config(ConfigDict(dict(data=dict(eval_dataset=""),
+                                               model=dict(architecture="decoder"))))

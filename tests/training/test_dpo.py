@@ -162,8 +162,9 @@ def test_loss_and_figures_equal_trls_dpo_trainer(tmp_path, load_config):
         path = tmp_path / f"llama{seed}"
         config = transformers.LlamaConfig(
             vocab_size=tokenizer.get_vocab_size(), hidden_size=32, intermediate_size=64,
-            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-            initializer_range=0.2, pad_token_id=0, bos_token_id=2, eos_token_id=3)
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=64, initializer_range=0.2, pad_token_id=0, bos_token_id=2,
+            eos_token_id=3)
         torch.manual_seed(seed)
         model = transformers.LlamaForCausalLM(config).eval()
         model.save_pretrained(path)
@@ -215,3 +216,22 @@ def test_loss_and_figures_equal_trls_dpo_trainer(tmp_path, load_config):
     # the same pairs ranked right: the same count of the 6 (trl's mean is float32)
     assert round(figures["rewards/accuracies"] * 6) == round(theirs["rewards/accuracies"] * 6)
     assert 0 < figures["rewards/accuracies"] < 1 and abs(figures["loss"] - math.log(2)) > 0.01
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(dpo_beta=0.0), r"^finetune.dpo_beta=0.0 must be a number > 0 \(trl's default: 0.1\)"),
+    (dict(architecture="encoder"), r"^data.objective='dpo' trains a dense decoder, not "
+                                   r"model.architecture='encoder'"),
+    (dict(num_experts=4), r"^data.objective='dpo' trains a dense decoder, .* num_experts=4"),
+])
+def test_bad_settings_are_one_line(load_config, change, message):
+    from ml_collections import ConfigDict
+
+    cfg = _config(load_config)
+    cfg.finetune = ConfigDict(dict(lora_rank=0, lora_alpha=16.0, lora_dropout=0.0,
+                                   lora_targets="query", dpo_beta=change.pop("dpo_beta", 0.1)))
+    for key, value in change.items():
+        cfg.model[key] = value
+    with pytest.raises(ValueError, match=message) as error:
+        resolve(cfg)
+    assert "\n" not in str(error.value)
