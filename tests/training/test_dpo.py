@@ -103,30 +103,40 @@ def test_lora_reference_is_the_base_with_adapters_off(load_config):
     assert figures["rewards/margins"] > 0.05 and figures["loss"] < math.log(2)
 
 
-def test_sharded_2x4_equals_one_device(load_config):
-    """Two steps on a data=2 x fsdp=4 mesh give the single device's figures and params within
-    float32 reduction-order rounding (sums of ~100 log-probs of size ~4: ~1e-5 relative)."""
+def test_sharded_2x4_and_accumulated_equal_one_device(load_config):
+    """Three steps on a data=2 x fsdp=4 mesh, and on one device in two accumulated
+    microbatches of 4 rows (pairs split unevenly between them), give the single device's
+    figures and params: float32 sums in another order, each ~n 2^-24 relative for n ~100
+    terms (~6e-6), 2e-5 with a margin; the params after 3 Adam updates 1e-4."""
     pairs = _pairs(np.random.default_rng(2), 10)
     results = []
-    for mesh, devices in (({"data": 2, "fsdp": 4}, None), ({"data": 1, "fsdp": 1},
-                                                            jax.devices()[:1])):
-        cfg = _config(load_config, **{f"mesh.{k}": v for k, v in mesh.items()})
+    for mesh, devices, accum in (({"data": 2, "fsdp": 4}, None, 1),
+                                 ({"data": 1, "fsdp": 1}, jax.devices()[:1], 2),
+                                 ({"data": 1, "fsdp": 1}, jax.devices()[:1], 1)):
+        cfg = _config(load_config, grad_accum_steps=accum,
+                      **{f"mesh.{k}": v for k, v in mesh.items()})
         trainer, run = _trainer(cfg, devices)
         state = train_state.init_state(trainer, 0)
         step = train_state.make_train_step(trainer, run.config)
-        batch = train_state.global_batch(trainer.mesh, _batch(pairs, rows=8))
+        whole = _batch(pairs, rows=8)
+        split = {k: v.reshape(accum, 8 // accum, -1) for k, v in whole.items()}
+        assert accum == 1 or len({int(dpo.pair_count(m)) for m in (
+            {k: v[a] for k, v in split.items()} for a in range(accum))}) > 1  # uneven
         for _ in range(3):
-            state, metrics = step(state, batch)
+            state, metrics = step(state, train_state.global_batch(trainer.mesh, split))
         evaluate = train_state.make_eval_step(trainer)
-        results.append((jax.device_get(metrics), jax.device_get(state.params),
-                        jax.device_get(evaluate(dpo.eval_params(trainer, state), batch))))
-    (sharded, params, evaluated), (single, params1, evaluated1) = results
-    for key in ("loss", "grad_norm", *dpo.METRICS):
-        np.testing.assert_allclose(sharded[key], single[key], rtol=2e-5, atol=2e-6, err_msg=key)
-    for key in evaluated1:
-        np.testing.assert_allclose(evaluated[key], evaluated1[key], rtol=2e-5, atol=2e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
-                 params, params1)
+        results.append((jax.device_get(metrics), jax.device_get(state.params), jax.device_get(
+            evaluate(dpo.eval_params(trainer, state),
+                     train_state.global_batch(trainer.mesh, whole)))))
+    *others, (single, params1, evaluated1) = results
+    for metrics, params, evaluated in others:
+        for key in ("loss", "grad_norm", *dpo.METRICS):
+            np.testing.assert_allclose(metrics[key], single[key], rtol=2e-5, atol=2e-6,
+                                       err_msg=key)
+        for key in evaluated1:
+            np.testing.assert_allclose(evaluated[key], evaluated1[key], rtol=2e-5, atol=2e-6)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+                     params, params1)
 
 
 # Ours (XLA) against torch in float32: test_huggingface's analysis bounds the imported
