@@ -212,8 +212,8 @@ def test_loss_and_figures_equal_trls_dpo_trainer(tmp_path, load_config):
     mesh = sharding.make_mesh(load_config("lm_default.py").mesh, jax.devices()[:1])
     ours_trainer = type("T", (), dict(model=Transformer(run.model), mesh=mesh, dpo_beta=0.1))
     batch = {k: v[0] for k, v in _batch(pairs, rows=len(pairs), length=64).items()}
-    sums = jax.device_get(jax.jit(lambda p, r, b: dpo.figure_sums(ours_trainer, p, r, b, None))(
-        imported[0][1], imported[1][1], batch))
+    sums = jax.device_get(jax.jit(lambda p, r, b: dpo.figure_sums(
+        ours_trainer, p, (r, np.True_), b, None))(imported[0][1], imported[1][1], batch))
     figures = dpo.eval_figures(sums)
     assert sums["pairs"] == len(rows)
     n = max(int(side[1].sum()) for pair in pairs for side in pair)

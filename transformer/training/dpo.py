@@ -107,11 +107,15 @@ def token_logps(trainer, params, batch: dict, dropout_rng) -> jax.Array:
 
 def figure_sums(trainer, params, reference, batch: dict, dropout_rng) -> dict[str, jax.Array]:
     """`sigmoid_loss`'s sums for a microbatch [B, T]: the policy `params` (dropout when
-    `dropout_rng` is given) against `reference` (never differentiated, no dropout)."""
+    `dropout_rng` is given) against `reference` (never differentiated, no dropout), `reference`
+    's (params, whether they hold the reference: else `params` are it)."""
     masks = batch["targets_segmentation"], batch["targets_loss_mask"]
     policy = pair_logps(token_logps(trainer, params, batch, dropout_rng), *masks)
-    reference = jax.lax.stop_gradient(reference)
-    ref = pair_logps(token_logps(trainer, reference, batch, None), *masks)
+    stored, filled = jax.lax.stop_gradient(reference)
+    frozen = jax.lax.stop_gradient(params)
+    ref_tokens = jax.lax.cond(filled, lambda: token_logps(trainer, stored, batch, None),
+                              lambda: token_logps(trainer, frozen, batch, None))
+    ref = pair_logps(ref_tokens, *masks)
     return sigmoid_loss(policy[0], policy[1], ref[0], ref[1], trainer.dpo_beta, policy[2])
 
 
@@ -157,22 +161,26 @@ def _stored(state: ReferenceState, params):
     return jax.tree.map(lambda r, p: jnp.where(state.filled > 0, r, p), state.reference, params)
 
 
-def reference(trainer, opt_state, params):
-    """The reference params of a step that starts from `params`: the stored copy once filled
-    (else `params` themselves), or with LoRA `params` with every `lora_b` zero."""
+def reference(trainer, opt_state, params) -> tuple[Any, jax.Array]:
+    """(reference params, whether they are it) for `figure_sums` in a step from `params`: the
+    stored copy, which holds it once filled (before, the reference is `params` themselves: a
+    `lax.cond` in `figure_sums` picks the forward pass, so no params-sized select is made); with
+    LoRA, `params` with every `lora_b` zero."""
     if trainer.model.config.lora_rank:
         return jax.tree_util.tree_map_with_path(
             lambda path, p: jnp.zeros_like(p) if getattr(path[-1], "key", None) == lora.B
-            else p, params)
-    return _stored(opt_state, params)
+            else p, params), jnp.ones((), bool)
+    return opt_state.reference, opt_state.filled > 0
 
 
 def eval_params(trainer, state):
-    """What a DPO run's eval step reads, (params, stored reference or None); else the params."""
+    """What a DPO run's eval step reads, (params, (stored reference, filled) or None); else
+    the params."""
     if not trainer.dpo_beta:
         return state.params
-    stored = None if trainer.model.config.lora_rank else _stored(state.opt_state, state.params)
-    return state.params, stored
+    if trainer.model.config.lora_rank:
+        return state.params, None
+    return state.params, (state.opt_state.reference, state.opt_state.filled)
 
 
 def eval_shardings(trainer):
@@ -180,12 +188,13 @@ def eval_shardings(trainer):
     shardings = trainer.state_shardings
     if not trainer.dpo_beta:
         return shardings.params
-    return shardings.params, (None if trainer.model.config.lora_rank
-                              else shardings.opt_state.reference)
+    return shardings.params, (None if trainer.model.config.lora_rank else
+                              (shardings.opt_state.reference, shardings.opt_state.filled))
 
 
 def eval_sums(trainer, params, stored, batch: dict) -> dict[str, jax.Array]:
     """An eval step's `figure_sums` from `eval_params`, and "chosen_tokens"."""
-    ref = stored if stored is not None else reference(trainer, None, params)
+    ref = (reference(trainer, None, params) if stored is None
+           else (stored[0], stored[1] > 0))
     chosen = (batch["targets_loss_mask"] != 0) & (batch["targets_segmentation"] % 2 == 1)
     return figure_sums(trainer, params, ref, batch, None) | {"chosen_tokens": chosen.sum()}
