@@ -69,15 +69,18 @@ def test_the_reference_stays_frozen_while_the_margin_grows(load_config):
     for _ in range(6):
         state, metrics = step(state, batch)
         history.append(jax.device_get(metrics))
-    assert history[0]["rewards/margins"] == 0.0 and history[0]["rewards/chosen"] == 0.0
-    assert history[0]["loss"] == pytest.approx(math.log(2), rel=1e-6)
+    # the same forward pass twice, perhaps fused apart: float32 sums of ~100 log-probs of ~5
+    # differ by ~100 x 5 x 2^-24 ~ 3e-5 at most, x beta 0.1
+    for key in ("rewards/margins", "rewards/chosen", "rewards/rejected"):
+        assert abs(history[0][key]) < 1e-5, key
+    assert history[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
     assert history[0]["target_tokens"] == float(np.sum(batch["targets_loss_mask"]))
     stored = jax.device_get(state.opt_state.reference)
     jax.tree.map(np.testing.assert_array_equal, stored, start)  # bit-identical
     moved = jax.tree.map(lambda a, b: np.abs(a - b).max(), jax.device_get(state.params), start)
     assert max(jax.tree.leaves(moved)) > 1e-3
     margins = [float(m["rewards/margins"]) for m in history]
-    assert margins[-1] > 0.05 and margins == sorted(margins)  # seen 0 -> ~0.5
+    assert margins[-1] > margins[3] > margins[0] and margins[-1] > 0.05  # seen 0 -> ~0.5
     assert history[-1]["rewards/accuracies"] > 0.8 and history[-1]["loss"] < math.log(2)
 
 
