@@ -139,6 +139,37 @@ def test_stage_axis_comes_first_and_splits_the_stacked_layers():
     assert "stage" not in jax.tree.leaves(tuple(shardings["embedding"]["embedding"].spec))
 
 
+def test_a_checkpoint_written_with_4_stages_restores_with_2_and_none(tmp_path):
+    """The params saved sharded over 4 stages restore, bit for bit, onto 2 stages and onto a
+    mesh without stages (the same paths and shapes; only the shardings differ)."""
+    from transformer.checkpoint.checkpointer import Checkpointer
+
+    model = Transformer(tiny())
+    boxed = model.init(jax.random.key(0), None, jnp.ones((1, 4), jnp.int32))["params"]
+    params = nn.unbox(boxed)
+
+    def placed(mesh_cfg):
+        shardings = sharding.tree_shardings(boxed, sharding.make_mesh(mesh_cfg))
+        return shardings, jax.device_put(params, shardings)
+
+    shardings, staged = placed({"data": 2, "fsdp": 1, "tensor": 1, "stage": 4})
+    assert shardings["decoder"]["layers"]["ffn"]["ff_in"]["kernel"].spec[0] == "stage"
+    checkpointer = Checkpointer(str(tmp_path), keep=1, use_async=False)
+    checkpointer.save(1, staged, {})
+    checkpointer.wait()
+    for mesh_cfg in ({"data": 4, "fsdp": 1, "tensor": 1, "stage": 2},
+                     {"data": 8, "fsdp": 1, "tensor": 1}):
+        shardings, _ = placed(mesh_cfg)
+        abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                params, shardings)
+        restored, _ = checkpointer.restore(1, abstract)
+        for want, got, sh in zip(jax.tree.leaves(params), jax.tree.leaves(restored),
+                                 jax.tree.leaves(shardings), strict=True):
+            assert got.sharding == sh
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    checkpointer.close()
+
+
 def loss_and_grads_per_step(cfg: TransformerConfig, mesh_cfg: dict, steps: int):
     """[(loss, grads)] of `steps` plain SGD steps from the same init and rows, the model
     applied on the mesh `mesh_cfg` (its logical-axis rules and abstract mesh in context)."""
@@ -190,8 +221,8 @@ def unpipelined():
 def test_data_2_x_stage_4_gives_the_unpipelined_losses_and_gradients(unpipelined):
     """8 microbatches through 4 stages (each waits 4 ticks in the buffer between passes)."""
     cfg = tiny(pipeline_microbatches=8)
-    assert_same(loss_and_grads_per_step(cfg, {"data": 2, "fsdp": 1, "tensor": 1, "stage": 4}, 3),
-                unpipelined)
+    mesh_cfg = {"data": 2, "fsdp": 1, "tensor": 1, "stage": 4}
+    assert_same(loss_and_grads_per_step(cfg, mesh_cfg, 3), unpipelined)
 
 
 def test_fsdp_2_x_stage_2_x_tensor_2_with_2_repeats_gives_the_same(unpipelined):
