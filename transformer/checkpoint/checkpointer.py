@@ -151,6 +151,7 @@ class Checkpointer:
         """How checkpoint `step` disagrees with `abstract_state` (the config's): the first array
         whose shape differs, with both shapes; None if they agree. Reading a damaged
         checkpoint's metadata raises."""
+        faults.quiet_failed_restores(self.directory)  # its stray reads, as restore_latest's
         saved = _shapes(self._manager.item_metadata(step)["state"])
         wanted = _shapes(abstract_state)
         problems = [f"has no {path} (the config's shape {shape})" if path not in saved else
