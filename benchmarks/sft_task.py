@@ -9,27 +9,33 @@ in the same split), one conversation per example, English and German:
     {"messages": [{"role": "user", "content": "<INSTRUCTION> <paragraph>"},
                   {"role": "assistant", "content": "Calc"}]}
 
-It also writes the chat template (`TEMPLATE`, plain text: the SentencePiece vocabulary has no
-turn markers, and it reads newlines as spaces) into the pretrained run's
-`vocab/tokenizer_config.json`, two lm-eval multiple-choice tasks over a seeded sample of the
-validation and test splits (the prompt rendered with the template and its generation prompt,
-the 8 answers as the template renders them: the text the fine-tuning learns; metric `acc`),
-and preference pairs (chosen: the module; rejected: another, seeded) for DPO.
+The held-out files are written in a seeded order (a run evaluates the first
+`data.eval_documents`). `build` also writes the chat template (`TEMPLATE`, plain text: the
+SentencePiece vocabulary has no turn markers, and it reads newlines as spaces) into the
+pretrained run's `vocab/tokenizer_config.json`, two lm-eval multiple-choice tasks over a seeded
+sample of the validation and test splits (the prompt rendered with the template and its
+generation prompt, the 8 answers as the template renders them: the text the fine-tuning learns;
+metric `acc`), and preference pairs (chosen: the module; rejected: another, seeded) for DPO.
 
     python benchmarks/sft_task.py build --pretrained=runs/sft_task/pretrain \
         --out=runs/sft_task/data
     python benchmarks/sft_task.py sweep --pretrained=runs/sft_task/pretrain \
         --data=runs/sft_task/data --runs=runs/sft_task \
-        --record=docs/results/records/2026-12-05-sft-lora --full_lrs=3e-4,1e-3 \
-        --lora_lrs=1e-3,3e-3
+        --record=docs/results/records/2026-12-05-sft-lora
+    python benchmarks/sft_task.py dpo --pretrained=runs/sft_task/pretrain \
+        --data=runs/sft_task/data --runs=runs/sft_task \
+        --record=docs/results/records/2026-12-05-sft-lora --lr=1e-4
 
 `sweep` fine-tunes from the pretrained run (`configs/finetune.py`) with `data.objective=sft`,
-the whole model and LoRA (rank 8 on query, key, value, out) at each learning rate, one run at
-a time under `/usr/bin/time` (peak RSS); scores every run and the pretrained model on the
-validation task, picks each method's rate there, and scores the test task once for the
-pretrained model and the two picks. Runs and scores already done are kept (rerunning
-resumes). It writes `results.json`, each run's metrics.jsonl and config.json, and a plot of
-validation loss to `--record`.
+the whole model and LoRA (rank 8 on query, key, value, out) at each learning rate
+(`--full_lrs`, `--lora_lrs`), one run at a time under `/usr/bin/time` (peak RSS); scores every
+run and the pretrained model on the validation task, picks each method's rate there, and
+scores the test task once for the pretrained model and the two picks. Runs and scores already
+done are kept (rerunning resumes). It writes `results.json` (scores, step times, peak RSS, the
+parameters trained and the optimizer state's bytes), each run's metrics.jsonl and config.json,
+and a plot of validation loss to `--record`. `dpo` trains DPO from the pretrained run (its
+frozen reference) and writes `dpo.json`: the run's eval lines on validation pairs and trl's
+margin on a seeded sample of test pairs, scored once.
 """
 
 from __future__ import annotations
@@ -49,8 +55,7 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-INSTRUCTION = ("Which LibreOffice module is this help text from: Writer, Calc, Impress, Draw, "
-               "Base, Math, Chart or Basic? Text:")
+INSTRUCTION = "Which LibreOffice module is this help text from?"
 TEMPLATE = ("{% for message in messages %}"
             "{% if message['role'] == 'user' %}User: {{ message['content'] }}\n"
             "{% elif message['role'] == 'assistant' %}Assistant: {{ message['content'] }}.\n"
@@ -88,13 +93,22 @@ def build(args) -> None:
     out = pathlib.Path(args.out)
     labels = help_paragraphs.LABELS
     splits = help_paragraphs.split_examples(help_paragraphs.labelled_pairs(root))
+
+    def shuffled(split: str, preference: bool = False) -> list[dict]:
+        """A split in a seeded order: the held-out files are read from their start
+        (`data.eval_documents`), and the splits come grouped by module. (The training loader
+        shuffles train itself; its chat file keeps the splits' order.)"""
+        examples = splits[split]
+        if split == "train" and not preference:
+            return examples
+        return [examples[i] for i in np.random.default_rng(SEED).permutation(len(examples))]
     template = {"chat_template": TEMPLATE}
     rng = np.random.default_rng(SEED)
-    for split, examples in splits.items():
+    for split in splits:
         _write_jsonl(out / f"{split}.jsonl", (
-            {"messages": conversation(e["text"], labels[e["label"]])} for e in examples))
+            {"messages": conversation(e["text"], labels[e["label"]])} for e in shuffled(split)))
         pairs = []
-        for e in examples:
+        for e in shuffled(split, preference=True):
             wrong = [k for k in range(len(labels)) if k != e["label"]][rng.integers(7)]
             pairs.append({"prompt": conversation(e["text"], "")[:1],
                           "chosen": [{"role": "assistant", "content": labels[e["label"]]}],
@@ -175,7 +189,7 @@ def _train(args, name: str, method: str, lr: float) -> dict:
                     if line.startswith(("max_rss_kb", "wall_s")))
     train = [m for m in _metrics(workdir) if m.get("split") == "train"]
     rates = [m["steps_per_sec"] for m in train[10:]]  # past the first window (compiling)
-    evals = [m for m in _metrics(workdir) if m.get("split") == "eval"]
+    evals = [m for m in _metrics(workdir) if m.get("split") == "validation"]
     return {"method": method, "learning_rate": lr, "workdir": str(workdir),
             "peak_rss_gb": int(measured["max_rss_kb"]) / 1e6,
             "wall_s": float(measured["wall_s"]),
@@ -349,7 +363,9 @@ def dpo(args) -> None:
         with open(runs / f"{name}.log", "w") as log:
             subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
     results["command"] = "python train.py --workdir=" + str(workdir) + " " + " ".join(flags)
-    results["validation"] = [m for m in _metrics(workdir) if m.get("split") == "eval"]
+    results["validation"] = [
+        {k: v for k, v in m.items() if k in ("step", "loss") or k.startswith(("rewards", "logps"))}
+        for m in _metrics(workdir) if m.get("split") == "validation"]
     if "test" not in results:  # scored once
         lines = (data / "preference" / "test.jsonl").read_text().splitlines()
         order = np.random.default_rng(SEED).permutation(len(lines))[:args.test_pairs]
@@ -382,19 +398,19 @@ def main() -> None:
     b.add_argument("--root", default="~/tensorflow_datasets/downloads/offline_de_en/root",
                    help="the unpacked help packages (offline_de_en's download)")
     b.add_argument("--validation_docs", type=int, default=200)
-    b.add_argument("--test_docs", type=int, default=500)
+    b.add_argument("--test_docs", type=int, default=400)
     s = sub.add_parser("sweep", help="fine-tune (full, LoRA) over rates; score; record")
     s.add_argument("--pretrained", required=True)
     s.add_argument("--data", required=True)
     s.add_argument("--runs", required=True)
     s.add_argument("--record", required=True)
-    s.add_argument("--steps", type=int, default=80)
+    s.add_argument("--steps", type=int, default=120)
     s.add_argument("--batch_size", type=int, default=8)
     s.add_argument("--eval_every", type=int, default=40)
     s.add_argument("--eval_documents", type=int, default=200)
     lrs = lambda text: [float(x) for x in text.split(",")]  # noqa: E731
-    s.add_argument("--full_lrs", type=lrs, default=[3e-4, 1e-3])
-    s.add_argument("--lora_lrs", type=lrs, default=[1e-3, 3e-3])
+    s.add_argument("--full_lrs", type=lrs, default=[1e-3, 3e-3])
+    s.add_argument("--lora_lrs", type=lrs, default=[3e-3, 1e-2])
     s.add_argument("--no_test", action="store_true", help="validation only")
     d = sub.add_parser("dpo", help="DPO from the pretrained run; held-out margins")
     for flag in ("--pretrained", "--data", "--runs", "--record"):
