@@ -83,7 +83,8 @@ def test_eval_texts_land_in_the_workdir_whatever_its_scheme(remote, bucket, tmp_
 def test_tensorboard_is_uploaded_on_a_cadence_and_at_sync_not_per_line(bucket, tmp_path,
                                                                       monkeypatch):
     """A flush of a gs:// event file uploads the whole file (tensorboardX's GCSRecordWriter):
-    not once per metrics line, but every TENSORBOARD_FLUSH_SECS, at `sync` and at close."""
+    not once per metrics line, but on a line TENSORBOARD_FLUSH_SECS after the last upload, at
+    `sync` and at close."""
     import time
     import types
 

@@ -10,12 +10,15 @@ save, so every step a checkpoint covers has its lines on disk before the checkpo
 resumed run recomputes, and logs again, only steps after it. TensorBoard's events are otherwise
 flushed by tensorboardX's own thread every TENSORBOARD_FLUSH_SECS, not per line (a flush is an
 fsync, and on gs:// an upload of the whole event file). That thread writes from a queue which
-tensorboardX's flush does not wait for (only its close does), so `sync` closes the event file
-and the next line opens another (`events.out.tfevents.<second>.<host>.<n>`; TensorBoard reads
-every file in the directory). A line torn by a kill mid-write (always of a step after the latest
-checkpoint) is cut off when the next run opens the file. In a remote workdir (gs://, through
-etils.epath; objects there cannot be appended to) the writer keeps the file's text and `sync`
-uploads it whole, so the same holds: the object has every line a checkpoint covers.
+tensorboardX's flush does not wait for (only its close does), so the writer hands each event to
+the file itself (`_write_in_caller`) and `sync` flushes that one file: a process keeps one
+event file however often it saves. Where tensorboardX's internals differ, `sync` closes the
+file instead and the next line opens another (`events.out.tfevents.<second>.<host>.<n>`;
+TensorBoard reads every file in the directory). A line torn by a kill mid-write (always of a
+step after the latest checkpoint) is cut off when the next run opens the file. In a remote
+workdir (gs://, through etils.epath; objects there cannot be appended to) the writer keeps the
+file's text and `sync` uploads it whole, so the same holds: the object has every line a
+checkpoint covers.
 
 `metrics.tracker` picks where the figures go besides metrics.jsonl: TensorBoard (the default),
 Weights & Biases or trackio (`transformer.util.trackers`): every numeric figure, the per-layer
@@ -74,7 +77,8 @@ class MetricWriter:
     """Appends to metrics.jsonl and the `tracker` (process 0 only). Each line is handed to the
     operating system as it is written (kept in memory in a remote workdir), `sync` makes them
     durable. TensorBoard events go where tensorboardX puts them (gs:// needs
-    google-cloud-storage), flushed every TENSORBOARD_FLUSH_SECS, at `sync` and at close. With
+    google-cloud-storage), flushed by the first line TENSORBOARD_FLUSH_SECS after the last
+    flush, at `sync` and at close. With
     `log_config` (the training loop) the tracker also gets config.json (config and
     provenance)."""
 
@@ -84,6 +88,7 @@ class MetricWriter:
         self._tb_dir = layout.path(workdir, layout.TENSORBOARD)
         self._tb = self._file = self._tracker = None
         self._opened = 0  # event files opened so far
+        self._event_file = None  # the open event file's path, where events are written in caller
         self._synced_events: set[str] = set()  # closed event files fsync'd by `sync`
         self._remote = layout.is_remote(workdir)
         self._tensorboard = trackers.check_tracker(tracker) == "tensorboard"
@@ -115,6 +120,8 @@ class MetricWriter:
         suffix = f".{self._opened}" if self._opened else ""
         self._tb = SummaryWriter(self._tb_dir, flush_secs=TENSORBOARD_FLUSH_SECS,
                                  filename_suffix=suffix)
+        self._event_file = _write_in_caller(self._tb)
+        self._flushed_at = time.monotonic()
         self._opened += 1
 
     def write(self, step: int, split: str, values: dict) -> None:
@@ -133,17 +140,25 @@ class MetricWriter:
                 if self._tb is None:
                     self._open_events()
                 self._tb.add_scalar(f"{split}/{key}", value, step)
+        if self._event_file is not None and (
+                time.monotonic() - self._flushed_at >= TENSORBOARD_FLUSH_SECS):
+            self._tb.flush()  # tensorboardX's thread flushes only what it wrote itself
+            self._flushed_at = time.monotonic()
 
     def sync(self, *, durable: bool = True) -> None:
-        """Every line written so far on disk (fsync of metrics.jsonl, the event files not yet
-        fsync'd and their directories): call before a checkpoint save starts. Closes the event
-        file (the one way to drain tensorboardX's queue). The next line opens another. With
-        `durable=False` (a local-tier save) the lines reach the operating system, which keeps
-        them through a kill of the process, without the fsyncs (a host crash: see
-        docs/reliability.md, "Two tiers of checkpoints")."""
+        """Every line written so far on disk (fsync of metrics.jsonl, of the event files not
+        yet fsync'd and of their directories): call before a checkpoint save starts. The open
+        event file is flushed and kept open (closed, the next line opening another, where
+        tensorboardX still queues its events). With `durable=False` (a local-tier save) the
+        lines reach the operating system, which keeps them through a kill of the process,
+        without the fsyncs (a host crash: see docs/reliability.md, "Two tiers of
+        checkpoints")."""
         if not self.active:
             return
-        self._close_events()
+        if self._event_file is not None:
+            self._tb.flush()
+        else:
+            self._close_events()
         if self._remote:
             epath.Path(self._path).write_text(self._file.getvalue())
             return
@@ -155,7 +170,7 @@ class MetricWriter:
             names = set(glob.glob(os.path.join(self._tb_dir, "events.out.tfevents.*")))
             for name in sorted(names - self._synced_events):
                 _fsync_path(name)
-            self._synced_events = names
+            self._synced_events = names - {self._event_file}  # the open one: at every sync
             _fsync_path(self._tb_dir)
         _fsync_path(os.path.dirname(os.path.abspath(self._path)))
 
@@ -174,7 +189,20 @@ class MetricWriter:
         """Writes what tensorboardX's thread still holds, then flushes and closes the file."""
         if self._tb is not None:
             self._tb.close()
-            self._tb = None
+            self._tb = self._event_file = None
+
+
+def _write_in_caller(writer) -> str | None:
+    """Makes tensorboardX's `writer` write each event to its file in the calling thread,
+    not through the queue its flush does not drain, so a flush puts every event on disk.
+    The event file's path, or None where tensorboardX's internals differ (tested with 2.6)."""
+    events = getattr(writer._get_file_writer(), "event_writer", None)
+    file = getattr(events, "_ev_writer", None)
+    if not (hasattr(events, "add_event") and hasattr(file, "write_event")
+            and isinstance(getattr(file, "_file_name", None), str)):
+        return None
+    events.add_event = file.write_event
+    return file._file_name
 
 
 def _fsync_path(path: str) -> None:
