@@ -44,8 +44,9 @@ docs: $(STAMP)
 docs-serve: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
-# Tests run in TEST_WORKERS processes (pytest-xdist); each fakes 8 CPU devices.
-TEST_WORKERS ?= 2
+# Tests run in TEST_WORKERS processes (pytest-xdist), one a CPU core up to 4 (each fakes 8 CPU
+# devices and may start train.py processes: more would crowd the memory of a small machine).
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
 test: lint
 	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --durations=25
 

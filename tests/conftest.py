@@ -49,8 +49,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 def subprocess_env(**overrides) -> dict:
-    """The environment of a CLI the tests start: one CPU device (no fake 8), FAST_COMPILE."""
-    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE, **overrides)
+    """The environment of a CLI the tests start: one CPU device (no fake 8), FAST_COMPILE and
+    the tests' compilation cache. A CLI started twice on one run (a resume, a second command)
+    compiles its programs once. Several processes must not share it (test_multihost.launch)."""
+    cache = {"JAX_COMPILATION_CACHE_DIR": str(CACHE_DIR),
+             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"}
+    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE,
+                **{**cache, **overrides})
 
 
 @pytest.fixture
