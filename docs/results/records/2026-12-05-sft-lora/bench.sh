@@ -17,3 +17,7 @@ python benchmarks/sft_task.py sweep --pretrained=runs/sft_task/pretrain --data=r
 # DPO from the pretrained run (its frozen reference); held-out margins in dpo.json
 python benchmarks/sft_task.py dpo --pretrained=runs/sft_task/pretrain --data=runs/sft_task/data \
     --runs=runs/sft_task --record=docs/results/records/2026-12-05-sft-lora --lr=1e-4
+# after the choices, validation only: LoRA on every kernel at 1e-2 (the sweep's flags with
+# --config.finetune.lora_targets=query,key,value,out,ff_in,ff_gate,ff_out, under /usr/bin/time),
+# then its validation score and memory figures with sft_task.py's _score and _memory
+# (lora_all_lr0.01.json, lora_all_lr0.01.metrics.jsonl)
