@@ -10,6 +10,7 @@ from transformer.config import LORA_KEYS, resolve
 from transformer.model.config import VISION_FIELDS
 from transformer.model.transformer import TransformerConfig
 from transformer.ops import masks
+from transformer.parallel import sharding
 from transformer.sizing import activations, flops, summary
 
 BASE = TransformerConfig(vocab_size=37000)
@@ -140,6 +141,7 @@ def test_paper_configs_build_the_paper_models(name, total, load_config):
     model = TransformerConfig.from_dict(cfg.model)
     text_fields = {f.name for f in dataclasses.fields(TransformerConfig)} - set(VISION_FIELDS)
     text_fields -= set(LORA_KEYS)  # set in the `finetune` section, copied in by resolve
+    text_fields -= set(sharding.PIPELINE_KEYS)  # set in the `mesh` section, copied in alike
     assert text_fields == set(cfg.model)  # the paper's configs spell out every text setting
     assert model.vocab_size == cfg.data.vocab_size
     assert flops.param_counts(model)["total"] == total
