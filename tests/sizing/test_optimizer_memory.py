@@ -58,3 +58,20 @@ def test_optimizer_seconds_count_the_state():
     # Adam float32: params and gradient 3 passes + moments read and written 4 = 7 x params.
     assert step_time.optimizer_seconds(4_000, 1e9) == pytest.approx(7 * 4e-6)
     assert step_time.optimizer_seconds(4_000, 1e9, 4_000) == pytest.approx(5 * 4e-6)
+
+
+def test_lora_counts_the_adapters_moments_alone(load_config):
+    """`--summary` with finetune.lora_rank > 0: Adam's moments of the adapters, not of the
+    model, and the figure --compile_only reads from the trainer's abstract state."""
+    cfg = load_config("lm_default.py", **{"model.num_decoder_layers": 1})
+    cfg.finetune = {"lora_rank": 4, "lora_alpha": 8, "lora_targets": "query,value"}
+    run = resolve(cfg)
+    params = flops.abstract_params(run.model)
+    adapters = [leaf.shape for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+                if "lora_" in jax.tree_util.keystr(path)]
+    assert adapters  # two kernels with A and B each
+    expected = predicted(adapters, "adam")
+    assert summary.optimizer_state_bytes(run, params) == expected
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+    trainer = train_state.build_trainer(resolve(cfg, 1), mesh)
+    assert memory.device_bytes(trainer.abstract_state.opt_state) == expected
