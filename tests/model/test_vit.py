@@ -201,8 +201,9 @@ def test_sharded_forward_equals_unsharded():
     expected = model.apply({"params": params}, images)
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     shardings = sharding.tree_shardings(boxed, mesh)
-    assert shardings["encoder"]["layers"]["ffn"]["ff_in"]["kernel"].spec == jax.P(None, "fsdp",
-                                                                              "tensor")
+    # the scanned layer axis on "stage" (size 1 here: whole on every device)
+    assert shardings["encoder"]["layers"]["ffn"]["ff_in"]["kernel"].spec == jax.P(
+        "stage", "fsdp", "tensor")
     sharded = jax.device_put(params, shardings)
     batch = jax.device_put(images, jax.sharding.NamedSharding(mesh, jax.P(sharding.BATCH_AXES)))
 

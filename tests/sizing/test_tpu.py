@@ -110,7 +110,8 @@ def test_hybrid_mesh_over_two_slices(libtpu):
     tpu.prepare_environment()
     devices = tpu.abstract_devices(tpu.parse_topology("v5e-4", 2))
     mesh = sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 1}, devices)
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "context": 1, "tensor": 1, "expert": 1}
+    assert dict(mesh.shape) == {"stage": 1, "data": 2, "fsdp": 4, "context": 1, "tensor": 1,
+                                "expert": 1}
     slices = np.vectorize(lambda d: d.slice_index)(mesh.devices)
     assert (slices == np.arange(2)[:, None, None, None, None]).all()  # data across slices
 
@@ -119,7 +120,8 @@ def test_a_mesh_axis_the_torus_cannot_hold_whole_splits_a_physical_axis(libtpu, 
     tpu.prepare_environment()
     devices = tpu.abstract_devices(tpu.parse_topology("v5p-128"))  # a 4x4x4 torus
     mesh = sharding.make_mesh({"data": 1, "fsdp": 8, "tensor": 1, "expert": 8}, devices)
-    assert dict(mesh.shape) == {"data": 1, "fsdp": 8, "context": 1, "tensor": 1, "expert": 8}
+    assert dict(mesh.shape) == {"stage": 1, "data": 1, "fsdp": 8, "context": 1, "tensor": 1,
+                                "expert": 8}
     assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)
     assert "physical axes are split" in caplog.text
     caplog.clear()

@@ -181,6 +181,7 @@ def test_two_processes_name_the_one_that_did_not_arrive(tmp_path):
 
     address = f"127.0.0.1:{free_port()}"
     env = subprocess_env()
+    env.pop("JAX_COMPILATION_CACHE_DIR")  # never shared by several processes (test_multihost)
     procs = [subprocess.Popen([sys.executable, "-c", HANG_SCRIPT, address, str(i)], cwd=ROOT,
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for i in range(2)]
