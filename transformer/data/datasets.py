@@ -83,8 +83,10 @@ def prepare_dataset(name: str, data_dir: str | None = None, manual_dir: str | No
         with _tfds_quietly():
             builder = tfds.builder(name, data_dir=data_dir)
     except Exception as e:  # unknown name or config
-        close = difflib.get_close_matches(name.split("/")[0],
-                                          tfds.list_builders() + ["offline_de_en"], n=1)
+        # TFDS's own builders only: the community index is fetched from GCS (5 s, or a
+        # network timeout offline) for a hint
+        known = tfds.list_builders(with_community_datasets=False) + ["offline_de_en"]
+        close = difflib.get_close_matches(name.split("/")[0], known, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         if "/" in name:  # `c4/en` is TFDS's; `mydata/train` may be meant as a path
             hint += (f" (as a path: nothing exists at {os.path.abspath(name)!r}; check it, or "
