@@ -8,17 +8,17 @@ No line is lost to a kill: the loop calls `MetricWriter.sync` (flush and fsync o
 and the TensorBoard events; before a local-tier save, flush only) before it starts a checkpoint
 save, so every step a checkpoint covers has its lines on disk before the checkpoint exists. A
 resumed run recomputes, and logs again, only steps after it. TensorBoard's events are otherwise
-flushed by tensorboardX's own thread every TENSORBOARD_FLUSH_SECS, not per line (a flush is an
-fsync, and on gs:// an upload of the whole event file). That thread writes from a queue which
-tensorboardX's flush does not wait for (only its close does), so the writer hands each event to
-the file itself (`_write_in_caller`) and `sync` flushes that one file: a process keeps one
-event file however often it saves. Where tensorboardX's internals differ, `sync` closes the
-file instead and the next line opens another (`events.out.tfevents.<second>.<host>.<n>`;
-TensorBoard reads every file in the directory). A line torn by a kill mid-write (always of a
-step after the latest checkpoint) is cut off when the next run opens the file. In a remote
-workdir (gs://, through etils.epath; objects there cannot be appended to) the writer keeps the
-file's text and `sync` uploads it whole, so the same holds: the object has every line a
-checkpoint covers.
+flushed by the first line TENSORBOARD_FLUSH_SECS after the last flush, not per line (a flush is
+an fsync, and on gs:// an upload of the whole event file). tensorboardX writes events from a
+queue on its own thread, which its flush does not wait for (only its close does), so the writer
+hands each event to the file itself (`_write_in_caller`) and `sync` flushes that one file: a
+process keeps one event file however often it saves. Where tensorboardX's internals differ,
+`sync` closes the file instead and the next line opens another
+(`events.out.tfevents.<second>.<host>.<n>`; TensorBoard reads every file in the directory). A
+line torn by a kill mid-write (always of a step after the latest checkpoint) is cut off when the
+next run opens the file. In a remote workdir (gs://, through etils.epath; objects there cannot
+be appended to) the writer keeps the file's text and `sync` uploads it whole, so the same holds:
+the object has every line a checkpoint covers.
 
 `metrics.tracker` picks where the figures go besides metrics.jsonl: TensorBoard (the default),
 Weights & Biases or trackio (`transformer.util.trackers`): every numeric figure, the per-layer
