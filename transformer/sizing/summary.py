@@ -16,7 +16,7 @@ from transformer.config import Resolved
 from transformer.model import vit
 from transformer.model.config import TransformerConfig
 from transformer.sizing import flops
-from transformer.training import dpo, lora, optim
+from transformer.training import train_state
 
 _COMPONENT_ORDER = ("self_attention", "cross_attention", "ffn", "norm_attention", "norm_cross",
                     "norm_ffn")
@@ -126,10 +126,7 @@ def _flops_lines(config: TransformerConfig, source_length: int, target_length: i
 def optimizer_state_bytes(run: Resolved, params) -> int:
     """Bytes of the optimizer's state for `params` (abstract), all of it on one device: with
     LoRA the adapters' moments alone, with DPO the frozen reference too (as train_state)."""
-    tx, _ = optim.make_optimizer(run.config.optimizer, d_model=run.model.d_model,
-                                 total_steps=int(run.config.num_train_steps))
-    tx = lora.freeze_base(tx, run.model)
-    tx = dpo.with_reference(tx, run.model) if dpo.beta(run.config) else tx
+    tx, _ = train_state.make_optimizer(run)
     return sum(leaf.size * leaf.dtype.itemsize
                for leaf in jax.tree.leaves(jax.eval_shape(tx.init, params)))
 

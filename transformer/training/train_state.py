@@ -110,10 +110,7 @@ def build_trainer(run: Resolved, mesh) -> Trainer:
              else Transformer(model_config))
     model = quantization.quantize(model, model_config.quantization,  # "none": unchanged
                                   model_config.quantized_matmuls, mesh.devices.flat[0].platform)
-    tx, schedule = optim.make_optimizer(cfg.optimizer, d_model=run.model.d_model,
-                                        total_steps=cfg.num_train_steps)
-    tx = lora.freeze_base(tx, run.model)  # finetune.lora_rank > 0: the adapters alone
-    tx = dpo.with_reference(tx, run.model) if dpo.beta(cfg) else tx  # its frozen copy
+    tx, schedule = make_optimizer(run)
     loss_scale = (optim.loss_scale_config(cfg.optimizer) if run.model.dtype == "float16"
                   else None)
     spiking = spike_config(cfg.optimizer)
@@ -127,6 +124,16 @@ def build_trainer(run: Resolved, mesh) -> Trainer:
                    loss_scale=loss_scale,
                    test_time_flip=bool(cfg.data.get("test_time_flip")), spikes=spiking,
                    dpo_beta=dpo.beta(cfg))
+
+
+def make_optimizer(run: Resolved) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """The run's optimizer as the trainer applies it, and its learning-rate schedule."""
+    cfg = run.config
+    tx, schedule = optim.make_optimizer(cfg.optimizer, d_model=run.model.d_model,
+                                        total_steps=cfg.num_train_steps)
+    tx = lora.freeze_base(tx, run.model)  # finetune.lora_rank > 0: the adapters alone
+    tx = dpo.with_reference(tx, run.model) if dpo.beta(cfg) else tx  # its frozen copy
+    return tx, schedule
 
 
 def attention_for_mesh(model: TransformerConfig, mesh) -> TransformerConfig:
