@@ -5,6 +5,8 @@ syncs, a process writes one event file."""
 
 import json
 import os
+import subprocess
+import sys
 
 from transformer.training import metrics
 
@@ -42,3 +44,20 @@ def test_sync_fsyncs_each_event_file_once_and_a_local_sync_none(tmp_path, monkey
     assert len(list(events.iterdir())) == 1
     writer.close()
     assert len(list(events.iterdir())) == 1
+
+
+def test_tensorboard_events_are_written_without_importing_torch(tmp_path):
+    """tensorboardX imports torch, where installed, only to accept its tensors: a train.py
+    process (a fresh interpreter, as here) writes events without paying that import, and a later
+    `import torch` still finds torch."""
+    code = ("import sys\n"
+            "from transformer.training import metrics\n"
+            "writer = metrics.MetricWriter(sys.argv[1])\n"
+            "writer.write(1, 'train', {'loss': 1.0})\n"
+            "writer.close()\n"
+            "print('torch' in sys.modules, sys.modules.get('torch', 'unset'))\n")
+    found = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                           text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert found.returncode == 0, found.stderr[-3000:]
+    assert found.stdout.split() == ["False", "unset"]
+    assert len(list((tmp_path / "tensorboard").iterdir())) == 1

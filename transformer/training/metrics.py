@@ -35,6 +35,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 
 import jax
@@ -71,6 +72,22 @@ def peak_flops_per_device(device: jax.Device | None = None) -> float | None:
 def tracker_name(cfg) -> str:
     """`metrics.tracker` of a config ("tensorboard" where it has no `metrics` section)."""
     return (cfg.get("metrics") or {}).get("tracker", "tensorboard")
+
+
+def _summary_writer_class():
+    """tensorboardX's SummaryWriter, imported without torch where torch is not loaded yet:
+    tensorboardX.writer imports torch (where installed: 1.8 CPU s, most of a tiny run's start)
+    only to accept torch tensors, which nothing here passes. Later imports of torch work."""
+    if "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+        return SummaryWriter
+    sys.modules["torch"] = None  # `import torch` raises ImportError, which tensorboardX expects
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if sys.modules.get("torch", False) is None:
+            del sys.modules["torch"]
+    return SummaryWriter
 
 
 class MetricWriter:
@@ -115,8 +132,7 @@ class MetricWriter:
     def _open_events(self) -> None:
         """A new event file. After the first, its name ends in the count of those before it
         (the name holds the second it was opened, and opening a name again would empty it)."""
-        from tensorboardX import SummaryWriter
-
+        SummaryWriter = _summary_writer_class()
         suffix = f".{self._opened}" if self._opened else ""
         self._tb = SummaryWriter(self._tb_dir, flush_secs=TENSORBOARD_FLUSH_SECS,
                                  filename_suffix=suffix)
