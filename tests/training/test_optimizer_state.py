@@ -1,16 +1,21 @@
 """The optimizer-state choices in the real train step: Adafactor on a 2x4 mesh against 1x8, and
 checkpoints of bfloat16 Adam moments and of Adafactor's factored state that resume bit for bit
-(in process: saved, restored into the abstract state, continued)."""
+(in process: saved, restored into the abstract state, continued). Adafactor's attention kernels
+against optax's Adafactor on the same kernels stored 2-D, as T5 stored them."""
+
+import math
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 from transformer.checkpoint.checkpointer import Checkpointer
 from transformer.config import resolve
 from transformer.data import make_source
 from transformer.parallel import sharding
-from transformer.training import train_state
+from transformer.sizing import flops, summary
+from transformer.training import moments, train_state
 
 STEPS = 4
 
@@ -81,6 +86,9 @@ def test_adafactor_on_2x4_equals_1x8_and_resumes_exactly(load_config, tmp_path):
     straight, losses = one_by_eight.run(0, STEPS)
     factored = straight.opt_state[1][0]
     assert factored.v_row["decoder"]["layers_0"]["ffn"]["ff_in"]["kernel"].shape == (64,)
+    # The [64, 4, 16] query kernel factored as [64, 64], its statistics sharded as it is.
+    query = factored.v_col["decoder"]["layers_0"]["self_attention"]["query"]["kernel"]
+    assert query.shape == (64,)
     assert losses[-1] < losses[0]
     resumed, resumed_losses = one_by_eight.resumed(tmp_path, 2)
     assert resumed_losses == losses
@@ -108,6 +116,60 @@ def test_bfloat16_moments_resume_exactly(load_config, tmp_path):
     resumed, resumed_losses = trained.resumed(tmp_path, 2)
     assert resumed_losses == losses
     assert_states_equal(resumed, straight)
+
+
+# Both sides run optax's own arithmetic on the same 2-D values (ours reshapes around it); only
+# XLA's order of summation in the row and column means (4096 terms) may differ, each a relative
+# 4096 x 2**-24 = 2.4e-4 at worst, typically ~sqrt(4096) x 2**-24 = 4e-6, and the step moves
+# with the statistic's -1/2 power. Over 3 steps of size ~lr x RMS (1e-3), 1e-5 of a step is
+# 1e-8 absolute: atol 1e-8 on values of ~0.1, rtol 1e-6.
+MERGED_RTOL, MERGED_ATOL = 1e-6, 1e-8
+
+
+def test_adafactor_factors_attention_kernels_as_optax_does_their_2d_form():
+    shapes = {"query": ((128, 4, 32), (128, 128)), "out": ((4, 32, 128), (128, 128)),
+              "ffn": ((128, 256), (128, 256))}
+    keys = jax.random.split(jax.random.key(0), 6)
+    params = {name: {"kernel": 0.1 * jax.random.normal(keys[i], shape)}
+              for i, (name, (shape, _)) in enumerate(shapes.items())}
+    flat = {name: {"kernel": params[name]["kernel"].reshape(flat_shape)}
+            for name, (_, flat_shape) in shapes.items()}
+    ours, reference = moments.adafactor(lambda _: 1e-2), optax.adafactor(lambda _: 1e-2)
+    state, ref_state = ours.init(params), reference.init(flat)
+    assert state[0].v_row["query"]["kernel"].shape == (128,)  # not a full [128, 4, 32]
+    assert state[0].v["out"]["kernel"].shape == (1,)
+    step, ref_step = jax.jit(ours.update), jax.jit(reference.update)
+    for key in keys[3:]:
+        grads = jax.tree.map(lambda x, k=key: jax.random.normal(k, x.shape), params)
+        updates, state = step(grads, state, params)
+        ref_updates, ref_state = ref_step(
+            jax.tree.map(lambda g, f: g.reshape(f.shape), grads, flat), ref_state, flat)
+        params, flat = optax.apply_updates(params, updates), optax.apply_updates(flat, ref_updates)
+    for name in shapes:
+        np.testing.assert_allclose(params[name]["kernel"].reshape(shapes[name][1]),
+                                   flat[name]["kernel"], rtol=MERGED_RTOL, atol=MERGED_ATOL,
+                                   err_msg=name)
+        np.testing.assert_allclose(state[0].v_col[name]["kernel"],
+                                   ref_state[0].v_col[name]["kernel"], rtol=MERGED_RTOL)
+
+
+def test_memory_plan_counts_factored_attention_kernels(load_config):
+    """lm_default's Adafactor state: every matrix factored, heads x d_k merged."""
+    run = resolve(load_config("lm_default.py", **{"optimizer.name": "adafactor"}))
+    params = flops.abstract_params(run.model)
+    expected = 3 * 4  # int32 step counts: the statistics', the schedule's, the decay's
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        name = jax.tree_util.keystr(path)
+        shape = leaf.shape
+        if any(f"['{p}']['kernel']" in name for p in ("query", "key", "value")):
+            shape = (*shape[:-2], shape[-2] * shape[-1])
+        elif "['out']['kernel']" in name:
+            shape = (*shape[:-3], shape[-3] * shape[-2], shape[-1])
+        second, largest = sorted(shape)[-2:] if len(shape) > 1 else (0, shape[0])
+        expected += (4 * (math.prod(shape) // largest + math.prod(shape) // second) + 4
+                     if second >= 128 else 4 * math.prod(shape) + 8)
+    assert summary.optimizer_state_bytes(run, params) == expected
+    assert expected / flops.param_counts(run.model)["total"] < 0.05
 
 
 @pytest.fixture(autouse=True)
