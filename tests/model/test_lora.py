@@ -1,6 +1,8 @@
 """LoRA (model/lora.py, training/lora.py): the adapted kernel against numpy, a fresh adapter
 leaving the base's logits exact, the frozen base bit-identical through training while the
-adapters learn, the same training on two meshes, merging, and the `finetune` checks."""
+adapters learn, the same training on two meshes, merging, and the `finetune` checks. With
+`lora_dropout`: the adapter beside the kernel against PEFT's formula in numpy, the branch
+equal to the merged kernel, evaluation deterministic, training seeded and resumable."""
 
 import json
 import runpy
@@ -71,6 +73,64 @@ def test_adapted_kernel_is_w_plus_scaled_ab_as_numpy(shape, axes, num_in):
                                rtol=1e-5, atol=1e-4)
 
 
+class _Layer(nn.Module):
+    """An attention projection's arithmetic: y = x W + b (+ the adapter's branch)."""
+
+    config: TransformerConfig
+    shape: tuple
+    axes: tuple
+    num_in_axes: int
+
+    @nn.compact
+    def __call__(self, x, deterministic):
+        kernel, bias, branch = Weights(self.shape, self.axes, num_in_axes=self.num_in_axes,
+                                       lora_branch=True, name="out")(deterministic)
+        y = jnp.einsum(_spec(self.num_in_axes, len(self.shape)), x, kernel) + bias
+        return (y if branch is None else y + branch(x)), branch
+
+
+def _spec(num_in, ndim):
+    ins, outs = "abc"[:num_in], "xyz"[:ndim - num_in]
+    return f"...{ins},{ins}{outs}->...{outs}"
+
+
+@pytest.mark.parametrize("shape, axes, num_in", [
+    ((6, 2, 3), ("heads", "head_dim", "embed"), 2),  # the output projection [N, H, D]
+    ((6, 2, 3), ("embed", "heads", "head_dim"), 1)])  # a query projection [D, N, H]
+def test_dropout_branch_is_pefts_formula_with_the_same_mask(shape, axes, num_in):
+    """In training with lora_dropout p, the layer is PEFT's base(x) + lora_B(lora_A(
+    dropout(x))) * scaling: numpy's x W + b + (alpha/r) ((x * mask / (1 - p)) A) B with the mask
+    the branch draws (the `dropout` rng stream's); the kernel is W itself, not merged."""
+    p = 0.4
+    cfg = TransformerConfig(**TINY, lora_rank=2, lora_alpha=3.0, lora_dropout=p,
+                            lora_targets="out")
+    layer = _Layer(cfg, shape, axes, num_in)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3, 5, *shape[:num_in])).astype(np.float32)
+    boxed = layer.init(jax.random.key(0), x, True)["params"]["out"]
+    params = {name: rng.normal(size=np.shape(box.value)).astype(np.float32)
+              for name, box in boxed.items()}
+    got, branch = layer.apply({"params": {"out": params}}, x, False,
+                              rngs={"dropout": jax.random.key(7)})
+    assert isinstance(branch, lora.Branch) and branch.rate == p
+    mask = np.asarray(jax.random.bernoulli(branch.rng, 1.0 - p, x.shape))
+    assert 0.3 < 1 - mask.mean() < 0.5  # ~p of the inputs dropped
+    fan_in = int(np.prod(shape[:num_in]))
+    flat = x.reshape(-1, fan_in).astype(np.float64)
+    dropped = np.where(mask.reshape(-1, fan_in), flat / (1 - p), 0.0)
+    w = params["kernel"].reshape(fan_in, -1).astype(np.float64)
+    a = params[lora.A].reshape(fan_in, 2).astype(np.float64)
+    b = params[lora.B].reshape(2, -1).astype(np.float64)
+    want = flat @ w + params["bias"].reshape(-1) + 1.5 * (dropped @ a) @ b
+    # float32 sums of <= 12 products of N(0, 1) terms (|y| ~ 10): a few ulps of ~10
+    np.testing.assert_allclose(np.asarray(got).reshape(want.shape), want, rtol=0, atol=2e-5)
+    evaluated, none = layer.apply({"params": {"out": params}}, x, True)
+    assert none is None  # evaluation: the merged kernel, no dropout
+    merged = flat @ w + params["bias"].reshape(-1) + 1.5 * (flat @ a) @ b
+    np.testing.assert_allclose(np.asarray(evaluated).reshape(want.shape), merged, rtol=0,
+                               atol=2e-5)
+
+
 def _init(cfg: TransformerConfig):
     tokens = jnp.ones((1, 1), jnp.int32)
     return nn.unbox(Transformer(cfg).init(jax.random.key(0), tokens, tokens)["params"])
@@ -116,6 +176,40 @@ def test_fresh_adapters_give_the_base_logits_exactly_and_merge_equals_unmerged(s
     np.testing.assert_allclose(_logits(base_cfg, merged, tokens), adapted, rtol=0, atol=2e-5)
 
 
+def _trained_b(params, seed=2):
+    """`params` with every `lora_b` random (a trained adapter's)."""
+    rng = np.random.default_rng(seed)
+    return jax.tree_util.tree_map_with_path(
+        lambda p, v: rng.normal(0, 0.2, v.shape).astype(np.float32)
+        if p[-1].key == lora.B else v, params)
+
+
+def test_dropout_branch_equals_the_merged_kernel_and_evaluation_is_deterministic():
+    """Every target kind (3-D attention kernels, the gated feed-forward): in training the
+    adapters run beside the kernels. With lora_dropout 1e-9 (1 - 1e-9 is 1.0 in float32: no
+    input dropped, scale 1) the branch's logits equal the merged kernels' (evaluation) within
+    float32 rounding. With 0.5, training logits depend on the dropout rng and repeat with it;
+    evaluation ignores the rng and equals a dropout-free model's bit for bit."""
+    tokens = jnp.asarray(np.random.default_rng(1).integers(3, 40, (2, 9)), jnp.int32)
+    keys = jax.random.key(1), jax.random.key(2)
+
+    def logits(p, params, rng=None):
+        cfg = TransformerConfig(**TINY, lora_rank=4, lora_alpha=8.0, lora_dropout=p,
+                                lora_targets=ALL)
+        return np.asarray(Transformer(cfg).apply(
+            {"params": params}, tokens, tokens, deterministic=rng is None,
+            rngs={"dropout": keys[1] if rng is None else rng}))
+
+    params = _trained_b(_init(TransformerConfig(**TINY, lora_rank=4, lora_targets=ALL)))
+    merged = logits(0.0, params)
+    # x W + s (x A) B against x (W + s A B): float32 sums in another order, logits ~5
+    np.testing.assert_allclose(logits(1e-9, params, keys[0]), merged, rtol=0, atol=2e-5)
+    first, again, other = (logits(0.5, params, k) for k in (keys[0], keys[0], keys[1]))
+    np.testing.assert_array_equal(first, again)
+    assert np.abs(first - other).max() > 0.1 and np.abs(first - merged).max() > 0.1
+    np.testing.assert_array_equal(logits(0.5, params), merged)
+
+
 def _flat(tree, prefix=()):
     out = {}
     for k, v in tree.items():
@@ -123,11 +217,11 @@ def _flat(tree, prefix=()):
     return out
 
 
-def _config(load_config, **mesh):
+def _config(load_config, lora_dropout=0.0, **mesh):
     cfg = load_config("tiny.py", **{"model.architecture": "decoder", "model.dropout_rate": 0.0,
                                     "data.batch_size": 16, "data.max_length": 11,
                                     "model.max_len": 12, "model.num_decoder_layers": 1})
-    cfg.finetune = ConfigDict(dict(lora_rank=4, lora_alpha=8.0, lora_dropout=0.0,
+    cfg.finetune = ConfigDict(dict(lora_rank=4, lora_alpha=8.0, lora_dropout=lora_dropout,
                                    lora_targets=["query", "value", "ff_out"]))
     cfg.mesh.update(mesh)
     return cfg
@@ -175,11 +269,33 @@ def test_training_moves_only_the_adapters_on_any_mesh(load_config, tmp_path):
         "tensor")  # mlp
 
 
+def test_lora_dropout_training_freezes_the_base_and_resumes_bit_exact(load_config):
+    """lora_dropout 0.1, its masks from the run's dropout rng: three steps keep every base
+    parameter bit-identical and move every adapter; two steps, then a third from that state
+    (a resume), give the three steps' state bit for bit."""
+    cfg = _config(load_config, lora_dropout=0.1, data=8)
+    mesh = sharding.make_mesh(cfg.mesh)
+    state, lines, trainer = train_steps(cfg, mesh, 3)
+    before = _flat(jax.device_get(train_state.init_state(trainer, cfg.seed).params))
+    moved = 0
+    for path, value in _flat(jax.device_get(state.params)).items():
+        if lora.is_adapter(path[-1]):
+            moved += not np.array_equal(value, before[path])
+        else:
+            np.testing.assert_array_equal(value, before[path], err_msg="/".join(path))
+    assert moved == 6, moved  # A and B of 3 targets, 1 layer
+    half, _, _ = train_steps(cfg, mesh, 2)
+    resumed, tail, _ = train_steps(cfg, mesh, 1, state=half, first_batch=2)
+    assert float(tail[0]["loss"]) == float(lines[2]["loss"])
+    for got, want in zip(jax.tree.leaves(resumed), jax.tree.leaves(state), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("finetune, message", [
     (dict(lora_rank=-1), "finetune.lora_rank=-1 must be >= 0"),
     (dict(lora_rank=2, lora_targets="query,proj"), "'proj' names no module"),
     (dict(lora_rank=2, lora_targets="ff_gate"), "'ff_gate' names no module with"),
-    (dict(lora_rank=2, lora_dropout=0.1), "finetune.lora_dropout=0.1 is not supported"),
+    (dict(lora_rank=2, lora_dropout=1.0), r"finetune.lora_dropout=1.0 must be in \[0, 1\)"),
     (dict(lora_rank=2, lora_alpha=0.0), "finetune.lora_alpha=0.0 must be positive"),
     (dict(lora_rank=2, lora_targets="ff_in", num_experts=4), "routed experts take no"),
     (dict(lora_rank=2, lora_targets=""), "names no module; give some of"),

@@ -35,27 +35,29 @@ class Weights(nn.Module):
     """A kernel (and optionally a bias) with logical axis names, returned as arrays.
 
     The pure functions do the arithmetic. This module only owns the parameters, so paths read
-    `<name>/kernel` and `<name>/bias` as in Flax's Dense layers.
+    `<name>/kernel` and `<name>/bias` as in Flax's Dense layers. With `lora_branch` it returns
+    (kernel, bias, `lora.adapt`'s branch: the LoRA adapter beside the kernel, or None).
     """
 
     shape: tuple[int, ...]
     axes: tuple[str, ...]
     num_in_axes: int = 1
     use_bias: bool = True
+    lora_branch: bool = False
 
     @nn.compact
-    def __call__(self):
+    def __call__(self, deterministic: bool = True):
         in_axes = tuple(range(self.num_in_axes))
         out_axes = tuple(range(self.num_in_axes, len(self.shape)))
         init = nn.initializers.xavier_uniform(in_axis=in_axes, out_axis=out_axes)
         kernel = self.param("kernel", nn.with_logical_partitioning(init, self.axes), self.shape)
-        kernel = lora.adapt(self, kernel, self.num_in_axes, self.axes)  # finetune.lora_rank
-        if not self.use_bias:
-            return kernel, None
-        bias_init = nn.with_logical_partitioning(nn.initializers.zeros,
-                                                 self.axes[self.num_in_axes:])
-        bias = self.param("bias", bias_init, self.shape[self.num_in_axes:])
-        return kernel, bias
+        kernel, branch = lora.adapt(self, kernel, self.num_in_axes, self.axes,  # lora_rank
+                                    deterministic or not self.lora_branch)
+        bias = None
+        if self.use_bias:
+            bias = self.param("bias", nn.with_logical_partitioning(
+                nn.initializers.zeros, self.axes[self.num_in_axes:]), self.shape[self.num_in_axes:])
+        return (kernel, bias, branch) if self.lora_branch else (kernel, bias)
 
 
 class Norm(nn.Module):
@@ -138,18 +140,15 @@ class MultiHeadAttention(nn.Module):
                  deterministic=True, bias=None):
         cfg = self.config
         dtype = cfg.compute_dtype
-        d = cfg.d_model
-        n = cfg.num_heads
-        kh = cfg.num_kv_heads
-        h = cfg.d_k
-        hv = cfg.d_v
+        d, n, kh, h, hv = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_k, cfg.d_v
         is_cross = kv_inputs is not None
 
         def project(name, spec, inputs, shape, axes, num_in_axes=1):
             use_bias = cfg.use_bias or (cfg.qkv_bias and name != "out")
-            kernel, bias = Weights(shape, axes, num_in_axes=num_in_axes, use_bias=use_bias,
-                                   name=name)()
+            kernel, bias, branch = Weights(shape, axes, num_in_axes=num_in_axes, use_bias=use_bias,
+                                           lora_branch=True, name=name)(deterministic)
             y = jnp.einsum(spec, inputs.astype(dtype), kernel.astype(dtype))
+            y = y if branch is None else y + branch(inputs.astype(dtype))
             return y if bias is None else y + bias.astype(dtype)
 
         q = project("query", "BTD,DNH->BTNH", x, (d, n, h), ("embed", "heads", "head_dim"))
@@ -310,15 +309,17 @@ class FeedForward(nn.Module):
     @nn.compact
     def __call__(self, x, *, deterministic=True):
         cfg = self.config
-        dtype = cfg.compute_dtype
-        d = cfg.d_model
-        f = cfg.d_ff
-        ff_in, bias_in = Weights((d, f), ("embed", "mlp"), use_bias=cfg.use_bias, name="ff_in")()
-        ff_gate = None
+        dtype, d, f = cfg.compute_dtype, cfg.d_model, cfg.d_ff
+
+        def weights(name, shape, axes, use_bias=False):
+            return Weights(shape, axes, use_bias=use_bias, lora_branch=True,
+                           name=name)(deterministic)
+
+        ff_in, bias_in, in_branch = weights("ff_in", (d, f), ("embed", "mlp"), cfg.use_bias)
+        ff_gate = gate_branch = None
         if cfg.activation in layers.GATED:
-            ff_gate, _ = Weights((d, f), ("embed", "mlp"), use_bias=False, name="ff_gate")()
-        ff_out, bias_out = Weights((f, d), ("mlp", "embed"), use_bias=cfg.use_bias,
-                                   name="ff_out")()
+            ff_gate, _, gate_branch = weights("ff_gate", (d, f), ("embed", "mlp"))
+        ff_out, bias_out, out_branch = weights("ff_out", (f, d), ("mlp", "embed"), cfg.use_bias)
         ff_in, ff_gate, ff_out, bias_in, bias_out = jax.tree.map(
             lambda a: a.astype(dtype), (ff_in, ff_gate, ff_out, bias_in, bias_out))
         relu_dropout = 0.0 if deterministic else cfg.relu_dropout_rate
@@ -326,7 +327,8 @@ class FeedForward(nn.Module):
             x.astype(dtype), ff_in, ff_out, ff_gate=ff_gate, bias_in=bias_in, bias_out=bias_out,
             activation=cfg.activation, gelu_approximate=cfg.gelu_approximate,
             dropout_rate=relu_dropout,
-            dropout_rng=self.make_rng("dropout") if relu_dropout > 0.0 else None)
+            dropout_rng=self.make_rng("dropout") if relu_dropout > 0.0 else None,
+            branches=dict(ff_in=in_branch, ff_gate=gate_branch, ff_out=out_branch))
 
 
 def _feed_forward(cfg: TransformerConfig, routed: bool, x, segments, deterministic: bool):

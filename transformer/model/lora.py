@@ -11,19 +11,32 @@ A starts as PEFT's (kaiming-uniform, a = sqrt(5): uniform within 1/sqrt(fan_in))
 so a fresh adapter leaves the model's outputs exactly the base's. A carries W's input axes and
 B its output axes (logical names), the rank axis is replicated: the adapters shard on the mesh
 as their kernel does. The update is added to the kernel (`Weights` calls `adapt`) rather than
-computed beside it, so the pure functions of `transformer.ops` are unchanged; the price is
+computed beside it, so the pure functions of `transformer.ops` take one kernel; the price is
 that the backward pass forms the kernel's gradient (as full fine-tuning does) before projecting
-it onto A and B. That is also why `lora_dropout` must be 0 here: dropout(x) A B has no
-kernel form. `merge` folds trained adapters into the kernels (a plain model).
+it onto A and B.
+
+`lora_dropout` p > 0 (PEFT's `lora_B(lora_A(dropout(x))) * scaling`) has no kernel form, so in
+training (not `deterministic`) the adapter runs beside the kernel instead: `adapt` returns W
+and a `Branch`, and the layer adds
+
+    (alpha / r) dropout_p(x) A B    to    x W (+ bias),
+
+the mask drawn from the model's `dropout` rng stream (each module its own). In evaluation and
+decoding dropout is the identity and the merged kernel gives the same outputs (within float32
+rounding). `merge` folds trained adapters into the kernels (a plain model).
 """
 
 from __future__ import annotations
 
 import math
+import string
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from transformer.ops import layers
 
 # `cfg` below is a `TransformerConfig` (model/config.py imports this module for `check`).
 TARGETS = ("query", "key", "value", "out", "ff_in", "ff_gate", "ff_out")
@@ -52,10 +65,9 @@ def check(cfg) -> None:
     if cfg.lora_alpha <= 0:
         raise ValueError(f"finetune.lora_alpha={cfg.lora_alpha} must be positive (the "
                          f"adapters' scale is lora_alpha / lora_rank; e.g. 2 * lora_rank)")
-    if cfg.lora_dropout != 0.0:
-        raise ValueError(f"finetune.lora_dropout={cfg.lora_dropout} is not supported: the "
-                         f"adapters are added to the kernel (W + alpha/r A B), which leaves "
-                         f"no place for dropout(x); set it to 0")
+    if not 0.0 <= cfg.lora_dropout < 1.0:
+        raise ValueError(f"finetune.lora_dropout={cfg.lora_dropout} must be in [0, 1) (the "
+                         f"probability of dropping an adapter's input; 0: none)")
     names = targets(cfg)
     if not names:
         raise ValueError(f"finetune.lora_targets={cfg.lora_targets!r} names no module; give "
@@ -73,13 +85,33 @@ def check(cfg) -> None:
                              f"target the attention projections only")
 
 
-def adapt(module: nn.Module, kernel: jax.Array, num_in_axes: int,
-          axes: tuple[str, ...]) -> jax.Array:
-    """`kernel` + (alpha / r) A B where the parent layer's config targets this `Weights`
-    module (by its name), else `kernel` unchanged. Creates `lora_a` and `lora_b` in `module`."""
+class Branch(NamedTuple):
+    """An adapter beside its kernel: `branch(x)` is (alpha / r) dropout(x) A B for x
+    [..., in...] (W's input axes last) -> [..., out...], in x's dtype."""
+    a: jax.Array
+    b: jax.Array
+    factor: float
+    rate: float
+    rng: jax.Array
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        num_in, num_out = self.a.ndim - 1, self.b.ndim - 1
+        ins, outs = string.ascii_lowercase[:num_in], string.ascii_lowercase[num_in:][:num_out]
+        dropped = layers.dropout(x, self.rate, self.rng)
+        low = jnp.einsum(f"...{ins},{ins}z->...z", dropped, self.a.astype(x.dtype))
+        out = jnp.einsum(f"...z,z{outs}->...{outs}", low, self.b.astype(x.dtype))
+        return (self.factor * out).astype(x.dtype)
+
+
+def adapt(module: nn.Module, kernel: jax.Array, num_in_axes: int, axes: tuple[str, ...],
+          deterministic: bool = True) -> tuple[jax.Array, Branch | None]:
+    """(kernel, branch) for a `Weights` module: where the parent layer's config targets it (by
+    its name), creates `lora_a` and `lora_b` in `module` and returns (`kernel` + (alpha / r)
+    A B, None), or in training with `lora_dropout` > 0 (`kernel`, its `Branch`); elsewhere
+    (`kernel`, None)."""
     cfg = getattr(module.parent, "config", None)
     if cfg is None or not cfg.lora_rank or module.name not in targets(cfg):
-        return kernel
+        return kernel, None
     rank = cfg.lora_rank
     in_shape, out_shape = kernel.shape[:num_in_axes], kernel.shape[num_in_axes:]
     bound = 1.0 / math.sqrt(math.prod(in_shape))  # kaiming_uniform(a=sqrt(5)) over fan_in
@@ -92,7 +124,9 @@ def adapt(module: nn.Module, kernel: jax.Array, num_in_axes: int,
     b = module.param(B, nn.with_logical_partitioning(nn.initializers.zeros,
                                                      (None, *axes[num_in_axes:])),
                      (rank, *out_shape))
-    return kernel + scale(cfg) * delta(a, b, num_in_axes).astype(kernel.dtype)
+    if not deterministic and cfg.lora_dropout > 0.0:
+        return kernel, Branch(a, b, scale(cfg), cfg.lora_dropout, module.make_rng("dropout"))
+    return kernel + scale(cfg) * delta(a, b, num_in_axes).astype(kernel.dtype), None
 
 
 def delta(a: jax.Array, b: jax.Array, num_in_axes: int) -> jax.Array:

@@ -6,6 +6,7 @@ functions of arrays (no Flax). Shapes are written in the package's legend
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -149,6 +150,7 @@ def feed_forward(
     gelu_approximate: bool = True,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
+    branches: dict[str, Callable[[jax.Array], jax.Array] | None] | None = None,
 ) -> jax.Array:
     """Position-wise FFN of x [B, T, D] with ff_in [D, F], ff_out [F, D] (paper eq. 2):
 
@@ -160,12 +162,20 @@ def feed_forward(
         geglu:  (GELU(x W_gate) * x W1) W2    (GELU as `gelu_approximate`; Gemma's)
 
     `dropout_rate` drops the hidden activations ("ReLU dropout"; 0 in the paper).
+    `branches` maps a projection's name ("ff_in", "ff_gate", "ff_out") to None or a function of
+    its input whose output is added to the projection's (a LoRA adapter beside the kernel).
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation={activation!r}; choose one of {ACTIVATIONS}")
     if (activation in GATED) != (ff_gate is not None):
         raise ValueError(f"ff_gate is required by activation in {GATED} and only by them")
-    hidden = jnp.einsum("...D,DF->...F", x, ff_in)
+    branches = branches or {}
+
+    def project(name, inputs, kernel, spec):
+        y = jnp.einsum(spec, inputs, kernel)
+        return y if branches.get(name) is None else y + branches[name](inputs)
+
+    hidden = project("ff_in", x, ff_in, "...D,DF->...F")
     if bias_in is not None:
         hidden = hidden + bias_in
     if activation == "relu":
@@ -175,12 +185,12 @@ def feed_forward(
     elif activation == "silu":
         hidden = jax.nn.silu(hidden)
     elif activation == "swiglu":
-        hidden = jax.nn.silu(jnp.einsum("...D,DF->...F", x, ff_gate)) * hidden
+        hidden = jax.nn.silu(project("ff_gate", x, ff_gate, "...D,DF->...F")) * hidden
     else:
-        gate = jnp.einsum("...D,DF->...F", x, ff_gate)
+        gate = project("ff_gate", x, ff_gate, "...D,DF->...F")
         hidden = jax.nn.gelu(gate, approximate=gelu_approximate) * hidden
     hidden = dropout(hidden, dropout_rate, dropout_rng)
-    out = jnp.einsum("...F,FD->...D", hidden, ff_out)
+    out = project("ff_out", hidden, ff_out, "...F,FD->...D")
     if bias_out is not None:
         out = out + bias_out
     return out
