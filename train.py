@@ -30,6 +30,12 @@ flags.DEFINE_bool("sweep", False, "With --topology: compile a grid of context sp
                   "estimated step time.")
 flags.DEFINE_string("sweep_quantization", None, "With --sweep: model.quantization values to "
                     "try at every point, e.g. none,int8 (default: the config's own).")
+flags.DEFINE_string("sweep_stages", None, "With --sweep: pipeline stage counts to add to the "
+                    "grid, e.g. 2,4 (each with mesh.pipeline_repeats 1 and 2; default none).")
+flags.DEFINE_string("sweep_contexts", None, "With --sweep: the context splits of the grid "
+                    "(default 1,2,4,8).")
+flags.DEFINE_string("sweep_remat", None, "With --sweep: the remat policies of the grid "
+                    "(default none,full,dots_no_batch).")
 flags.DEFINE_string("coordinator_address", None, "host:port of process 0, for clusters that "
                     "jax.distributed cannot detect.")
 flags.DEFINE_integer("num_processes", None, "Number of processes (with --coordinator_address).")
@@ -48,14 +54,21 @@ def _quiet_libraries():
 
 
 def _compile_for_topology(cfg, name: str, num_slices: int, config_file: str,
-                          sweep: bool = False, sweep_quantization: str | None = None):
+                          sweep: bool = False, sweep_quantization: str | None = None,
+                          sweep_grid: dict | None = None):
     """Compiles the train step for a TPU topology's abstract devices
-    (`transformer/sizing/tpu.py`)."""
+    (`transformer/sizing/tpu.py`). `sweep_grid`: the `--sweep_*` flags' strings."""
     from transformer.sizing import tpu
 
+    grid = sweep_grid or {}
     try:
         topology = tpu.parse_topology(name, num_slices)
         quantizations = tpu.sweep_quantizations(sweep_quantization)
+        grid = {"stages": tpu.sweep_values("sweep_stages", grid.get("stages"), ()),
+                "contexts": tpu.sweep_values("sweep_contexts", grid.get("contexts"),
+                                             tpu.SWEEP_CONTEXTS),
+                "remats": tpu.sweep_values("sweep_remat", grid.get("remats"), tpu.SWEEP_REMAT,
+                                           str)}
     except ValueError as error:
         sys.exit(f"error: {error}")
     if not tpu.libtpu_installed():
@@ -69,7 +82,8 @@ def _compile_for_topology(cfg, name: str, num_slices: int, config_file: str,
         run = resolve(cfg, len(devices), config_file=config_file, num_slices=num_slices)
         if sweep:
             print(tpu.sweep_report(cfg, topology, devices,
-                                   tpu.sweep_points(cfg, len(devices), quantizations)))
+                                   tpu.sweep_points(cfg, len(devices), quantizations,
+                                                    num_slices=num_slices, **grid)))
         else:
             print(tpu.compile_report(run, topology, devices))
 
@@ -138,14 +152,17 @@ def main(argv):
         with cli.one_line_errors():
             print(summarize(resolve(cfg, config_file=config_file)))
         return
-    if FLAGS.sweep_quantization is not None and not FLAGS.sweep:
-        sys.exit("error: --sweep_quantization goes with --sweep")
+    for flag in ("sweep_quantization", "sweep_stages", "sweep_contexts", "sweep_remat"):
+        if FLAGS[flag].value is not None and not FLAGS.sweep:
+            sys.exit(f"error: --{flag} goes with --sweep")
     if FLAGS.topology is not None or FLAGS["num_slices"].present or FLAGS.sweep:
         if not FLAGS.compile_only or FLAGS.mesh_devices is not None or FLAGS.topology is None:
             sys.exit("error: --topology (and --num_slices, --sweep) go with --compile_only, "
                      "without --mesh_devices")
         _compile_for_topology(cfg, FLAGS.topology, FLAGS.num_slices, config_file, FLAGS.sweep,
-                              FLAGS.sweep_quantization)
+                              FLAGS.sweep_quantization,
+                              {"stages": FLAGS.sweep_stages, "contexts": FLAGS.sweep_contexts,
+                               "remats": FLAGS.sweep_remat})
         return
     if FLAGS.compile_only:
         _compile_only(cfg, FLAGS.mesh_devices, config_file)

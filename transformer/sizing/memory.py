@@ -26,9 +26,10 @@ import math
 import time
 
 import jax
+import jax.numpy as jnp
 
 from transformer.config import Resolved
-from transformer.parallel import sharding
+from transformer.parallel import pipeline, sharding
 from transformer.sizing import flops, step_time
 from transformer.sizing.activations import activation_bytes
 from transformer.sizing.batches import abstract_batch, batch_lengths, batch_shapes
@@ -62,6 +63,13 @@ class MemoryPlan:
     collectives: tuple = ()  # step_time.Collective of the compiled program
     int8_flops: float = 0.0  # per device, its int8 matmuls' (step_time.int8_flops)
     int8_dots: int = 0  # s8 x s8 matmuls a step runs (step_time.int8_dots)
+    pipeline: tuple[int, int, int] = (1, 1, 1)  # stages S, microbatches M, repeats R
+
+    @property
+    def bubble(self) -> float:
+        """The share of each stage's ticks it idles, (S - 1) / (M R + S - 1)
+        (`pipeline.bubble_fraction`); 0 without stages."""
+        return pipeline.bubble_fraction(*self.pipeline)
 
     @property
     def analytic_total(self) -> int:
@@ -101,18 +109,22 @@ def plan(run: Resolved, mesh) -> MemoryPlan:
     accum, global_rows, source, target = batch_lengths(model, shapes)
     rows = global_rows // sharding.batch_shards(mesh.shape)
     params = device_bytes(trainer.abstract_state.params)
+    stages = dict(mesh.shape).get(pipeline.STAGE_AXIS, 1)
+    schedule = (stages, model.pipeline_microbatches or stages, model.pipeline_repeats)
     analytic = {
         "params": params,
         "optimizer_state": device_bytes(trainer.abstract_state.opt_state),
         "gradients": params * (2 if accum > 1 else 1),
         "update": 2 * params,
-        "activations": activation_bytes(model, rows=rows, source_length=source,
-                                        target_length=target,
-                                        loss_chunk_tokens=trainer.loss_chunk_tokens,
-                                        tensor=mesh.shape["tensor"])
+        "activations": _activations(model, schedule, rows=rows, source_length=source,
+                                    target_length=target,
+                                    loss_chunk_tokens=trainer.loss_chunk_tokens,
+                                    tensor=mesh.shape["tensor"])
         // dict(mesh.shape).get(sharding.LENGTH_AXIS, 1),  # context splits every position
         "batch": device_bytes(batch),
     }
+    if stages > 1:
+        analytic["pipeline_buffers"] = pipeline_buffer_bytes(model, schedule, rows, target)
     hlo = executable.as_text()
     compiled = {
         "arguments": stats.argument_size_in_bytes,
@@ -126,6 +138,32 @@ def plan(run: Resolved, mesh) -> MemoryPlan:
                       lowered_at - started, compiled_at - lowered_at, stats.peak_memory_in_bytes,
                       {key: float(cost.get(key, 0.0))
                        for key in ("flops", "bytes accessed", "optimal_seconds")},
-                      model.attention_implementation, tuple(step_time.collectives(hlo)),
+                      model.attention_implementation, tuple(step_time.collectives(hlo, mesh)),
                       step_time.int8_flops(lowered.as_text(), mesh.devices.size),
-                      step_time.int8_dots(hlo))
+                      step_time.int8_dots(hlo), schedule)
+
+
+def _activations(model, schedule: tuple[int, int, int], **kwargs) -> int:
+    """`activation_bytes` on one device. With S stages (`schedule` (S, M, R)) a device keeps its
+    L / S layers' activations for all its rows, and those of the chunks it runs in the
+    bubble's idle ticks (the schedule runs every stage every tick and discards the idle ones'
+    results): (S - 1) / (M R) of that again, L / (S R) layers of a microbatch a tick."""
+    stages, microbatches, repeats = schedule
+    if stages == 1:
+        return activation_bytes(model, **kwargs)
+    per_stage = model.num_decoder_layers // stages
+    kept = activation_bytes(dataclasses.replace(model, num_decoder_layers=per_stage), **kwargs)
+    layers = activation_bytes(dataclasses.replace(model, num_decoder_layers=2 * per_stage),
+                              **kwargs) - kept  # the stage's L / S layers alone
+    return kept + layers * (stages - 1) // (microbatches * repeats)
+
+
+def pipeline_buffer_bytes(model, schedule: tuple[int, int, int], rows: int,
+                          length: int) -> int:
+    """Bytes a device holds of the schedule's own buffers (`pipeline.run`) for `rows` rows of
+    `length` positions: the M slots stage 0 reads and the last stage writes ([M, rows / M, T,
+    D], replicated over the stages) and the stages' state ([S, rows / M, T, D], a stage's
+    share on each device), each twice: in the forward and as its gradient in the backward."""
+    stages, microbatches, _ = schedule
+    row = length * model.d_model * jnp.dtype(model.dtype).itemsize
+    return 2 * (rows * row + rows // microbatches * row)

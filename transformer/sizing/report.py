@@ -81,6 +81,17 @@ def _compiler_lines(model: TransformerConfig, memory_plan: MemoryPlan,
     ])
 
 
+def pipeline_lines(memory_plan: MemoryPlan) -> list[str]:
+    """With pipeline stages, the schedule and its bubble: the share of each stage's ticks it
+    idles, (S - 1) / (M R + S - 1) (`pipeline.bubble_fraction`)."""
+    stages, microbatches, repeats = memory_plan.pipeline
+    if stages == 1:
+        return []
+    return [f"pipeline: {stages} stages x {repeats} repeat(s), {microbatches} microbatches: "
+            f"{microbatches * repeats + stages - 1} ticks, bubble (S - 1) / (M R + S - 1) = "
+            f"{memory_plan.bubble:.6f} of each stage's ticks"]
+
+
 def format_report(model: TransformerConfig, memory_plan: MemoryPlan,
                   accelerator: Accelerator | None = None,
                   estimate: list[str] | None = None) -> str:
@@ -112,6 +123,7 @@ def format_report(model: TransformerConfig, memory_plan: MemoryPlan,
         f"{memory_plan.attention_implementation}",
         f"train step lowered in {memory_plan.lower_seconds:.1f} s, compiled in "
         f"{memory_plan.compile_seconds:.1f} s",
+    ] + pipeline_lines(memory_plan) + [
         "",
         row("per device", "analytic", "compiled"),
         row("params", _human(a["params"]), ""),
@@ -120,6 +132,8 @@ def format_report(model: TransformerConfig, memory_plan: MemoryPlan,
         row("optimizer update temporaries", _human(a["update"]), ""),
         row(f"activations (remat {model.remat_policy})", _human(a["activations"]), ""),
         row("batch", _human(a["batch"]), ""),
+    ] + ([row("pipeline buffers (in temporaries)", _human(a["pipeline_buffers"]), "")]
+         if "pipeline_buffers" in a else []) + [
         row("arguments (state, batch)", "", _human(c["arguments"])),
         row("outputs (state, metrics)", "", _human(c["outputs"])),
         row("aliased (donated state)", "", "-" + _human(c["aliased"])),

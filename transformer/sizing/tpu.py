@@ -159,22 +159,32 @@ def compile_report(run: Resolved, topology: Topology, devices) -> str:
               f"slice(s), {len(devices)} x {devices[0].device_kind}")
     if topology.num_slices > 1:
         ici, dcn = sharding.hybrid_shape(run.config.mesh, len(devices), topology.num_slices)
-        header += (f"; {', '.join(sharding.MESH_AXES)} within a slice {tuple(ici)}, across "
-                   f"slices {tuple(dcn)}")
+        axes = ", ".join(sharding.mesh_axes(run.config.mesh))
+        header += f"; {axes} within a slice {tuple(ici)}, across slices {tuple(dcn)}"
     memory_plan = _plan(run, mesh, topology)
     estimate = step_estimate(run, topology, devices, memory_plan)
     analytic = step_flops.step_flops_per_device(run.model, memory_plan)
     device = topology.chip.device
     lines = report.format_report(run.model, memory_plan, device, step_time.describe(
-        estimate, analytic, device.peak_flops, topology.chip.int8_ops))
+        estimate, analytic, device.peak_flops, topology.chip.int8_ops, device.name))
     return f"{header}\n{lines}"
 
 
 def layer_variant(run: Resolved, layers: int, num_devices: int, num_slices: int) -> Resolved:
     """`run` with at most `layers` layers in each stack, unrolled (`scan_layers` False), and
-    one microbatch of the same rows: a program whose every layer the cost model counts."""
+    one microbatch of the same rows: a program whose every layer the cost model counts. Its
+    pipeline stages are folded into FSDP (a device then runs every layer on 1 / S of the
+    rows: a stage's FLOPs; `step_time.extrapolate` adds the bubble)."""
     cfg = run.config.copy_and_resolve_references()
     model = cfg.model
+    if sharding.STAGE_AXIS in sharding.mesh_axes(cfg.mesh):
+        ici, dcn = sharding.hybrid_shape(cfg.mesh, num_devices, num_slices)
+        for axis, inside, across in zip(sharding.mesh_axes(cfg.mesh), ici, dcn, strict=True):
+            cfg.mesh[axis] = inside
+            cfg.mesh[f"dcn_{axis}"] = across
+        cfg.mesh.fsdp *= cfg.mesh.stage
+        cfg.mesh.dcn_fsdp *= cfg.mesh.dcn_stage
+        cfg.mesh.stage = cfg.mesh.dcn_stage = 1
     model.scan_layers = False
     for stack in ("num_encoder_layers", "num_decoder_layers"):
         if int(model.get(stack, 0) or 0) > 0:
@@ -194,11 +204,10 @@ def step_estimate(run: Resolved, topology: Topology, devices,
     device = topology.chip.device
     layers = max(model.num_decoder_layers if model.architecture in ("decoder", "encoder_decoder")
                  else 0, model.num_encoder_layers if model.architecture != "decoder" else 0)
-    mesh = sharding.make_mesh(run.config.mesh, devices)
     costs = []
     for depth in (1, 2):
         variant = layer_variant(run, depth, len(devices), topology.num_slices)
-        variant_plan = _plan(variant, mesh, topology)
+        variant_plan = _plan(variant, sharding.make_mesh(variant.config.mesh, devices), topology)
         costs.append(step_time.program_cost(variant_plan.cost, device.peak_flops,
                                             device.memory_bytes_per_s, variant_plan.int8_flops))
     return step_time.extrapolate(
@@ -210,7 +219,7 @@ def step_estimate(run: Resolved, topology: Topology, devices,
         analytic_flops=step_flops.step_flops_per_device(model, memory_plan),
         recomputed_flops=step_flops.remat_flops(model, memory_plan),
         peak_flops=device.peak_flops, int8_peak=topology.chip.int8_ops,
-        int8_dots_=memory_plan.int8_dots)
+        int8_dots_=memory_plan.int8_dots, pipeline=memory_plan.pipeline)
 
 
 class DoesNotFit(ValueError):
@@ -246,6 +255,7 @@ def _plan(run: Resolved, mesh, topology: Topology) -> memory.MemoryPlan:
 
 SWEEP_CONTEXTS = (1, 2, 4, 8)
 SWEEP_REMAT = ("none", "full", "dots_no_batch")
+SWEEP_REPEATS = (1, 2)  # mesh.pipeline_repeats tried at each stage count
 
 
 def sweep_microbatches(cfg, num_devices: int, context: int) -> list[int]:
@@ -273,16 +283,50 @@ def sweep_quantizations(value: str | None) -> tuple[str, ...]:
     return names
 
 
-def sweep_points(cfg, num_devices: int,
-                 quantizations: tuple[str, ...] = ()) -> list[dict[str, object]]:
-    """The default grid: for each split of the positions over `context` in SWEEP_CONTEXTS
-    that divides the devices, the rest of the devices as FSDP, under each remat policy in
-    SWEEP_REMAT, at each of `sweep_microbatches`, fewest last; with `quantizations`
-    (`model.quantization` values), each point once with each."""
-    points = [{"mesh.data": 1, "mesh.fsdp": num_devices // c, "mesh.context": c,
+def sweep_values(flag: str, value: str | None, default: tuple, kind=int) -> tuple:
+    """A comma-separated `--sweep_*` flag as a tuple of `kind`; None or "" is `default`.
+    ValueError (one line naming the flag) for a value that is not one."""
+    try:
+        values = tuple(kind(v.strip()) for v in (value or "").split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"--{flag}={value!r}: use a comma-separated list like "
+                         f"{','.join(map(str, default))}") from None
+    if kind is str and (bad := [v for v in values if v not in SWEEP_REMAT + ("dots",)]):
+        raise ValueError(f"--{flag} names {bad[0]!r}; use {', '.join(SWEEP_REMAT + ('dots',))}")
+    return values or default
+
+
+def sweep_points(cfg, num_devices: int, quantizations: tuple[str, ...] = (), *,
+                 num_slices: int = 1, contexts: tuple[int, ...] = SWEEP_CONTEXTS,
+                 remats: tuple[str, ...] = SWEEP_REMAT,
+                 stages: tuple[int, ...] = ()) -> list[dict[str, object]]:
+    """The default grid: for each split of the positions over `context` in `contexts` that
+    divides a slice's devices, the rest of them as FSDP (data parallelism across slices),
+    under each remat policy in `remats`, at each of `sweep_microbatches`, fewest last. Then
+    for each count in `stages` (> 1) and each of SWEEP_REPEATS, pipeline stages: across the
+    slices first (`mesh.dcn_stage`, the rest within a slice), the rest of the devices as
+    FSDP, at the microbatch counts a split of that size sizes (a stage holds 1 / S of the
+    layers for S times the rows). A stage point the model cannot take (layers not divisible
+    by stages x repeats, fewer pipeline microbatches than stages) is kept: the sweep drops it
+    with its reason. With `quantizations` (`model.quantization` values), each point once
+    with each."""
+    per_slice = num_devices // num_slices
+    points = [{"mesh.data": 1, "mesh.fsdp": per_slice // c, "mesh.context": c,
                "mesh.tensor": 1, "model.remat_policy": remat, "grad_accum_steps": a}
-              for c in SWEEP_CONTEXTS if num_devices % c == 0 for remat in SWEEP_REMAT
+              for c in contexts if per_slice % c == 0 for remat in remats
               for a in sweep_microbatches(cfg, num_devices, c)]
+    for split in (s for s in stages if s > 1 and num_devices % s == 0):
+        across = math.gcd(split, num_slices)
+        within = split // across
+        if per_slice % within:
+            continue
+        points += [{"mesh.data": 1, "mesh.fsdp": per_slice // within, "mesh.context": 1,
+                    "mesh.tensor": 1, "mesh.stage": within, "mesh.dcn_stage": across,
+                    "mesh.dcn_data": -1 if across < num_slices else 1,
+                    "mesh.pipeline_repeats": repeats, "model.remat_policy": remat,
+                    "grad_accum_steps": a}
+                   for repeats in SWEEP_REPEATS for remat in remats
+                   for a in sweep_microbatches(cfg, num_devices, split)]
     if not quantizations:
         return points
     return [{**point, "model.quantization": q} for point in points for q in quantizations]
@@ -325,6 +369,11 @@ def _sweep_point(cfg, topology: Topology, devices, overrides: dict[str, object],
     label = (f"data {point.mesh.data} fsdp {point.mesh.fsdp} context "
              f"{point.mesh.context} tensor {point.mesh.tensor}, remat "
              f"{point.model.remat_policy}")
+    if "mesh.stage" in overrides:
+        stages = int(point.mesh.stage) * int(point.mesh.dcn_stage)
+        label = (f"stage {stages} ({point.mesh.dcn_stage} across slices) x {label}, "
+                 f"{point.mesh.pipeline_repeats} repeat(s), "
+                 f"{point.mesh.pipeline_microbatches or stages} pipeline microbatches")
     if "model.quantization" in overrides:
         label += f", {point.model.quantization}"
     if "grad_accum_steps" in overrides:
@@ -347,6 +396,9 @@ def _sweep_point(cfg, topology: Topology, devices, overrides: dict[str, object],
         estimate.seconds * device.peak_flops)
     if "grad_accum_steps" not in overrides:
         label += f", {run.config.grad_accum_steps} microbatch(es)"
+    bubble = (f", bubble {estimate.bubble_fraction:.3f} = {estimate.bubble * 1e3:.1f} ms"
+              if memory_plan.pipeline[0] > 1 else "")
     return estimate.seconds, (f"{label}: {estimate.seconds * 1e3:.1f} ms "
                               f"({estimate.overlapped_seconds * 1e3:.1f} ms overlapped), "
-                              f"MFU {mfu:.1%}, peak {memory_plan.peak_bytes / GiB:.2f} GiB")
+                              f"MFU {mfu:.1%}, peak {memory_plan.peak_bytes / GiB:.2f} GiB"
+                              f"{bubble}")
