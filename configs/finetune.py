@@ -10,7 +10,8 @@ gives `model.*` (the checkpoint's special token ids included) and `data.vocab_si
 `vocab/` (a tokenizer.json or SentencePiece model) becomes the new run's. AdamW 1e-4 (b2 0.95,
 weight decay 0.1, clipped at 1), 50 warmup updates, cosine to 10% at update 500. Rows of 128
 tokens, 16 rows per update, float32. No dropout unless the checkpoint's config asks for it.
-The whole model trains unless `finetune.lora_rank` > 0 (LoRA adapters alone).
+The whole model trains unless `finetune.lora_rank` > 0 (LoRA adapters alone: `lora_alpha`,
+`lora_targets`, and `lora_dropout`, PEFT's dropout of the adapters' input in training).
 
 Preference tuning (DPO, `transformer/training/dpo.py`) is the argument `<workdir>,dpo`: pairs
 in jsonl rows of prompt, chosen and rejected, the reference the pretrained weights, beta 0.1

@@ -1,10 +1,13 @@
 """LoRA adapters in and out in PEFT's format (transformer/huggingface/adapters.py) against
 `peft` itself on a tiny random Llama (nothing downloaded): a PEFT adapter imported here gives
 peft's logits; exported again it is the same tensors, which peft loads onto the exported base;
-merged, a plain checkpoint with the adapted model's logits; one-line refusals."""
+merged, a plain checkpoint with the adapted model's logits; one-line refusals; lora_dropout:
+peft's LoraLayer in train mode given our dropout mask equals ours, and the setting goes out
+to adapter_config.json and back."""
 
 import json
 
+import flax.linen as nn
 import jax
 import numpy as np
 import pytest
@@ -14,7 +17,9 @@ from test_huggingface import TOKENS, _hf_logits, _llama
 from transformer.checkpoint import averaging, layout
 from transformer.config import resolve
 from transformer.huggingface import adapters, convert
-from transformer.model.transformer import Transformer
+from transformer.model import lora
+from transformer.model.blocks import Weights
+from transformer.model.transformer import Transformer, TransformerConfig
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -118,3 +123,82 @@ def test_adapter_for_another_base_and_unsupported_options_are_one_line(tmp_path)
     with pytest.raises(ValueError, match="lacks base_model.model.model.layers.1"):
         convert.import_checkpoint(str(hf_dir), str(tmp_path / "c"),
                                   adapter=str(tmp_path / "other"))
+
+
+class _Projection(nn.Module):
+    """A targeted feed-forward kernel's layer as ours computes it: x W + b + its branch."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x, deterministic):
+        kernel, bias, branch = Weights((6, 5), ("embed", "mlp"), lora_branch=True,
+                                       name="ff_in")(deterministic)
+        y = x @ kernel + bias
+        return (y if branch is None else y + branch(x)), branch
+
+
+class _Masked(torch.nn.Module):
+    """Inverted dropout with a given keep mask in train mode, the identity in eval mode (in
+    place of peft's torch.nn.Dropout)."""
+
+    def __init__(self, keep, rate):
+        super().__init__()
+        self.keep, self.rate = torch.from_numpy(keep.copy()), rate
+
+    def forward(self, x):
+        if not self.training:
+            return x
+        return torch.where(self.keep, x / (1 - self.rate), torch.zeros_like(x))
+
+
+def _tiny_peft(rate):
+    """peft's LoRA (r 2, alpha 3, random A and B) on a torch Linear(6, 5) named `proj`."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential()
+    model.add_module("proj", torch.nn.Linear(6, 5))
+    config = peft.LoraConfig(r=2, lora_alpha=3, target_modules=["proj"], lora_dropout=rate,
+                             init_lora_weights=False)
+    return peft.get_peft_model(model, config)
+
+
+def test_peft_lora_layer_in_train_mode_equals_ours_with_our_dropout_mask():
+    """PEFT's train-mode LoraLayer, base(x) + lora_B(lora_A(dropout(x))) * scaling, with its
+    torch.nn.Dropout given the mask our branch draws (torch's own mask comes from torch's
+    generator, which no JAX key reproduces), equals our layer in training; in eval mode (no
+    dropout) it equals our merged kernel."""
+    rate = 0.3
+    peft_model = _tiny_peft(rate).train()
+    layer = peft_model.base_model.model.proj
+    tensors = {k: v.detach().numpy() for k, v in layer.state_dict().items()}
+    params = {"kernel": tensors["base_layer.weight"].T, "bias": tensors["base_layer.bias"],
+              lora.A: tensors["lora_A.default.weight"].T,
+              lora.B: tensors["lora_B.default.weight"].T}
+    cfg = TransformerConfig(vocab_size=8, d_model=6, d_ff=5, num_heads=1, lora_rank=2,
+                            lora_alpha=3.0, lora_dropout=rate, lora_targets="ff_in")
+    x = np.random.default_rng(0).normal(size=(4, 7, 6)).astype(np.float32)
+    ours, branch = _Projection(cfg).apply({"params": {"ff_in": params}}, x, False,
+                                          rngs={"dropout": jax.random.key(3)})
+    keep = np.asarray(jax.random.bernoulli(branch.rng, 1 - rate, x.shape))
+    assert 0 < keep.mean() < 1
+    layer.lora_dropout["default"] = _Masked(keep, rate)
+    with torch.no_grad():
+        theirs = peft_model(torch.from_numpy(x)).numpy()
+    # float32 sums of 6 (base) and 6 + 2 (adapter) products of terms ~1: a few ulps of ~2
+    np.testing.assert_allclose(np.asarray(ours), theirs, rtol=0, atol=1e-5)
+    evaluated, _ = _Projection(cfg).apply({"params": {"ff_in": params}}, x, True)
+    with torch.no_grad():
+        theirs = peft_model.eval()(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(np.asarray(evaluated), theirs, rtol=0, atol=1e-5)
+
+
+def test_lora_dropout_goes_out_to_adapter_config_and_back(tmp_path):
+    """A PEFT adapter's lora_dropout is read into the `finetune` section; ours is written to
+    adapter_config.json, where peft reads it."""
+    _tiny_peft(0.05).save_pretrained(str(tmp_path / "theirs"))
+    assert adapters.read_config(str(tmp_path / "theirs"))["lora_dropout"] == 0.05
+    cfg = TransformerConfig(vocab_size=8, d_model=6, d_ff=5, num_heads=1, lora_rank=2,
+                            lora_alpha=3.0, lora_dropout=0.15, lora_targets="ff_in")
+    adapters.write(str(tmp_path / "ours"), {}, [], cfg, str(tmp_path))
+    assert adapters.read_config(str(tmp_path / "ours"))["lora_dropout"] == 0.15
+    assert peft.LoraConfig.from_pretrained(str(tmp_path / "ours")).lora_dropout == 0.15

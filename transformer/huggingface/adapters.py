@@ -9,7 +9,8 @@ input axes split out, B likewise; this holds where the family maps the Linear we
 kernel by a transpose and a split of its axes (`heads_in`, `heads_out`, `transposed`), which
 `adapter_groups` checks on each targeted kernel. Only PEFT's plain LoRA maps (no rsLoRA, DoRA,
 per-layer ranks, biases or extra trained modules), and an adapter must cover a targeted module
-in every layer: our targets are by name, as `lora_targets`.
+in every layer: our targets are by name, as `lora_targets`. `lora_dropout` goes out and comes
+back with `r` and `lora_alpha` (PEFT's dropout of the adapter's input is ours, `model/lora.py`).
 """
 
 from __future__ import annotations
@@ -125,7 +126,8 @@ def read_config(adapter_dir: str) -> dict:
         if config.get(option) and config[option] != off:  # absent, empty or off: plain LoRA
             raise ValueError(f"{path}: {option}={config[option]!r} is not supported (plain "
                              f"LoRA only: {option}={off!r})")
-    return dict(lora_rank=int(config["r"]), lora_alpha=float(config["lora_alpha"]))
+    return dict(lora_rank=int(config["r"]), lora_alpha=float(config["lora_alpha"]),
+                lora_dropout=float(config.get("lora_dropout") or 0.0))
 
 
 def read_tensors(adapter_dir: str) -> dict[str, np.ndarray]:

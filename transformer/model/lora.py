@@ -65,7 +65,8 @@ def check(cfg) -> None:
     if cfg.lora_alpha <= 0:
         raise ValueError(f"finetune.lora_alpha={cfg.lora_alpha} must be positive (the "
                          f"adapters' scale is lora_alpha / lora_rank; e.g. 2 * lora_rank)")
-    if not 0.0 <= cfg.lora_dropout < 1.0:
+    rate = cfg.lora_dropout
+    if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0.0 <= rate < 1.0:
         raise ValueError(f"finetune.lora_dropout={cfg.lora_dropout} must be in [0, 1) (the "
                          f"probability of dropping an adapter's input; 0: none)")
     names = targets(cfg)
