@@ -210,6 +210,36 @@ def test_dropout_branch_equals_the_merged_kernel_and_evaluation_is_deterministic
     np.testing.assert_array_equal(logits(0.5, params), merged)
 
 
+def test_int8_quantizes_the_dropout_branch_as_the_kernels(monkeypatch):
+    """LoRA and Qwix's int8 training combine: in training with lora_dropout the branch's two
+    matmuls (x A over W's input axes, then (x A) B) go through Qwix's quantized einsum as the
+    kernels' do, and the adapters' gradients are finite and nonzero."""
+    from transformer.model import quantization
+
+    qwix = pytest.importorskip("qwix")
+    seen = []
+    original = qwix.QtProvider.einsum
+
+    def spy(self, spec, *operands, **kwargs):
+        seen.append(spec)
+        return original(self, spec, *operands, **kwargs)
+
+    monkeypatch.setattr(qwix.QtProvider, "einsum", spy)
+    cfg = TransformerConfig(**TINY | dict(num_decoder_layers=1), lora_rank=4, lora_alpha=8.0,
+                            lora_dropout=0.2, lora_targets="out,ff_out")
+    params = _trained_b(_init(cfg))
+    model = quantization.quantize(Transformer(cfg), "int8")
+    tokens = jnp.asarray(np.random.default_rng(1).integers(3, 40, (2, 9)), jnp.int32)
+    grads = jax.jit(jax.grad(lambda p: model.apply(
+        {"params": p}, tokens, tokens, deterministic=False,
+        rngs={"dropout": jax.random.key(1)}).sum()))(params)
+    assert seen.count("...ab,abz->...z") == seen.count("...z,zc->...c") == 1  # out
+    assert seen.count("...a,az->...z") == seen.count("...z,zb->...b") == 1  # ff_out
+    for path, grad in _flat(grads).items():
+        if lora.is_adapter(path[-1]):
+            assert np.isfinite(grad).all() and np.abs(grad).max() > 0, path
+
+
 def _flat(tree, prefix=()):
     out = {}
     for k, v in tree.items():
