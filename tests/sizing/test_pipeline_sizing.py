@@ -62,18 +62,19 @@ def test_without_stages_nothing_is_added():
 @pytest.mark.parametrize("schedule", [(1, 1, 1), (2, 4, 1), (4, 4, 2)])
 def test_estimate_stretches_the_layers_time_by_the_bubble(schedule):
     """By hand: 1- and 2-layer programs of 3 and 5 ms (a layer 2 ms, base 1 ms), 8 layers, 2
-    accumulation microbatches, an optimizer update of 0.25 ms, 1e9 unseen FLOPs at 1e12/s.
-    Busy layers: 2 x 8 x 2 + 1 = 33 ms; idle (S - 1) / (M R) of that; the base less the
-    update (0.75 ms) run on S - 1 more stages, twice."""
+    accumulation microbatches, an optimizer update of 0.25 ms (0.1 ms of it in the base), 1e9
+    unseen FLOPs at 1e12/s. Busy layers: 2 x 8 x 2 + 1 = 33 ms; idle (S - 1) / (M R) of that;
+    the base less its update (0.9 ms) run on S - 1 more stages, twice."""
     stages, microbatches, repeats = schedule
     one = step_time.ProgramCost(3e-3, 0.0)
     two = step_time.ProgramCost(5e-3, 0.0)
     e = step_time.extrapolate(one, two, [], "TPU v5", layers=8, microbatches=2,
                               optimizer_seconds=0.25e-3, analytic_flops=1e9,
-                              recomputed_flops=0.0, peak_flops=1e12, pipeline=schedule)
+                              recomputed_flops=0.0, peak_flops=1e12, pipeline=schedule,
+                              base_optimizer_seconds=0.1e-3)
     plain = 2 * (3e-3 + 7 * 2e-3) - 0.25e-3
     assert e.unseen == pytest.approx(1e-3)
-    assert e.redundant == pytest.approx(2 * (stages - 1) * 0.75e-3)
+    assert e.redundant == pytest.approx(2 * (stages - 1) * 0.9e-3)
     assert e.compute == pytest.approx(plain + e.redundant)
     assert e.bubble == pytest.approx(33e-3 * (stages - 1) / (microbatches * repeats))
     # the idle share of the layers' ticks is the bubble fraction

@@ -126,8 +126,8 @@ def extrapolate(one: ProgramCost, two: ProgramCost, found: list[Collective], dev
                 *, layers: int, microbatches: int, optimizer_seconds: float,
                 analytic_flops: float, recomputed_flops: float,
                 peak_flops: float, int8_peak: float | None = None,
-                int8_dots_: int = 0,
-                pipeline: tuple[int, int, int] = (1, 1, 1)) -> StepEstimate:
+                int8_dots_: int = 0, pipeline: tuple[int, int, int] = (1, 1, 1),
+                base_optimizer_seconds: float = 0.0) -> StepEstimate:
     """The step's estimate: its compute from the programs with 1 and 2 layers per stack and
     one microbatch, `layers` per stack, `microbatches` A, the optimizer's update counted once.
     The FLOPs the cost model leaves out, flops.py's per device (`analytic_flops`) and remat's
@@ -147,8 +147,9 @@ def extrapolate(one: ProgramCost, two: ProgramCost, found: list[Collective], dev
     adds two things. Its stages idle (S - 1) / (M R + S - 1) of their ticks (the schedule runs
     them and discards what they compute): the layers' time (the cost model's and the unseen
     FLOPs') stretched to M R + S - 1 ticks from M R, `bubble`. And the embeddings and loss,
-    replicated over "stage", run on every stage for all the rows: the base less the
-    optimizer's update S - 1 times more, `redundant`."""
+    replicated over "stage", run on every stage for all the rows: the base less its share of
+    the optimizer's update (`base_optimizer_seconds`: the 1-layer program's update less a
+    layer's) S - 1 times more, `redundant`."""
 
     def whole(field: str) -> float:
         a = getattr(one, field)
@@ -163,7 +164,7 @@ def extrapolate(one: ProgramCost, two: ProgramCost, found: list[Collective], dev
     stages, pipeline_microbatches, repeats = pipeline
     layer = two.optimal_seconds - one.optimal_seconds
     base = one.optimal_seconds - layer
-    redundant = microbatches * (stages - 1) * max(0.0, base - optimizer_seconds)
+    redundant = microbatches * (stages - 1) * max(0.0, base - base_optimizer_seconds)
     busy = max(0.0, microbatches * layers * layer) + unseen
     bubble = busy * (stages - 1) / (pipeline_microbatches * repeats)
     return StepEstimate(compute + redundant, unseen,

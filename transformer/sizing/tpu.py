@@ -205,11 +205,15 @@ def step_estimate(run: Resolved, topology: Topology, devices,
     layers = max(model.num_decoder_layers if model.architecture in ("decoder", "encoder_decoder")
                  else 0, model.num_encoder_layers if model.architecture != "decoder" else 0)
     costs = []
+    updates = []  # each program's optimizer update
     for depth in (1, 2):
         variant = layer_variant(run, depth, len(devices), topology.num_slices)
         variant_plan = _plan(variant, sharding.make_mesh(variant.config.mesh, devices), topology)
         costs.append(step_time.program_cost(variant_plan.cost, device.peak_flops,
                                             device.memory_bytes_per_s, variant_plan.int8_flops))
+        updates.append(step_time.optimizer_seconds(
+            variant_plan.analytic["params"], device.memory_bytes_per_s,
+            variant_plan.analytic["optimizer_state"]))
     return step_time.extrapolate(
         *costs, list(memory_plan.collectives), device.name, layers=layers,
         microbatches=int(run.config.grad_accum_steps),
@@ -219,7 +223,8 @@ def step_estimate(run: Resolved, topology: Topology, devices,
         analytic_flops=step_flops.step_flops_per_device(model, memory_plan),
         recomputed_flops=step_flops.remat_flops(model, memory_plan),
         peak_flops=device.peak_flops, int8_peak=topology.chip.int8_ops,
-        int8_dots_=memory_plan.int8_dots, pipeline=memory_plan.pipeline)
+        int8_dots_=memory_plan.int8_dots, pipeline=memory_plan.pipeline,
+        base_optimizer_seconds=max(0.0, 2 * updates[0] - updates[1]))
 
 
 class DoesNotFit(ValueError):
