@@ -12,6 +12,7 @@ import pytest
 from transformer.config import resolve
 from transformer.data import batching, preference
 from transformer.parallel import sharding
+from transformer.sizing import flops
 from transformer.training import dpo, train_state
 
 VOCAB = 64
@@ -248,3 +249,29 @@ def test_bad_settings_are_one_line(load_config, change, message):
     with pytest.raises(ValueError, match=message) as error:
         resolve(cfg)
     assert "\n" not in str(error.value)
+
+
+def test_a_step_counts_four_forward_passes(load_config, monkeypatch):
+    """Throughput's FLOPs per token (`dpo.train_flops_per_token`, MFU's numerator) are 4/3 of
+    training's 3-forward count: a LoRA DPO step traces the policy's forward (differentiated:
+    forward + backward, 3 forwards' worth) and the reference's, no dropout, in the two branches
+    of a `lax.cond` (the stored copy or the params) of which one runs (1); a causal run's
+    count is training's."""
+    cfg = _config(load_config)
+    cfg.finetune = dict(lora_rank=4, lora_alpha=8.0, lora_dropout=0.0,
+                        lora_targets="query,value", dpo_beta=0.1)
+    trainer, run = _trainer(cfg)
+    calls = []
+    token_logps = dpo.token_logps
+    monkeypatch.setattr(dpo, "token_logps", lambda *a: calls.append(a[3]) or token_logps(*a))
+    state = train_state.init_state(trainer, 0)
+    batch = train_state.global_batch(trainer.mesh, _batch(_pairs(np.random.default_rng(1), 8),
+                                                          rows=8))
+    train_state.make_train_step(trainer, run.config).lower(state, batch)
+    assert len(calls) == 3 and calls[0] is not None and calls[1:] == [None, None]
+    lengths = dict(source_length=LENGTH, target_length=LENGTH)
+    plain = flops.train_flops_per_token(run.model, **lengths)
+    assert dpo.train_flops_per_token(cfg, run.model, **lengths) == pytest.approx(
+        plain * (3 + 1) / 3, rel=1e-12)
+    causal = _config(load_config, **{"data.objective": "causal"})
+    assert dpo.train_flops_per_token(causal, resolve(causal).model, **lengths) == plain

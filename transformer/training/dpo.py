@@ -14,7 +14,9 @@ The frozen reference is the params the run's first step starts from (the `init_f
 checkpoint). Full fine-tuning keeps a copy in the optimizer state (`with_reference`: sharded as
 the params, checkpointed and resumed with them, filled by the first step); with LoRA
 (`finetune.lora_rank` > 0) it is the same params with the adapters off (`lora_b` zero), no copy.
-The logits are computed whole (`loss_chunk_tokens` does not apply).
+The logits are computed whole (`loss_chunk_tokens` does not apply). A step is 4 forward
+passes' FLOPs, not training's 3: the policy's forward and backward, and the reference's
+forward (`train_flops_per_token`, what throughput's MFU divides by).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from transformer.config import DPO_BETA
 from transformer.model import lora
 from transformer.model.config import TransformerConfig
 from transformer.parallel import sharding
+from transformer.sizing import flops
 from transformer.training.scores import perplexity
 
 # The train and eval lines' figures, named as trl logs them
@@ -44,6 +47,16 @@ def beta(cfg) -> float:
     if cfg.data.get("objective") != "dpo":
         return 0.0
     return float((cfg.get("finetune") or {}).get("dpo_beta", DPO_BETA))
+
+
+def train_flops_per_token(cfg, model: TransformerConfig, *, source_length: int,
+                          target_length: int) -> float:
+    """A train step's matmul FLOPs per target token (`flops.train_flops_per_token`: forward and
+    backward, 3 forwards' worth); with DPO (`beta(cfg)` > 0) 4 forwards' worth, the frozen
+    reference's forward added."""
+    per_token = flops.train_flops_per_token(model, source_length=source_length,
+                                            target_length=target_length)
+    return per_token * 4.0 / 3.0 if beta(cfg) else per_token
 
 
 # --------------------------------------------------------------------------- the loss
