@@ -220,3 +220,28 @@ def test_sweep_flags_are_one_line_errors():
         tpu.sweep_values("sweep_stages", "two", (2,))
     with pytest.raises(ValueError, match=r"--sweep_remat names 'fast'"):
         tpu.sweep_values("sweep_remat", "full,fast", tpu.SWEEP_REMAT, str)
+
+
+@pytest.mark.parametrize("schedule", [(2, 4, 1), (4, 4, 2)])
+def test_a_stage_keeps_its_layers_activations_and_the_bubbles(schedule):
+    """A device keeps L / S layers' activations for all its rows, plus (S - 1) / (M R) of
+    them for the chunks it runs idle; what lies outside the layers (embeddings, logits) once.
+    By hand from the unpipelined figures of 8 and 16 layers (a layer's bytes: their
+    difference / 8)."""
+    import dataclasses
+
+    from transformer.model.config import TransformerConfig
+    from transformer.sizing.activations import activation_bytes
+
+    stages, microbatches, repeats = schedule
+    model = TransformerConfig(vocab_size=64, architecture="decoder", num_decoder_layers=16,
+                              d_model=32, d_ff=64, num_heads=4, num_kv_heads=2)
+    kw = dict(rows=4, source_length=0, target_length=16)
+    whole = activation_bytes(model, **kw)
+    half = activation_bytes(dataclasses.replace(model, num_decoder_layers=8), **kw)
+    layer = (whole - half) / 8
+    outside = whole - 16 * layer
+    per_stage = 16 // stages
+    want = outside + per_stage * layer * (1 + (stages - 1) / (microbatches * repeats))
+    assert memory._activations(model, schedule, **kw) == pytest.approx(want, abs=1)
+    assert memory._activations(model, (1, 1, 1), **kw) == whole
