@@ -252,7 +252,7 @@ def test_bad_settings_are_one_line(load_config, change, message):
 
 
 def test_a_step_counts_four_forward_passes(load_config, monkeypatch):
-    """Throughput's FLOPs per token (`dpo.train_flops_per_token`, MFU's numerator) are 4/3 of
+    """A DPO step's FLOPs per token (`dpo.train_flops_per_token`) are 4/3 of
     training's 3-forward count: a LoRA DPO step traces the policy's forward (differentiated:
     forward + backward, 3 forwards' worth) and the reference's, no dropout, in the two branches
     of a `lax.cond` (the stored copy or the params) of which one runs (1); a causal run's

@@ -16,7 +16,7 @@ the params, checkpointed and resumed with them, filled by the first step); with 
 (`finetune.lora_rank` > 0) it is the same params with the adapters off (`lora_b` zero), no copy.
 The logits are computed whole (`loss_chunk_tokens` does not apply). A step is 4 forward
 passes' FLOPs, not training's 3: the policy's forward and backward, and the reference's
-forward (`train_flops_per_token`, what throughput's MFU divides by).
+forward (`train_flops_per_token` counts them).
 """
 
 from __future__ import annotations
