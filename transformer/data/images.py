@@ -35,7 +35,7 @@ import logging
 import numpy as np
 
 from transformer.data import batching
-from transformer.data.datasets import CHUNK, DataUnavailable, prepare_dataset
+from transformer.data.datasets import CHUNK, DataUnavailable, prepare_dataset, tensorflow
 
 log = logging.getLogger("transformer")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -95,8 +95,9 @@ def _decode_all(builder, split: str) -> tuple[np.ndarray, np.ndarray]:
     """Every record of a split, (images [N, H, W, C] uint8, labels [N] int64): the raw records
     read at once, parsed and decoded by TensorFlow in parallel (several times faster than one
     record at a time through the data source's Pillow decoding)."""
-    import tensorflow as tf
     from tensorflow_datasets.core import decode
+
+    tf = tensorflow()
 
     source = builder.as_data_source(split=split,
                                     deserialize_method=decode.DeserializeMethod.RAW_BYTES)
