@@ -205,8 +205,11 @@ def test_only_the_vocabularys_own_files_are_copied(untrained_translation_workdir
 def _tiny(**overrides):
     from conftest import _load_config
 
+    # one layer each side at width 32 (4 heads, so tensor 2 still splits them): three runs
+    # compile, and what is loaded, left fresh and resumed is the same at any size
     base = {"num_train_steps": 4, "checkpoint_every_steps": 2, "eval_every_steps": 0,
-            "log_every_steps": 1, "data.batch_size": 16}
+            "log_every_steps": 1, "data.batch_size": 16, "model.num_encoder_layers": 1,
+            "model.num_decoder_layers": 1, "model.d_model": 32, "model.d_ff": 64}
     return _load_config("tiny.py", **(base | overrides))
 
 
