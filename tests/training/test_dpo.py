@@ -12,7 +12,6 @@ import pytest
 from transformer.config import resolve
 from transformer.data import batching, preference
 from transformer.parallel import sharding
-from transformer.sizing import flops
 from transformer.training import dpo, train_state
 
 VOCAB = 64
@@ -252,7 +251,7 @@ def test_bad_settings_are_one_line(load_config, change, message):
 
 
 def test_a_step_counts_four_forward_passes(load_config, monkeypatch):
-    """A DPO step's FLOPs per token (`dpo.train_flops_per_token`) are 4/3 of
+    """A DPO step's FLOPs are 4/3 (`dpo.flops_factor`) of
     training's 3-forward count: a LoRA DPO step traces the policy's forward (differentiated:
     forward + backward, 3 forwards' worth) and the reference's, no dropout, in the two branches
     of a `lax.cond` (the stored copy or the params) of which one runs (1); a causal run's
@@ -269,9 +268,5 @@ def test_a_step_counts_four_forward_passes(load_config, monkeypatch):
                                                           rows=8))
     train_state.make_train_step(trainer, run.config).lower(state, batch)
     assert len(calls) == 3 and calls[0] is not None and calls[1:] == [None, None]
-    lengths = dict(source_length=LENGTH, target_length=LENGTH)
-    plain = flops.train_flops_per_token(run.model, **lengths)
-    assert dpo.train_flops_per_token(cfg, run.model, **lengths) == pytest.approx(
-        plain * (3 + 1) / 3, rel=1e-12)
-    causal = _config(load_config, **{"data.objective": "causal"})
-    assert dpo.train_flops_per_token(causal, resolve(causal).model, **lengths) == plain
+    assert dpo.flops_factor(cfg) == pytest.approx((3 + 1) / 3, rel=1e-15)
+    assert dpo.flops_factor(_config(load_config, **{"data.objective": "causal"})) == 1.0

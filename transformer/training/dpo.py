@@ -16,7 +16,7 @@ the params, checkpointed and resumed with them, filled by the first step); with 
 (`finetune.lora_rank` > 0) it is the same params with the adapters off (`lora_b` zero), no copy.
 The logits are computed whole (`loss_chunk_tokens` does not apply). A step is 4 forward
 passes' FLOPs, not training's 3: the policy's forward and backward, and the reference's
-forward (`train_flops_per_token` counts them).
+forward (`flops_factor` scales training's count by 4/3).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from transformer.config import DPO_BETA
 from transformer.model import lora
 from transformer.model.config import TransformerConfig
 from transformer.parallel import sharding
-from transformer.sizing import flops
 from transformer.training.scores import perplexity
 
 # The train and eval lines' figures, named as trl logs them
@@ -49,14 +48,11 @@ def beta(cfg) -> float:
     return float((cfg.get("finetune") or {}).get("dpo_beta", DPO_BETA))
 
 
-def train_flops_per_token(cfg, model: TransformerConfig, *, source_length: int,
-                          target_length: int) -> float:
-    """A train step's matmul FLOPs per target token (`flops.train_flops_per_token`: forward and
-    backward, 3 forwards' worth); with DPO (`beta(cfg)` > 0) 4 forwards' worth, the frozen
-    reference's forward added."""
-    per_token = flops.train_flops_per_token(model, source_length=source_length,
-                                            target_length=target_length)
-    return per_token * 4.0 / 3.0 if beta(cfg) else per_token
+def flops_factor(cfg) -> float:
+    """A train step's FLOPs over training's count (`sizing.flops.train_flops_per_token`:
+    forward and backward, 3 forwards' worth): 4/3 with DPO (`beta(cfg)` > 0), the frozen
+    reference's forward added; else 1."""
+    return 4.0 / 3.0 if beta(cfg) else 1.0
 
 
 # --------------------------------------------------------------------------- the loss
