@@ -26,6 +26,12 @@ def tiny_config(load_config):
     return lambda **overrides: load_config("tiny.py", **{"data.batch_size": 16, **overrides})
 
 
+# One layer each side at width 32: the tests of what happens to a non-finite update (skipped,
+# stopped, resumed) hold at any size and compile half as much.
+SMALL = {"model.num_encoder_layers": 1, "model.num_decoder_layers": 1, "model.d_model": 32,
+         "model.d_ff": 64}
+
+
 def trainer_for(cfg, mesh) -> train_state.Trainer:
     return train_state.build_trainer(resolve(cfg, mesh.size), mesh)
 
@@ -169,7 +175,8 @@ def test_restore_onto_other_meshes(reference, tmp_path):
 
 
 def test_nonfinite_update_is_not_applied(tiny_config):
-    cfg = tiny_config(**{"optimizer.learning_rate": float("inf"), "optimizer.clip_norm": 0.0})
+    cfg = tiny_config(**SMALL, **{"optimizer.learning_rate": float("inf"),
+                                  "optimizer.clip_norm": 0.0})
     mesh = mesh_of((1, 1, 1), 1)
     trainer = trainer_for(cfg, mesh)
     state = train_state.init_state(trainer, cfg.seed)
@@ -209,8 +216,8 @@ def test_skipped_update_leaves_the_optimizer_and_the_logged_rate_behind(tiny_con
     """A skipped update (non-finite) advances only the train step (its batch and dropout key):
     the next update is the optimizer's first, logs the rate it used (the schedule's first,
     not the second), and gives the params of a run that never had the bad step."""
-    cfg = tiny_config()
-    bad_cfg = tiny_config(**{"optimizer.learning_rate": float("inf")})
+    cfg = tiny_config(**SMALL)
+    bad_cfg = tiny_config(**SMALL, **{"optimizer.learning_rate": float("inf")})
     mesh = mesh_of((1, 1, 1), 1)
     trainer = trainer_for(cfg, mesh)
     bad_trainer = trainer_for(bad_cfg, mesh)
@@ -245,7 +252,7 @@ def test_nonfinite_update_stops_the_run_naming_the_step_and_last_checkpoint(tiny
     it, the run finishes and counts the skips."""
     from transformer.training import loop
 
-    common = {"eval_every_steps": 0, "log_every_steps": 1, "checkpoint_every_steps": 2}
+    common = {"eval_every_steps": 0, "log_every_steps": 1, "checkpoint_every_steps": 2, **SMALL}
     loop.train_and_evaluate(tiny_config(num_train_steps=2, **common), str(tmp_path))
     bad = tiny_config(num_train_steps=4, **common, **{"optimizer.learning_rate": float("inf")})
     with pytest.raises(loop.NonFiniteLoss, match=r"^step 3: .*Last good checkpoint: "
