@@ -302,7 +302,9 @@ def test_training_moves_only_the_adapters_on_any_mesh(load_config, tmp_path):
 def test_lora_dropout_training_freezes_the_base_and_resumes_bit_exact(load_config):
     """lora_dropout 0.1, its masks from the run's dropout rng: three steps keep every base
     parameter bit-identical and move every adapter; two steps, then a third from that state
-    (a resume), give the three steps' state bit for bit."""
+    (a resume), give the three steps' state bit for bit; fsdp 2 x tensor 4 gives data 8's
+    losses and adapters (the same masks: JAX's random bits do not depend on the sharding),
+    the adapters split as their kernels."""
     cfg = _config(load_config, lora_dropout=0.1, data=8)
     mesh = sharding.make_mesh(cfg.mesh)
     state, lines, trainer = train_steps(cfg, mesh, 3)
@@ -319,6 +321,21 @@ def test_lora_dropout_training_freezes_the_base_and_resumes_bit_exact(load_confi
     assert float(tail[0]["loss"]) == float(lines[2]["loss"])
     for got, want in zip(jax.tree.leaves(resumed), jax.tree.leaves(state), strict=True):
         np.testing.assert_array_equal(got, want)
+    split = _config(load_config, lora_dropout=0.1, data=1, fsdp=2, tensor=4)
+    state2, lines2, _ = train_steps(split, sharding.make_mesh(split.mesh), 3)
+    # float32 sums over other shards in another order (seen ~1e-7): a 1e-5 relative margin
+    np.testing.assert_allclose([float(m["loss"]) for m in lines2],
+                               [float(m["loss"]) for m in lines], rtol=1e-5)
+    # Adam moved the adapters ~3e-4 a step; other masks move them ~2e-4 apart (seen), the
+    # other mesh's float32 sums in another order a few ulps of values <1 (seen 1e-8)
+    adapters = {k: v for k, v in _flat(jax.device_get(state.params)).items()
+                if lora.is_adapter(k[-1])}
+    for path, value in _flat(jax.device_get(state2.params)).items():
+        if lora.is_adapter(path[-1]):
+            np.testing.assert_allclose(value, adapters[path], rtol=0, atol=1e-6)
+    query = state2.params["decoder"]["layers_0"]["self_attention"]["query"]
+    assert query[lora.A].sharding.spec == jax.sharding.PartitionSpec("fsdp", None)
+    assert query[lora.B].sharding.spec[1] == "tensor"  # heads
 
 
 @pytest.mark.parametrize("finetune, message", [
