@@ -23,7 +23,9 @@ and a `Branch`, and the layer adds
 
 the mask drawn from the model's `dropout` rng stream (each module its own). In evaluation and
 decoding dropout is the identity and the merged kernel gives the same outputs (within float32
-rounding). `merge` folds trained adapters into the kernels (a plain model).
+rounding). Under Qwix (`model.quantization`) the branch's two einsums multiply the module's
+weights, so they are quantized as the kernel's matmul is. `merge` folds trained adapters into
+the kernels (a plain model).
 """
 
 from __future__ import annotations
