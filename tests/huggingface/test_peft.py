@@ -37,8 +37,8 @@ def _adapter(tmp_path, hf_model, name="adapter", rank=4):
     """A PEFT LoRA adapter with random A and B (init_lora_weights=False), saved; the peft
     model."""
     torch.manual_seed(1)
-    config = peft.LoraConfig(r=rank, lora_alpha=8, target_modules=MODULES, lora_dropout=0.0,
-                             init_lora_weights=False)
+    config = peft.LoraConfig(r=rank, lora_alpha=8, target_modules=MODULES, lora_dropout=0.05,
+                             init_lora_weights=False)  # dropout: kept on import, off in eval
     model = peft.get_peft_model(hf_model, config).eval()
     model.save_pretrained(str(tmp_path / name))
     return model
@@ -65,7 +65,7 @@ def test_peft_adapter_in_out_and_merged_equal_peft(tmp_path):
     convert.import_checkpoint(str(hf_dir), workdir, overrides={"model.dtype": "float32"},
                               adapter=str(tmp_path / "adapter"))
     run, ours, targets = _our_logits(workdir)
-    assert (run.model.lora_rank, run.model.lora_alpha) == (4, 8.0)
+    assert (run.model.lora_rank, run.model.lora_alpha, run.model.lora_dropout) == (4, 8.0, 0.05)
     assert run.model.lora_targets == "query,value,out,ff_out"
     # teacher forcing: the decoder reads BOS + targets[:t], TOKENS[:t+1], as transformers at t
     np.testing.assert_allclose(ours[targets != 0], expected[targets != 0], atol=ATOL, rtol=0)

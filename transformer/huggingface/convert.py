@@ -178,7 +178,7 @@ def import_checkpoint(hf_dir: str, workdir: str, *, config_file: str | None = No
     `attention_implementation`, `remat_policy`) come from the run config; `overrides` sets
     dotted keys after (e.g. {"model.dtype": "float32"}), as `--config.<key>=` flags do.
     `adapter`: a PEFT LoRA adapter directory for this checkpoint, imported as the run's
-    `finetune` section and `lora_a`/`lora_b` parameters (`adapters`; its dropout not kept)."""
+    `finetune` section and `lora_a`/`lora_b` parameters (`adapters`)."""
     if not os.path.isdir(hf_dir):
         raise ValueError(f"--from={hf_dir} is not a directory: give a save_pretrained directory")
     hf_config = read_json(os.path.join(hf_dir, HF_CONFIG), "not a save_pretrained directory")
@@ -254,7 +254,7 @@ def _with_adapter(adapter: str, cfg: ConfigDict, config_path: str, reader: Tenso
     tensors = adapters.read_tensors(adapter)
     fields["lora_targets"] = adapters.targets_of(tensors, groups, adapter)
     with cfg.unlocked():
-        cfg.finetune = ConfigDict(dict(fields, lora_dropout=0.0))
+        cfg.finetune = ConfigDict(fields)
     run = resolve(cfg, config_file=config_path)
     abstract = nn.unbox(abstract_params(run.model))
     shapes = {name: leaf.shape for name, leaf in zip(_names(abstract), jax.tree.leaves(abstract),

@@ -262,7 +262,7 @@ def _train(cfg, workdir: str, config_file: str | None,
     dog = Watchdog.for_run(cfg)  # slow steps and hangs named (off by default)
     flops_per_token = flops.train_flops_per_token(
         run.model, source_length=source.source_length,
-        target_length=source.target_length)
+        target_length=source.target_length) * dpo.flops_factor(cfg)
     peak = metrics.peak_flops_per_device()
     progress = metrics.Progress(step, total, unit=_progress_unit(run.model))
     pending: list[tuple[int, dict]] = []
