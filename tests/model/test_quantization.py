@@ -1,6 +1,6 @@
 """Quantized training matmuls (transformer/model/quantization.py, Qwix): a quantized matmul and
-its gradient against numpy's per-channel symmetric int8, the classes chosen, int8 training equal
-on 1x8 and 2x4 meshes, and one line for each bad setting."""
+its gradients (int8, int8_full) against numpy's per-channel symmetric int8, the classes chosen,
+int8 training equal on 1x8 and 2x4 meshes, and one line for each bad setting."""
 
 import flax.linen as nn
 import jax
@@ -90,6 +90,41 @@ def test_int8_matmul_matches_numpy_per_channel_int8(projection):
                                rtol=1e-6)  # float32 sums of 10 terms: a few ulps
 
 
+def test_int8_full_quantizes_both_gradient_matmuls_as_numpy_does(projection):
+    """int8_full's backward pass (Qwix's bwd_qtype=int8): the incoming gradient g times the
+    other operand's forward scale, quantized to int8 over the gradient matmul's contracted
+    axes, times that operand's int8 values from the forward pass. Each cotangent is chosen so
+    that the scaled gradient lies on the grid of `on_grid` (power-of-two scales, no value near
+    a rounding boundary): integer sums times powers of two, so equal exactly."""
+    x, model, params = projection
+    kernel = np.asarray(params["ffn"]["ff_in"]["kernel"])
+    qx, sx = int8_per_channel(x, axis=2)  # sx [B, T, 1]
+    qw, sw = int8_per_channel(kernel, axis=0)  # sw [1, F]
+    rng = np.random.default_rng(1)
+    for name in ("int8_full", "int8"):
+        quantized = quantization.quantize(model, name, "feed_forward")
+        _, vjp = jax.vjp(quantized.apply, {"params": params}, jnp.asarray(x))
+        # d x = g @ kernel^T: g x sw per token (contracted over F), times qw.
+        wanted = on_grid(rng, (2, 5, F), axis=2)
+        dx = np.asarray(jax.jit(vjp)(jnp.asarray(wanted / sw))[1])
+        qg, sg = int8_per_channel(wanted, axis=2)
+        expected_dx = (np.einsum("btf,df->btd", qg, qw) * sg).astype(np.float32)
+        # d kernel = x^T @ g: g x sx per output channel (contracted over B and T), times qx.
+        wanted = on_grid(rng, (10, F), axis=0)
+        dkernel = np.asarray(jax.jit(vjp)(jnp.asarray(wanted.reshape(2, 5, F) / sx))[0]
+                             ["params"]["ffn"]["ff_in"]["kernel"])
+        qg, sg = int8_per_channel(wanted, axis=0)
+        expected_dkernel = (np.einsum("nd,nf->df", qx.reshape(10, D), qg) * sg).astype(
+            np.float32)
+        if name == "int8_full":
+            np.testing.assert_array_equal(dx, expected_dx)
+            np.testing.assert_array_equal(dkernel, expected_dkernel)
+        else:  # int8's gradients are float products: not the int8 ones
+            assert np.max(np.abs(dx - expected_dx)) > 1e-3 * np.abs(expected_dx).max()
+            assert np.max(np.abs(dkernel - expected_dkernel)) > (
+                1e-3 * np.abs(expected_dkernel).max())
+
+
 def test_none_and_other_classes_leave_the_matmul_alone(projection):
     x, model, params = projection
     exact = model.apply({"params": params}, jnp.asarray(x))
@@ -153,7 +188,8 @@ def test_experts_quantize_their_grouped_products_not_the_router(monkeypatch):
 
 
 @pytest.mark.parametrize("settings,message", [
-    (dict(quantization="int4"), "model.quantization='int4' is not one of none, int8, fp8"),
+    (dict(quantization="int4"),
+     "model.quantization='int4' is not one of none, int8, int8_full, fp8"),
     (dict(quantization="int8", quantized_matmuls="attention,logits"),
      "model.quantized_matmuls names 'logits', which is not a matmul class; use a "
      "comma-separated list of attention, feed_forward, experts"),

@@ -8,14 +8,19 @@ an activation with a weight of those classes by one on quantized operands:
 - int8: both operands symmetric int8, a scale per channel (absmax over the contracted axes
   / 127.5, computed on each call: dynamic, no calibration state), the product accumulated in
   int32 and rescaled;
+- int8_full: int8 as above, and the backward pass's two matmuls in int8 too (Qwix's
+  ``bwd_qtype``, as MaxText's Qwix "int8" rule sets it): the incoming gradient, times the
+  other operand's forward scale, is quantized to int8 (absmax over the axes the gradient
+  matmul contracts / 127.5) and multiplied in int32 by that operand's int8 values from the
+  forward pass, for the activations' gradient and the weights' gradient alike;
 - fp8: both operands float8_e4m3fn scaled the same way (absmax / 448), the gradients
   float8_e5m2 (the usual fp8 training pair, as Transformer Engine and torchtitan use).
 
 The parameters stay float32 (the master weights; nothing is added to the params). The backward
 pass is Qwix's quantized training: straight through the rounding. With int8 the gradients'
-matmuls run in the compute dtype on the operands as they were before quantization; with fp8
-the incoming gradient is quantized to float8_e5m2 and multiplied by the other operand as the
-forward pass quantized it.
+matmuls run in the compute dtype on the operands as they were before quantization; with
+int8_full and fp8 the incoming gradient is quantized (int8, float8_e5m2) and multiplied by the
+other operand as the forward pass quantized it.
 
 Classes (`QUANTIZABLE`): `attention` (the query, key, value and output projections of self- and
 cross-attention; never the scores QK^T or AV, which multiply two activations), `feed_forward`
@@ -33,7 +38,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-QUANTIZATIONS = ("none", "int8", "fp8")
+QUANTIZATIONS = ("none", "int8", "int8_full", "fp8")
 QUANTIZABLE = ("attention", "feed_forward", "experts")
 DEFAULT_MATMULS = "attention,feed_forward,experts"
 # Each class: the modules whose matmuls it holds (the last part of their path) and the names of
@@ -44,7 +49,8 @@ _CLASSES = {
     "experts": (("moe",), ("ff_in", "ff_gate", "ff_out")),
 }
 # The forward (weights and activations) and backward (gradients) formats of each choice.
-_QTYPES = {"int8": (jnp.int8, None), "fp8": (jnp.float8_e4m3fn, jnp.float8_e5m2)}
+_QTYPES = {"int8": (jnp.int8, None), "int8_full": (jnp.int8, jnp.int8),
+           "fp8": (jnp.float8_e4m3fn, jnp.float8_e5m2)}
 # The model methods that run matmuls: training's and decoding's entry points.
 METHODS = ("__call__", "output_head", "classify", "encode", "decode", "decode_head")
 
