@@ -165,3 +165,27 @@ def test_resize_and_crop_keeps_the_centre():
     assert out.shape == (20, 20, 3)
     # 40x60 -> 20x30, white columns 10..19; the crop keeps columns 5..24: white at 5..14
     assert (out[:, 6:14] == 255).all() and not out[:, :4].any() and not out[:, 16:].any()
+
+
+def test_a_small_png_split_is_decoded_without_tensorflow_to_the_same_pixels(data_dir,
+                                                                           monkeypatch):
+    """A split of at most PILLOW_MAX_RECORDS lossless images is decoded by Pillow (no
+    TensorFlow import, 4-5 CPU s a process): the arrays TensorFlow's decoding gives."""
+    import tensorflow_datasets as tfds
+
+    from transformer.data import images
+
+    builder = tfds.builder("offline_fashion_mnist", data_dir=str(data_dir))
+
+    def refused():
+        raise AssertionError("TensorFlow was asked for")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(images, "tensorflow", refused)
+        pillow = images._decode_all(builder, "test")
+    monkeypatch.setattr(images, "PILLOW_MAX_RECORDS", 0)
+    tensorflow = images._decode_all(builder, "test")
+    assert pillow[0].shape == (120, 28, 28, 1)
+    for got, want in zip(pillow, tensorflow, strict=True):
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
