@@ -74,9 +74,15 @@ def test_gpu_check_runs_the_checks_asked_for_and_refuses_unknown_ones(tmp_path):
 @pytest.mark.slow
 def test_sweep_writes_a_point_per_length_and_batch_and_a_plot(tmp_path):
     out = tmp_path / "sweep.png"
+    config = tmp_path / "tiny_one_layer.py"  # configs/tiny.py at one layer a side: compiles sooner
+    config.write_text(
+        "import runpy\n\n\ndef get_config():\n"
+        f"    cfg = runpy.run_path({str(ROOT / 'configs' / 'tiny.py')!r})['get_config']()\n"
+        "    cfg.model.num_encoder_layers = cfg.model.num_decoder_layers = 1\n"
+        "    return cfg\n")
     with open(tmp_path / "log.txt", "w") as log:
         result = subprocess.run([sys.executable, "benchmarks/sweep.py",
-                                 "--config=configs/tiny.py", "--lengths=8,16", "--batches=4",
+                                 f"--config={config}", "--lengths=8,16", "--batches=4",
                                  "--steps=1", f"--out={out}"], cwd=ROOT,
                                 env=one_cpu_device_env(), stdout=log,
                                 stderr=subprocess.STDOUT, timeout=600)
