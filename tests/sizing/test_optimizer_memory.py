@@ -25,13 +25,27 @@ def predicted(shapes, name: str, min_dim: int = 128) -> int:
     if name == "bfloat16":
         return 4 * size + COUNTS
     total = COUNTS + 4  # and the count of the weight decay's schedule (weight_decay 0.1)
-    for shape in shapes:
+    for shape in shapes:  # attention kernels with their two head axes merged (merged_shapes)
         largest, second = sorted(shape)[-1:], sorted(shape)[-2:-1]
         if len(shape) >= 2 and second[0] >= min_dim:
             total += 4 * (math.prod(shape) // largest[0] + math.prod(shape) // second[0]) + 4
         else:
             total += 4 * math.prod(shape) + 8
     return total
+
+
+def merged_shapes(params) -> list[tuple[int, ...]]:
+    """The leaves' shapes as Adafactor factors them (`moments.merge_heads`): a query, key or
+    value kernel [..., D, N, H] as [..., D, N*H], the output's [..., N, H, D] as [..., N*H, D]."""
+    shapes = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        name, shape = jax.tree_util.keystr(path), leaf.shape
+        if any(f"['{p}']['kernel']" in name for p in ("query", "key", "value")):
+            shape = (*shape[:-2], shape[-2] * shape[-1])
+        elif "['out']['kernel']" in name:
+            shape = (*shape[:-3], shape[-3] * shape[-2], shape[-1])
+        shapes.append(shape)
+    return shapes
 
 
 @pytest.mark.parametrize("choice", ["adam", "bfloat16", "adafactor"])
@@ -41,7 +55,7 @@ def test_optimizer_bytes_per_parameter_follow_the_analysis(load_config, choice):
     cfg = load_config("t5_default.py", **overrides)
     run = resolve(cfg)
     params = flops.abstract_params(run.model)
-    shapes = [leaf.shape for leaf in jax.tree.leaves(params)]
+    shapes = merged_shapes(params)
     expected = predicted(shapes, choice)
     total = flops.param_counts(run.model)["total"]
     assert f"{expected / total:.2f} bytes per parameter ({expected:,} bytes)" in (
@@ -50,7 +64,7 @@ def test_optimizer_bytes_per_parameter_follow_the_analysis(load_config, choice):
     mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
     trainer = train_state.build_trainer(resolve(cfg, 1), mesh)
     assert memory.device_bytes(trainer.abstract_state.opt_state) == expected
-    per_param = {"adam": 8, "bfloat16": 4, "adafactor": 0.79}[choice]
+    per_param = {"adam": 8, "bfloat16": 4, "adafactor": 0.02}[choice]
     assert expected / total == pytest.approx(per_param, abs=0.005)
 
 

@@ -657,5 +657,5 @@ def test_sweep_tries_each_quantization_at_every_point(load_config):
     assert both == [{**p, "model.quantization": q} for p in plain for q in ("none", "int8")]
     assert tpu.sweep_quantizations(None) == ()
     with pytest.raises(ValueError, match=r"^--sweep_quantization names 'int4'; use a "
-                                         r"comma-separated list of none, int8, fp8$"):
+                                         r"comma-separated list of none, int8, int8_full, fp8$"):
         tpu.sweep_quantizations("none,int4")

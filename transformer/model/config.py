@@ -170,8 +170,9 @@ class TransformerConfig:
     moe_capacity_factor: float = 0.0
     moe_aux_loss_coef: float = 0.01
     moe_z_loss_coef: float = 0.001
-    # Quantized training matmuls (`transformer.model.quantization`, Qwix): "none", "int8" or
-    # "fp8", applied to the comma-separated matmul classes (attention, feed_forward, experts)
+    # Quantized training matmuls (`transformer.model.quantization`, Qwix): "none", "int8",
+    # "int8_full" (the backward's matmuls too) or "fp8", applied to the comma-separated matmul
+    # classes (attention, feed_forward, experts)
     quantization: str = "none"
     quantized_matmuls: str = "attention,feed_forward,experts"
 
