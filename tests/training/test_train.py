@@ -22,14 +22,16 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def tiny_config(load_config):
-    """configs/tiny.py with 16 rows a batch, and overrides."""
-    return lambda **overrides: load_config("tiny.py", **{"data.batch_size": 16, **overrides})
+    """configs/tiny.py with 16 rows a batch and one layer each side (every kind of block:
+    self-attention, cross-attention, feed-forward; half the compiling of two), and overrides."""
+    return lambda **overrides: load_config("tiny.py", **{
+        "data.batch_size": 16, "model.num_encoder_layers": 1, "model.num_decoder_layers": 1,
+        **overrides})
 
 
-# One layer each side at width 32: the tests of what happens to a non-finite update (skipped,
-# stopped, resumed) hold at any size and compile half as much.
-SMALL = {"model.num_encoder_layers": 1, "model.num_decoder_layers": 1, "model.d_model": 32,
-         "model.d_ff": 64}
+# Width 32: the tests of what happens to a non-finite update (skipped, stopped, resumed) hold
+# at any size.
+SMALL = {"model.d_model": 32, "model.d_ff": 64}
 
 
 def trainer_for(cfg, mesh) -> train_state.Trainer:
@@ -278,12 +280,10 @@ def test_nonfinite_update_stops_the_run_naming_the_step_and_last_checkpoint(tiny
 def test_tensor_parallel_llama_blocks_train_as_one_device(tiny_config, kv_heads, shape):
     """Grouped-query (2 kv heads over tensor 2) and multi-query attention (1 kv head,
     replicated over tensor 4), SwiGLU, and an untied output projection sharded over the
-    vocabulary: 3 steps give the losses and params of one device. One layer each side (each
-    has every kind of block: self-attention, cross-attention, SwiGLU) halves the compiling."""
+    vocabulary: 3 steps give the losses and params of one device."""
     cfg = tiny_config(**{"model.num_kv_heads": kv_heads, "model.activation": "swiglu",
                          "model.tie_output_embedding": False, "model.norm_position": "pre",
-                         "model.norm": "rms_norm", "model.positional": "rope",
-                         "model.num_encoder_layers": 1, "model.num_decoder_layers": 1})
+                         "model.norm": "rms_norm", "model.positional": "rope"})
     one, expected, _ = run(cfg, mesh_of((1, 1, 1), 1), 3)
     sharded, losses, trainer = run(cfg, mesh_of(shape, int(np.prod(shape))), 3)
     logits = trainer.state_shardings.params["decoder"]["logits"]["kernel"].spec
