@@ -245,3 +245,28 @@ def test_a_stage_keeps_its_layers_activations_and_the_bubbles(schedule):
     want = outside + per_stage * layer * (1 + (stages - 1) / (microbatches * repeats))
     assert memory._activations(model, schedule, **kw) == pytest.approx(want, abs=1)
     assert memory._activations(model, (1, 1, 1), **kw) == whole
+
+
+def test_a_ranked_stage_point_names_its_bubble_and_transfers(load_config, monkeypatch):
+    """The compiler stood in for (no compile, under 1 s): a stage point's ranked line gives
+    the estimate's bubble and the time of its stage transfers."""
+    import types
+
+    from transformer.sizing import step_flops
+
+    transfer = hlo.Collective("collective-permute", 2 * 10**6, 2, 5, ("stage",), True)
+    estimate = step_time.StepEstimate(
+        1.0, 0.0, 0.0, 0.5, 0.0, 5, 0.0, 4, 1, pipeline=(2, 4, 1), bubble=0.25,
+        stage_transfers=(transfer,), along_stage=0.3)
+    monkeypatch.setattr(tpu, "_plan", lambda *_: types.SimpleNamespace(peak_bytes=0))
+    monkeypatch.setattr(tpu, "step_estimate", lambda *_: estimate)
+    monkeypatch.setattr(step_flops, "step_flops_per_device", lambda *_: 1.0)
+    point = {"mesh.data": 1, "mesh.fsdp": 4, "mesh.context": 1, "mesh.tensor": 1,
+             "mesh.stage": 2, "mesh.dcn_stage": 1, "mesh.pipeline_repeats": 1,
+             "model.remat_policy": "full", "grad_accum_steps": 1}
+    seconds, line = tpu._sweep_point(_tiny(load_config), tpu.parse_topology("v5e-8"),
+                                     jax.devices()[:8], point, [])
+    assert seconds == pytest.approx(1.75)
+    dcn = 5 * 2e6 / hlo.DCN_BYTES_PER_S["TPU v5 lite"] * 1e3
+    assert line.endswith(f"bubble 0.200 = 250.0 ms, stage transfers {dcn:.1f} ms, along stage "
+                         f"300.0 ms")

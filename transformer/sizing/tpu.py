@@ -401,10 +401,12 @@ def _sweep_point(cfg, topology: Topology, devices, overrides: dict[str, object],
         estimate.seconds * device.peak_flops)
     if "grad_accum_steps" not in overrides:
         label += f", {run.config.grad_accum_steps} microbatch(es)"
-    transfers = step_time.communication_seconds(list(estimate.stage_transfers), device.name)
-    bubble = (f", bubble {estimate.bubble_fraction:.3f} = {estimate.bubble * 1e3:.1f} ms, "
-              f"stage transfers {transfers * 1e3:.1f} ms, along stage "
-              f"{estimate.along_stage * 1e3:.1f} ms" if memory_plan.pipeline[0] > 1 else "")
+    bubble = ""
+    if "mesh.stage" in overrides:  # a stage point: its pipeline's price
+        transfers = step_time.communication_seconds(list(estimate.stage_transfers), device.name)
+        bubble = (f", bubble {estimate.bubble_fraction:.3f} = {estimate.bubble * 1e3:.1f} ms, "
+                  f"stage transfers {transfers * 1e3:.1f} ms, along stage "
+                  f"{estimate.along_stage * 1e3:.1f} ms")
     return estimate.seconds, (f"{label}: {estimate.seconds * 1e3:.1f} ms "
                               f"({estimate.overlapped_seconds * 1e3:.1f} ms overlapped), "
                               f"MFU {mfu:.1%}, peak {memory_plan.peak_bytes / GiB:.2f} GiB"
