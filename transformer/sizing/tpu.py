@@ -206,9 +206,14 @@ def step_estimate(run: Resolved, topology: Topology, devices,
                  else 0, model.num_encoder_layers if model.architecture != "decoder" else 0)
     costs = []
     updates = []  # each program's optimizer update
+    plans = {_config_key(run): memory_plan}  # a variant that is the step itself, or the other
     for depth in (1, 2):
         variant = layer_variant(run, depth, len(devices), topology.num_slices)
-        variant_plan = _plan(variant, sharding.make_mesh(variant.config.mesh, devices), topology)
+        key = _config_key(variant)
+        if key not in plans:
+            mesh = sharding.make_mesh(variant.config.mesh, devices)
+            plans[key] = _plan(variant, mesh, topology)
+        variant_plan = plans[key]
         costs.append(step_time.program_cost(variant_plan.cost, device.peak_flops,
                                             device.memory_bytes_per_s, variant_plan.int8_flops))
         updates.append(step_time.optimizer_seconds(
@@ -225,6 +230,11 @@ def step_estimate(run: Resolved, topology: Topology, devices,
         peak_flops=device.peak_flops, int8_peak=topology.chip.int8_ops,
         int8_dots_=memory_plan.int8_dots, pipeline=memory_plan.pipeline,
         base_optimizer_seconds=max(0.0, 2 * updates[0] - updates[1]))
+
+
+def _config_key(run: Resolved) -> str:
+    """`run`'s config as text: two runs alike in it compile the same program."""
+    return run.config.to_json_best_effort(sort_keys=True)
 
 
 class DoesNotFit(ValueError):
