@@ -292,3 +292,59 @@ def test_extrapolation_and_recomputation_of_compiled_programs_counted_by_hand():
     assert 0 < plain.unseen
     assert plain.unseen * 1e12 <= 2 * MATMUL
     assert full.compute > plain.compute  # the roofline of more FLOPs and bytes
+
+
+def test_opposite_permutes_beside_each_other_take_the_longer_time():
+    """ICI links are full duplex: two permutes marked as one opposite pair (`duplex`) take
+    the longer one's time, not the sum; the rest add up as before."""
+    found = [step_time.Collective("collective-permute", 5000, 2, 3, duplex=1),
+             step_time.Collective("collective-permute", 4000, 2, 3, duplex=1),
+             step_time.Collective("all-gather", 8000, 4, 2)]
+    # v5e: 200e9 B/s over 4 links, 50e9 each; the all-gather on two
+    assert step_time.communication_seconds(found, "TPU v5 lite") == pytest.approx(
+        3 * 5000 / 50e9 + 2 * 6000 / 100e9)
+
+
+# The body of a TPU windowed collective matmul (its HLO as compiled for lm_125m at context 8,
+# shapes shrunk): two rings, one each way (a and b), each start fed by the other start's done
+# its own way; then a permute back (r) that reads both rings' results, and a permute the way
+# of a (s) that reads r's: opposite to r, but after it.
+DUPLEX = """\
+HloModule jit_train_step, is_scheduled=true
+
+ENTRY %main (p: (bf16[8], bf16[8])) -> bf16[8] {
+  %x = bf16[8]{0} get-tuple-element(%p), index=0
+  %y = bf16[8]{0} get-tuple-element(%p), index=1
+  %a0 = (bf16[8]{0}, bf16[8]{0}, u32[], u32[]) collective-permute-start(%x), channel_id=36, \
+source_target_pairs={{0,3},{1,0},{2,1},{3,2}}
+  %b0 = (bf16[8]{0}, bf16[8]{0}, u32[], u32[]) collective-permute-start(%y), channel_id=37, \
+source_target_pairs={{0,1},{1,2},{2,3},{3,0}}
+  %a0d = bf16[8]{0} collective-permute-done(%a0)
+  %b0d = bf16[8]{0} collective-permute-done(%b0)
+  %a1 = (bf16[8]{0}, bf16[8]{0}, u32[], u32[]) collective-permute-start(%a0d), channel_id=38, \
+source_target_pairs={{0,3},{1,0},{2,1},{3,2}}
+  %b1 = (bf16[8]{0}, bf16[8]{0}, u32[], u32[]) collective-permute-start(%b0d), channel_id=39, \
+source_target_pairs={{0,1},{1,2},{2,3},{3,0}}
+  %a1d = bf16[8]{0} collective-permute-done(%a1)
+  %b1d = bf16[8]{0} collective-permute-done(%b1)
+  %sum = bf16[8]{0} add(%a1d, %b1d)
+  %r = bf16[16]{0} collective-permute(%sum), channel_id=40, \
+source_target_pairs={{0,1},{1,2},{2,3},{3,0}}
+  ROOT %s = bf16[8]{0} collective-permute(%r), channel_id=41, \
+source_target_pairs={{0,3},{1,0},{2,1},{3,2}}
+}
+"""
+
+
+def test_opposite_permutes_paired_only_where_independent_in_the_hlo():
+    """DUPLEX's rings pair as (a0, b0) and (a1, b1): opposite pairs, neither reading the
+    other. r goes the other way from a1 and s, but reads a1's result and s reads r's, so
+    each stays alone: 16 bytes a ring step, 32 for r and 16 for s, at 50e9 B/s a link."""
+    found = step_time.collectives(DUPLEX)
+    assert len(found) == 6
+    pairs = sorted(c.duplex for c in found)
+    assert pairs == [0, 0, 1, 1, 2, 2]
+    alone = sorted(c.result_bytes for c in found if not c.duplex)
+    assert alone == [16, 32]
+    assert step_time.communication_seconds(found, "TPU v5 lite") == pytest.approx(
+        (2 * 16 + 32 + 16) / 50e9)

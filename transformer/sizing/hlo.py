@@ -14,7 +14,9 @@ inside a neighbouring loop), each holding the whole collective and sharing its `
 `AllReduceScatterFusion` (an all-reduce whose result each chip slices) is timed as the
 reduce-scatter it runs as. Given the program's mesh, each collective names the mesh axes its
 groups span (a pipeline's stage transfers: collective-permutes along "stage") and whether a
-group crosses slices: then it is timed at the chip's share of the data-center network.
+group crosses slices: then it is timed at the chip's share of the data-center network. Two
+opposite collective-permutes that can run together (`_duplex`) take the longer one's time: the
+links are full duplex.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class Collective:
     count: int = 1
     axes: tuple[str, ...] = ()
     dcn: bool = False
+    duplex: int = 0  # > 0: the id it shares with the opposite permute it runs beside (`_duplex`)
 
     def bytes_per_device(self) -> float:
         """What passes through one chip's links, ring algorithms."""
@@ -302,6 +305,7 @@ def collectives(hlo: str, mesh=None) -> list[Collective]:
                   if re.search(r'"emitter":"\w*AllReduceScatterFusion"', line)
                   for callee in re.findall(r"\bcalls=%?([\w.\-]+)", line)}
     found: dict[object, Collective] = {}
+    where: dict[object, tuple[str, str, frozenset]] = {}  # a permute's computation, name, pairs
     for name, lines in computations.items():
         for index, line in enumerate(lines):
             if counts.get(name, 0) and (send := _SEND.search(line)):
@@ -324,7 +328,60 @@ def collectives(hlo: str, mesh=None) -> list[Collective]:
             if key in found and not spans[0]:  # a chain's piece without its groups
                 spans = found[key].axes, found[key].dcn
             found[key] = Collective(kind, result, group, count, *spans)
-    return list(found.values())
+            if kind == "collective-permute" and key not in where:
+                where[key] = (name, re.match(r"\s*(?:ROOT )?%?([\w.\-]+)", line).group(1),
+                              _pairs(line))
+    return _duplex(found, where, computations)
+
+
+def _pairs(line: str) -> frozenset[tuple[int, int]]:
+    """A collective-permute's (source, target) device pairs; empty where it names none."""
+    match = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", line)
+    return frozenset((int(a), int(b)) for a, b in
+                     re.findall(r"\{(\d+),(\d+)\}", match.group(1) if match else ""))
+
+
+def _duplex(found: dict, where: dict, computations: dict[str, list[str]]) -> list[Collective]:
+    """`found`'s collectives, each ICI collective-permute paired with one that sends the same
+    way back (its source-target pairs reversed, a pair set that is not its own reverse) and
+    runs beside it: in the same computation, as often, and neither reached from the other
+    through the operands of that computation's instructions (the data dependence of the HLO;
+    an async start's done and what reads it included). ICI links are full duplex, so such a
+    pair takes the time of the longer (`communication_seconds`). Greedy, in program order:
+    the windowed collective matmul's two rings (start.86 one way, start.88 the other, each
+    then feeding the next start its way) pair as (86, 88) and (87, 89)."""
+    operands: dict[str, dict[str, list[str]]] = {}
+
+    def reaches(computation: str, start: str, target: str) -> bool:
+        graph = operands.setdefault(computation, {
+            m.group(1): re.findall(r"%([\w.\-]+)", m.group(2)) for line in
+            computations[computation]
+            if (m := re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (.*)$", line))})
+        seen, todo = set(), [start]
+        while todo:
+            name = todo.pop()
+            if name == target:
+                return True
+            if name not in seen:
+                seen.add(name)
+                todo += graph.get(name, [])
+        return False
+
+    out = dict(found)
+    keys = [k for k in where if not found[k].dcn and found[k].count
+            and where[k][2] and where[k][2] != {(b, a) for a, b in where[k][2]}]
+    paired: set = set()
+    for i, a in enumerate(keys):
+        for b in keys[i + 1:]:
+            (ca, na, pa), (cb, nb, pb) = where[a], where[b]
+            if a in paired or b in paired or ca != cb or found[a].count != found[b].count \
+                    or pb != {(t, s) for s, t in pa} \
+                    or reaches(ca, na, nb) or reaches(ca, nb, na):
+                continue
+            paired |= {a, b}
+            out[a] = dataclasses.replace(found[a], duplex=len(paired) // 2)
+            out[b] = dataclasses.replace(found[b], duplex=len(paired) // 2)
+    return list(out.values())
 
 
 _OPERANDS = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[", re.M)
@@ -368,4 +425,13 @@ def int8_flops(stablehlo: str, num_devices: int) -> float:
 
 
 def communication_seconds(found: list[Collective], device_kind: str) -> float:
-    return sum(c.seconds(device_kind) for c in found)
+    """The collectives' time one after the other, but for each pair of opposite permutes
+    that run beside each other (one `duplex` id), the longer of the two."""
+    pairs: dict[int, float] = {}
+    alone = 0.0
+    for c in found:
+        if c.duplex:
+            pairs[c.duplex] = max(pairs.get(c.duplex, 0.0), c.seconds(device_kind))
+        else:
+            alone += c.seconds(device_kind)
+    return alone + sum(pairs.values())
