@@ -1,10 +1,11 @@
-"""The decoder's stacked layers run through the pipeline stages (`parallel/pipeline.py`).
+"""A scanned stack of blocks runs through the pipeline stages (`parallel/pipeline.py`): the
+decoder's layers (`decoder/layers`) and the ViT's encoder layers (`encoder/layers`).
 
-The `decoder/layers` parameters stay as `model.scan_layers` makes them ([L, ...], the same
-paths with or without stages); here they are read, viewed as [S, R, L / (S R), ...] chunks,
-and each chunk is applied as a scanned block of L / (S R) layers (the class `_stack` builds,
-so remat and scan are those of the unpipelined stack). docs/architecture.md, "Pipeline
-stages", is the contract.
+The stack's parameters stay as `model.scan_layers` makes them ([L, ...], the same paths with
+or without stages); here they are read, viewed as [S, R, L / (S R), ...] chunks, and each
+chunk is applied as a scanned block of L / (S R) layers (the class `_stack` builds, so remat
+and scan are those of the unpipelined stack). docs/architecture.md, "Pipeline stages", is the
+contract.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from transformer.parallel import pipeline
 
 
 def applies(module: nn.Module, cache) -> bool:
-    """Whether the decoder's layers run pipelined: the mesh in context has stages, no decoding
+    """Whether a stack's layers run pipelined: the mesh in context has stages, no decoding
     cache is passed, and the parameters exist (init runs the plain stack, which makes them)."""
     return cache is None and pipeline.stages() > 1 and not module.is_initializing()
 
@@ -27,14 +28,25 @@ def decoder_layers(module: nn.Module, stack: Callable[[int], type[nn.Module]], x
                    deterministic: bool, bias) -> jax.Array:
     """x [B, T, D] through `module`'s (the Decoder's) `layers`, pipelined -> [B, T, D].
 
-    `stack(n)` is the block class of n scanned layers; `args` the block's arguments that come
-    before the cache (encoded, self_mask, cross_mask, positions, segments, in_prefix). Those
-    with a leading B axis, and `bias`, are cut into microbatches with the rows."""
+    `args` are the block's arguments that come before the cache (encoded, self_mask,
+    cross_mask, positions, segments, in_prefix); no cache and no index follow them."""
+    return stack_layers(module, stack, x, tuple(args) + (None, None), deterministic, bias,
+                        layers=module.config.num_decoder_layers)
+
+
+def stack_layers(module: nn.Module, stack: Callable[[int], type[nn.Module]], x, args,
+                 deterministic: bool, bias, *, layers: int) -> jax.Array:
+    """x [B, S, D] through `module`'s `layers` (a scanned stack of `layers` blocks),
+    pipelined -> [B, S, D].
+
+    `stack(n)` is the block class of n scanned layers, built as the stack's
+    `(config, attention_fn, window, routed)` and called `(x, *args, deterministic, bias)`.
+    Those of `args` with a leading B axis, and `bias`, are cut into microbatches with the
+    rows; None passes as None."""
     cfg = module.config
     stages = pipeline.stages()
     repeats = cfg.pipeline_repeats
     microbatches = cfg.pipeline_microbatches or stages
-    layers = cfg.num_decoder_layers
     pipeline.check(stages_=stages, layers=layers, repeats=repeats, microbatches=microbatches,
                    architecture=cfg.architecture, scan_layers=cfg.scan_layers,
                    num_experts=cfg.num_experts, context=1)
@@ -57,8 +69,8 @@ def decoder_layers(module: nn.Module, stack: Callable[[int], type[nn.Module]], x
         rngs = None
         if key is not None:  # one key per (microbatch, chunk)
             rngs = {"dropout": jax.random.fold_in(jax.random.fold_in(key, microbatch), chunk)}
-        out, _ = block.apply({"params": params}, inp, *full[:-1], None, None, deterministic,
-                             full[-1], rngs=rngs)
+        out, _ = block.apply({"params": params}, inp, *full[:-1], deterministic, full[-1],
+                             rngs=rngs)
         return out
 
     out = pipeline.run(stage_fn, chunks, pipeline.split_rows(x, microbatches), side,

@@ -6,7 +6,8 @@ image as a sequence of patch tokens through the Transformer's own encoder blocks
       -> patch embedding [B, G*G, D]              `patch_embedding/kernel` [P*P*num_channels, D]
       -> class token prepended (pooling "cls")    `class_token` [D]: S = G*G + 1, else S = G*G
       -> + position embeddings, dropout           `position_embedding` [S, D] (learned, 1-D)
-      -> num_encoder_layers `blocks.EncoderBlock` `encoder/layers_{i}` (or scanned `layers`)
+      -> num_encoder_layers `blocks.EncoderBlock` `encoder/layers_{i}` (or scanned `layers`;
+         with mesh.stage > 1 the scanned stack runs through the pipeline, `model/pipelined.py`)
       -> final norm (pre-LN)                      `encoder/norm`
       -> the class token's state, or the mean over tokens (pooling "gap")   [B, D]
       -> head, zero-initialised as the paper      `head/kernel` [D, num_classes], `head/bias`
@@ -37,9 +38,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer.model.blocks import Weights
+from transformer.model import pipelined
+from transformer.model.blocks import EncoderBlock, Norm, Weights
 from transformer.model.config import TransformerConfig
-from transformer.model.transformer import ClassifierHead, encoder_stack
+from transformer.model.transformer import ClassifierHead, _stack, encoder_stack
 from transformer.ops import attention
 
 
@@ -95,7 +97,14 @@ class VisionEncoder(nn.Module):
 
     @nn.compact
     def __call__(self, x, *, deterministic=True):
-        return encoder_stack(self.config, self.attention_fn, x, None, None, None, deterministic)
+        cfg = self.config
+        if not pipelined.applies(self, None):
+            return encoder_stack(cfg, self.attention_fn, x, None, None, None, deterministic)
+        # mesh.stage > 1: `encoder_stack`'s `layers` and `norm`, the layers as one pipeline
+        x = pipelined.stack_layers(self, functools.partial(_stack, EncoderBlock, cfg), x,
+                                   (None, None, None), deterministic, None,
+                                   layers=cfg.num_encoder_layers)
+        return Norm(cfg, name="norm")(x) if cfg.norm_position != "post" else x
 
 
 class VisionTransformer(nn.Module):

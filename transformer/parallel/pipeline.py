@@ -63,11 +63,11 @@ def check(*, stages_: int, layers: int, repeats: int, microbatches: int, archite
     """One line naming the setting where a model cannot be pipelined over `stages_` (> 1)."""
     if stages_ <= 1:
         return
-    if architecture != "decoder":
-        raise ValueError(f"mesh.stage={stages_} pipelines decoder-only models alone: "
-                         f"model.architecture={architecture!r} has an encoder stack, which the "
-                         f"schedule does not run yet (nor carries the encoded rows to a "
-                         f"decoder's stages): set mesh.stage=1")
+    if architecture not in ("decoder", "vision"):
+        raise ValueError(f"mesh.stage={stages_} pipelines decoder-only models and the ViT "
+                         f"alone: model.architecture={architecture!r} has a text encoder "
+                         f"stack, which the schedule does not run yet (nor carries the encoded "
+                         f"rows to a decoder's stages): set mesh.stage=1")
     if not scan_layers:
         raise ValueError(f"mesh.stage={stages_} splits the stacked layers: set "
                          f"model.scan_layers=True (checkpoints convert either way)")
@@ -78,7 +78,8 @@ def check(*, stages_: int, layers: int, repeats: int, microbatches: int, archite
         raise ValueError(f"mesh.stage={stages_} with mesh.context={context} is not supported "
                          f"yet (ring attention inside the stages): set one of them to 1")
     if repeats < 1 or layers % (stages_ * repeats):
-        raise ValueError(f"num_decoder_layers={layers} is not divisible by mesh.stage="
+        field = "num_encoder_layers" if architecture == "vision" else "num_decoder_layers"
+        raise ValueError(f"model.{field}={layers} is not divisible by mesh.stage="
                          f"{stages_} x mesh.pipeline_repeats={repeats}")
     if microbatches < stages_:
         raise ValueError(f"mesh.pipeline_microbatches={microbatches} is fewer than "
