@@ -287,9 +287,13 @@ def test_vit_on_data_2_x_stage_4_gives_the_unpipelined_losses_and_gradients():
 
 
 def test_vit_layers_not_divisible_by_stages_is_one_line():
-    """The ViT's stack is `num_encoder_layers` (the mesh check before it reads the decoder's
-    count): the line names that field, at trace time, before compiling."""
-    model = VisionTransformer(tiny_vit(num_encoder_layers=6))
+    """The ViT's stack is `num_encoder_layers`: the mesh check at resolve time names that
+    field, and so does the trace, before compiling."""
+    config = tiny_vit(num_encoder_layers=6)
+    with pytest.raises(ValueError, match=r"^model.num_encoder_layers=6 is not divisible by "
+                                         r"mesh.stage=4 x mesh.pipeline_repeats=1$"):
+        sharding.validate_mesh_for_model({"data": 2, "tensor": 1, "stage": 4}, config)
+    model = VisionTransformer(config)
     images = jnp.zeros((8, 8, 8, 3))
     params = model.init(jax.random.key(0), images[:1])["params"]
     mesh = sharding.make_mesh({"data": 2, "fsdp": 1, "tensor": 1, "stage": 4})
