@@ -211,7 +211,9 @@ def assert_same(actual, expected):
     (u = 6e-8) of the same sums in another order (the rows split into microbatches, the layers
     into stages) grows with the ~log2(256 tokens) to sqrt(256) terms summed: 5e-7 to 1e-6 of a
     leaf's scale, well inside. The key biases' gradients are zero in exact arithmetic (softmax
-    ignores a shift shared by all keys), so their rounding is compared at the tree's scale."""
+    ignores a shift shared by all keys), so their rounding is compared at the tree's scale.
+    Over several steps each step's rounding is carried in the parameters to the next: that
+    margin of 10-20x covers it while the steps stay few (the issue's 6)."""
     for (loss, grads), (want_loss, want_grads) in zip(actual, expected, strict=True):
         np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
         scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(want_grads))
@@ -224,22 +226,22 @@ def assert_same(actual, expected):
 
 @pytest.fixture(scope="module")
 def unpipelined():
-    """The plain model's 3 steps on data 8 (shared by the comparisons)."""
-    return loss_and_grads_per_step(tiny(), {"data": 8, "fsdp": 1, "tensor": 1}, 3)
+    """The plain model's 6 steps on data 8 (shared by the comparisons; the issue's count)."""
+    return loss_and_grads_per_step(tiny(), {"data": 8, "fsdp": 1, "tensor": 1}, 6)
 
 
 def test_data_2_x_stage_4_gives_the_unpipelined_losses_and_gradients(unpipelined):
     """8 microbatches through 4 stages (each waits 4 ticks in the buffer between passes)."""
     cfg = tiny(pipeline_microbatches=8)
     mesh_cfg = {"data": 2, "fsdp": 1, "tensor": 1, "stage": 4}
-    assert_same(loss_and_grads_per_step(cfg, mesh_cfg, 3), unpipelined)
+    assert_same(loss_and_grads_per_step(cfg, mesh_cfg, 6), unpipelined)
 
 
 def test_fsdp_2_x_stage_2_x_tensor_2_with_2_repeats_gives_the_same(unpipelined):
     """The circular schedule proper: each microbatch passes both stages twice."""
     cfg = dataclasses.replace(tiny(), pipeline_repeats=2, pipeline_microbatches=4)
     mesh_cfg = {"data": 1, "fsdp": 2, "tensor": 2, "stage": 2}
-    assert_same(loss_and_grads_per_step(cfg, mesh_cfg, 3), unpipelined)
+    assert_same(loss_and_grads_per_step(cfg, mesh_cfg, 6), unpipelined)
 
 
 def tiny_vit(**fields) -> TransformerConfig:
