@@ -222,23 +222,33 @@ def test_sweep_flags_are_one_line_errors():
         tpu.sweep_values("sweep_remat", "full,fast", tpu.SWEEP_REMAT, str)
 
 
+STACKS = {  # architecture: (its pipelined stack, the lengths activation_bytes reads, fields)
+    "decoder": ("num_decoder_layers", dict(source_length=0, target_length=16), {}),
+    "vision": ("num_encoder_layers", dict(source_length=17, target_length=0),
+               dict(positional="learned", image_size=16, patch_size=4, num_classes=10)),
+}
+
+
+@pytest.mark.parametrize("architecture", sorted(STACKS))
 @pytest.mark.parametrize("schedule", [(2, 4, 1), (4, 4, 2)])
-def test_a_stage_keeps_its_layers_activations_and_the_bubbles(schedule):
+def test_a_stage_keeps_its_layers_activations_and_the_bubbles(schedule, architecture):
     """A device keeps L / S layers' activations for all its rows, plus (S - 1) / (M R) of
     them for the chunks it runs idle; what lies outside the layers (embeddings, logits) once.
     By hand from the unpipelined figures of 8 and 16 layers (a layer's bytes: their
-    difference / 8)."""
+    difference / 8). The ViT's stack is its encoder's."""
     import dataclasses
 
     from transformer.model.config import TransformerConfig
     from transformer.sizing.activations import activation_bytes
 
     stages, microbatches, repeats = schedule
-    model = TransformerConfig(vocab_size=64, architecture="decoder", num_decoder_layers=16,
-                              d_model=32, d_ff=64, num_heads=4, num_kv_heads=2)
-    kw = dict(rows=4, source_length=0, target_length=16)
+    stack, lengths, fields = STACKS[architecture]
+    layers = {"num_encoder_layers": 0, "num_decoder_layers": 0, stack: 16}
+    model = TransformerConfig(vocab_size=64, architecture=architecture, d_model=32, d_ff=64,
+                              num_heads=4, num_kv_heads=2, **layers, **fields)
+    kw = dict(rows=4, **lengths)
     whole = activation_bytes(model, **kw)
-    half = activation_bytes(dataclasses.replace(model, num_decoder_layers=8), **kw)
+    half = activation_bytes(dataclasses.replace(model, **{stack: 8}), **kw)
     layer = (whole - half) / 8
     outside = whole - 16 * layer
     per_stage = 16 // stages

@@ -151,9 +151,10 @@ def _activations(model, schedule: tuple[int, int, int], **kwargs) -> int:
     stages, microbatches, repeats = schedule
     if stages == 1:
         return activation_bytes(model, **kwargs)
-    per_stage = model.num_decoder_layers // stages
-    kept = activation_bytes(dataclasses.replace(model, num_decoder_layers=per_stage), **kwargs)
-    layers = activation_bytes(dataclasses.replace(model, num_decoder_layers=2 * per_stage),
+    stack = "num_encoder_layers" if model.architecture == "vision" else "num_decoder_layers"
+    per_stage = getattr(model, stack) // stages
+    kept = activation_bytes(dataclasses.replace(model, **{stack: per_stage}), **kwargs)
+    layers = activation_bytes(dataclasses.replace(model, **{stack: 2 * per_stage}),
                               **kwargs) - kept  # the stage's L / S layers alone
     return kept + layers * (stages - 1) // (microbatches * repeats)
 
