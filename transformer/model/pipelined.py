@@ -3,7 +3,7 @@ decoder's layers (`decoder/layers`) and the ViT's encoder layers (`encoder/layer
 
 The stack's parameters stay as `model.scan_layers` makes them ([L, ...], the same paths with
 or without stages); here they are read, viewed as [S, R, L / (S R), ...] chunks, and each
-chunk is applied as a scanned block of L / (S R) layers (the class `_stack` builds, so remat
+chunk is applied as a scanned block of L / (S R) layers (the class `layer_stack` builds, so remat
 and scan are those of the unpipelined stack). docs/architecture.md, "Pipeline stages", is the
 contract.
 """

@@ -48,8 +48,8 @@ Cache = dict[str, Any]
 # --------------------------------------------------------------------------- stacks
 
 
-def _stack(block: type[nn.Module], cfg: TransformerConfig, num_layers: int, *,
-           per_layer_args: tuple[str, ...] = ()) -> type[nn.Module]:
+def layer_stack(block: type[nn.Module], cfg: TransformerConfig, num_layers: int, *,
+                per_layer_args: tuple[str, ...] = ()) -> type[nn.Module]:
     """The block class, rematerialised and/or scanned over a leading L axis as configured.
 
     Its call is `(x, *args) -> (x, per-layer output)` with every argument positional;
@@ -85,7 +85,7 @@ def encoder_stack(cfg: TransformerConfig, attention_fn, x, mask, positions, segm
     """x [B, S, D] through the `num_encoder_layers` encoder blocks, then pre-LN's final norm.
     Call it inside a compact module (the Encoder, the ViT's encoder): the layers and the norm
     become that module's submodules (`layers_{i}` or scanned `layers`, `norm`)."""
-    block = _stack(EncoderBlock, cfg, cfg.num_encoder_layers)
+    block = layer_stack(EncoderBlock, cfg, cfg.num_encoder_layers)
     bias = relative_bias(cfg, positions, causal=False)
     for i, (name, window) in enumerate(_layers(cfg, cfg.num_encoder_layers)):
         x, _ = block(cfg, attention_fn, window, cfg.routed(i), name=name)(
@@ -200,13 +200,13 @@ class Decoder(nn.Module):
         x = _Embedder(cfg, self.embedding, name="embedder")(tokens, positions, deterministic)
         index = None if cache is None else cache["index"]
         new_cache = None if cache is None else {"index": index + tokens.shape[1]}
-        block = _stack(DecoderBlock, cfg, cfg.num_decoder_layers, per_layer_args=("cache",))
+        block = layer_stack(DecoderBlock, cfg, cfg.num_decoder_layers, per_layer_args=("cache",))
         bias = relative_bias(cfg, positions, causal=True, key_length=None if cache is None
                              else _full_cache_length(cfg, cache))
         stages = pipelined.applies(self, cache)  # mesh.stage > 1: the stack as one pipeline
         if stages:
             x = pipelined.decoder_layers(
-                self, functools.partial(_stack, DecoderBlock, cfg, per_layer_args=("cache",)),
+                self, functools.partial(layer_stack, DecoderBlock, cfg, per_layer_args=("cache",)),
                 x, (encoded, self_mask, cross_mask, positions, segments, in_prefix),
                 deterministic, bias)
         for i, (name, window) in enumerate([] if stages else
