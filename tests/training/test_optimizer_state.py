@@ -153,6 +153,31 @@ def test_adafactor_factors_attention_kernels_as_optax_does_their_2d_form():
                                    ref_state[0].v_col[name]["kernel"], rtol=MERGED_RTOL)
 
 
+def test_scanned_attention_kernels_boxed_are_merged_once_and_named():
+    """The trainer's init takes params boxed with axis names; scanned layers put a layer axis
+    in front of each kernel. Their heads are merged once, as the unboxed init merges them (a
+    second merge would fold the layer axis in), the statistics named as the axes they keep,
+    and a step runs."""
+    import flax.linen as nn
+
+    names = {"query": ("layers", "embed", "heads", "head_dim"),
+             "out": ("layers", "heads", "head_dim", "embed")}
+    shapes = {"query": (2, 128, 4, 32), "out": (2, 4, 32, 128)}
+    boxed = {name: {"kernel": nn.Partitioned(0.1 * jax.numpy.ones(shapes[name]), names[name])}
+             for name in shapes}
+    params = nn.unbox(boxed)
+    ours = moments.adafactor(lambda _: 1e-2)
+    state, plain = ours.init(boxed), ours.init(params)
+    for name in shapes:
+        for stats in ("v_row", "v_col"):
+            box = getattr(state[0], stats)[name]["kernel"]
+            assert box.value.shape == getattr(plain[0], stats)[name]["kernel"].shape == (2, 128)
+            assert box.names[0] == "layers"
+    grads = jax.tree.map(lambda x: jax.numpy.full(x.shape, 0.5), params)
+    updates, _ = ours.update(grads, nn.unbox(state), params)
+    assert jax.tree.map(lambda x: x.shape, updates) == jax.tree.map(lambda x: x.shape, params)
+
+
 def test_memory_plan_counts_factored_attention_kernels(load_config):
     """lm_default's Adafactor state: every matrix factored, heads x d_k merged."""
     run = resolve(load_config("lm_default.py", **{"optimizer.name": "adafactor"}))

@@ -61,22 +61,21 @@ def adafactor(learning_rate: optax.Schedule, *, decay_rate: float = 0.8,
     Its ``init`` also takes params boxed with logical axis names (the trainer's): the factored
     statistics, which drop one axis of their parameter, get the names of the axes they keep,
     so they shard as their parameter does (a merged head axis is named as its heads axis)."""
-    inner = optax.adafactor(learning_rate, min_dim_size_to_factor=min_dim_size_to_factor,
-                            decay_rate=decay_rate,
-                            # As AdamW's: times the learning rate (optax's rate is per step).
-                            weight_decay_rate=(lambda count: weight_decay * learning_rate(count))
-                            if weight_decay else None,
-                            weight_decay_mask=decay_mask if weight_decay else None)
-
-    inner = merge_heads(inner)
+    factored_rule = optax.adafactor(
+        learning_rate, min_dim_size_to_factor=min_dim_size_to_factor, decay_rate=decay_rate,
+        # As AdamW's: times the learning rate (optax's rate is per step).
+        weight_decay_rate=(lambda count: weight_decay * learning_rate(count))
+        if weight_decay else None,
+        weight_decay_mask=decay_mask if weight_decay else None)
+    inner = merge_heads(factored_rule)
 
     def init(params):
-        boxed = _is_boxed(params)
-        if boxed:
-            params = _merged_boxes(params)
-        state = inner.init(nn.unbox(params) if boxed else params)
-        if not boxed:
-            return state
+        if not _is_boxed(params):
+            return inner.init(params)
+        # merged once here, with their names: a kernel with a leading layer axis (scanned
+        # layers) would look like another 3-D kernel to `inner`, which would merge it again
+        params = _merged_boxes(params)
+        state = factored_rule.init(nn.unbox(params))
         factored = state[0]
         boxes = jax.tree.leaves(params, is_leaf=_is_box)
         treedef = jax.tree.structure(params, is_leaf=_is_box)
