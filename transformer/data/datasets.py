@@ -55,7 +55,7 @@ def _tfds():
 
 
 @contextlib.contextmanager
-def _tfds_quietly():
+def tfds_quietly():
     """TFDS's own chatter off the screen while it finds or prepares a dataset (our lines say
     what happens): its warnings about half-built folders and its banner on stdout. Its errors
     stay."""
@@ -91,7 +91,7 @@ def prepare_dataset(name: str, data_dir: str | None = None, manual_dir: str | No
     if name.split("/")[0] == "offline_de_en":
         from transformer.data.offline import de_en  # noqa: F401  (registers the builder)
     try:
-        with _tfds_quietly():
+        with tfds_quietly():
             builder = tfds.builder(name, data_dir=data_dir)
     except Exception as e:  # unknown name or config
         # TFDS's own builders only: the community index is fetched from GCS (5 s, or a
@@ -103,7 +103,7 @@ def prepare_dataset(name: str, data_dir: str | None = None, manual_dir: str | No
             hint += (f" (as a path: nothing exists at {os.path.abspath(name)!r}; check it, or "
                      f"write <format>:<glob>)")
         raise DataUnavailable(f"data.dataset={name!r}: {str(e).splitlines()[0]}{hint}") from None
-    with _tfds_quietly():
+    with tfds_quietly():
         prepared = builder.is_prepared()
     if prepared:
         return _ensure_array_record(builder)
@@ -124,7 +124,7 @@ def prepare_dataset(name: str, data_dir: str | None = None, manual_dir: str | No
     elif manual_dir:
         kwargs["download_config"] = tfds.download.DownloadConfig(manual_dir=manual_dir)
     log.info("preparing %s in %s (array_record)", name, builder.data_dir)
-    with _tfds_quietly():
+    with tfds_quietly():
         builder.download_and_prepare(file_format="array_record", **kwargs)
         return tfds.builder(name, data_dir=data_dir)
 

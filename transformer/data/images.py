@@ -38,9 +38,9 @@ from transformer.data import batching
 from transformer.data.datasets import (
     CHUNK,
     DataUnavailable,
-    _tfds_quietly,
     prepare_dataset,
     tensorflow,
+    tfds_quietly,
 )
 
 log = logging.getLogger("transformer")
@@ -111,7 +111,7 @@ def _decode_all(builder, split: str) -> tuple[np.ndarray, np.ndarray]:
     feature = builder.info.features["image"]
     if (getattr(feature, "encoding_format", "png") in (None, "png")
             and builder.info.splits[split].num_examples <= PILLOW_MAX_RECORDS):
-        with _tfds_quietly():  # TFDS's notice that OpenCV would decode faster
+        with tfds_quietly():  # TFDS's notice that OpenCV would decode faster
             source = builder.as_data_source(split=split)
             records = source.__getitems__(list(range(len(source))))
         return (np.stack([r["image"] for r in records]).astype(np.uint8),
