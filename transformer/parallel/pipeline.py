@@ -58,6 +58,12 @@ def schedule(stages_: int, microbatches: int, repeats: int) -> np.ndarray:
     return np.stack(rows).astype(np.int64)
 
 
+def stack_field(architecture: str) -> str:
+    """The model field counting the layers the stages split: the ViT's encoder's, else the
+    decoder's."""
+    return "num_encoder_layers" if architecture == "vision" else "num_decoder_layers"
+
+
 def check(*, stages_: int, layers: int, repeats: int, microbatches: int, architecture: str,
           scan_layers: bool, num_experts: int, context: int) -> None:
     """One line naming the setting where a model cannot be pipelined over `stages_` (> 1)."""
@@ -78,9 +84,8 @@ def check(*, stages_: int, layers: int, repeats: int, microbatches: int, archite
         raise ValueError(f"mesh.stage={stages_} with mesh.context={context} is not supported "
                          f"yet (ring attention inside the stages): set one of them to 1")
     if repeats < 1 or layers % (stages_ * repeats):
-        field = "num_encoder_layers" if architecture == "vision" else "num_decoder_layers"
-        raise ValueError(f"model.{field}={layers} is not divisible by mesh.stage="
-                         f"{stages_} x mesh.pipeline_repeats={repeats}")
+        raise ValueError(f"model.{stack_field(architecture)}={layers} is not divisible by "
+                         f"mesh.stage={stages_} x mesh.pipeline_repeats={repeats}")
     if microbatches < stages_:
         raise ValueError(f"mesh.pipeline_microbatches={microbatches} is fewer than "
                          f"mesh.stage={stages_}: the last stage's output would come back "

@@ -159,8 +159,8 @@ def validate_mesh_for_model(shape: Mapping[str, int], model) -> None:
         raise ValueError(f"mesh.expert={expert} does not divide model.num_experts="
                          f"{model.num_experts}")
     stages = shape.get(STAGE_AXIS, 1)
-    stack = model.num_encoder_layers if model.architecture == "vision" else model.num_decoder_layers
-    pipeline.check(stages_=stages, layers=stack,
+    layers = getattr(model, pipeline.stack_field(model.architecture))
+    pipeline.check(stages_=stages, layers=layers,
                    repeats=model.pipeline_repeats,
                    microbatches=model.pipeline_microbatches or stages,
                    architecture=model.architecture, scan_layers=model.scan_layers,

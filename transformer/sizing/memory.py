@@ -151,7 +151,7 @@ def _activations(model, schedule: tuple[int, int, int], **kwargs) -> int:
     stages, microbatches, repeats = schedule
     if stages == 1:
         return activation_bytes(model, **kwargs)
-    stack = "num_encoder_layers" if model.architecture == "vision" else "num_decoder_layers"
+    stack = pipeline.stack_field(model.architecture)
     per_stage = getattr(model, stack) // stages
     kept = activation_bytes(dataclasses.replace(model, **{stack: per_stage}), **kwargs)
     layers = activation_bytes(dataclasses.replace(model, **{stack: 2 * per_stage}),
