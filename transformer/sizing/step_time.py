@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from transformer.parallel.pipeline import bubble_fraction
 from transformer.sizing.hlo import (  # noqa: F401  (re-exported: step_time's API)
     DCN_BYTES_PER_S,
     ICI_BYTES_PER_S,
@@ -107,9 +108,8 @@ class StepEstimate:
 
     @property
     def bubble_fraction(self) -> float:
-        """(S - 1) / (M R + S - 1), 0 without stages."""
-        stages, microbatches, repeats = self.pipeline
-        return (stages - 1) / (microbatches * repeats + stages - 1)
+        """(S - 1) / (M R + S - 1) (`parallel.pipeline`'s), 0 without stages."""
+        return bubble_fraction(*self.pipeline)
 
     @property
     def seconds(self) -> float:
