@@ -97,16 +97,13 @@ def _array_bytes(shape_text: str) -> int:
 
 
 def _group_size(line: str) -> int:
-    """Devices per replica group: `{{0,1},{2,3}}`, iota `[2,4]<=[8]`, or the mesh form
-    `mesh['axis_0'=2,'axis_1'=4] {'axis_1'}`. Source-target pairs count 2."""
+    """Devices per replica group: the first of `_device_groups`, or the mesh form
+    `mesh['axis_0'=2,'axis_1'=4] {'axis_1'}`. Source-target pairs count 2; none given, 1."""
     if match := re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line):
         sizes = dict(re.findall(r"'(\w+)'=(\d+)", match.group(1)))
         return math.prod(int(sizes[a]) for a in re.findall(r"'(\w+)'", match.group(2)))
-    if match := re.search(r"replica_groups=\[(\d+),(\d+)\]<=", line):
-        return int(match.group(2))
-    if match := re.search(r"replica_groups=\{\{([0-9,]*)\}", line):
-        return len(match.group(1).split(","))
-    return 2 if "source_target_pairs" in line else 1
+    groups = _device_groups(line)
+    return max(len(groups[0]), 1) if groups else 1
 
 
 def _device_groups(line: str) -> list[list[int]] | None:
