@@ -80,15 +80,24 @@ def _layers(cfg: TransformerConfig, num_layers: int) -> list[tuple[str, int | No
             for i, name in enumerate(_layer_names(cfg, num_layers))]
 
 
-def encoder_stack(cfg: TransformerConfig, attention_fn, x, mask, positions, segments,
+def encoder_stack(module: nn.Module, x, mask, positions, segments,
                   deterministic: bool) -> jax.Array:
     """x [B, S, D] through the `num_encoder_layers` encoder blocks, then pre-LN's final norm.
-    Call it inside a compact module (the Encoder, the ViT's encoder): the layers and the norm
-    become that module's submodules (`layers_{i}` or scanned `layers`, `norm`)."""
+    Call it inside the compact call of `module` (the Encoder, the ViT's encoder; its `config`
+    and `attention_fn`): the layers and the norm become its submodules (`layers_{i}` or
+    scanned `layers`, `norm`). With mesh.stage > 1 the scanned layers run as one pipeline
+    (`pipelined.stack_layers`, which refuses the text encoders in one line)."""
+    cfg = module.config
     block = layer_stack(EncoderBlock, cfg, cfg.num_encoder_layers)
     bias = relative_bias(cfg, positions, causal=False)
-    for i, (name, window) in enumerate(_layers(cfg, cfg.num_encoder_layers)):
-        x, _ = block(cfg, attention_fn, window, cfg.routed(i), name=name)(
+    stages = pipelined.applies(module, None)
+    if stages:
+        x = pipelined.stack_layers(module, functools.partial(layer_stack, EncoderBlock, cfg), x,
+                                   (mask, positions, segments), deterministic, bias,
+                                   layers=cfg.num_encoder_layers)
+    for i, (name, window) in enumerate([] if stages else
+                                       _layers(cfg, cfg.num_encoder_layers)):
+        x, _ = block(cfg, module.attention_fn, window, cfg.routed(i), name=name)(
             x, mask, positions, segments, deterministic, bias)
     if cfg.norm_position != "post":
         x = Norm(cfg, name="norm")(x)
@@ -153,8 +162,7 @@ class Encoder(nn.Module):
         mask = None  # linear attention reads the segments alone, context attention too
         if cfg.attention_kind == "softmax" and ring.context_shards() == 1:
             mask = masks.make_segment_mask(segments, segments)
-        return encoder_stack(cfg, self.attention_fn, x, mask, positions, segments,
-                             deterministic)
+        return encoder_stack(self, x, mask, positions, segments, deterministic)
 
 
 class OutputHead(NamedTuple):

@@ -38,10 +38,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer.model import pipelined
-from transformer.model.blocks import EncoderBlock, Norm, Weights
+from transformer.model.blocks import Weights
 from transformer.model.config import TransformerConfig
-from transformer.model.transformer import ClassifierHead, encoder_stack, layer_stack
+from transformer.model.transformer import ClassifierHead, encoder_stack
 from transformer.ops import attention
 
 
@@ -97,14 +96,7 @@ class VisionEncoder(nn.Module):
 
     @nn.compact
     def __call__(self, x, *, deterministic=True):
-        cfg = self.config
-        if not pipelined.applies(self, None):
-            return encoder_stack(cfg, self.attention_fn, x, None, None, None, deterministic)
-        # mesh.stage > 1: `encoder_stack`'s `layers` and `norm`, the layers as one pipeline
-        x = pipelined.stack_layers(self, functools.partial(layer_stack, EncoderBlock, cfg), x,
-                                   (None, None, None), deterministic, None,
-                                   layers=cfg.num_encoder_layers)
-        return Norm(cfg, name="norm")(x) if cfg.norm_position != "post" else x
+        return encoder_stack(self, x, None, None, None, deterministic)
 
 
 class VisionTransformer(nn.Module):
