@@ -69,24 +69,17 @@ def layer_stack(block: type[nn.Module], cfg: TransformerConfig, num_layers: int,
     return block
 
 
-def _layer_names(cfg: TransformerConfig, num_layers: int) -> list[str]:
-    """The layers' subtrees: `layers` (scanned, all L at once) or `layers_0` .. `layers_{L-1}`."""
-    return ["layers"] if cfg.scan_layers else [f"layers_{i}" for i in range(num_layers)]
-
-
 def _layers(cfg: TransformerConfig, num_layers: int) -> list[tuple[str, int | None]]:
-    """(subtree name, local window or None) of each layer. Scanned ones share one window."""
-    return [(name, cfg.layer_window(i))
-            for i, name in enumerate(_layer_names(cfg, num_layers))]
+    """(subtree name, local window or None) of each layer: `layers` (scanned, all L at once,
+    one window) or `layers_0` .. `layers_{L-1}`."""
+    names = ["layers"] if cfg.scan_layers else [f"layers_{i}" for i in range(num_layers)]
+    return [(name, cfg.layer_window(i)) for i, name in enumerate(names)]
 
 
-def encoder_stack(module: nn.Module, x, mask, positions, segments,
-                  deterministic: bool) -> jax.Array:
-    """x [B, S, D] through the `num_encoder_layers` encoder blocks, then pre-LN's final norm.
-    Call it inside the compact call of `module` (the Encoder, the ViT's encoder; its `config`
-    and `attention_fn`): the layers and the norm become its submodules (`layers_{i}` or
-    scanned `layers`, `norm`). With mesh.stage > 1 the scanned layers run as one pipeline
-    (`pipelined.stack_layers`, which refuses the text encoders in one line)."""
+def encoder_stack(module: nn.Module, x, mask, positions, segments, deterministic) -> jax.Array:
+    """x [B, S, D] through the `num_encoder_layers` encoder blocks, then pre-LN's final norm,
+    inside the compact call of `module` (the Encoder, the ViT's encoder), whose submodules they
+    become. With mesh.stage > 1 the scanned layers run as one pipeline (`pipelined`)."""
     cfg = module.config
     block = layer_stack(EncoderBlock, cfg, cfg.num_encoder_layers)
     bias = relative_bias(cfg, positions, causal=False)
