@@ -69,13 +69,16 @@ class FailureNotices:
     Process 0 hosts the coordination service, and a process whose service vanishes is aborted
     by JAX (SIGABRT, its error line unprinted). So every other process marks its end
     (`STOPPED_KEY/<index>`) just before it exits, and process 0 waits for those marks, at most
-    `GRACE_S`, before it exits itself.
+    `GRACE_S`, before it exits itself. A mark comes just before its peer's exit, not after it:
+    process 0 lingers `LINGER_S` more, so a peer stalled between its mark and its exit (a loaded
+    machine) still ends on its own status rather than on JAX's abort.
     """
 
     KEY = "transformer/failed_process"
     STOPPED_KEY = "transformer/stopped"
     POLL_MS = 1000
     GRACE_S = 10.0
+    LINGER_S = 2.0
 
     def __init__(self, *, one_line_errors: tuple[type[BaseException], ...] = (ValueError,)):
         self._one_line_errors = one_line_errors  # printed as `error: <line>`, others in full
@@ -150,6 +153,7 @@ class FailureNotices:
                     if left_ms <= 0:
                         break
                     self._client.blocking_key_value_get(f"{self.STOPPED_KEY}/{peer}", left_ms)
+                time.sleep(self.LINGER_S)
         except Exception:  # a peer that cannot mark its end (or a service already gone)
             pass
         os._exit(1)
