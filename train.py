@@ -5,7 +5,9 @@ anything (no workdir needed). `--compile_only --mesh_devices=N` compiles the tra
 (fake CPU) devices on abstract arrays and prints the memory each device would need (no workdir);
 `--compile_only --topology=v5p-128 [--num_slices=2]` compiles it for that TPU topology with the
 TPU compiler (no TPU needed; `pip install -e ".[tpu]"`) and adds its time and MFU estimates.
-Rerunning with the same workdir resumes from its latest checkpoint.
+Rerunning with the same workdir resumes from its latest checkpoint. `--score_split=test` then
+scores the trained run's test split as `python -m transformer.evaluate --split=test` does (a
+rerun of a finished run just scores it again).
 """
 
 import logging as pylogging
@@ -36,6 +38,8 @@ flags.DEFINE_string("sweep_contexts", None, "With --sweep: the context splits of
                     "(default 1,2,4,8).")
 flags.DEFINE_string("sweep_remat", None, "With --sweep: the remat policies of the grid "
                     "(default none,full,dots_no_batch).")
+flags.DEFINE_enum("score_split", None, ["validation", "test"], "After the last update, score "
+                  "this split of the trained run as `python -m transformer.evaluate` does.")
 flags.DEFINE_string("coordinator_address", None, "host:port of process 0, for clusters that "
                     "jax.distributed cannot detect.")
 flags.DEFINE_integer("num_processes", None, "Number of processes (with --coordinator_address).")
@@ -177,22 +181,46 @@ def main(argv):
     try:
         distributed.initialize(cfg.distributed, coordinator_address=FLAGS.coordinator_address,
                                num_processes=FLAGS.num_processes, process_id=FLAGS.process_id)
-        train_and_evaluate(cfg, FLAGS.workdir, config_file=config_file)
+        state = train_and_evaluate(cfg, FLAGS.workdir, config_file=config_file,
+                                   score_split=FLAGS.score_split)
     except (ValueError, NonFiniteLoss) as error:
         sys.exit(f"error: {error}")
-    _draw_test_confusion(FLAGS.workdir)
+    _draw_confusion(FLAGS.workdir, "test")  # a classifier's loop scored its test split
+    if FLAGS.score_split:
+        _score(FLAGS.workdir, FLAGS.score_split, state, int(cfg.num_train_steps))
 
 
-def _draw_test_confusion(workdir: str) -> None:
-    """A classifier's run ends by scoring its test split: process 0 draws the confusion matrix
-    that the loop kept."""
+def _score(workdir: str, split: str, state, total: int) -> None:
+    """--score_split: the trained run's `split` scored, its line printed as
+    `python -m transformer.evaluate` prints it; not after a preemption (training unfinished)."""
+    import jax
+
+    from transformer.training import evaluation
+
+    if int(jax.device_get(state.step)) < total:
+        logging.warning("training stopped before step %d: %s not scored; rerun to finish", total,
+                        split)
+        return
+    try:
+        figures = evaluation.score_trained_run(workdir, split)
+    except ValueError as error:
+        sys.exit(f"error: {error}")
+    if figures is not None:
+        if "accuracy" in figures:
+            _draw_confusion(workdir, split)
+        print(evaluation.scores_line(split, figures), flush=True)
+
+
+def _draw_confusion(workdir: str, split: str) -> None:
+    """Process 0 draws the confusion matrix kept for `split`, where there is one (a
+    classifier's: its loop scores the test split, and so does --score_split)."""
     import jax
     from etils import epath
 
     from transformer.training.evaluation import confusion_files
     from transformer.util import plotting
 
-    record, figure = confusion_files(workdir, "test")
+    record, figure = confusion_files(workdir, split)
     if jax.process_index() == 0 and epath.Path(record).exists():
         plotting.plot_confusion_matrix(record, figure)
 

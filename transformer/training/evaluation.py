@@ -21,12 +21,14 @@ from transformer.checkpoint import layout
 from transformer.data import make_source
 from transformer.inference.runs import Run, open_run
 from transformer.inference.translator import from_run, require_translation
-from transformer.parallel import sharding
+from transformer.parallel import distributed, sharding
 from transformer.training import health, metrics, scores, train_state
 from transformer.training.metrics import MetricWriter
 from transformer.util import atomic, progress
 
 log = logging.getLogger("transformer")
+SCORED_KEY = "transformer/scored"  # process 0 has scored the trained run (score_trained_run)
+SCORABLE = ("encoder_decoder", "vision")  # what evaluate_run scores: translation, images
 
 
 def evaluate(trainer, eval_step, params, source, rows, split="validation") -> dict:
@@ -55,6 +57,47 @@ def evaluate_run(workdir: str, split: str, *, step=None, average=None, num_sente
     if run.model.architecture == "vision":
         return evaluate_classifier(run, split)
     return evaluate_translation(run, split, num_sentences=num_sentences, beam_size=beam_size)
+
+
+def check_scorable(model, split: str) -> None:
+    """One line, before training, where `evaluate_run` could not score the trained run."""
+    if model.architecture not in SCORABLE:
+        raise ValueError(f"--score_split={split}: scoring after training takes a translation "
+                         f"model or an image classifier, not model.architecture="
+                         f"{model.architecture!r}; leave it out (the validation figures are in "
+                         f"metrics.jsonl)")
+
+
+def score_trained_run(workdir: str, split: str) -> dict | None:
+    """`evaluate_run(workdir, split)` at the end of training, in every process of the run.
+    It scores on one device, process 0's (`open_run`'s mesh): process 0 scores alone and
+    returns the figures; the others wait for it on a key of the coordination service (no
+    barrier, whose timeout a long decode could pass) and return None. An error in process 0
+    stops them all (`distributed.FailureNotices`)."""
+    if jax.process_count() == 1:
+        return evaluate_run(workdir, split)
+    from jax._src import distributed as jax_distributed  # no public handle to the client
+
+    client = jax_distributed.global_state.client
+    with distributed.FailureNotices():
+        if jax.process_index() == 0:
+            figures = evaluate_run(workdir, split)
+            client.key_value_set(SCORED_KEY, "1")
+            return figures
+        client.blocking_key_value_get(SCORED_KEY, 2**31 - 1)  # ms: 24 days
+        return None
+
+
+def scores_line(split: str, figures: dict) -> str:
+    """The line `python -m transformer.evaluate` (and `train.py --score_split`) prints."""
+    if "accuracy" in figures:
+        return (f"{split}: loss {figures['loss']:.4f} | accuracy "
+                f"{100 * figures['accuracy']:.2f}%" + (
+                    f" | top-5 accuracy {100 * figures['top5_accuracy']:.2f}%"
+                    if "top5_accuracy" in figures else ""))
+    return (f"{split}: perplexity {figures['perplexity']:.2f} | sacreBLEU "
+            f"{figures['bleu']:.2f} ({figures['bleu_signature']}) | tokenized compound-split "
+            f"BLEU {figures['bleu_tok_compound']:.2f} | {metrics.sentences_scored(figures)}")
 
 
 def evaluate_translation(run: Run, split: str, *, num_sentences=None, beam_size=None) -> dict:

@@ -182,20 +182,24 @@ def _check_bleu_source(cfg, source) -> None:
                          f"to 0")
 
 
-def train_and_evaluate(cfg, workdir: str, *,
-                       config_file: str | None = None) -> train_state.TrainState:
+def train_and_evaluate(cfg, workdir: str, *, config_file: str | None = None,
+                       score_split: str | None = None) -> train_state.TrainState:
     """Trains `cfg` in `workdir` (resuming if it holds a checkpoint). Returns the final state.
-    `config_file`, where `cfg` came from, is named in errors about its keys. With several
-    processes, an error in one stops all within seconds, naming it (`distributed.FailureNotices`):
-    each process prints its line and ends with status 1 instead of raising."""
+    `config_file`, where `cfg` came from, is named in errors about its keys. `score_split`: the
+    split that `evaluation.score_trained_run` scores next (train.py's --score_split), checked
+    here first and counted in the ETA. With several processes, an error in one stops all within
+    seconds, naming it (`distributed.FailureNotices`): each process prints its line and ends
+    with status 1 instead of raising."""
     with distributed.FailureNotices(one_line_errors=(ValueError, NonFiniteLoss)) as notices:
-        return _train(cfg, workdir, config_file, notices)
+        return _train(cfg, workdir, config_file, notices, score_split)
 
 
-def _train(cfg, workdir: str, config_file: str | None,
-           notices: distributed.FailureNotices) -> train_state.TrainState:
+def _train(cfg, workdir: str, config_file: str | None, notices: distributed.FailureNotices,
+           score_split: str | None) -> train_state.TrainState:
     cfg = elastic.fit(cfg, workdir, jax.device_count())  # elastic=True: the devices left
     run = resolve(cfg, jax.device_count(), config_file=config_file)
+    if score_split:
+        evaluation.check_scorable(run.model, score_split)
     clock = Goodput()  # this process's time by part; the run's totals carried over
     if not cfg.grad_accum_steps:
         log.info("grad_accum_steps=0: %d microbatches of %d rows per update on %d devices",
@@ -264,7 +268,7 @@ def _train(cfg, workdir: str, config_file: str | None,
         run.model, source_length=source.source_length,
         target_length=source.target_length) * dpo.flops_factor(cfg)
     peak = metrics.peak_flops_per_device()
-    progress = metrics.Progress(step, total, unit=_progress_unit(run.model))
+    progress, eval_count = _progress(cfg, run.model, source, step, eval_split, score_split)
     pending: list[tuple[int, dict]] = []
     last_save_time = time.monotonic()
     last_saved = latest
@@ -296,15 +300,24 @@ def _train(cfg, workdir: str, config_file: str | None,
             due_tasks = score_tasks is not None and _due(cfg.lm_eval_every_steps, step, total)
             if due_loss or due_bleu or due_tasks:
                 started = time.perf_counter()
-                figures = (evaluation.evaluate(  # DPO: the reference too
-                    trainer, eval_step, dpo.eval_params(trainer, state), source, eval_rows,
-                    eval_split) if due_loss else {})
+                figures = {}
+                if due_loss:  # each kind timed for the ETA
+                    figures = evaluation.evaluate(  # DPO: the reference too
+                        trainer, eval_step, dpo.eval_params(trainer, state), source, eval_rows,
+                        eval_split)
+                    progress.evaluated("validation pass", step, time.perf_counter() - started,
+                                       eval_count)
                 if due_bleu:
+                    begun = time.perf_counter()
                     translator.params = state.params
                     figures |= validation_bleu(translator, source, int(cfg.bleu_num_sentences),
                                                cfg.data.target_lang, eval_split)
+                    progress.evaluated("BLEU decode", step, time.perf_counter() - begun,
+                                       figures["bleu_num_sentences"])
                 if due_tasks:
+                    begun = time.perf_counter()
                     figures |= score_tasks(state.params)
+                    progress.evaluated("lm-eval tasks", step, time.perf_counter() - begun)
                 writer.write(step, eval_split, figures)
                 metrics.log_evaluation(step, eval_split, figures,
                                        time.perf_counter() - started)
@@ -387,6 +400,25 @@ def _compile(jitted, what: str, *example_args):
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(f"{what} compiled")
     return compiled
+
+
+def _progress(cfg, model, source, step: int, eval_split: str, score_split: str | None):
+    """(Progress, the sentences of `eval_split` or None): the ETA counts the evaluations due
+    and the scoring after training, the loop's own test split of a classifier and
+    `score_split`, timed by the validation pass and BLEU decode (per sentence where counted)."""
+    def count(split):
+        counted = score_split and hasattr(source, "raw_pairs")
+        return len(source.raw_pairs(split)) if counted else None
+
+    final = {"test pass": ("validation pass", None)} if model.classifies else {}
+    if score_split:
+        final[f"{score_split} pass"] = ("validation pass", count(score_split))
+        if model.architecture == "encoder_decoder":
+            final[f"{score_split} decode"] = ("BLEU decode", count(score_split))
+    every = {"validation pass": cfg.eval_every_steps, "BLEU decode": cfg.bleu_every_steps,
+             "lm-eval tasks": cfg.lm_eval_every_steps}
+    return metrics.Progress(step, int(cfg.num_train_steps), unit=_progress_unit(model),
+                            every=every, final=final), count(eval_split)
 
 
 def _progress_unit(model) -> str:

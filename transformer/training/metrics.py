@@ -268,16 +268,31 @@ class Progress:
     """Throughput, ETA and data-wait accounting between two reports (`clock`: seconds, by
     default `time.perf_counter`; tests pass their own). `unit` names what the run counts in the
     console line ("tok", or "img" and "ex" for a classifier's images and examples). The metric
-    keeps its name, `tokens_per_sec`."""
+    keeps its name, `tokens_per_sec`.
+
+    The ETA (`eta_seconds`) is the whole job's: the updates left at the current window's rate,
+    the evaluations still due, and the scoring after training. An evaluation of kind `k`
+    ("validation pass", "BLEU decode", "lm-eval tasks") is due every `every[k]` steps (0:
+    never) and at the last step, and costs what the last one of its kind took (`evaluated`).
+    The scoring after training is `final`: for each label (e.g. "test decode") the kind it is
+    timed by and its sentence count; it costs that kind's last seconds per sentence times the
+    count (where either count is unknown, None: the last one's seconds). A cost not measured
+    yet, such as a BLEU decode before the first one, is left out: `eta_untimed` names it, and
+    the console shows the ETA as a lower bound, `ETA >0:42:10 (not yet timed: BLEU decode)`.
+    """
 
     def __init__(self, start_step: int, total_steps: int, clock=time.perf_counter, *,
-                 unit: str = "tok"):
+                 unit: str = "tok", every: dict[str, int] | None = None,
+                 final: dict[str, tuple[str, int | None]] | None = None):
         self.start_step, self.total_steps, self.unit = start_step, total_steps, unit
+        self.every = {kind: int(n) for kind, n in (every or {}).items() if n}
+        self.final = dict(final or {})
         self._clock = clock
         self._window_start = clock()
         self._data_wait = 0.0
         self._tokens = 0.0
         self._steps = 0
+        self._last: dict[str, tuple[int, float, int | None]] = {}  # kind: step, seconds, items
 
     def add_step(self, data_wait_seconds: float) -> None:
         self._data_wait += data_wait_seconds
@@ -290,6 +305,31 @@ class Progress:
         """Leaves `seconds` (an evaluation) out of the current window's throughput."""
         self._window_start += seconds
 
+    def evaluated(self, kind: str, step: int, seconds: float, items: int | None = None) -> None:
+        """An evaluation of `kind` over `items` sentences (None: not counted) ran at `step`
+        and took `seconds`: the cost of those still to come."""
+        self._last[kind] = (step, seconds, items)
+
+    def remaining(self, step: int, steps_per_sec: float) -> tuple[float, list[str]]:
+        """Seconds left after `step` at `steps_per_sec`, and the labels of the evaluations
+        still to come whose cost is not measured yet (left out of the seconds)."""
+        seconds = (self.total_steps - step) / max(steps_per_sec, 1e-9)
+        untimed = []
+        for kind, every in self.every.items():
+            count = _due_count(every, max(step, self._last.get(kind, (-1,))[0] + 1),
+                               self.total_steps)
+            if count and kind in self._last:
+                seconds += count * self._last[kind][1]
+            elif count:
+                untimed.append(kind)
+        for label, (kind, items) in self.final.items():
+            if kind not in self._last:
+                untimed.append(label)
+                continue
+            _, took, measured = self._last[kind]
+            seconds += took * items / measured if items and measured else took
+        return seconds, untimed
+
     def report(self, step: int) -> dict:
         """Figures since the last report. Resets the window."""
         elapsed = max(self._clock() - self._window_start, 1e-9)
@@ -298,21 +338,32 @@ class Progress:
             "data_wait_fraction": self._data_wait / elapsed,
             "steps_per_sec": self._steps / elapsed,
         }
-        figures["eta_seconds"] = (self.total_steps - step) / max(figures["steps_per_sec"], 1e-9)
+        figures["eta_seconds"], figures["eta_untimed"] = self.remaining(
+            step, figures["steps_per_sec"])
         self._window_start = self._clock()
         self._data_wait = self._tokens = 0.0
         self._steps = 0
         return figures
 
 
+def _due_count(every: int, first: int, total: int) -> int:
+    """How many of the steps `first`..`total` are due every `every` steps or are the last."""
+    if first > total:
+        return 0
+    return total // every - (first - 1) // every + (1 if total % every else 0)
+
+
 def format_progress(step: int, total: int, values: dict, unit: str = "tok") -> str:
-    """One console line: step, loss, tokens (or images, examples: `unit`) per second, ETA, data
-    wait, MFU, and a float16 run's loss scale and overflow-skipped updates."""
+    """One console line: step, loss, tokens (or images, examples: `unit`) per second, ETA (a
+    lower bound, `>`, while `eta_untimed` names costs not measured yet), data wait, MFU, and a
+    float16 run's loss scale and overflow-skipped updates."""
     eta = values.get("eta_seconds", 0.0)
+    untimed = values.get("eta_untimed") or []
     hours, rest = divmod(int(eta), 3600)
     parts = [f"step {step}/{total}", f"loss {values['loss']:.4f}",
              f"lr {values['learning_rate']:.3g}", f"{values['tokens_per_sec']:,.0f} {unit}/s",
-             f"ETA {hours}:{rest // 60:02d}:{rest % 60:02d}",
+             f"ETA {'>' if untimed else ''}{hours}:{rest // 60:02d}:{rest % 60:02d}"
+             + (f" (not yet timed: {', '.join(untimed)})" if untimed else ""),
              f"data wait {100 * values['data_wait_fraction']:.1f}%"]
     if "mfu" in values:
         parts.append(f"MFU {100 * values['mfu']:.1f}%")
