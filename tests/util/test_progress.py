@@ -171,3 +171,88 @@ def test_sync_puts_every_scalar_written_before_it_in_the_event_files(tmp_path, m
                 offset += 16 + length
         assert found == expected
     writer.close()
+
+
+def test_eta_adds_the_evaluations_due_and_the_scoring_after_training():
+    """110 updates at 2 a second; a validation pass every 20 steps and a BLEU decode every 50,
+    both at the last step too (110); then the test split's 300 sentences scored. Each cost is
+    the last one of its kind less its compiling (per sentence for the scoring, which compiles
+    afresh: plus the first one's compiling); unmeasured ones are named."""
+    clock = Clock()
+    progress = metrics.Progress(0, 110, clock=clock,
+                                every={"validation pass": 20, "BLEU decode": 50, "none": 0},
+                                final={"test pass": ("validation pass", 300),
+                                       "test decode": ("BLEU decode", 300)})
+
+    def report(step, seconds):
+        for _ in range(10):
+            progress.add_step(0.0)
+        clock.now += seconds
+        return progress.report(step)
+
+    figures = report(10, 5.0)  # nothing measured yet: the updates alone, the rest named
+    assert figures["eta_seconds"] == pytest.approx(100 / 2)
+    assert figures["eta_untimed"] == ["validation pass", "BLEU decode", "test pass",
+                                      "test decode"]
+    report(20, 5.0)
+    clock.now += 4.0  # the validation pass at step 20, over 100 sentences, 1 s compiling
+    progress.exclude(4.0)
+    progress.evaluated("validation pass", 20, 4.0, 100, compiled=1.0)
+    figures = report(30, 5.0)  # the rate leaves the 4 s out
+    assert figures["steps_per_sec"] == pytest.approx(2.0)
+    # passes at 40, 60, 80, 100, 110 of 3 s; the test pass 1 s + 3 s / 100 sentences x 300
+    assert figures["eta_seconds"] == pytest.approx(80 / 2 + 5 * 3.0 + 1.0 + 3.0 * 300 / 100)
+    assert figures["eta_untimed"] == ["BLEU decode", "test decode"]
+    progress.evaluated("validation pass", 40, 2.0, 100)
+    progress.evaluated("BLEU decode", 50, 14.0, 20, compiled=4.0)  # 20 sentences in 10 s
+    figures = report(60, 5.0)  # before step 60's pass: passes 60, 80, 100, 110; decodes 100, 110
+    assert figures["eta_seconds"] == pytest.approx(
+        50 / 2 + 4 * 2.0 + 2 * 10.0 + (1.0 + 2.0 * 300 / 100) + (4.0 + 10.0 * 300 / 20))
+    assert figures["eta_untimed"] == []
+    progress.evaluated("validation pass", 60, 2.0, 100)
+    assert progress.remaining(60, 2.0)[0] == pytest.approx(
+        50 / 2 + 3 * 2.0 + 2 * 10.0 + 7.0 + 154.0)  # step 60's pass is done
+    progress.evaluated("validation pass", 100, 2.0, 100)
+    progress.evaluated("BLEU decode", 100, 8.0, 20)
+    # The last step, before its evaluations: one of each, then the scoring.
+    assert progress.remaining(110, 2.0) == (pytest.approx(2.0 + 8.0 + 7.0 + 124.0), [])
+    progress.evaluated("validation pass", 110, 2.0, 100)
+    progress.evaluated("BLEU decode", 110, 8.0, 20)
+    assert progress.remaining(110, 2.0) == (pytest.approx(7.0 + 124.0), [])
+
+
+def test_timed_leaves_compiling_out_and_keeps_it_for_the_scoring():
+    """`Progress.timed` around a first call of a jitted function: its compile seconds
+    (`compile_seconds`, from JAX's events) are split off the evaluation's cost."""
+    progress = metrics.Progress(0, 10, clock=Clock())
+    metrics.compile_seconds()  # listening before the compile
+    with progress.timed("validation pass", 5) as timing:
+        jax.jit(lambda x: x * 3 + 1)(np.arange(7.0)).block_until_ready()
+        timing.items = 7
+    compiled = progress.compiled["validation pass"]
+    assert compiled > 0
+    step, seconds, items = progress.measured["validation pass"]
+    assert (step, items) == (5, 7) and seconds >= 0.0
+    with progress.timed("validation pass", 10):  # nothing compiled: the first's kept
+        pass
+    assert progress.compiled["validation pass"] == compiled
+
+
+def test_eta_without_sentence_counts_takes_the_last_evaluations_seconds():
+    """An image classifier's test split, scored after its last update: as long as its last
+    validation pass (no sentences to scale by). Evaluations off (0) are never due."""
+    progress = metrics.Progress(0, 10, clock=Clock(), every={"validation pass": 4},
+                                final={"test pass": ("validation pass", None)})
+    progress.evaluated("validation pass", 4, 7.0, None, compiled=1.0)
+    assert progress.remaining(5, 1.0) == (pytest.approx(5 + 2 * 6.0 + 7.0), [])  # 8, 10, test
+    progress = metrics.Progress(0, 10, clock=Clock(), every={"validation pass": 0})
+    assert progress.remaining(5, 1.0) == (pytest.approx(5.0), [])
+
+
+def test_progress_line_shows_an_eta_with_untimed_parts_as_a_lower_bound():
+    values = {"loss": 1.0, "learning_rate": 1e-3, "tokens_per_sec": 10.0,
+              "data_wait_fraction": 0.0, "eta_seconds": 3725.0}
+    assert " | ETA 1:02:05 | " in metrics.format_progress(3, 9, values | {"eta_untimed": []})
+    line = metrics.format_progress(3, 9, values | {"eta_untimed": ["BLEU decode",
+                                                                   "test decode"]})
+    assert " | ETA >1:02:05 (not yet timed: BLEU decode, test decode) | " in line

@@ -302,22 +302,20 @@ def _train(cfg, workdir: str, config_file: str | None, notices: distributed.Fail
                 started = time.perf_counter()
                 figures = {}
                 if due_loss:  # each kind timed for the ETA
-                    figures = evaluation.evaluate(  # DPO: the reference too
-                        trainer, eval_step, dpo.eval_params(trainer, state), source, eval_rows,
-                        eval_split)
-                    progress.evaluated("validation pass", step, time.perf_counter() - started,
-                                       eval_count)
+                    with progress.timed("validation pass", step, eval_count):
+                        figures = evaluation.evaluate(  # DPO: the reference too
+                            trainer, eval_step, dpo.eval_params(trainer, state), source,
+                            eval_rows, eval_split)
                 if due_bleu:
-                    begun = time.perf_counter()
-                    translator.params = state.params
-                    figures |= validation_bleu(translator, source, int(cfg.bleu_num_sentences),
-                                               cfg.data.target_lang, eval_split)
-                    progress.evaluated("BLEU decode", step, time.perf_counter() - begun,
-                                       figures["bleu_num_sentences"])
+                    with progress.timed("BLEU decode", step) as timing:
+                        translator.params = state.params
+                        figures |= validation_bleu(translator, source,
+                                                   int(cfg.bleu_num_sentences),
+                                                   cfg.data.target_lang, eval_split)
+                        timing.items = figures["bleu_num_sentences"]
                 if due_tasks:
-                    begun = time.perf_counter()
-                    figures |= score_tasks(state.params)
-                    progress.evaluated("lm-eval tasks", step, time.perf_counter() - begun)
+                    with progress.timed("lm-eval tasks", step):
+                        figures |= score_tasks(state.params)
                 writer.write(step, eval_split, figures)
                 metrics.log_evaluation(step, eval_split, figures,
                                        time.perf_counter() - started)

@@ -29,6 +29,7 @@ TensorBoard's events only.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import io
 import json
@@ -37,6 +38,7 @@ import math
 import os
 import sys
 import time
+import types
 
 import jax
 from etils import epath
@@ -274,11 +276,20 @@ class Progress:
     the evaluations still due, and the scoring after training. An evaluation of kind `k`
     ("validation pass", "BLEU decode", "lm-eval tasks") is due every `every[k]` steps (0:
     never) and at the last step, and costs what the last one of its kind took (`evaluated`).
-    The scoring after training is `final`: for each label (e.g. "test decode") the kind it is
-    timed by and its sentence count; it costs that kind's last seconds per sentence times the
-    count (where either count is unknown, None: the last one's seconds). A cost not measured
-    yet, such as a BLEU decode before the first one, is left out: `eta_untimed` names it, and
-    the console shows the ETA as a lower bound, `ETA >0:42:10 (not yet timed: BLEU decode)`.
+    Compiling (`compile_seconds`) is left out of an evaluation's cost: the first of a kind
+    compiles, the later ones reuse its programs.
+
+    The scoring after training is `final`: for each label the kind it is timed by and its
+    sentence count. It compiles afresh, so it costs the first compile of that kind plus the
+    last one's seconds per sentence times the count (where either count is unknown, None: the
+    last one's seconds). So the test decode is estimated as the latest validation BLEU decode's
+    seconds per sentence times the test split's sentences, plus the compile of the first
+    decode; the test pass likewise from the validation passes. A cost not measured yet (a
+    BLEU decode before the first one) is left out: `eta_untimed` names it, and the console
+    shows the ETA as a lower bound, `ETA >0:42:10 (not yet timed: BLEU decode, test decode)`.
+    Where it errs: sentences differ in length (an early model's translations run long); the
+    scoring's start (loading the checkpoint and data) is not counted, and it runs on one device
+    (`evaluation.evaluate_run`): on several it may take longer.
     """
 
     def __init__(self, start_step: int, total_steps: int, clock=time.perf_counter, *,
@@ -292,7 +303,9 @@ class Progress:
         self._data_wait = 0.0
         self._tokens = 0.0
         self._steps = 0
-        self._last: dict[str, tuple[int, float, int | None]] = {}  # kind: step, seconds, items
+        self.measured: dict[str, tuple[int, float, int | None]] = {}  # kind: the last one's
+        # step, seconds (not compiling) and sentences (`evaluated`)
+        self.compiled: dict[str, float] = {}  # kind: the most seconds one of it compiled
 
     def add_step(self, data_wait_seconds: float) -> None:
         self._data_wait += data_wait_seconds
@@ -305,10 +318,22 @@ class Progress:
         """Leaves `seconds` (an evaluation) out of the current window's throughput."""
         self._window_start += seconds
 
-    def evaluated(self, kind: str, step: int, seconds: float, items: int | None = None) -> None:
+    def evaluated(self, kind: str, step: int, seconds: float, items: int | None = None,
+                  compiled: float = 0.0) -> None:
         """An evaluation of `kind` over `items` sentences (None: not counted) ran at `step`
-        and took `seconds`: the cost of those still to come."""
-        self._last[kind] = (step, seconds, items)
+        and took `seconds`, `compiled` of them compiling: the cost of those still to come."""
+        self.measured[kind] = (step, max(seconds - compiled, 0.0), items)
+        self.compiled[kind] = max(self.compiled.get(kind, 0.0), compiled)
+
+    @contextlib.contextmanager
+    def timed(self, kind: str, step: int, items: int | None = None):
+        """`evaluated` for the evaluation run inside, timed by `time.perf_counter` and
+        `compile_seconds`; it may set `items` on what this yields, once it knows them."""
+        timing = types.SimpleNamespace(items=items)
+        started, compiling = time.perf_counter(), compile_seconds()
+        yield timing
+        self.evaluated(kind, step, time.perf_counter() - started, timing.items,
+                       compile_seconds() - compiling)
 
     def remaining(self, step: int, steps_per_sec: float) -> tuple[float, list[str]]:
         """Seconds left after `step` at `steps_per_sec`, and the labels of the evaluations
@@ -316,18 +341,19 @@ class Progress:
         seconds = (self.total_steps - step) / max(steps_per_sec, 1e-9)
         untimed = []
         for kind, every in self.every.items():
-            count = _due_count(every, max(step, self._last.get(kind, (-1,))[0] + 1),
+            count = _due_count(every, max(step, self.measured.get(kind, (-1,))[0] + 1),
                                self.total_steps)
-            if count and kind in self._last:
-                seconds += count * self._last[kind][1]
+            if count and kind in self.measured:
+                seconds += count * self.measured[kind][1]
             elif count:
                 untimed.append(kind)
         for label, (kind, items) in self.final.items():
-            if kind not in self._last:
+            if kind not in self.measured:
                 untimed.append(label)
                 continue
-            _, took, measured = self._last[kind]
-            seconds += took * items / measured if items and measured else took
+            _, took, counted = self.measured[kind]
+            seconds += self.compiled[kind] + (took * items / counted if items and counted
+                                              else took)
         return seconds, untimed
 
     def report(self, step: int) -> dict:
@@ -344,6 +370,24 @@ class Progress:
         self._data_wait = self._tokens = 0.0
         self._steps = 0
         return figures
+
+
+_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_to_mlir_module_duration",
+                   "/jax/core/compile/backend_compile_duration")
+_compiling = {"seconds": 0.0, "listening": False}
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent lowering and compiling XLA programs since the first call
+    (`jax.monitoring`'s compile events; tracing, which nests, is left out)."""
+    if not _compiling["listening"]:
+        def listen(event: str, seconds: float, **_) -> None:
+            if event in _COMPILE_EVENTS:
+                _compiling["seconds"] += seconds
+
+        jax.monitoring.register_event_duration_secs_listener(listen)
+        _compiling["listening"] = True
+    return _compiling["seconds"]
 
 
 def _due_count(every: int, first: int, total: int) -> int:
