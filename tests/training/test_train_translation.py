@@ -1,5 +1,6 @@
 """Training on real translation data (the offline corpus fixture): validation BLEU during
-training, the params-only series for averaging, and the evaluate CLI agreeing with both."""
+training, the params-only series for averaging, the evaluate CLI agreeing with both, and the
+scoring after training (`train.py --score_split`) with the ETA that counts it."""
 
 import json
 import math
@@ -23,21 +24,80 @@ from transformer.data.synthetic import FIRST_TOKEN, SyntheticTask  # noqa: E402
 from transformer.data.tokenizer import EOS_ID  # noqa: E402
 from transformer.inference.translator import Translator  # noqa: E402
 from transformer.model.transformer import Transformer  # noqa: E402
-from transformer.training import evaluation, scores  # noqa: E402
+from transformer.training import evaluation, metrics, scores  # noqa: E402
 from transformer.training.loop import train_and_evaluate  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+class RecordedProgress(metrics.Progress):
+    """The loop's Progress, keeping each report's figures and the evaluations measured then."""
+
+    made = []
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.reports = []
+        RecordedProgress.made.append(self)
+
+    def report(self, step):
+        figures = super().report(step)
+        self.reports.append((step, figures, dict(self.measured), dict(self.compiled)))
+        return figures
+
+
 @pytest.fixture(scope="module")
 def run(offline_fixture_data_dir, tmp_path_factory, load_config):
+    """4 updates, evaluated every 2, with the test split to score after them (the ETA counts
+    it; `score_trained_run` scores it)."""
     workdir = tmp_path_factory.mktemp("run")
     cfg = load_config("default.py", **SHRUNK_DEFAULT, **{
         "data.data_dir": str(offline_fixture_data_dir), "num_train_steps": 4,
         "log_every_steps": 2, "params_every_minutes": 1e-6,  # a params save after every update
         "params_keep": 3})
-    train_and_evaluate(cfg, str(workdir))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(metrics, "Progress", RecordedProgress)
+        train_and_evaluate(cfg, str(workdir), score_split="test")
     return workdir
+
+
+def test_the_eta_counts_each_evaluation_and_the_test_scoring_to_come(run):
+    """At step 2 nothing is timed yet; at step 4 (before its evaluation) the ETA is its
+    validation pass and BLEU decode as step 2's took less their compiling, then the test
+    split: its 6 sentences at step 2's seconds per validation sentence (2 of them), its 8
+    decoded rows (6 padded to a power of two) at step 2's seconds per row (2), each plus the
+    compiling step 2 did."""
+    (progress,) = RecordedProgress.made
+    assert progress.every == {"validation pass": 2, "BLEU decode": 2}
+    assert progress.final == {"test pass": ("validation pass", 6),
+                              "test decode": ("BLEU decode", 8)}
+    (step2, first, _, _), (step4, last, measured, compiled) = progress.reports
+    assert (step2, step4) == (2, 4)
+    assert first["eta_untimed"] == ["validation pass", "BLEU decode", "test pass",
+                                    "test decode"]
+    assert last["eta_untimed"] == []
+    assert {kind: (step, items) for kind, (step, _, items) in measured.items()} == {
+        "validation pass": (2, 2), "BLEU decode": (2, 2)}
+    assert compiled["validation pass"] > 0 and compiled["BLEU decode"] > 0
+    passed, decoded = measured["validation pass"][1], measured["BLEU decode"][1]
+    assert last["eta_seconds"] == pytest.approx(
+        passed * (1 + 6 / 2) + decoded * (1 + 8 / 2) + sum(compiled.values()), rel=1e-12)
+    assert {kind: step for kind, (step, _, _) in progress.measured.items()} == {
+        "validation pass": 4, "BLEU decode": 4}
+
+
+def test_scoring_after_training_writes_what_evaluate_writes(run, tmp_path):
+    """`train.py --score_split=test`'s scoring in one process: `evaluate_run`'s test line at
+    the last step, its files, and the line the evaluate CLI prints."""
+    workdir = pathlib.Path(shutil.copytree(run, tmp_path / "run"))
+    figures = evaluation.score_trained_run(str(workdir), "test")
+    line = metrics_lines(workdir)[-1]
+    assert (line["step"], line["split"], line["checkpoint"]) == (4, "test", "latest")
+    assert line["bleu_num_sentences"] == figures["bleu_num_sentences"] == 6
+    assert line["perplexity"] == figures["perplexity"]
+    assert len(eval_file(workdir, "test.latest.translation.txt")) == 6
+    assert evaluation.scores_line("test", figures).startswith(
+        f"test: perplexity {figures['perplexity']:.2f} | sacreBLEU {figures['bleu']:.2f} (")
 
 
 def validation_lines(workdir):
@@ -132,6 +192,8 @@ def test_evaluate_cli_with_average_prints_records_and_writes_the_same_figures(ru
         f"({line['bleu_signature']}) | tokenized compound-split BLEU "
         f"{line['bleu_tok_compound']:.2f} | 2 sentences, 1 of them truncated to the model's "
         f"max_len (scored as translated)\n")
+    # train.py --score_split prints this line with scores_line
+    assert result.stdout == evaluation.scores_line("validation", line) + "\n"
     # The files it wrote are the ones it scored.
     sources, references, translations = (
         eval_file(workdir, f"validation.average3.{kind}.txt")

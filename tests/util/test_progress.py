@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from transformer.training import loop, metrics
+from transformer.training import evaluation, loop, metrics
 
 
 class Clock:
@@ -247,6 +247,12 @@ def test_eta_without_sentence_counts_takes_the_last_evaluations_seconds():
     assert progress.remaining(5, 1.0) == (pytest.approx(5 + 2 * 6.0 + 7.0), [])  # 8, 10, test
     progress = metrics.Progress(0, 10, clock=Clock(), every={"validation pass": 0})
     assert progress.remaining(5, 1.0) == (pytest.approx(5.0), [])
+
+
+@pytest.mark.parametrize(("sentences", "rows"), [(0, 0), (1, 1), (20, 32), (32, 32), (33, 33),
+                                                 (300, 304), (2117, 2120)])
+def test_decoded_rows_are_batches_of_32_padded_to_powers_of_two(sentences, rows):
+    assert evaluation.decoded_rows(sentences) == rows
 
 
 def test_progress_line_shows_an_eta_with_untimed_parts_as_a_lower_bound():

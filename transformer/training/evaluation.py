@@ -88,6 +88,14 @@ def score_trained_run(workdir: str, split: str) -> dict | None:
         return None
 
 
+def decoded_rows(sentences: int, batch_size: int = 32) -> int:
+    """Rows `Translator.translate` decodes for `sentences`: batches of `batch_size` (its
+    default), each padded to a power of two rows. What a decode's time scales with (the ETA's
+    test decode from a validation one), give or take the sentences' lengths."""
+    full, rest = divmod(sentences, batch_size)
+    return full * batch_size + (1 << (rest - 1).bit_length() if rest else 0)
+
+
 def scores_line(split: str, figures: dict) -> str:
     """The line `python -m transformer.evaluate` (and `train.py --score_split`) prints."""
     if "accuracy" in figures:

@@ -312,7 +312,7 @@ def _train(cfg, workdir: str, config_file: str | None, notices: distributed.Fail
                         figures |= validation_bleu(translator, source,
                                                    int(cfg.bleu_num_sentences),
                                                    cfg.data.target_lang, eval_split)
-                        timing.items = figures["bleu_num_sentences"]
+                        timing.items = evaluation.decoded_rows(figures["bleu_num_sentences"])
                 if due_tasks:
                     with progress.timed("lm-eval tasks", step):
                         figures |= score_tasks(state.params)
@@ -403,7 +403,8 @@ def _compile(jitted, what: str, *example_args):
 def _progress(cfg, model, source, step: int, eval_split: str, score_split: str | None):
     """(Progress, the sentences of `eval_split` or None): the ETA counts the evaluations due
     and the scoring after training, the loop's own test split of a classifier and
-    `score_split`, timed by the validation pass and BLEU decode (per sentence where counted)."""
+    `score_split`, timed by the validation pass (per sentence where counted) and BLEU decode
+    (per row decoded)."""
     def count(split):
         counted = score_split and hasattr(source, "raw_pairs")
         return len(source.raw_pairs(split)) if counted else None
@@ -411,8 +412,9 @@ def _progress(cfg, model, source, step: int, eval_split: str, score_split: str |
     final = {"test pass": ("validation pass", None)} if model.classifies else {}
     if score_split:
         final[f"{score_split} pass"] = ("validation pass", count(score_split))
-        if model.architecture == "encoder_decoder":
-            final[f"{score_split} decode"] = ("BLEU decode", count(score_split))
+        if model.architecture == "encoder_decoder" and hasattr(source, "raw_pairs"):
+            final[f"{score_split} decode"] = ("BLEU decode",
+                                              evaluation.decoded_rows(count(score_split)))
     every = {"validation pass": cfg.eval_every_steps, "BLEU decode": cfg.bleu_every_steps,
              "lm-eval tasks": cfg.lm_eval_every_steps}
     return metrics.Progress(step, int(cfg.num_train_steps), unit=_progress_unit(model),

@@ -280,11 +280,12 @@ class Progress:
     compiles, the later ones reuse its programs.
 
     The scoring after training is `final`: for each label the kind it is timed by and its
-    sentence count. It compiles afresh, so it costs the first compile of that kind plus the
-    last one's seconds per sentence times the count (where either count is unknown, None: the
-    last one's seconds). So the test decode is estimated as the latest validation BLEU decode's
-    seconds per sentence times the test split's sentences, plus the compile of the first
-    decode; the test pass likewise from the validation passes. A cost not measured yet (a
+    count of items (sentences; for a decode the rows it decodes, `evaluation.decoded_rows`).
+    It compiles afresh, so it costs the first compile of that kind plus the last one's
+    seconds per item times the count (where either count is unknown, None: the last one's
+    seconds). So the test decode is estimated as the latest validation BLEU decode's seconds
+    per row times the test split's rows, plus the compile of the first decode; the test pass
+    from the validation passes' seconds per sentence. A cost not measured yet (a
     BLEU decode before the first one) is left out: `eta_untimed` names it, and the console
     shows the ETA as a lower bound, `ETA >0:42:10 (not yet timed: BLEU decode, test decode)`.
     Where it errs: sentences differ in length (an early model's translations run long); the
@@ -320,7 +321,7 @@ class Progress:
 
     def evaluated(self, kind: str, step: int, seconds: float, items: int | None = None,
                   compiled: float = 0.0) -> None:
-        """An evaluation of `kind` over `items` sentences (None: not counted) ran at `step`
+        """An evaluation of `kind` over `items` (None: not counted) ran at `step`
         and took `seconds`, `compiled` of them compiling: the cost of those still to come."""
         self.measured[kind] = (step, max(seconds - compiled, 0.0), items)
         self.compiled[kind] = max(self.compiled.get(kind, 0.0), compiled)
