@@ -250,28 +250,29 @@ def test_two_processes_decode_validation_bleu(offline_fixture_data_dir, tmp_path
     """Beam search over params sharded across two processes, long enough (64 positions) for the
     translator's stages: the first sentence reaches its limit (43 steps) in the third stage, and
     both processes go on with the other sentence alone (checked once by printing). Its loss and
-    BLEU are those of `transformer.evaluate` on the final checkpoint in one process."""
+    BLEU are those that `--score_split=validation` scores after training, as
+    `transformer.evaluate` does: in process 0 alone, on one device, printing evaluate's line,
+    while process 1 waits for it."""
     workdir = tmp_path / "run"
     overrides = ["--config=configs/default.py",
                  f"--config.data.data_dir={offline_fixture_data_dir}",
                  "--config.num_train_steps=2", "--config.log_every_steps=1",
                  *(f"--config.{key}={value}" for key, value in SHRUNK_DEFAULT.items()),
-                 "--config.model.max_len=64", "--config.decode.max_extra_length=40"]
-    finish(launch(workdir, processes=2, devices=4, overrides=overrides, common=()))
+                 "--config.model.max_len=64", "--config.decode.max_extra_length=40",
+                 "--score_split=validation"]
+    procs = launch(workdir, processes=2, devices=4, overrides=overrides, common=())
+    finish(procs)
     with open(workdir / "metrics.jsonl") as f:
         lines = [json.loads(line) for line in f]
-    (validation,) = [line for line in lines if line["split"] == "validation"]
+    validation, reference = [line for line in lines if line["split"] == "validation"]
     assert validation["step"] == 2 and validation["bleu_num_sentences"] == 2
-    one = subprocess.run([sys.executable, "-m", "transformer.evaluate", f"--workdir={workdir}",
-                          "--split=validation", "--num_sentences=2"], cwd=ROOT,
-                         env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE),
-                         capture_output=True, text=True, timeout=600)
-    assert one.returncode == 0, one.stderr[-3000:]
-    with open(workdir / "metrics.jsonl") as f:
-        reference = [json.loads(line) for line in f][-1]
-    assert reference["split"] == "validation" and reference["step"] == 2
+    assert (reference["step"], reference["checkpoint"]) == (2, "latest")
+    assert reference["bleu_num_sentences"] == 2  # the whole split: 2 pairs
     assert validation["bleu"] == pytest.approx(reference["bleu"], abs=1e-9)
     assert validation["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+    printed = f"validation: perplexity {reference['perplexity']:.2f} | sacreBLEU "
+    assert printed in output_of(procs[0]) and printed not in output_of(procs[1])
+    assert (workdir / "eval" / "validation.latest.translation.txt").exists()
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from etils import epath
 
-from transformer.checkpoint import layout
+from transformer.checkpoint import averaging, layout
 from transformer.data import make_source
 from transformer.inference.runs import Run, open_run
 from transformer.inference.translator import from_run, require_translation
@@ -70,10 +70,11 @@ def check_scorable(model, split: str) -> None:
 
 def score_trained_run(workdir: str, split: str) -> dict | None:
     """`evaluate_run(workdir, split)` at the end of training, in every process of the run.
-    It scores on one device, process 0's (`open_run`'s mesh): process 0 scores alone and
-    returns the figures; the others wait for it on a key of the coordination service (no
-    barrier, whose timeout a long decode could pass) and return None. An error in process 0
-    stops them all (`distributed.FailureNotices`)."""
+    It scores on one device, process 0's (`open_run`'s mesh): process 0 scores and returns the
+    figures. The others read the checkpoint with it (orbax's restore ends in a barrier of all
+    processes), then wait for it on a key of the coordination service (no barrier, whose
+    timeout a long decode could pass) and return None. An error in process 0 stops them all
+    (`distributed.FailureNotices`)."""
     if jax.process_count() == 1:
         return evaluate_run(workdir, split)
     from jax._src import distributed as jax_distributed  # no public handle to the client
@@ -84,6 +85,7 @@ def score_trained_run(workdir: str, split: str) -> dict | None:
             figures = evaluate_run(workdir, split)
             client.key_value_set(SCORED_KEY, "1")
             return figures
+        averaging.load_params(workdir)  # what open_run reads, with process 0
         client.blocking_key_value_get(SCORED_KEY, 2**31 - 1)  # ms: 24 days
         return None
 
