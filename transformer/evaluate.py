@@ -26,8 +26,7 @@ FLAGS = flags.FLAGS
 
 def main(argv):
     cli.start(argv, level=logging.INFO, timestamps=True)
-    from transformer.training import metrics
-    from transformer.training.evaluation import confusion_files, evaluate_run
+    from transformer.training.evaluation import confusion_files, evaluate_run, scores_line
     from transformer.util import plotting
 
     with cli.one_line_errors():
@@ -36,13 +35,7 @@ def main(argv):
                                beam_size=FLAGS.beam_size)
     if "accuracy" in figures:
         plotting.plot_confusion_matrix(*confusion_files(FLAGS.workdir, FLAGS.split))
-        print(f"{FLAGS.split}: loss {figures['loss']:.4f} | accuracy "
-              f"{100 * figures['accuracy']:.2f}%" + (f" | top-5 accuracy "
-              f"{100 * figures['top5_accuracy']:.2f}%" if "top5_accuracy" in figures else ""))
-        return
-    print(f"{FLAGS.split}: perplexity {figures['perplexity']:.2f} | sacreBLEU "
-          f"{figures['bleu']:.2f} ({figures['bleu_signature']}) | tokenized compound-split BLEU "
-          f"{figures['bleu_tok_compound']:.2f} | {metrics.sentences_scored(figures)}")
+    print(scores_line(FLAGS.split, figures))
 
 
 if __name__ == "__main__":
