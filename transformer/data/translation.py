@@ -337,6 +337,10 @@ class TranslationSource:
                                   self.target_length)
             yield {k: v[None] for k, v in batch.items()}
 
+    def num_pairs(self, split: str) -> int:
+        """How many pairs `raw_pairs(split)` gives, without reading them."""
+        return len(self._source(split))
+
     def raw_pairs(self, split: str, limit: int | None = None) -> list[tuple[str, str]]:
         """(source text, target text) of a split in order, e.g. for BLEU: the texts as stored,
         never cut to data.max_length (the translator limits sources to the model's max_len)."""

@@ -405,20 +405,18 @@ def _progress(cfg, model, source, step: int, eval_split: str, score_split: str |
     and the scoring after training, the loop's own test split of a classifier and
     `score_split`, timed by the validation pass (per sentence where counted) and BLEU decode
     (per row decoded)."""
-    def count(split):
-        counted = score_split and hasattr(source, "raw_pairs")
-        return len(source.raw_pairs(split)) if counted else None
-
+    counted = bool(score_split) and hasattr(source, "num_pairs")
     final = {"test pass": ("validation pass", None)} if model.classifies else {}
     if score_split:
-        final[f"{score_split} pass"] = ("validation pass", count(score_split))
-        if model.architecture == "encoder_decoder" and hasattr(source, "raw_pairs"):
-            final[f"{score_split} decode"] = ("BLEU decode",
-                                              evaluation.decoded_rows(count(score_split)))
+        scored = source.num_pairs(score_split) if counted else None
+        final[f"{score_split} pass"] = ("validation pass", scored)
+        if model.architecture == "encoder_decoder" and counted:
+            final[f"{score_split} decode"] = ("BLEU decode", evaluation.decoded_rows(scored))
     every = {"validation pass": cfg.eval_every_steps, "BLEU decode": cfg.bleu_every_steps,
              "lm-eval tasks": cfg.lm_eval_every_steps}
-    return metrics.Progress(step, int(cfg.num_train_steps), unit=_progress_unit(model),
-                            every=every, final=final), count(eval_split)
+    progress = metrics.Progress(step, int(cfg.num_train_steps), unit=_progress_unit(model),
+                                every=every, final=final)
+    return progress, source.num_pairs(eval_split) if counted else None
 
 
 def _progress_unit(model) -> str:
