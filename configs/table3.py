@@ -80,7 +80,8 @@ def _base(scale: str):
     cfg.model.update(d_model=REDUCED["d_model"], d_ff=REDUCED["d_ff"],
                      num_heads=REDUCED["num_heads"], num_encoder_layers=REDUCED["num_layers"],
                      num_decoder_layers=REDUCED["num_layers"],
-                     norm_position="post")  # the paper's block (default.py's norm comes first)
+                     norm_position="post",  # the paper's block (default.py's norm comes first)
+                     dropout_rate=0.1)  # the paper's base P_drop (default.py trains without)
     cfg.num_train_steps = REDUCED_STEPS
     cfg.checkpoint_every_steps = 400
     cfg.eval_every_steps = 400

@@ -205,7 +205,8 @@ SHRUNK_DEFAULT = {
     "model.d_ff": 64, "model.num_heads": 2, "model.num_encoder_layers": 1,
     "model.num_decoder_layers": 1, "optimizer.warmup_steps": 1, "eval_every_steps": 2,
     "bleu_every_steps": 2, "bleu_num_sentences": 2, "checkpoint_every_steps": 0,
-    "checkpoint_every_minutes": 0, "decode.max_extra_length": 4}
+    "checkpoint_every_minutes": 0, "decode.max_extra_length": 4,
+    "model.dropout_rate": 0.1}  # the default trains without; tests keep the dropout rng in play
 
 
 @pytest.fixture(scope="session")
