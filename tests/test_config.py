@@ -1,6 +1,7 @@
 """The top-level config (transformer/config.py): every check runs before device work and is
 one line naming the key; `resolve` fills defaults, sizes accumulation, types the model."""
 
+import json
 import os
 import pathlib
 import subprocess
@@ -10,7 +11,7 @@ import pytest
 from conftest import subprocess_env
 from ml_collections import ConfigDict
 
-from configs import common, holders
+from configs import common, default_2026_12_02, holders
 from transformer.config import TOP_LEVEL, SpikeConfig, resolve, spike_config
 from transformer.model.transformer import TransformerConfig
 from transformer.parallel import sharding
@@ -296,3 +297,22 @@ def test_language_model_configs_take_the_expert_keys_from_the_command_line(path,
     cfg.model.num_experts, cfg.model.moe_capacity_factor = 8, 1.25
     model = resolve(cfg, 1, config_file=path).model
     assert (model.num_experts, model.experts_per_token, model.moe_capacity_factor) == (8, 2, 1.25)
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def test_the_previous_default_is_the_config_its_record_ran():
+    """configs/default_2026_12_02.py derives from default.py: a later change to default.py must
+    pin the old value there, or the side-by-side of 2026-12-06 could no longer be rerun."""
+    record = ROOT / "docs/results/records/2026-12-06-default-dropout-off"
+    ran = _flat(json.loads((record / "default_2026_12_02/config.json").read_text()))
+    config = _flat(json.loads(default_2026_12_02.get_config().to_json()))
+    assert {key: value for key, value in config.items() if value != ran[key]} == {}
