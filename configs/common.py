@@ -240,5 +240,6 @@ def paper_config(*, size: str, target_lang: str, dropout_rate: float) -> config_
     cfg.profile_num_steps = 0  # > 0: a jax.profiler trace of that many steps in <workdir>/profile
     cfg.decode = config_dict.ConfigDict(dict(
         beam_size=4, alpha=0.6,  # GNMT length penalty ((5 + |Y|) / 6)^alpha
-        max_extra_length=50))  # output length <= input length + 50
+        max_extra_length=50,  # output length <= input length + 50
+        drop_decided=False))  # True: beam search drops decided sentences (long jobs)
     return cfg

@@ -3,8 +3,10 @@
     python train.py --config=configs/default_2026_12_02.py --workdir=runs/default_2026_12_02 \
         --score_split=test
 
-`configs/default.py` with the paper's dropout of 0.1 and a params-only series every minute for
-`evaluate --average=N`. Everything else (data, model, schedule, decoding) is today's default.
+`configs/default.py` with the paper's dropout of 0.1, a params-only series every minute for
+`evaluate --average=N`, and the beam search that drops decided sentences (`decode.drop_decided`),
+as every search ran until 2026-12-06. Everything else (data, model, schedule) is today's
+default.
 
 Expected (seed 0, a 2-core CPU VM): test sacreBLEU 25.30, test perplexity 12.68, in 39 minutes
 beside today's default on the same machine (docs/results/2026-12-06-default-dropout-off.md);
@@ -16,7 +18,10 @@ from configs import default
 
 def get_config():
     cfg = default.get_config()
+    cfg.num_train_steps = 5000
+    cfg.bleu_every_steps = 2500
     cfg.model.dropout_rate = 0.1
     cfg.params_every_minutes = 1.0  # a params-only series for `evaluate --average=N`:
     cfg.params_keep = 10  # the last 10 minutes (~1,200 updates), 18 MB each
+    cfg.decode.drop_decided = True  # as all beam searches ran then (2026-12-06-decode-compiles)
     return cfg

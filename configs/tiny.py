@@ -65,5 +65,6 @@ def get_config():
     cfg.metrics = config_dict.ConfigDict(dict(tracker="tensorboard"))  # or wandb, trackio
     cfg.slow_step_factor = 0.0  # > 1: a step this many times the median dumps the stacks
     cfg.step_timeout_seconds = 0.0  # > 0: a step not ended then stops the run (a hang)
-    cfg.decode = config_dict.ConfigDict(dict(beam_size=4, alpha=0.6, max_extra_length=4))
+    cfg.decode = config_dict.ConfigDict(dict(beam_size=4, alpha=0.6, max_extra_length=4,
+                                             drop_decided=False))
     return cfg

@@ -85,7 +85,7 @@ SECTIONS: dict[str, frozenset[str]] = {
                             "loss_scale_initial", "loss_scale_period",  # float16 runs
                             "skip_spikes", "spike_window", "spike_threshold",  # spikes
                             "max_skipped_in_a_row"}),
-    "decode": frozenset({"beam_size", "alpha", "max_extra_length"}),
+    "decode": frozenset({"beam_size", "alpha", "max_extra_length", "drop_decided"}),
     "generate": frozenset({"max_new_tokens", "temperature", "top_k", "top_p"}),
     "distributed": frozenset({"initialization_timeout_seconds", "heartbeat_timeout_seconds"}),
     "metrics": frozenset({"tracker"}),  # util/trackers.py; no section: "tensorboard"

@@ -44,7 +44,7 @@ def test_a_cache_grown_in_stages_translates_as_the_whole_cache(workdir, monkeypa
     search, looking every `check` steps (and at each stage's end), goes on with fewer rows once
     the sentences still open fit in fewer (`padded_rows`): 5 sentences in 8 rows (3 copies of
     the first as padding), which decide or reach their step limits (their lengths + 6) at
-    different steps."""
+    different steps. Without `drop_decided` (the configs' default) it keeps every row."""
     translator = load(str(workdir))
     lines = ["Sie geht oft ins Kino.", "Opens a dialog.", "Ja.", "Öffnet einen Dialog.",
              "Specifies whether the chosen connections are pooled."]
@@ -60,12 +60,19 @@ def test_a_cache_grown_in_stages_translates_as_the_whole_cache(workdir, monkeypa
     translator_lib._search_fn.cache_clear()
     translator_lib._dropping_fns.cache_clear()
     try:
-        staged = {beam: translator.translate(lines, beam_size=beam) for beam in (1, 2)}
+        staged = {beam: translator.translate(lines, beam_size=beam, drop_decided=True)
+                  for beam in (1, 2)}
+        searches = []  # the config's decode.drop_decided (False): one program, nothing dropped
+        dropping = translator_lib._BeamSearchDroppingDecided.__call__
+        monkeypatch.setattr(translator_lib._BeamSearchDroppingDecided, "__call__",
+                            lambda search, *args: searches.append(args) or dropping(search, *args))
+        one_program = translator.translate(lines, beam_size=2)
     finally:
         translator_lib._search_fn.cache_clear()  # the other tests compile the default
         translator_lib._dropping_fns.cache_clear()
-    assert staged == whole
+    assert staged == whole and one_program == whole[2]
     assert kept and min(kept) < 8, kept  # rows were dropped
+    assert not searches
     assert max(len(translator.encode([out])[0]) for out in whole[2]) > 3  # past one stage
 
 

@@ -40,6 +40,9 @@ log = logging.getLogger("transformer")
 BUCKET = 16  # source (and prompt) lengths are padded up to a multiple of this
 DECODE_STAGE = 16  # a staged search's self-attention cache grows by this many positions
 DROP_CHECK = 8  # beam search looks for decided sentences to drop every this many steps
+# (`decode.drop_decided`: it runs ~10 times the programs of one search, 70 s more compiling on
+# a 2-core CPU, and pays that back only after ~10,000 sentences there:
+# docs/results/2026-12-06-decode-compiles.md)
 # Shorter searches keep the whole cache: attending over a few dozen positions costs less than
 # compiling one loop per stage.
 MIN_STAGED_LENGTH = 48
@@ -102,9 +105,11 @@ class Translator:
 
     def translate(self, sentences: list[str], *, beam_size: int | None = None,
                   alpha: float | None = None, max_extra_length: int | None = None,
-                  batch_size: int = 32, show_progress: bool = True) -> list[str]:
+                  batch_size: int = 32, show_progress: bool = True,
+                  drop_decided: bool | None = None) -> list[str]:
         """Translations of `sentences`, in order (beam_size 1 = greedy). Empty in, empty out.
-        More than one batch shows progress on stderr (unless `show_progress` is False)."""
+        More than one batch shows progress on stderr (unless `show_progress` is False). The
+        search settings left None are the config's `decode.*`."""
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
         decode_cfg = self.config.decode
@@ -127,7 +132,8 @@ class Translator:
             for start in range(0, len(order), batch_size):
                 chunk = order[start:start + batch_size]
                 ids = self.translate_ids([encoded[j] for j in chunk], beam_size=beam_size,
-                                         alpha=alpha, max_extra_length=extra)
+                                         alpha=alpha, max_extra_length=extra,
+                                         drop_decided=drop_decided)
                 for j, row in zip(chunk, ids, strict=True):
                     out[todo[j]] = self.tokenizer.decode(decoding.before_end(row,
                                                                              self.stop_ids))
@@ -135,10 +141,12 @@ class Translator:
         return out
 
     def translate_ids(self, sources: list[list[int]], *, beam_size: int, alpha: float,
-                      max_extra_length: int) -> np.ndarray:
+                      max_extra_length: int, drop_decided: bool | None = None) -> np.ndarray:
         """Best hypotheses [B, L] for source id lists (EOS included). Zeros after the end. The
         batch is padded to a power of two rows (copies of the first source, dropped after),
-        so batches of any size compile a few programs per bucket, not one per size."""
+        so batches of any size compile a few programs per bucket, not one per size.
+        `drop_decided` (None: the config's `decode.drop_decided`) runs beam search in parts
+        that drop the sentences already decided (`_BeamSearchDroppingDecided`)."""
         longest = max(len(s) for s in sources)
         length = bucket_length(longest, self.max_source_length)
         rows = 1 << max(len(sources) - 1, 0).bit_length()
@@ -149,7 +157,10 @@ class Translator:
         max_lengths = np.minimum(np.array([len(s) for s in padded]) + max_extra_length,
                                  self.model_config.max_len)
         max_length = int(min(length + max_extra_length, self.model_config.max_len))
-        if beam_size > 1 and rows > 1 and _staged(self.model.config, max_length):
+        if drop_decided is None:
+            drop_decided = bool(self.config.decode.get("drop_decided", False))
+        if drop_decided and beam_size > 1 and rows > 1 and _staged(self.model.config,
+                                                                   max_length):
             search = _BeamSearchDroppingDecided(self.model, beam_size, float(alpha), max_length,
                                                 self.stop_ids, self.quantize == "int8")
             return search(self.params, inputs, max_lengths)[:len(sources)]
