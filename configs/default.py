@@ -41,7 +41,7 @@ def get_config():
     cfg.seed = 0
     cfg.init_from = ""  # a run (workdir, workdir:step, or params dir) to start from
     cfg.init_from_exclude = ""  # a regex of parameter paths init_from leaves fresh
-    cfg.num_train_steps = 5000
+    cfg.num_train_steps = 6000
     cfg.log_every_steps = 50
     cfg.mesh = common.mesh()
     cfg.checkpoint_every_steps = 500
@@ -53,7 +53,7 @@ def get_config():
     cfg.params_every_minutes = 0.0  # no params-only series: averaging the last 5 or 10
     cfg.params_keep = 0  # minutes did not beat the last update (2026-12-06 page)
     cfg.eval_every_steps = 500
-    cfg.bleu_every_steps = 2500  # beam search on the first bleu_num_sentences validation pairs
+    cfg.bleu_every_steps = 3000  # beam search on the first bleu_num_sentences validation pairs
     cfg.bleu_num_sentences = 300
     cfg.data = config_dict.ConfigDict(dict(
         dataset="offline_de_en", source_lang="en", target_lang="de",
@@ -93,5 +93,6 @@ def get_config():
     cfg.metrics = config_dict.ConfigDict(dict(tracker="tensorboard"))  # or wandb, trackio
     cfg.slow_step_factor = 0.0  # > 1: a step this many times the median dumps the stacks
     cfg.step_timeout_seconds = 0.0  # > 0: a step not ended then stops the run (a hang)
-    cfg.decode = config_dict.ConfigDict(dict(beam_size=4, alpha=0.6, max_extra_length=50))
+    cfg.decode = config_dict.ConfigDict(dict(beam_size=4, alpha=0.6, max_extra_length=50,
+                                             drop_decided=False))
     return cfg
