@@ -348,3 +348,71 @@ def test_opposite_permutes_paired_only_where_independent_in_the_hlo():
     assert alone == [16, 32]
     assert step_time.communication_seconds(found, "TPU v5 lite") == pytest.approx(
         (2 * 16 + 32 + 16) / 50e9)
+
+
+INT8_HLO = """\
+HloModule jit_train_step
+
+%windowed_body (p: (s32[], s8[4,16,2,8,1])) -> (s32[], s8[4,16,2,8,1]) {
+  %x = s8[4,16,2,8,1]{1,3,4,2,0:T(32,128)(4,1)} parameter(0)
+  %w = s8[2,8,8,4,1]{1,3,0,2:T(32,128)(4,1)} parameter(1)
+  %conv = bf16[4,16,8,4,1]{1,3,4,2,0} convolution(%x, %w), \
+window={size=1x8x2 pad=0_0x7_7x0_0 rhs_reversal=0x1x0}, dim_labels=0b2f1_2i1o0->0b1f2
+}
+
+%cond (p: (s32[], s8[4,16,2,8,1])) -> pred[] {
+  ROOT %lt = pred[] compare(%i, %c), direction=LT
+}
+
+ENTRY %main (a: s8[32,64]) -> f32[32,16] {
+  %a = s8[32,64]{1,0} parameter(0)
+  %b = s8[64,16]{1,0} parameter(1)
+  %c = bf16[64,16]{1,0} parameter(2)
+  %d = bf16[32,64]{1,0} parameter(3)
+  %dot.1 = s32[32,16]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %dot.2 = f32[32,16]{1,0} dot(%d, %c), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %loop = (s32[], s8[4,16,2,8,1]) while(%t), condition=%cond, body=%windowed_body, \
+backend_config={"known_trip_count":{"n":"2"}}
+}
+"""
+
+
+def test_int8_matmul_flops_counted_as_the_cost_model_counts_them_and_as_run():
+    """The s8 x s8 matmuls of a program (not the bf16 dot): a dot, 2 x 32 x 16 x 64, once,
+    and the TPU compiler's windowed matmul, a convolution in a loop of 2 trips whose body the
+    cost model counts once. The convolution (lm_1b's key projection's form, smaller) takes
+    the heads as a window of 8 taps over an input of 1 padded by 7 each side: 1 tap of each
+    lands on the input; and contracts a window of 2 over 2 (1 output) and 8 features: 2 x
+    (4 x 16 rows x 8 x 4 outputs) x 2 x 8."""
+    dot = 2 * 32 * 16 * 64
+    conv = 2 * (4 * 16 * 8 * 4) * 2 * 8
+    assert step_time.int8_dots(INT8_HLO) == 1 + 2
+    assert step_time.int8_dot_flops(INT8_HLO) == (dot + conv, dot + 2 * conv)
+
+
+def test_int8_saving_only_where_the_estimate_charged_them_at_the_bfloat16_peak():
+    """Peaks 10 (bfloat16) and 20 (int8): an int8 FLOP charged at 10 costs 0.05 s more.
+    A program of 100 FLOPs, 80 of them int8 run, 40 of those counted by the cost model (a
+    windowed loop's body once), and the step runs 150 (flops.py's): 50 unseen, 40 of them
+    int8. Bytes-bound (20 s of bytes against 10 s of FLOPs), the roofline charged its
+    counted int8 FLOPs nothing, so only the unseen 40 are saved: 2 s. FLOP-bound (5 s of
+    bytes), the counted 40 are saved too, off the FLOPs side (10 - 2 s); so with the cost
+    model's own 12 s. Charging all 80 at the int8 peak off the compute, as before, took 4 s
+    off a bytes-bound program whose compute is its bytes."""
+    def estimate(cost):
+        one = step_time.program_cost(cost, 10.0, 1000.0, 80.0, 40.0, 20.0)
+        return step_time.extrapolate(one, one, [], "TPU v5 lite", layers=1, microbatches=1,
+                                     optimizer_seconds=0.0, analytic_flops=150.0,
+                                     recomputed_flops=0.0, peak_flops=10.0, int8_peak=20.0)
+
+    bytes_bound = estimate({"optimal_seconds": -1.0, "flops": 100.0, "bytes accessed": 2e4})
+    assert bytes_bound.compute == 20.0
+    assert bytes_bound.unseen == pytest.approx(50 / 10 - 40 * 0.05)
+    assert bytes_bound.int8_saved == pytest.approx(40 * 0.05)
+    assert bytes_bound.int8_counted == 40.0
+    flop_bound = estimate({"optimal_seconds": -1.0, "flops": 100.0, "bytes accessed": 5e3})
+    assert flop_bound.compute == pytest.approx(100 / 10 - 40 * 0.05)
+    assert flop_bound.int8_saved == pytest.approx(80 * 0.05)
+    given = estimate({"optimal_seconds": 12.0, "flops": 100.0})
+    assert given.compute == pytest.approx(12 - 40 * 0.05)
+    assert given.unseen == bytes_bound.unseen

@@ -629,12 +629,14 @@ def test_int8_matmuls_counted_in_the_tpu_program_and_priced_at_the_int8_peak(lib
     assert plan.int8_dots == 7
     per_token = 2 * (d * heads * d_k + 2 * d * kv_heads * d_k + heads * d_k * d + 3 * d * d_ff)
     assert plan.int8_flops == per_token * 8 * 64 / 4  # a device's 2 rows of 64 tokens
+    assert plan.int8_counted == plan.int8_flops  # no windowed matmul loop: each counted once
     chip = topology.chip
     assert (chip.device.peak_flops, chip.int8_ops) == (197e12, 393e12)
-    one = step_time.program_cost(plan.cost, chip.device.peak_flops,
-                                 chip.device.memory_bytes_per_s, plan.int8_flops)
 
     def estimate(int8_peak):
+        one = step_time.program_cost(plan.cost, chip.device.peak_flops,
+                                     chip.device.memory_bytes_per_s, plan.int8_flops,
+                                     plan.int8_counted, int8_peak)
         return step_time.extrapolate(
             one, one, [], chip.device.name, layers=1, microbatches=1, optimizer_seconds=0.0,
             analytic_flops=0.0, recomputed_flops=0.0, peak_flops=chip.device.peak_flops,

@@ -381,24 +381,71 @@ def _duplex(found: dict, where: dict, computations: dict[str, list[str]]) -> lis
     return list(out.values())
 
 
-_OPERANDS = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[", re.M)
-_DOT = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = \w+\[[\d,]*\]\S* (?:convolution|dot)\("
-                  r"%([\w.\-]+), %([\w.\-]+)\)", re.M)
+_OPERANDS = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\w+\[[\d,]*\])", re.M)
+_DOT = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = (\w+\[[\d,]*\])\S* (convolution|dot)\("
+                  r"%([\w.\-]+), %([\w.\-]+)\)(.*)$", re.M)
+
+
+def _int8_matmuls(hlo: str):
+    """(runs of its computation, FLOPs) of each s8 x s8 dot and convolution of a compiled
+    program (the TPU compiler writes a matmul as a convolution): `_counts`' runs, the loops'
+    trips; `_matmul_flops`' FLOPs."""
+    computations = _computations(hlo)
+    counts = _counts(computations)
+    for name, lines in computations.items():
+        text = "\n".join(lines)
+        shapes = dict(_OPERANDS.findall(text))
+        for result, kind, a, b, rest in _DOT.findall(text):
+            if shapes.get(a, "").startswith("s8[") and shapes.get(b, "").startswith("s8["):
+                yield counts.get(name, 0), _matmul_flops(kind, result, shapes[a], shapes[b],
+                                                         rest)
+
+
+def _dims(array: str) -> list[int]:
+    return [int(d) for d in array.partition("[")[2].rstrip("]").split(",") if d]
+
+
+def _matmul_flops(kind: str, result: str, lhs: str, rhs: str, attributes: str) -> int:
+    """2 x the multiply-adds of a dot (its result's elements x its contracted size) or a
+    convolution, as XLA's cost analysis counts them: the output's batch x features x the
+    kernel's input features x, per spatial dimension, the kernel taps that fall on the input
+    (not on its padding), summed over the output's positions. No dilation."""
+    if kind == "dot":
+        contracted = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", attributes).group(1)
+        lhs_dims = _dims(lhs)
+        return 2 * math.prod(_dims(result)) * math.prod(
+            lhs_dims[int(d)] for d in contracted.split(",") if d)
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", attributes).groups()
+    sizes = [dict(zip(label, _dims(array), strict=True))
+             for label, array in zip(labels, (lhs, rhs, result), strict=True)]
+    window = re.search(r"window=\{([^}]*)\}", attributes)
+    window = dict(re.findall(r"(\w+)=([\d_x]+)", window.group(1) if window else ""))
+    spatial = sorted(c for c in labels[0] if c.isdigit())
+    strides = [int(s) for s in window["stride"].split("x")] if "stride" in window \
+        else [1] * len(spatial)
+    lows = [int(p.split("_")[0]) for p in window["pad"].split("x")] if "pad" in window \
+        else [0] * len(spatial)
+    taps = 1
+    for axis, stride, low in zip(spatial, strides, lows, strict=True):
+        n, k = sizes[0][axis], sizes[1][axis]
+        taps *= sum(max(0, min(k, n + low - o * stride) - max(0, low - o * stride))
+                    for o in range(sizes[2][axis]))
+    return 2 * sizes[2]["b"] * sizes[2]["f"] * sizes[1]["i"] * taps
 
 
 def int8_dots(hlo: str) -> int:
-    """How many int8 matmuls a step of a compiled program runs: its dots and convolutions (the
-    TPU compiler writes a matmul as a convolution) whose two operands are s8, each times the
-    runs of its computation (`_counts`: the loops' trips)."""
-    computations = _computations(hlo)
-    counts = _counts(computations)
-    found = 0
-    for name, lines in computations.items():
-        text = "\n".join(lines)
-        dtypes = dict(_OPERANDS.findall(text))
-        found += counts.get(name, 0) * sum(
-            1 for a, b in _DOT.findall(text) if dtypes.get(a) == dtypes.get(b) == "s8")
-    return found
+    """How many int8 matmuls a step of a compiled program runs: its dots and convolutions
+    whose two operands are s8, each times the runs of its computation (`_int8_matmuls`)."""
+    return sum(runs for runs, _ in _int8_matmuls(hlo))
+
+
+def int8_dot_flops(hlo: str) -> tuple[int, int]:
+    """(counted, run): the FLOPs of a compiled program's int8 matmuls (`_int8_matmuls`) as
+    its cost model counts them, each computation once (a loop's body once: the TPU
+    compiler's windowed matmuls run theirs 2 or more times), and as a step runs them."""
+    matmuls = list(_int8_matmuls(hlo))
+    return (sum(flops_ for runs, flops_ in matmuls if runs),
+            sum(runs * flops_ for runs, flops_ in matmuls))
 
 
 _DOT_GENERAL = re.compile(

@@ -64,6 +64,7 @@ class MemoryPlan:
     int8_flops: float = 0.0  # per device, its int8 matmuls' (step_time.int8_flops)
     int8_dots: int = 0  # s8 x s8 matmuls a step runs (step_time.int8_dots)
     pipeline: tuple[int, int, int] = (1, 1, 1)  # stages S, microbatches M, repeats R
+    int8_counted: float = 0.0  # of `cost`'s flops, the int8 matmuls' (step_time.int8_dot_flops)
 
     @property
     def bubble(self) -> float:
@@ -140,7 +141,7 @@ def plan(run: Resolved, mesh) -> MemoryPlan:
                        for key in ("flops", "bytes accessed", "optimal_seconds")},
                       model.attention_implementation, tuple(step_time.collectives(hlo, mesh)),
                       step_time.int8_flops(lowered.as_text(), mesh.devices.size),
-                      step_time.int8_dots(hlo), schedule)
+                      step_time.int8_dots(hlo), schedule, step_time.int8_dot_flops(hlo)[0])
 
 
 def _activations(model, schedule: tuple[int, int, int], **kwargs) -> int:

@@ -57,6 +57,7 @@ from transformer.sizing.hlo import (  # noqa: F401  (re-exported: step_time's AP
     Collective,
     collectives,
     communication_seconds,
+    int8_dot_flops,
     int8_dots,
     int8_flops,
 )
@@ -68,20 +69,32 @@ class ProgramCost:
 
     optimal_seconds: float
     flops: float
-    int8_flops: float = 0.0  # of `flops`, the int8 matmuls' (`int8_flops`)
+    int8_flops: float = 0.0  # the int8 matmuls' FLOPs the program runs (`int8_flops`)
+    int8_counted: float = 0.0  # of `flops`, the int8 matmuls' (`int8_dot_flops`)
+    int8_saved: float = 0.0  # seconds off `optimal_seconds`: those at the int8 peak
 
 
 def program_cost(cost: dict[str, float], peak_flops: float,
-                 hbm_bytes_per_s: float, int8_flops_: float = 0.0) -> ProgramCost:
+                 hbm_bytes_per_s: float, int8_flops_: float = 0.0,
+                 int8_counted: float = 0.0, int8_peak: float | None = None) -> ProgramCost:
     """A compiled program's figures: the cost model's `optimal_seconds` where it gives one,
     else (it gives a negative figure for some TPU programs) the program's roofline from the
-    compiler's own counts, max(FLOPs / peak, bytes accessed / HBM bandwidth); and the FLOPs of
-    its int8 matmuls, which both price at the bfloat16 peak (`extrapolate` reprices them)."""
+    compiler's own counts, max(FLOPs / peak, bytes accessed / HBM bandwidth), both pricing
+    the int8 matmuls at the bfloat16 peak; and the FLOPs of its int8 matmuls, all it runs
+    (`int8_flops_`) and those the cost model counts (`int8_counted`, the windowed matmuls'
+    loop bodies once). `int8_saved` is what `int8_peak` (ops/s; None: the bfloat16 peak)
+    takes off the seconds for the counted ones: int8_counted x (1 / peak - 1 / int8 peak)
+    off the cost model's figure, off the roofline's FLOPs side only (where its bytes bound
+    it, nothing: those matmuls' time was never in it)."""
     flops_ = cost.get("flops", 0.0)
     seconds = cost.get("optimal_seconds", 0.0)
-    if seconds <= 0:
-        seconds = max(flops_ / peak_flops, cost.get("bytes accessed", 0.0) / hbm_bytes_per_s)
-    return ProgramCost(seconds, flops_, int8_flops_)
+    cheaper = int8_counted * (1 / peak_flops - 1 / (int8_peak or peak_flops))
+    if seconds > 0:
+        return ProgramCost(seconds, flops_, int8_flops_, int8_counted, cheaper)
+    memory = cost.get("bytes accessed", 0.0) / hbm_bytes_per_s
+    seconds = max(flops_ / peak_flops, memory)
+    return ProgramCost(seconds, flops_, int8_flops_, int8_counted,
+                       seconds - max(flops_ / peak_flops - cheaper, memory))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +118,7 @@ class StepEstimate:
     redundant: float = 0.0  # of `compute`: the embeddings and loss rerun on the S - 1 others
     stage_transfers: tuple = ()  # the collective-permutes along "stage" (of `communication`)
     along_stage: float = 0.0  # seconds of every collective along "stage" alone, those included
+    int8_counted: float = 0.0  # of `int8_flops`, those the cost model counts (`extrapolate`)
 
     @property
     def bubble_fraction(self) -> float:
@@ -135,10 +149,13 @@ def extrapolate(one: ProgramCost, two: ProgramCost, found: list[Collective], dev
     `found`, the collectives of the step's own program (`collectives`).
 
     The int8 matmuls' FLOPs (the programs' `int8_flops`, extrapolated alike) are priced at
-    `int8_peak` (ops/s; None: the bfloat16 peak): the TPU cost model prices an s8 x s8 matmul
-    as a bfloat16 one or slower (an 8192^3 product takes the same `optimal_seconds` on v5p, 6%
-    and 14% longer on v5e and v6e), so the compute loses int8 FLOPs x (1 / peak - 1 / int8
-    peak) and keeps that surplus.
+    `int8_peak` (ops/s; None: the bfloat16 peak) wherever the estimate charged them at the
+    bfloat16 peak: the TPU cost model prices an s8 x s8 matmul as a bfloat16 one or slower
+    (an 8192^3 product takes the same `optimal_seconds` on v5p, 6% and 14% longer on v5e and
+    v6e), so the compute loses the programs' `int8_saved` (those the cost model counts), and
+    the unseen FLOPs, priced at the bfloat16 peak, lose the int8 ones among them (run less
+    counted) x (1 / peak - 1 / int8 peak). Not all of them off the compute: where a program's
+    roofline is its bytes, its counted int8 FLOPs cost nothing there to save.
     `int8_dots_` (the step's own program's count) is carried for the report.
 
     With pipeline stages (`pipeline` = (S, M, R), S > 1) `one` and `two` are compiled with the
@@ -157,10 +174,14 @@ def extrapolate(one: ProgramCost, two: ProgramCost, found: list[Collective], dev
         return microbatches * (a + (layers - 1) * (b - a))
 
     int8 = whole("int8_flops")
-    saved = int8 * (1 / peak_flops - 1 / (int8_peak or peak_flops))
-    compute = whole("optimal_seconds") - (microbatches - 1) * optimizer_seconds - saved
+    compute = (whole("optimal_seconds") - (microbatches - 1) * optimizer_seconds
+               - whole("int8_saved"))
     flops_ = whole("flops")
-    unseen = max(0.0, analytic_flops + recomputed_flops - flops_) / peak_flops
+    unseen_flops = max(0.0, analytic_flops + recomputed_flops - flops_)
+    unseen_int8 = min(unseen_flops, max(0.0, int8 - whole("int8_counted")))
+    cheaper = unseen_int8 * (1 / peak_flops - 1 / (int8_peak or peak_flops))
+    unseen = unseen_flops / peak_flops - cheaper
+    saved = whole("int8_saved") + cheaper
     stages, pipeline_microbatches, repeats = pipeline
     layer = two.optimal_seconds - one.optimal_seconds
     base = one.optimal_seconds - layer
@@ -173,7 +194,8 @@ def extrapolate(one: ProgramCost, two: ProgramCost, found: list[Collective], dev
                         sum(c.count for c in found), flops_, layers, microbatches, int8, saved,
                         int8_dots_, pipeline, bubble, redundant,
                         tuple(c for c in found if c.stage_transfer),
-                        communication_seconds([c for c in found if c.along_stage], device_kind))
+                        communication_seconds([c for c in found if c.along_stage], device_kind),
+                        whole("int8_counted"))
 
 
 def optimizer_seconds(param_bytes_per_device: int, hbm_bytes_per_s: float,
@@ -196,8 +218,8 @@ def describe(estimate: StepEstimate, analytic_flops: float, peak_flops: float,
     peak), and the int8 matmuls where there are any."""
     e = estimate
     int8 = [f"int8 matmuls: {e.int8_dots} s8 x s8 dot(s) a step in the compiled program, "
-            f"{e.int8_flops:.4g} FLOPs per device = {e.int8_flops / max(e.compiler_flops, 1):.1%}"
-            f" of the compiler's, priced at the int8 peak {(int8_peak or peak_flops) / 1e12:.0f}"
+            f"{e.int8_flops:.4g} FLOPs per device (the cost model counts {e.int8_counted:.4g}),"
+            f" priced at the int8 peak {(int8_peak or peak_flops) / 1e12:.0f}"
             f" TOP/s: {_ms(e.int8_saved)} less than at the bfloat16 peak"] \
         if e.int8_dots or e.int8_flops else []
     stages, pipeline_microbatches, repeats = e.pipeline

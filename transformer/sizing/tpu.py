@@ -214,8 +214,9 @@ def step_estimate(run: Resolved, topology: Topology, devices,
             mesh = sharding.make_mesh(variant.config.mesh, devices)
             plans[key] = _plan(variant, mesh, topology)
         variant_plan = plans[key]
-        costs.append(step_time.program_cost(variant_plan.cost, device.peak_flops,
-                                            device.memory_bytes_per_s, variant_plan.int8_flops))
+        costs.append(step_time.program_cost(
+            variant_plan.cost, device.peak_flops, device.memory_bytes_per_s,
+            variant_plan.int8_flops, variant_plan.int8_counted, topology.chip.int8_ops))
         updates.append(step_time.optimizer_seconds(
             variant_plan.analytic["params"], device.memory_bytes_per_s,
             variant_plan.analytic["optimizer_state"]))
