@@ -1,7 +1,7 @@
 """Pipeline stages (`parallel/pipeline.py`, `model/pipelined.py`): the circular schedule
 against hand-worked cases, its bubble, the one-line refusals, the stage axis of the mesh, and
-the pipelined decoder's and ViT's losses and gradients against the unpipelined model's on 8
-fake CPUs."""
+the pipelined decoder's and ViT's losses and gradients (with and without context parallelism)
+against the unpipelined model's on 8 fake CPUs."""
 
 import dataclasses
 
@@ -98,8 +98,7 @@ def test_bad_inputs_are_one_line_before_compiling(fields, match):
         sharding.validate_mesh_for_model(shape, tiny(**fields))
     assert "\n" not in str(error.value)
     shape = sharding.mesh_shape({"data": 1, "fsdp": 1, "context": 2, "tensor": 1, "stage": 4}, 8)
-    with pytest.raises(ValueError, match="mesh.stage=4 with mesh.context=2"):
-        sharding.validate_mesh_for_model(shape, tiny())
+    sharding.validate_mesh_for_model(shape, tiny())  # stages compose with context
     with pytest.raises(ValueError, match=r"mesh.pipeline_microbatches=-1 >= 1"):
         tiny(pipeline_microbatches=-1)
     # the same model without stages passes
@@ -244,6 +243,35 @@ def test_fsdp_2_x_stage_2_x_tensor_2_with_2_repeats_gives_the_same(unpipelined):
     assert_same(loss_and_grads_per_step(cfg, mesh_cfg, 6), unpipelined)
 
 
+@pytest.mark.parametrize("strategy,mesh_cfg,microbatches,repeats", [
+    ("ring", {"data": 2, "context": 2}, 4, 1),
+    ("all_gather", {"data": 1, "context": 4}, 2, 2),
+])
+def test_stage_2_with_context_parallelism_gives_the_unpipelined_losses_and_gradients(
+        unpipelined, strategy, mesh_cfg, microbatches, repeats):
+    """Each stage's self-attention runs `ops/ring.py`'s shard_map over "context" inside the
+    stages' vmap (the rows in the load-balanced order): the unpipelined, unsplit model's
+    first 2 steps."""
+    cfg = tiny(context_parallel_strategy=strategy, pipeline_microbatches=microbatches,
+               pipeline_repeats=repeats)
+    mesh_cfg = {"fsdp": 1, "tensor": 1, "stage": 2, **mesh_cfg}
+    assert_same(loss_and_grads_per_step(cfg, mesh_cfg, 2), unpipelined[:2])
+
+
+def test_context_microbatches_the_batch_shards_do_not_divide_is_one_line():
+    """Context parallelism's attention splits each microbatch's rows over the batch shards."""
+    model = Transformer(tiny(pipeline_microbatches=16))
+    targets = jnp.ones((16, 16), jnp.int32)
+    params = model.init(jax.random.key(0), None, targets[:1])["params"]
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 1, "context": 2, "tensor": 1, "stage": 2})
+    with nn.logical_axis_rules(sharding.LOGICAL_AXIS_RULES), \
+            jax.sharding.use_abstract_mesh(mesh.abstract_mesh), \
+            pytest.raises(ValueError, match=r"^mesh.pipeline_microbatches=16 leaves 1 rows a "
+                                            r"microbatch, which the 2 batch shards") as error:
+        jax.eval_shape(lambda p: model.apply({"params": p}, None, targets), params)
+    assert "\n" not in str(error.value)
+
+
 def tiny_vit(**fields) -> TransformerConfig:
     """A 4-layer ViT of width 32 on 8x8 images (4 patches and the class token), scanned."""
     return TransformerConfig(**{
@@ -285,6 +313,17 @@ def test_vit_on_data_2_x_stage_4_gives_the_unpipelined_losses_and_gradients():
                                          {"data": 2, "fsdp": 1, "tensor": 1, "stage": 4}, 2)
     assert (jax.tree_util.tree_structure(staged[0][1])
             == jax.tree_util.tree_structure(plain[0][1]))
+    assert_same(staged, plain)
+
+
+def test_vit_on_stage_2_x_context_2_x_data_2_gives_the_unpipelined_losses_and_gradients():
+    """The ViT (mean pooling: 4 patch tokens, which 2 context shards divide) with its tokens
+    split over "context" inside the stages: the unpipelined, unsplit model's first step."""
+    plain = vit_loss_and_grads_per_step(tiny_vit(pooling="gap"),
+                                        {"data": 8, "fsdp": 1, "tensor": 1}, 1)
+    staged = vit_loss_and_grads_per_step(
+        tiny_vit(pooling="gap", pipeline_microbatches=2),
+        {"data": 2, "fsdp": 1, "context": 2, "tensor": 1, "stage": 2}, 1)
     assert_same(staged, plain)
 
 

@@ -4,8 +4,9 @@ decoder's layers (`decoder/layers`) and the ViT's encoder layers (`encoder/layer
 The stack's parameters stay as `model.scan_layers` makes them ([L, ...], the same paths with
 or without stages); here they are read, viewed as [S, R, L / (S R), ...] chunks, and each
 chunk is applied as a scanned block of L / (S R) layers (the class `layer_stack` builds, so remat
-and scan are those of the unpipelined stack). docs/architecture.md, "Pipeline stages", is the
-contract.
+and scan are those of the unpipelined stack). With mesh.context > 1 the chunks' self-attention
+is `ops/ring.py`'s shard_map, run inside the stages' vmap as in the unpipelined stack.
+docs/architecture.md, "Pipeline stages", is the contract.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from collections.abc import Callable
 import flax.linen as nn
 import jax
 
-from transformer.parallel import pipeline
+from transformer.ops import ring
+from transformer.parallel import pipeline, sharding
 
 
 def applies(module: nn.Module, cache) -> bool:
@@ -49,11 +51,17 @@ def stack_layers(module: nn.Module, stack: Callable[[int], type[nn.Module]], x, 
     microbatches = cfg.pipeline_microbatches or stages
     pipeline.check(stages_=stages, layers=layers, repeats=repeats, microbatches=microbatches,
                    architecture=cfg.architecture, scan_layers=cfg.scan_layers,
-                   num_experts=cfg.num_experts, context=1)
+                   num_experts=cfg.num_experts)
     rows = x.shape[0]
     if rows % microbatches:
         raise ValueError(f"{rows} rows a step (per accumulation microbatch) are not divisible "
                          f"by mesh.pipeline_microbatches={microbatches}")
+    batch = sharding.batch_shards(jax.sharding.get_abstract_mesh().shape)
+    if ring.context_shards() > 1 and (rows // microbatches) % batch:
+        raise ValueError(f"mesh.pipeline_microbatches={microbatches} leaves {rows // microbatches}"
+                         f" rows a microbatch, which the {batch} batch shards (data x fsdp x "
+                         f"expert) do not divide, as context parallelism's attention needs: "
+                         f"use fewer microbatches")
     block = stack(layers // (stages * repeats))(cfg, module.attention_fn, cfg.layer_window(0),
                                                 cfg.routed(0), parent=None)
     chunks = pipeline.to_stages(nn.unbox(module.variables["params"]["layers"]), stages,

@@ -65,8 +65,10 @@ def stack_field(architecture: str) -> str:
 
 
 def check(*, stages_: int, layers: int, repeats: int, microbatches: int, architecture: str,
-          scan_layers: bool, num_experts: int, context: int) -> None:
-    """One line naming the setting where a model cannot be pipelined over `stages_` (> 1)."""
+          scan_layers: bool, num_experts: int, context: int = 1) -> None:
+    """One line naming the setting where a model cannot be pipelined over `stages_` (> 1).
+    Any `context` (mesh.context) composes: each stage's self-attention runs `ops/ring.py`'s
+    shard_map, which the stages' vmap (spmd_axis_name "stage") also splits over "stage"."""
     if stages_ <= 1:
         return
     if architecture not in ("decoder", "vision"):
@@ -80,9 +82,6 @@ def check(*, stages_: int, layers: int, repeats: int, microbatches: int, archite
     if num_experts:
         raise ValueError(f"mesh.stage={stages_} does not carry routed layers' router losses "
                          f"through the schedule yet: set mesh.stage=1 or model.num_experts=0")
-    if context > 1:
-        raise ValueError(f"mesh.stage={stages_} with mesh.context={context} is not supported "
-                         f"yet (ring attention inside the stages): set one of them to 1")
     if repeats < 1 or layers % (stages_ * repeats):
         raise ValueError(f"model.{stack_field(architecture)}={layers} is not divisible by "
                          f"mesh.stage={stages_} x mesh.pipeline_repeats={repeats}")
