@@ -40,9 +40,9 @@ log = logging.getLogger("transformer")
 BUCKET = 16  # source (and prompt) lengths are padded up to a multiple of this
 DECODE_STAGE = 16  # a staged search's self-attention cache grows by this many positions
 DROP_CHECK = 8  # beam search looks for decided sentences to drop every this many steps
-# (`decode.drop_decided`: it runs ~10 times the programs of one search, 70 s more compiling on
-# a 2-core CPU, and pays that back only after ~10,000 sentences there:
-# docs/results/2026-12-06-decode-compiles.md)
+# (`decode.drop_decided`: it compiles ~40 times the programs of one search per batch size, a
+# minute more on a 2-core CPU, which the default's model there earns back after ~60,000
+# sentences: docs/results/2026-12-06-decode-compiles.md)
 # Shorter searches keep the whole cache: attending over a few dozen positions costs less than
 # compiling one loop per stage.
 MIN_STAGED_LENGTH = 48
