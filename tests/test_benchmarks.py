@@ -129,3 +129,31 @@ def test_decode_int8_scores_both_and_measures_the_cache(untrained_translation_wo
     # head and position take (16 + 4) / (16 * 4) of float32's bytes.
     assert record["cache_ratio"] == pytest.approx(20 / 64, rel=0.01)
     assert record["cache_at_most_half"] and record["param_ratio"] < 0.5
+
+
+def test_step_ops_counts_each_op_without_the_ops_it_encloses():
+    """A while loop (0-100 ns) enclosing two ops (10-40 and 50-70), one of them enclosing a
+    third (55-60), then an op of its own (200-210): each keeps only its own time."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.step_ops import kind, self_times
+
+    events = [(0, 100, "while.1"), (10, 30, "dot.3"), (50, 20, "fusion.2"), (55, 5, "copy"),
+              (200, 10, "copy.7")]
+    assert self_times(events) == {"while.1": 50, "dot.3": 30, "fusion.2": 15, "copy": 5,
+                                  "copy.7": 10}
+    assert [kind(name) for name in ("copy_bitcast_fusion.12", "dot", "add.5")] == [
+        "copy_bitcast_fusion", "dot", "add"]
+
+
+@pytest.mark.slow
+def test_step_ops_traces_the_tiny_step_and_names_its_sources():
+    """The script end to end on tiny.py: op kinds whose shares sum to 1, and top ops that name
+    where in the model they come from."""
+    result = subprocess.run([sys.executable, "benchmarks/step_ops.py", "--config=configs/tiny.py",
+                             "--steps=2", "--warmup=1", "--top=5"], cwd=ROOT,
+                            env=one_cpu_device_env(), capture_output=True, text=True,
+                            timeout=600, check=True)
+    row = json.loads(result.stdout.splitlines()[-1])
+    assert sum(k["share"] for k in row["kinds"]) == pytest.approx(1.0)
+    assert row["op_ms_per_step"] > 0 and len(row["top"]) == 5
+    assert any("layers_0/" in op["source"] for op in row["top"]), row["top"]
