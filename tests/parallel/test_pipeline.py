@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from transformer.model import experts
 from transformer.model.config import TransformerConfig
 from transformer.model.transformer import Transformer
 from transformer.model.vit import VisionTransformer
@@ -90,7 +91,6 @@ def tiny(**fields) -> TransformerConfig:
     ({"architecture": "encoder", "num_encoder_layers": 4, "num_decoder_layers": 0},
      r"model.architecture='encoder' has a text encoder stack"),
     ({"scan_layers": False}, r"set model.scan_layers=True"),
-    ({"num_experts": 4}, r"router losses"),
 ])
 def test_bad_inputs_are_one_line_before_compiling(fields, match):
     shape = sharding.mesh_shape({"data": 2, "fsdp": 1, "tensor": 1, "stage": 4}, 8)
@@ -99,6 +99,7 @@ def test_bad_inputs_are_one_line_before_compiling(fields, match):
     assert "\n" not in str(error.value)
     shape = sharding.mesh_shape({"data": 1, "fsdp": 1, "context": 2, "tensor": 1, "stage": 4}, 8)
     sharding.validate_mesh_for_model(shape, tiny())  # stages compose with context
+    sharding.validate_mesh_for_model(shape, tiny(num_experts=4))  # and with routed layers
     with pytest.raises(ValueError, match=r"mesh.pipeline_microbatches=-1 >= 1"):
         tiny(pipeline_microbatches=-1)
     # the same model without stages passes
@@ -188,19 +189,21 @@ def loss_and_grads_per_step(cfg: TransformerConfig, mesh_cfg: dict, steps: int):
     return sgd_steps(loss_fn, boxed, mesh_cfg, steps)
 
 
-def sgd_steps(loss_fn, boxed, mesh_cfg: dict, steps: int):
+def sgd_steps(loss_fn, boxed, mesh_cfg: dict, steps: int, has_aux: bool = False):
     """[(loss, grads)] of `steps` SGD steps (rate 0.5) of `loss_fn(params)` from the boxed
-    params `boxed`, placed and applied on the mesh `mesh_cfg`."""
+    params `boxed`, placed and applied on the mesh `mesh_cfg` ([(loss, grads, aux)] where
+    `loss_fn` returns (loss, aux))."""
     mesh = sharding.make_mesh(mesh_cfg)
     params = jax.device_put(nn.unbox(boxed), sharding.tree_shardings(boxed, mesh))
 
     out = []
     with nn.logical_axis_rules(sharding.LOGICAL_AXIS_RULES), \
             jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        step = jax.jit(jax.value_and_grad(loss_fn))
+        step = jax.jit(jax.value_and_grad(loss_fn, has_aux=has_aux))
         for _ in range(steps):
             loss, grads = step(params)
-            out.append(jax.device_get((loss, grads)))
+            loss, aux = loss if has_aux else (loss, None)
+            out.append(jax.device_get((loss, grads) + ((aux,) if has_aux else ())))
             params = jax.tree.map(lambda p, g: p - 0.5 * g, params, grads)
     return out
 
@@ -268,6 +271,52 @@ def test_context_microbatches_the_batch_shards_do_not_divide_is_one_line():
             jax.sharding.use_abstract_mesh(mesh.abstract_mesh), \
             pytest.raises(ValueError, match=r"^mesh.pipeline_microbatches=16 leaves 1 rows a "
                                             r"microbatch, which the 2 batch shards") as error:
+        jax.eval_shape(lambda p: model.apply({"params": p}, None, targets), params)
+    assert "\n" not in str(error.value)
+
+
+def moe_loss_and_grads_per_step(cfg: TransformerConfig, mesh_cfg: dict, steps: int):
+    """`loss_and_grads_per_step` of a routed model, the loss plus its router losses, each
+    step's `experts.statistics` appended: [(loss, grads, statistics)]."""
+    model = Transformer(cfg)
+    targets = jnp.asarray(np.random.default_rng(0).integers(1, 64, (16, 16)), jnp.int32)
+    boxed = model.init(jax.random.key(0), None, targets[:1])["params"]
+
+    def loss_fn(p):
+        logits, sown = model.apply({"params": p}, None, targets, mutable=[experts.COLLECTION])
+        sums = optim.cross_entropy_loss(logits, targets, jnp.ones(targets.shape),
+                                        label_smoothing=0.0)
+        stats = experts.statistics(sown[experts.COLLECTION])
+        return (sums.loss_sum / sums.weight_sum + stats["moe_aux_loss"]
+                + stats["router_z_loss"]), stats
+
+    return sgd_steps(loss_fn, boxed, mesh_cfg, steps, has_aux=True)
+
+
+def test_routed_layers_on_stage_2_x_data_4_give_the_unpipelined_figures():
+    """Capacity dispatch (tokens dropped) inside the stages, 2 microbatches, 2 repeats: loss
+    (with the load-balancing and z losses), gradients and router statistics of the
+    unpipelined model, over 2 steps. The load-balancing loss is a product of two means over
+    the batch: the microbatches' sums are combined, not their losses averaged. mesh.expert
+    with stages is one line."""
+    cfg = tiny(num_experts=4, experts_per_token=2, moe_capacity_factor=1.0)
+    plain = moe_loss_and_grads_per_step(cfg, {"data": 8, "fsdp": 1, "tensor": 1}, 2)
+    cfg = dataclasses.replace(cfg, pipeline_microbatches=2, pipeline_repeats=2)
+    staged = moe_loss_and_grads_per_step(cfg, {"data": 4, "fsdp": 1, "tensor": 1, "stage": 2},
+                                         2)
+    assert_same([s[:2] for s in staged], [p[:2] for p in plain])
+    assert plain[0][2]["moe_dropped"] > 0
+    for (*_, got), (*_, want) in zip(staged, plain, strict=True):
+        for name in want:
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-5, err_msg=name)
+    model = Transformer(cfg)
+    targets = jnp.ones((16, 16), jnp.int32)
+    params = model.init(jax.random.key(0), None, targets[:1])["params"]
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 1, "tensor": 1, "stage": 2, "expert": 2})
+    with nn.logical_axis_rules(sharding.LOGICAL_AXIS_RULES), \
+            jax.sharding.use_abstract_mesh(mesh.abstract_mesh), \
+            pytest.raises(ValueError, match=r"^mesh.stage=2 does not compose with "
+                                            r"mesh.expert=2 yet .* set mesh.expert=1") as error:
         jax.eval_shape(lambda p: model.apply({"params": p}, None, targets), params)
     assert "\n" not in str(error.value)
 

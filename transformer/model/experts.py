@@ -5,7 +5,10 @@ Parameters (docs/architecture.md): `moe/router` [D, E] (float32 arithmetic), `mo
 `moe/ff_gate` (gated activations) [E, D, F], `moe/ff_out` [E, F, D], and with `use_bias`
 `moe/bias_in` [E, F], `moe/bias_out` [E, D]. Logical axes `expert`, `embed`, `mlp`. Applied
 with `mutable=["moe"]`, each routed layer records its router's statistics (`statistics` reads
-them). Otherwise nothing is recorded.
+them). Otherwise nothing is recorded. Under pipeline stages (mesh.stage > 1) it also records
+the counts and sums behind them (`SUMS`): the load-balancing loss is a product of two means
+over the batch, so the microbatches' records cannot be averaged; `combine` derives the whole
+batch's from their summed sums (`model/pipelined.py`).
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ import jax.numpy as jnp
 
 from transformer.model.config import TransformerConfig
 from transformer.ops import expert_parallel, layers, moe
+from transformer.parallel import pipeline
 
 COLLECTION = "moe"
+SUMS = "sums"  # the record of `moe.route`'s token count and sums, sown under stages
 # The buffers of capacity dispatch [B, E, C, D] where mesh.expert is 1: rows over the batch's
 # mesh axes. Over several experts' chips, `ops/expert_parallel.py` runs either dispatch.
 BUFFER_AXES = ("expert_batch", "expert", None, None)
@@ -60,13 +65,24 @@ class MixtureOfExperts(nn.Module):
         rate = 0.0 if deterministic else cfg.relu_dropout_rate
         kwargs = dict(activation=cfg.activation, gelu_approximate=cfg.gelu_approximate,
                       dropout_rate=rate, dropout_rng=self.make_rng("dropout") if rate else None)
+        staged = pipeline.stages() > 1
+        kept = []  # `moe.route`'s (count, chosen [E], probs [E], z) sums, for `SUMS`
+
+        def keep(sums):
+            kept.append(sums)
+            return sums
+
+        flat = dict(valid=None if valid is None else valid.reshape(-1), **route)
         if expert_parallel.expert_shards() > 1:
             routing, y, dropped = expert_parallel.route_and_dispatch(
                 x.astype(dtype), logits, experts, k=cfg.experts_per_token,
                 capacity_factor=cfg.moe_capacity_factor, valid=valid, **route, **kwargs)
+            if staged:  # its sums stay in the shard_map: routed again (once pipelined.py
+                # lifts its refusal of mesh.expert with stages)
+                moe.route(logits.reshape(b * t, e), cfg.experts_per_token, reduce=keep, **flat)
         else:
-            routing = moe.route(logits.reshape(b * t, e), cfg.experts_per_token,
-                                valid=None if valid is None else valid.reshape(-1), **route)
+            routing = moe.route(logits.reshape(b * t, e), cfg.experts_per_token, reduce=keep,
+                                **flat)
             if cfg.moe_capacity_factor:
                 y, dropped = moe.with_capacity(
                     x.astype(dtype), routing, experts, capacity_factor=cfg.moe_capacity_factor,
@@ -78,7 +94,26 @@ class MixtureOfExperts(nn.Module):
         self.sow(COLLECTION, "routing", {
             "aux_loss": routing.aux_loss, "z_loss": routing.z_loss, "load": routing.load,
             "dropped": dropped.astype(jnp.float32) / routing.experts.size})
+        if staged:
+            count, chosen, probs, z = kept[0]
+            self.sow(COLLECTION, SUMS, {
+                "count": count, "chosen": chosen, "probs": probs, "z": z,
+                "dropped": dropped.astype(jnp.float32),
+                "assignments": jnp.float32(routing.experts.size)})
         return y
+
+
+def combine(sums: dict[str, jax.Array], k: int) -> dict[str, jax.Array]:
+    """A `routing` record from `SUMS` records already summed over the microbatches that
+    share a layer (leading axes kept): the statistics `moe.route` derives from the whole
+    batch's sums, and the dropped share of all the assignments."""
+    count = jnp.maximum(sums["count"], 1.0)
+    tokens_per_expert = sums["chosen"] / count[..., None]  # f_e
+    mean_probs = sums["probs"] / count[..., None]  # P_e
+    return {"aux_loss": tokens_per_expert.shape[-1] * jnp.sum(tokens_per_expert * mean_probs,
+                                                               axis=-1),
+            "z_loss": sums["z"] / count, "load": tokens_per_expert / k,
+            "dropped": sums["dropped"] / sums["assignments"]}
 
 
 def statistics(collection) -> dict[str, jax.Array]:
@@ -87,7 +122,7 @@ def statistics(collection) -> dict[str, jax.Array]:
     routed assignments that the most and the least loaded expert of a layer receives) and
     `moe_dropped` (fraction of assignments over capacity)."""
     records = [r for r in jax.tree.leaves(collection, is_leaf=lambda r: isinstance(r, dict)
-                                          and "load" in r)]
+                                          and "load" in r) if isinstance(r, dict)]
     load = jnp.concatenate([r["load"].reshape(-1, r["load"].shape[-1]) for r in records])
     mean = {name: jnp.mean(jnp.concatenate([r[name].reshape(-1) for r in records]))
             for name in ("aux_loss", "z_loss", "dropped")}

@@ -5,8 +5,10 @@ The stack's parameters stay as `model.scan_layers` makes them ([L, ...], the sam
 or without stages); here they are read, viewed as [S, R, L / (S R), ...] chunks, and each
 chunk is applied as a scanned block of L / (S R) layers (the class `layer_stack` builds, so remat
 and scan are those of the unpipelined stack). With mesh.context > 1 the chunks' self-attention
-is `ops/ring.py`'s shard_map, run inside the stages' vmap as in the unpipelined stack.
-docs/architecture.md, "Pipeline stages", is the contract.
+is `ops/ring.py`'s shard_map, run inside the stages' vmap as in the unpipelined stack. Routed
+layers return their router sums (`experts.SUMS`) per microbatch and chunk; summed over the
+microbatches they give each layer's whole-batch record (`experts.combine`), sown as the
+unpipelined stack sows it. docs/architecture.md, "Pipeline stages", is the contract.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from collections.abc import Callable
 import flax.linen as nn
 import jax
 
-from transformer.ops import ring
+from transformer.model import experts
+from transformer.ops import expert_parallel, ring
 from transformer.parallel import pipeline, sharding
 
 
@@ -62,6 +65,12 @@ def stack_layers(module: nn.Module, stack: Callable[[int], type[nn.Module]], x, 
                          f" rows a microbatch, which the {batch} batch shards (data x fsdp x "
                          f"expert) do not divide, as context parallelism's attention needs: "
                          f"use fewer microbatches")
+    if expert_parallel.expert_shards() > 1:  # its shard_map checks varying axes (check_vma)
+        raise ValueError(f"mesh.stage={stages} does not compose with mesh.expert="
+                         f"{expert_parallel.expert_shards()} yet (expert parallelism's "
+                         f"shard_map fails jax's varying-axes check inside the stages' vmap): "
+                         f"set mesh.expert=1 (routed layers run in the stages then) or "
+                         f"mesh.stage=1")
     block = stack(layers // (stages * repeats))(cfg, module.attention_fn, cfg.layer_window(0),
                                                 cfg.routed(0), parent=None)
     chunks = pipeline.to_stages(nn.unbox(module.variables["params"]["layers"]), stages,
@@ -77,10 +86,15 @@ def stack_layers(module: nn.Module, stack: Callable[[int], type[nn.Module]], x, 
         rngs = None
         if key is not None:  # one key per (microbatch, chunk)
             rngs = {"dropout": jax.random.fold_in(jax.random.fold_in(key, microbatch), chunk)}
-        out, _ = block.apply({"params": params}, inp, *full[:-1], deterministic, full[-1],
-                             rngs=rngs)
-        return out
+        (out, _), sown = block.apply({"params": params}, inp, *full[:-1], deterministic,
+                                     full[-1], rngs=rngs, mutable=[experts.COLLECTION])
+        sums = [r for r in jax.tree.leaves(sown, is_leaf=lambda r: isinstance(r, dict)
+                                           and "assignments" in r) if isinstance(r, dict)]
+        return out, sums  # a routed chunk's one record, leaves [L / (S R), ...]; else none
 
-    out = pipeline.run(stage_fn, chunks, pipeline.split_rows(x, microbatches), side,
-                       stages_=stages, repeats=repeats)
+    out, sums = pipeline.run(stage_fn, chunks, pipeline.split_rows(x, microbatches), side,
+                             stages_=stages, repeats=repeats)
+    for record in sums:  # [M, S R, L / (S R), ...]: summed over M, chunks in layer order
+        record = jax.tree.map(lambda a: a.sum(0).reshape((layers,) + a.shape[3:]), record)
+        module.sow(experts.COLLECTION, "routing", experts.combine(record, cfg.experts_per_token))
     return nn.with_logical_constraint(pipeline.join_rows(out), ("batch", "length", None))

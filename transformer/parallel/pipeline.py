@@ -68,7 +68,9 @@ def check(*, stages_: int, layers: int, repeats: int, microbatches: int, archite
           scan_layers: bool, num_experts: int, context: int = 1) -> None:
     """One line naming the setting where a model cannot be pipelined over `stages_` (> 1).
     Any `context` (mesh.context) composes: each stage's self-attention runs `ops/ring.py`'s
-    shard_map, which the stages' vmap (spmd_axis_name "stage") also splits over "stage"."""
+    shard_map, which the stages' vmap (spmd_axis_name "stage") also splits over "stage". Any
+    `num_experts` too: the routed layers' router sums come out of `run` per microbatch and
+    chunk (`model/pipelined.py` combines them; it refuses mesh.expert > 1 when tracing)."""
     if stages_ <= 1:
         return
     if architecture not in ("decoder", "vision"):
@@ -79,9 +81,6 @@ def check(*, stages_: int, layers: int, repeats: int, microbatches: int, archite
     if not scan_layers:
         raise ValueError(f"mesh.stage={stages_} splits the stacked layers: set "
                          f"model.scan_layers=True (checkpoints convert either way)")
-    if num_experts:
-        raise ValueError(f"mesh.stage={stages_} does not carry routed layers' router losses "
-                         f"through the schedule yet: set mesh.stage=1 or model.num_experts=0")
     if repeats < 1 or layers % (stages_ * repeats):
         raise ValueError(f"model.{stack_field(architecture)}={layers} is not divisible by "
                          f"mesh.stage={stages_} x mesh.pipeline_repeats={repeats}")
@@ -124,11 +123,13 @@ def join_rows(x):
 
 def run(stage_fn: Callable, params, x, side, *, stages_: int, repeats: int):
     """The microbatches x [M, b, ...] through the S x R chunks of `params` ([S, R, ...] trees,
-    `to_stages`) on the circular schedule -> their outputs [M, b, ...].
+    `to_stages`) on the circular schedule -> (their outputs [M, b, ...], the chunks' `aux`
+    trees with leaves [M, S R, ...]: microbatch m's chunk c at [m, c]).
 
-    `stage_fn(chunk_params, x [b, ...], side_m, microbatch, chunk) -> [b, ...]` runs one
-    chunk (its index r S + s); `side` is a tree of [M, ...] per-microbatch inputs (masks,
-    positions), each stage given its microbatch's slice.
+    `stage_fn(chunk_params, x [b, ...], side_m, microbatch, chunk) -> ([b, ...], aux)` runs
+    one chunk (its index r S + s); `aux` is a tree of arrays (router sums, or empty) the same
+    for every chunk. `side` is a tree of [M, ...] per-microbatch inputs (masks, positions),
+    each stage given its microbatch's slice.
     """
     microbatches = x.shape[0]
     state = _on_stages(jnp.zeros((stages_,) + x.shape[1:], x.dtype))  # each stage's input
@@ -146,15 +147,19 @@ def run(stage_fn: Callable, params, x, side, *, stages_: int, repeats: int):
         # stage 0 reads its microbatch's slot: the input, or the last repeat's output
         first = jax.lax.dynamic_index_in_dim(buffer, microbatch[0], keepdims=False)
         state = _on_stages(state.at[0].set(first))
-        out = _on_stages(stage_step(params, state, microbatch, repeat, jnp.arange(stages_)))
+        out, aux = stage_step(params, state, microbatch, repeat, jnp.arange(stages_))
+        out = _on_stages(out)
         # the last stage's output goes back to its microbatch's slot
         last = t - (stages_ - 1)
         slot = jnp.clip(last, 0, None) % microbatches
         kept = jax.lax.dynamic_index_in_dim(buffer, slot, keepdims=False)
         written = jnp.where(last >= 0, out[-1], kept)
         buffer = jax.lax.dynamic_update_index_in_dim(buffer, written, slot, 0)
-        return (_on_stages(jnp.roll(out, 1, axis=0)), buffer), None
+        return (_on_stages(jnp.roll(out, 1, axis=0)), buffer), aux
 
     ticks = jnp.arange(num_ticks(stages_, microbatches, repeats))
-    (_, buffer), _ = jax.lax.scan(tick, (state, x), ticks)
-    return buffer
+    (_, buffer), aux = jax.lax.scan(tick, (state, x), ticks)  # aux leaves [ticks, S, ...]
+    # microbatch m's chunk c = r S + s ran on stage s at tick r M + m + s (`tick_ids`)
+    repeat, stage = np.divmod(np.arange(stages_ * repeats)[None, :], stages_)
+    at = repeat * microbatches + np.arange(microbatches)[:, None] + stage  # [M, S R]
+    return buffer, jax.tree.map(lambda a: a[at, stage], aux)
