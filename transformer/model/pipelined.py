@@ -19,7 +19,7 @@ import flax.linen as nn
 import jax
 
 from transformer.model import experts
-from transformer.ops import expert_parallel, ring
+from transformer.ops import ring
 from transformer.parallel import pipeline, sharding
 
 
@@ -65,12 +65,6 @@ def stack_layers(module: nn.Module, stack: Callable[[int], type[nn.Module]], x, 
                          f" rows a microbatch, which the {batch} batch shards (data x fsdp x "
                          f"expert) do not divide, as context parallelism's attention needs: "
                          f"use fewer microbatches")
-    if expert_parallel.expert_shards() > 1:  # its shard_map checks varying axes (check_vma)
-        raise ValueError(f"mesh.stage={stages} does not compose with mesh.expert="
-                         f"{expert_parallel.expert_shards()} yet (expert parallelism's "
-                         f"shard_map fails jax's varying-axes check inside the stages' vmap): "
-                         f"set mesh.expert=1 (routed layers run in the stages then) or "
-                         f"mesh.stage=1")
     block = stack(layers // (stages * repeats))(cfg, module.attention_fn, cfg.layer_window(0),
                                                 cfg.routed(0), parent=None)
     chunks = pipeline.to_stages(nn.unbox(module.variables["params"]["layers"]), stages,

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from transformer.ops import moe
-from transformer.parallel import sharding
+from transformer.parallel import pipeline, sharding
 
 EXPERT = sharding.EXPERT_AXIS
 TENSOR = "tensor"
@@ -97,8 +97,13 @@ def route_and_dispatch(x: jax.Array, logits: jax.Array, experts: moe.Experts, *,
         return routing._replace(weights=weights, experts=chosen), y, dropped
 
     routing_specs = moe.Routing(weights=rows, experts=rows, aux_loss=P(), z_loss=P(), load=P())
+    # Inside pipeline stages (a vmap over "stage") jax's varying-axes check refuses the
+    # routing's comparisons, so it is off there (as in ops/ring.py), where the stages' test
+    # holds the plain model's figures. Elsewhere it stays on: off, the gradients' collectives
+    # round differently (1e-3 relative on a few weights after two steps).
     routing, y, dropped = jax.shard_map(
-        local, mesh=mesh, in_specs=(specs,), out_specs=(routing_specs, rows, P()))(inputs)
+        local, mesh=mesh, in_specs=(specs,), out_specs=(routing_specs, rows, P()),
+        check_vma=pipeline.stages() == 1)(inputs)
     return routing._replace(weights=routing.weights.reshape(b * t, k),
                             experts=routing.experts.reshape(b * t, k)), y, dropped
 
