@@ -5,6 +5,9 @@ of metric lines (step, split) and the final parameters are compared with an unin
     python benchmarks/soak.py --faults=100 --spikes=10 --out=soak.json   # 1 process x 2 devices
     python benchmarks/soak.py --faults=16 --processes=2 --out=soak2.json  # 2 x 4 devices
 
+The runs train `configs/tiny.py` unless `--config_file` names another, which `--config`
+settings shrink (`make train`'s default: docs/reliability.md, "Soak").
+
 Faults, in a seeded mix (each kind once, in a shuffled order, before any kind twice):
   sigkill          SIGKILL at a random step (with 2 processes: process 0, 1 or both)
   sigterm          SIGTERM at a random step (preemption: the run saves that step and exits 0)
@@ -91,13 +94,14 @@ PARAMETER_FIGURES = ("update_norm/", "attention_logit_max/")
 # reported beside it).
 FAULT_ENV = "TRANSFORMER_FAULT_INJECT"  # transformer/checkpoint/faults.py (not imported: no jax)
 SPIKE_WINDOW = 10  # optimizer.spike_window with --spikes: spikes come after it fills
-# The runs' config with --spikes: configs/tiny.py with the spike-skipping keys, which it does
-# not declare (so --config.optimizer.skip_spikes=True cannot set them).
-SPIKE_CONFIG = f"""from configs.tiny import get_config as tiny
+TINY = "configs/tiny.py"  # the soak's config unless --config_file names another
+# The runs' config with --spikes: the config file's with the spike-skipping keys, which tiny.py
+# does not declare (so --config.optimizer.skip_spikes=True cannot set them).
+SPIKE_CONFIG = f"""from configs.{{module}} import get_config as base
 
 
 def get_config():
-    cfg = tiny()
+    cfg = base()
     cfg.optimizer.skip_spikes = True
     cfg.optimizer.spike_window = {SPIKE_WINDOW}
     cfg.optimizer.spike_threshold = 6.0
@@ -112,22 +116,24 @@ class Soak:
     def __init__(self, workdir: pathlib.Path, *, steps: int, checkpoint_every: int,
                  log_every: int, eval_every: int, processes: int, devices: int,
                  heartbeat: int, config: tuple[str, ...] = (), spiked: tuple[int, ...] = (),
-                 local_every: int = 0, elastic: bool = False):
+                 local_every: int = 0, elastic: bool = False, config_file: str = TINY):
         self.workdir, self.processes, self.devices = workdir, processes, devices
         self.local = pathlib.Path(f"{workdir}.local")  # the local tier (one host: shared)
         self.checkpoint_every, self.runs, self.seconds = checkpoint_every, 0, 0.0
         self.spikes = f"spike@{','.join(map(str, spiked))}" if spiked else ""
-        config_file = "configs/tiny.py"
+        tiny = config_file == TINY
         if spiked:
+            module = pathlib.Path(config_file).stem
             config_file = workdir.parent / "spike_config.py"
-            config_file.write_text(SPIKE_CONFIG)
+            config_file.write_text(SPIKE_CONFIG.format(module=module))
         self.flags = [f"--config={config_file}", f"--config.num_train_steps={steps}",
                       f"--config.log_every_steps={log_every}",
                       f"--config.eval_every_steps={eval_every}",
                       f"--config.checkpoint_every_steps={checkpoint_every}",
-                      "--config.keep_checkpoints=3", "--config.data.batch_size=16",
-                      "--config.data.eval_examples=32",
+                      "--config.keep_checkpoints=3",
                       f"--config.distributed.heartbeat_timeout_seconds={heartbeat}"]
+        if tiny:  # another config is shrunk by --config settings
+            self.flags += ["--config.data.batch_size=16", "--config.data.eval_examples=32"]
         if local_every:
             self.flags += [f"--config.checkpoint_local_dir={self.local}",
                            f"--config.checkpoint_local_every_steps={local_every}",
@@ -590,6 +596,8 @@ def define_flags() -> None:
     flags.DEFINE_multi_string("config", [], "KEY=VALUE: another --config.KEY=VALUE for every "
                               "train.py run, after the soak's own (repeatable; the tests shrink "
                               "the model with it).")
+    flags.DEFINE_string("config_file", TINY, "The runs' config, e.g. configs/default.py "
+                        "(shrink it with --config: the soak runs 5 steps a fault).")
     flags.DEFINE_string("workdir", None, "Default: a new temporary directory.")
     flags.DEFINE_string("out", "soak.json", "Where the summary (JSON) goes.")
 
@@ -627,7 +635,7 @@ def main(argv: list[str]) -> int:
                   config=tuple(args.config),
                   spiked=spike_steps(args.spikes, total, random.Random(f"spikes {args.seed}")),
                   local_every=args.local_every if "local_tier_lost" in kinds else 0,
-                  elastic="process_lost" in kinds)
+                  elastic="process_lost" in kinds, config_file=args.config_file)
 
     reference = Soak(base / "reference", **common)
     codes = reference.wait(reference.start())
