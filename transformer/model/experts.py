@@ -77,8 +77,7 @@ class MixtureOfExperts(nn.Module):
             routing, y, dropped = expert_parallel.route_and_dispatch(
                 x.astype(dtype), logits, experts, k=cfg.experts_per_token,
                 capacity_factor=cfg.moe_capacity_factor, valid=valid, **route, **kwargs)
-            if staged:  # its sums stay in the shard_map: routed again (once pipelined.py
-                # lifts its refusal of mesh.expert with stages)
+            if staged:  # its sums stay inside the shard_map: routed again for them
                 moe.route(logits.reshape(b * t, e), cfg.experts_per_token, reduce=keep, **flat)
         else:
             routing = moe.route(logits.reshape(b * t, e), cfg.experts_per_token, reduce=keep,
