@@ -53,8 +53,7 @@ def stack_layers(module: nn.Module, stack: Callable[[int], type[nn.Module]], x, 
     repeats = cfg.pipeline_repeats
     microbatches = cfg.pipeline_microbatches or stages
     pipeline.check(stages_=stages, layers=layers, repeats=repeats, microbatches=microbatches,
-                   architecture=cfg.architecture, scan_layers=cfg.scan_layers,
-                   num_experts=cfg.num_experts)
+                   architecture=cfg.architecture, scan_layers=cfg.scan_layers)
     rows = x.shape[0]
     if rows % microbatches:
         raise ValueError(f"{rows} rows a step (per accumulation microbatch) are not divisible "

@@ -65,12 +65,12 @@ def stack_field(architecture: str) -> str:
 
 
 def check(*, stages_: int, layers: int, repeats: int, microbatches: int, architecture: str,
-          scan_layers: bool, num_experts: int, context: int = 1) -> None:
+          scan_layers: bool) -> None:
     """One line naming the setting where a model cannot be pipelined over `stages_` (> 1).
-    Any `context` (mesh.context) composes: each stage's self-attention runs `ops/ring.py`'s
-    shard_map, which the stages' vmap (spmd_axis_name "stage") also splits over "stage". Any
-    `num_experts` too: the routed layers' router sums come out of `run` per microbatch and
-    chunk (`model/pipelined.py` combines them; it refuses mesh.expert > 1 when tracing)."""
+    The context and expert axes compose: each stage's self-attention and routed layers run
+    `ops/ring.py`'s and `ops/expert_parallel.py`'s shard_maps, which the stages' vmap
+    (spmd_axis_name "stage") also splits over "stage", and the routed layers' router sums come
+    out of `run` per microbatch and chunk (`model/pipelined.py` combines them)."""
     if stages_ <= 1:
         return
     if architecture not in ("decoder", "vision"):

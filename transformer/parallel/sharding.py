@@ -163,8 +163,7 @@ def validate_mesh_for_model(shape: Mapping[str, int], model) -> None:
     pipeline.check(stages_=stages, layers=layers,
                    repeats=model.pipeline_repeats,
                    microbatches=model.pipeline_microbatches or stages,
-                   architecture=model.architecture, scan_layers=model.scan_layers,
-                   num_experts=model.num_experts, context=shape.get("context", 1))
+                   architecture=model.architecture, scan_layers=model.scan_layers)
     tensor = shape["tensor"]
     for field in ("num_heads", "d_ff"):
         value = getattr(model, field)
