@@ -43,6 +43,7 @@ from transformer.config import resolve  # noqa: E402
 from transformer.data import make_source  # noqa: E402
 from transformer.parallel import sharding  # noqa: E402
 from transformer.training import train_state  # noqa: E402
+from transformer.util import cli  # noqa: E402, F401  (the CLIs' quiet start-up)
 
 FLAGS = flags.FLAGS
 XLA_THREAD = "tf_XLA"  # the trace lines of XLA:CPU's threads start so

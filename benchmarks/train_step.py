@@ -71,6 +71,7 @@ from transformer.data import make_source  # noqa: E402
 from transformer.parallel import sharding  # noqa: E402
 from transformer.sizing import flops  # noqa: E402
 from transformer.training import metrics, train_state  # noqa: E402
+from transformer.util import cli  # noqa: E402, F401  (the CLIs' quiet start-up)
 
 FLAGS = flags.FLAGS
 
