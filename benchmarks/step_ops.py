@@ -47,7 +47,8 @@ from transformer.util import cli  # noqa: E402, F401  (the CLIs' quiet start-up)
 
 FLAGS = flags.FLAGS
 XLA_THREAD = "tf_XLA"  # the trace lines of XLA:CPU's threads start so
-NOT_OPS = ("ThunkExecutor",)  # events on those lines that wrap a whole program
+# Events on those lines that are not ops: a whole program's run, a wait for worker threads
+NOT_OPS = ("ThunkExecutor", "SlinkyThreadPool")
 METADATA = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{op_name="([^"]*)"')
 PATH_PARTS = 4  # the last parts of an op's path shown: module, sublayer, operation
 
