@@ -105,13 +105,10 @@ class MixtureOfExperts(nn.Module):
 def combine(sums: dict[str, jax.Array], k: int) -> dict[str, jax.Array]:
     """A `routing` record from `SUMS` records already summed over the microbatches that
     share a layer (leading axes kept): the statistics `moe.route` derives from the whole
-    batch's sums, and the dropped share of all the assignments."""
-    count = jnp.maximum(sums["count"], 1.0)
-    tokens_per_expert = sums["chosen"] / count[..., None]  # f_e
-    mean_probs = sums["probs"] / count[..., None]  # P_e
-    return {"aux_loss": tokens_per_expert.shape[-1] * jnp.sum(tokens_per_expert * mean_probs,
-                                                               axis=-1),
-            "z_loss": sums["z"] / count, "load": tokens_per_expert / k,
+    batch's sums (`moe.route_statistics`), and the dropped share of all the assignments."""
+    aux_loss, z_loss, load = moe.route_statistics(sums["count"], sums["chosen"], sums["probs"],
+                                                  sums["z"], k)
+    return {"aux_loss": aux_loss, "z_loss": z_loss, "load": load,
             "dropped": sums["dropped"] / sums["assignments"]}
 
 

@@ -64,15 +64,21 @@ def route(logits: jax.Array, k: int, *, scores: str = "softmax", renormalize: bo
         weights = weights / weights.sum(axis=-1, keepdims=True)
     mask = jnp.ones((n,), jnp.float32) if valid is None else valid.astype(jnp.float32)
     chosen = jax.nn.one_hot(experts, e, dtype=jnp.float32).sum(axis=1) * mask[:, None]  # [N, E]
-    count, chosen_sums, prob_sums, z_sum = reduce((
-        mask.sum(), chosen.sum(axis=0), (probs * mask[:, None]).sum(axis=0),
-        jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1)) * mask)))
+    sums = reduce((mask.sum(), chosen.sum(axis=0), (probs * mask[:, None]).sum(axis=0),
+                   jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1)) * mask)))
+    return Routing(weights, experts.astype(jnp.int32), *route_statistics(*sums, k))
+
+
+def route_statistics(count: jax.Array, chosen_sums: jax.Array, prob_sums: jax.Array,
+                     z_sum: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(load-balancing loss, z-loss, load [.., E]) from the sums `route` reduces: the token
+    count, the choices and scores summed per expert [.., E], and the summed squared
+    log-normalisers. Leading axes (layers) are kept."""
     count = jnp.maximum(count, 1.0)
-    tokens_per_expert = chosen_sums / count  # f_e, sums to K
-    mean_probs = prob_sums / count  # P_e
-    aux_loss = e * jnp.sum(tokens_per_expert * mean_probs)
-    z_loss = z_sum / count
-    return Routing(weights, experts.astype(jnp.int32), aux_loss, z_loss, tokens_per_expert / k)
+    tokens_per_expert = chosen_sums / count[..., None]  # f_e, sums to K
+    mean_probs = prob_sums / count[..., None]  # P_e
+    aux_loss = chosen_sums.shape[-1] * jnp.sum(tokens_per_expert * mean_probs, axis=-1)
+    return aux_loss, z_sum / count, tokens_per_expert / k
 
 
 def activate(hidden: jax.Array, gate: jax.Array | None, activation: str,
