@@ -22,7 +22,8 @@ help:
 	@echo "make clean      remove $(VENV), .cache, runs/ and site/"
 
 # Without a Python >= 3.12, uv (when installed) fetches one; otherwise the error says how to get one.
-$(STAMP): pyproject.toml
+# constraints.txt pins every package to the versions the suite last passed with.
+$(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || { py="$(find_python)"; \
 	  if [ -z "$$py" ] && command -v uv >/dev/null 2>&1; then \
 	    echo "no Python >= 3.12 found: uv python install 3.12"; \
@@ -30,7 +31,7 @@ $(STAMP): pyproject.toml
 	  test -n "$$py" || { ./.ci/find_python --help-install >&2; exit 1; }; \
 	  echo "creating $(VENV) with $$py"; "$$py" -m venv $(VENV); }
 	$(BIN)/pip install --upgrade pip
-	$(BIN)/pip install -e ".[data,viz,test,docs,torch,tpu,quantize,eval]"
+	$(BIN)/pip install -c constraints.txt -e ".[data,viz,test,docs,torch,tpu,quantize,eval]"
 	touch $(STAMP)
 
 lint: $(STAMP)
