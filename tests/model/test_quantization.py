@@ -248,11 +248,13 @@ def init_params(load_config):
 def test_int8_training_on_2x4_equals_1x8(load_config):
     losses, params = train(load_config, 1, 8)
     other_losses, other_params = train(load_config, 2, 4)
-    # The int8 products are exact and the scales' maxima do not depend on the order of
-    # reduction; float32 rounding elsewhere (1e-7 relative a sum) can move a value across an
-    # int8 rounding boundary, one level (1/127 of its row's range) of one of ~10^4 values a
-    # step: far below 1e-5 of the loss.
-    np.testing.assert_allclose(other_losses, losses, rtol=1e-5)
+    # The first step: the same params, exact int8 products and scales whose maxima do not
+    # depend on the order of reduction, so only float32 sums differ (1e-7 relative a sum,
+    # 1e-5 with margin). Later losses inherit the params' drift (below): they differ by a
+    # small part of how far the loss has fallen, 1% with margin (jax 0.12.1 gave 0.06%).
+    np.testing.assert_allclose(other_losses[0], losses[0], rtol=1e-5)
+    fallen = np.abs(losses[0] - np.asarray(losses[1:]))
+    assert np.all(np.abs(np.asarray(other_losses[1:]) - losses[1:]) < 0.01 * fallen)
     assert losses[-1] < losses[0]
     # The params: an int8 rounding flip changes a gradient element by ~1/127 of its row's
     # range, and Adam's first updates are about +-lr wherever a gradient is near zero, so

@@ -128,11 +128,19 @@ def test_expert_parallel_matches_one_device(load_config, tmp_path, capacity_fact
         np.testing.assert_allclose(line["loss"], want["loss"], rtol=2e-5)
     got, want = (flax.traverse_util.flatten_dict(jax.device_get(s.params), sep="/")
                  for s in (state, expected_state))
+    # Adam moves an element by about lr a step whatever its gradient's size, so where a
+    # gradient is near zero, float32 rounding (the sharded sums add in another order) can turn
+    # a step around: such an element may end up to 2 x (the sum of the lrs) from the other
+    # run's. The key biases' gradient is all rounding noise (softmax ignores a shift shared by
+    # all keys); elsewhere such elements are rare (under 1% of the tree), and the rest agree
+    # to 1e-4.
+    drift = 2 * sum(line["learning_rate"] for line in expected)
+    off = {path: ~np.isclose(got[path], value, rtol=1e-4, atol=1e-5)
+           for path, value in want.items() if not path.endswith("key/bias")}
+    count, size = (sum(f(o) for o in off.values()) for f in (np.sum, np.size))
+    assert count < 0.01 * size, {path: int(o.sum()) for path, o in off.items() if o.any()}
     for path, value in want.items():
-        # The key biases' gradient is rounding noise (softmax ignores a shift shared by all
-        # keys) that Adam turns into steps of +-lr: compare the others.
-        if not path.endswith("key/bias"):
-            np.testing.assert_allclose(got[path], value, rtol=1e-4, atol=1e-5, err_msg=path)
+        np.testing.assert_allclose(got[path], value, rtol=0, atol=drift, err_msg=path)
 
 
 @pytest.mark.parametrize("fields,message", [
