@@ -80,7 +80,8 @@ def get_config():
         relu_dropout_rate=0.0, positional="sinusoidal", norm="layer_norm",
         norm_position="pre", activation="relu", use_bias=True, share_embeddings=True,
         tie_output_embedding=True, max_len=128, dtype="float32", scan_layers=False,
-        remat_policy="none", attention_implementation="auto", norm_eps=1e-6))
+        remat_policy="none", attention_implementation="auto", norm_eps=1e-6,
+        **common.QUANTIZATION_OFF))  # --config.model.quantization=int8: docs/training.md
     cfg.optimizer = config_dict.ConfigDict(dict(
         name="adam", schedule="cosine", learning_rate=2e-3, warmup_steps=300, end_fraction=0.0,
         b1=0.9, b2=0.98, eps=1e-9, weight_decay=0.0, clip_norm=1.0,

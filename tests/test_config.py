@@ -320,4 +320,5 @@ def test_the_previous_default_is_the_config_its_record_ran():
 
 
 # Keys added after that record, with the value that does what the run did.
-ADDED_SINCE_2026_12_06 = {"decode.drop_decided": True}
+ADDED_SINCE_2026_12_06 = {"decode.drop_decided": True, "model.quantization": "none",
+                          "model.quantized_matmuls": "attention,feed_forward,experts"}
