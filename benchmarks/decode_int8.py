@@ -129,6 +129,7 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     args = flags.FLAGS
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's INFO chatter
+    logging.getLogger("transformer").setLevel(logging.WARNING)  # the corpus's INFO lines
     try:
         record = benchmark(args.workdir, args.split, args.num_sentences, args.sources,
                            args.references, args.beam_size, args.batch_size)
@@ -142,5 +143,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    from transformer.util import cli  # noqa: F401  (the CLIs' quiet start: before jax loads)
+
     define_flags()
     app.run(main)
