@@ -18,11 +18,12 @@ Each pass's time includes its compilations (one per length bucket; `benchmarks/d
 from __future__ import annotations
 
 import json
-import logging
 import sys
 import time
 
 from absl import app, flags
+
+from transformer.util import cli  # the CLIs' quiet start: imported before jax loads
 
 BLEU_TOLERANCE = 0.3  # issue 58: int8 within 0.3 sacreBLEU of float
 CACHE_RATIO = 0.5  # issue 58: the int8 cache at most half of the float one
@@ -125,11 +126,8 @@ def benchmark(workdir: str, split: str, num_sentences: int, sources: str | None,
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    cli.start(argv)  # stray arguments refused; absl's and our INFO lines off
     args = flags.FLAGS
-    logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's INFO chatter
-    logging.getLogger("transformer").setLevel(logging.WARNING)  # the corpus's INFO lines
     try:
         record = benchmark(args.workdir, args.split, args.num_sentences, args.sources,
                            args.references, args.beam_size, args.batch_size)
@@ -143,7 +141,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from transformer.util import cli  # noqa: F401  (the CLIs' quiet start: before jax loads)
-
     define_flags()
     app.run(main)
