@@ -79,6 +79,7 @@ SECTIONS: dict[str, frozenset[str]] = {
     "mesh": sharding.CONFIG_KEYS,
     "data": data.CONFIG_KEYS,
     "optimizer": frozenset({"name", "schedule", "learning_rate", "warmup_steps", "end_fraction",
+                            "decay_fraction",  # schedule "wsd"
                             "b1", "b2", "eps", "weight_decay", "clip_norm",
                             "moments_dtype",  # adam, adamw: float32 or bfloat16
                             "decay_rate", "min_dim_size_to_factor",  # adafactor

@@ -82,6 +82,33 @@ def test_warmup_cosine_schedule_by_hand():
         np.testing.assert_allclose(float(schedule(count)), lr, rtol=1e-5, err_msg=str(count))
 
 
+def test_warmup_linear_schedule_by_hand():
+    cfg = opt_config(schedule="linear", learning_rate=1.0, warmup_steps=10, end_fraction=0.1)
+    schedule = optim.make_schedule(cfg, d_model=512, total_steps=110)
+    expected = {
+        0: 0.1,
+        9: 1.0,  # update 10: the peak
+        59: 0.1 + 0.9 * 0.5,  # halfway through the decay
+        84: 0.1 + 0.9 * 0.25,
+        109: 0.1,  # update 110 = total_steps
+        500: 0.1,
+    }
+    for count, lr in expected.items():
+        np.testing.assert_allclose(float(schedule(count)), lr, rtol=1e-5, err_msg=str(count))
+
+
+def test_warmup_stable_decay_schedule_by_hand():
+    cfg = opt_config(schedule="wsd", learning_rate=2.0, warmup_steps=10, decay_fraction=0.2)
+    schedule = optim.make_schedule(cfg, d_model=512, total_steps=100)
+    # warmup to update 10, 2.0 to update 80, then a line to 0 at update 100
+    expected = {0: 0.2, 9: 2.0, 50: 2.0, 79: 2.0, 84: 1.5, 89: 1.0, 99: 0.0, 200: 0.0}
+    for count, lr in expected.items():
+        np.testing.assert_allclose(float(schedule(count)), lr, atol=1e-6, err_msg=str(count))
+    with pytest.raises(ValueError, match=r"^optimizer\.decay_fraction=0\.0 must be in"):
+        optim.make_schedule(opt_config(schedule="wsd", warmup_steps=1, decay_fraction=0.0),
+                            d_model=512, total_steps=10)
+
+
 def test_constant_schedule_with_and_without_warmup():
     cfg = opt_config(schedule="constant", learning_rate=0.5, warmup_steps=0)
     schedule = optim.make_schedule(cfg, d_model=512, total_steps=10)
@@ -92,8 +119,8 @@ def test_constant_schedule_with_and_without_warmup():
 
 
 def test_bad_schedule_settings_name_the_key():
-    with pytest.raises(ValueError, match=r"^optimizer\.schedule='linear' is not one of"):
-        optim.make_schedule(opt_config(schedule="linear"), d_model=512, total_steps=10)
+    with pytest.raises(ValueError, match=r"^optimizer\.schedule='step' is not one of"):
+        optim.make_schedule(opt_config(schedule="step"), d_model=512, total_steps=10)
     with pytest.raises(ValueError, match=r"^optimizer\.warmup_steps=0 "):
         optim.make_schedule(opt_config(warmup_steps=0), d_model=512, total_steps=10)
     with pytest.raises(ValueError, match=r"^optimizer\.warmup_steps=4000 must be < "):

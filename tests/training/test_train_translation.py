@@ -157,6 +157,20 @@ def test_evaluate_cli_reproduces_the_bleu_of_the_last_training_evaluation(run):
     assert len(translations.splitlines()) == 2
 
 
+def test_evaluate_searches_with_the_beam_and_alpha_it_is_given(run, tmp_path, monkeypatch):
+    seen = {}
+    translate = Translator.translate
+
+    def spy(self, sentences, **settings):
+        seen.update(settings)
+        return translate(self, sentences, **settings)
+
+    monkeypatch.setattr(Translator, "translate", spy)
+    workdir = shutil.copytree(run, tmp_path / "run")
+    evaluation.evaluate_run(str(workdir), "validation", num_sentences=2, beam_size=2, alpha=1.5)
+    assert seen == {"beam_size": 2, "alpha": 1.5}
+
+
 def metrics_lines(workdir):
     return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
 

@@ -46,7 +46,7 @@ def evaluate(trainer, eval_step, params, source, rows, split="validation") -> di
 
 
 def evaluate_run(workdir: str, split: str, *, step=None, average=None, num_sentences=None,
-                 beam_size=None) -> dict:
+                 beam_size=None, alpha=None) -> dict:
     """What `python -m transformer.evaluate` scores: a translation run's perplexity and BLEU
     (`evaluate_translation`), or an image classifier's figures (`evaluate_classifier`)."""
     def check(model) -> None:
@@ -56,7 +56,8 @@ def evaluate_run(workdir: str, split: str, *, step=None, average=None, num_sente
     run = open_run(workdir, step=step, average=average, vocabulary="auto", check=check)
     if run.model.architecture == "vision":
         return evaluate_classifier(run, split)
-    return evaluate_translation(run, split, num_sentences=num_sentences, beam_size=beam_size)
+    return evaluate_translation(run, split, num_sentences=num_sentences, beam_size=beam_size,
+                                alpha=alpha)
 
 
 def check_scorable(model, split: str) -> None:
@@ -110,9 +111,11 @@ def scores_line(split: str, figures: dict) -> str:
             f"BLEU {figures['bleu_tok_compound']:.2f} | {metrics.sentences_scored(figures)}")
 
 
-def evaluate_translation(run: Run, split: str, *, num_sentences=None, beam_size=None) -> dict:
+def evaluate_translation(run: Run, split: str, *, num_sentences=None, beam_size=None,
+                         alpha=None) -> dict:
     """Perplexity over the whole split and BLEU over its first `num_sentences` pairs, appended
-    to metrics.jsonl. The sources, references and translations scored go to `<workdir>/eval/`."""
+    to metrics.jsonl. The sources, references and translations scored go to `<workdir>/eval/`.
+    `beam_size` and `alpha` left None are the config's `decode.*`."""
     translator = from_run(run)
     cfg = run.config
     source = make_source(cfg, run.workdir)
@@ -124,7 +127,7 @@ def evaluate_translation(run: Run, split: str, *, num_sentences=None, beam_size=
     sources = [s for s, _ in pairs]
     references = [t for _, t in pairs]
     log.info("translating %d %s sentences", len(sources), split)
-    hypotheses = translator.translate(sources, beam_size=beam_size)
+    hypotheses = translator.translate(sources, beam_size=beam_size, alpha=alpha)
     figures |= scores.bleu(hypotheses, references, target_lang=cfg.data.target_lang)
     figures["bleu_num_truncated"] = translator.num_too_long(sources)
 

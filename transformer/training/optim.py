@@ -30,7 +30,7 @@ import optax
 
 from transformer.training import moments
 
-SCHEDULES = ("paper_rsqrt", "cosine", "rsqrt", "constant")
+SCHEDULES = ("paper_rsqrt", "cosine", "linear", "wsd", "rsqrt", "constant")
 OPTIMIZERS = ("adam", "adamw", "adafactor")
 MOMENTS_DTYPES = ("float32", "bfloat16")
 
@@ -89,6 +89,40 @@ def warmup_cosine_schedule(
     return schedule
 
 
+def warmup_linear_schedule(
+    peak: float, warmup_steps: int, total_steps: int, end_fraction: float = 0.0
+) -> optax.Schedule:
+    """Linear warmup to ``peak`` at update ``warmup_steps``, then a straight line to
+    ``end_fraction * peak`` at update ``total_steps``, where it stays.
+
+    Decaying linearly to zero is what Bergsma et al. (2025, "Straight to Zero") found best for
+    LLMs trained on many tokens per parameter.
+    """
+    return warmup_stable_decay_schedule(peak, warmup_steps, total_steps, 1.0, end_fraction)
+
+
+def warmup_stable_decay_schedule(
+    peak: float, warmup_steps: int, total_steps: int, decay_fraction: float,
+    end_fraction: float = 0.0,
+) -> optax.Schedule:
+    """Linear warmup to ``peak``, ``peak`` until the last ``decay_fraction`` of
+    ``total_steps``, then a straight line to ``end_fraction * peak`` at ``total_steps``.
+
+    This is warmup-stable-decay (WSD, Hägele et al. 2024). With ``decay_fraction`` 1 the
+    decay starts at the end of the warmup: the linear schedule.
+    """
+    decay_start = max(total_steps - decay_fraction * total_steps, warmup_steps)
+    decay_steps = max(total_steps - decay_start, 1)
+
+    def schedule(count):
+        step = _step(count)
+        progress = jnp.clip((step - decay_start) / decay_steps, 0.0, 1.0)
+        decay = peak * (1.0 - (1.0 - end_fraction) * progress)
+        return jnp.where(step < warmup_steps, _warmup(peak, warmup_steps, step), decay)
+
+    return schedule
+
+
 def warmup_constant_schedule(peak: float, warmup_steps: int) -> optax.Schedule:
     """Linear warmup to ``peak`` at update ``warmup_steps`` (none when 0), then constant."""
     return lambda count: _warmup(peak, warmup_steps, _step(count))
@@ -103,7 +137,8 @@ def make_schedule(opt_cfg, *, d_model: int, total_steps: int) -> optax.Schedule:
 
     ``opt_cfg`` is the config's ``optimizer`` section (a ConfigDict or dict) with ``schedule``,
     ``learning_rate`` (the peak; ignored by "paper_rsqrt", whose peak follows from ``d_model``),
-    ``warmup_steps`` and, for "cosine", the optional ``end_fraction`` (default 0).
+    ``warmup_steps`` and, for "cosine", "linear" and "wsd", the optional ``end_fraction``
+    (default 0). "wsd" also reads ``decay_fraction``, the share of the updates it decays over.
     """
     name = opt_cfg.get("schedule", "paper_rsqrt")
     warmup_steps = int(opt_cfg.get("warmup_steps", 0))
@@ -118,11 +153,19 @@ def make_schedule(opt_cfg, *, d_model: int, total_steps: int) -> optax.Schedule:
         return rsqrt_schedule(d_model, warmup_steps)
     if name == "rsqrt":
         return warmup_rsqrt_schedule(peak, warmup_steps)
-    if name == "cosine":
+    if name in ("cosine", "linear", "wsd"):
         if total_steps <= warmup_steps:
             _fail("warmup_steps", warmup_steps, f"must be < num_train_steps={total_steps}")
         end_fraction = float(opt_cfg.get("end_fraction", 0.0))
-        return warmup_cosine_schedule(peak, warmup_steps, total_steps, end_fraction)
+        if name == "cosine":
+            return warmup_cosine_schedule(peak, warmup_steps, total_steps, end_fraction)
+        if name == "linear":
+            return warmup_linear_schedule(peak, warmup_steps, total_steps, end_fraction)
+        decay_fraction = float(opt_cfg.get("decay_fraction", 0.2))
+        if not 0.0 < decay_fraction <= 1.0:
+            _fail("decay_fraction", decay_fraction, "must be in (0, 1] for schedule 'wsd'")
+        return warmup_stable_decay_schedule(peak, warmup_steps, total_steps, decay_fraction,
+                                            end_fraction)
     return warmup_constant_schedule(peak, warmup_steps)
 
 
