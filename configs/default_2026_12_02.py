@@ -4,9 +4,9 @@
         --score_split=test
 
 `configs/default.py` with the paper's dropout of 0.1, a params-only series every minute for
-`evaluate --average=N`, and the beam search that drops decided sentences (`decode.drop_decided`),
-as every search ran until 2026-12-06. Everything else (data, model, schedule) is today's
-default.
+`evaluate --average=N`, the beam search that drops decided sentences (`decode.drop_decided`),
+as every search ran until 2026-12-06, and the schedule and length penalty of then: a cosine
+from 2e-3 and alpha 0.6. Everything else (data, model, batch) is today's default.
 
 Expected (seed 0, a 2-core CPU VM): test sacreBLEU 25.30, test perplexity 12.68, in 39 minutes
 beside today's default on the same machine (docs/results/2026-12-06-default-dropout-off.md);
@@ -24,4 +24,7 @@ def get_config():
     cfg.params_every_minutes = 1.0  # a params-only series for `evaluate --average=N`:
     cfg.params_keep = 10  # the last 10 minutes (~1,200 updates), 18 MB each
     cfg.decode.drop_decided = True  # as all beam searches ran then (2026-12-06-decode-compiles)
+    cfg.optimizer.schedule = "cosine"  # default.py: a straight line from 3e-3 since
+    cfg.optimizer.learning_rate = 2e-3  # docs/results/2026-12-06-lr-schedule.md
+    cfg.decode.alpha = 0.6
     return cfg

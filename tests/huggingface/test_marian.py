@@ -390,12 +390,18 @@ def test_an_imported_marian_fine_tunes_on_the_offline_corpus(tmp_path, load_conf
     assert (workdir / "vocab" / tokenizer_lib.MODEL_FILE).read_bytes() == (
         hf_dir / marian.SOURCE_SPM).read_bytes()
     with open(workdir / "metrics.jsonl") as f:
-        losses = [line["loss"] for line in map(json.loads, f) if line["split"] == "train"]
+        train = [line for line in map(json.loads, f) if line["split"] == "train"]
+    losses = [line["loss"] for line in train]
     assert len(losses) == 30 and np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.5, losses
-    # The weights moved from the imported ones (not from a fresh initialisation).
+    # The weights moved from the imported ones (not from a fresh initialisation, whose
+    # correlation with them is ~0). Adam moves a weight by at most ~1.7 x the learning rate an
+    # update ((1 - b1) / sqrt((1 - b2) (1 - b1**2 / b2)) for b1 0.9, b2 0.98); moves of that
+    # size, independent of the weights, leave the correlation at spread / hypot(spread, moved).
     before, after = (averaging.load_params(str(w))["embedding"]["embedding"]
                      for w in (pretrained, workdir))
-    assert np.corrcoef(np.ravel(before), np.ravel(after))[0, 1] > 0.5
+    moved = 1.7 * sum(line["learning_rate"] for line in train)
+    floor = np.std(before) / np.hypot(np.std(before), moved)
+    assert np.corrcoef(np.ravel(before), np.ravel(after))[0, 1] > floor > 0.1
     translator = transformer.load(str(workdir))
     assert dataclasses.asdict(translator.model_config)["logits_bias"]
     assert len(translator.translate(SOURCES, beam_size=2)) == 2
