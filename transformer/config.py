@@ -83,6 +83,7 @@ SECTIONS: dict[str, frozenset[str]] = {
                             "b1", "b2", "eps", "weight_decay", "clip_norm",
                             "moments_dtype",  # adam, adamw: float32 or bfloat16
                             "decay_rate", "min_dim_size_to_factor",  # adafactor
+                            "muon_beta", "muon_rms",  # muon
                             "loss_scale_initial", "loss_scale_period",  # float16 runs
                             "skip_spikes", "spike_window", "spike_threshold",  # spikes
                             "max_skipped_in_a_row"}),

@@ -1,8 +1,10 @@
-"""The optimizer-state choices in the real train step: Adafactor on a 2x4 mesh against 1x8, and
-checkpoints of bfloat16 Adam moments and of Adafactor's factored state that resume bit for bit
-(in process: saved, restored into the abstract state, continued). Adafactor's attention kernels
-against optax's Adafactor on the same kernels stored 2-D, as T5 stored them."""
+"""The optimizer-state choices in the real train step: Adafactor and Muon on a 2x4 mesh against
+1x8, and checkpoints of bfloat16 Adam moments, of Adafactor's factored state and of Muon's two
+halves that resume bit for bit (in process: saved, restored into the abstract state, continued).
+Adafactor's attention kernels against optax's Adafactor on the same kernels stored 2-D, as T5
+stored them."""
 
+import functools
 import math
 
 import jax
@@ -116,6 +118,32 @@ def test_bfloat16_moments_resume_exactly(load_config, tmp_path):
     resumed, resumed_losses = trained.resumed(tmp_path, 2)
     assert resumed_losses == losses
     assert_states_equal(resumed, straight)
+
+
+def test_muon_on_2x4_equals_1x8_and_resumes_exactly(load_config, tmp_path):
+    """Muon's momentum for the blocks' kernels alone, Adam's moments for the rest, sharded as
+    their parameters; a checkpoint of both resumes bit for bit."""
+    cfg = small(load_config, **{"optimizer.name": "muon", "optimizer.learning_rate": 1e-2})
+    one_by_eight = Mesh(cfg, 1, 8)
+    straight, losses = one_by_eight.run(0, STEPS)
+    halves = optax.tree.get(straight.opt_state, "PartitionState").inner_states
+    muon_state = optax.tree.get(halves["muon"], "MuonState")
+    adam_state = optax.tree.get(halves["adam"], "ScaleByAdamState")
+    layer = "decoder", "layers_0", "self_attention", "query", "kernel"
+    query = functools.reduce(dict.get, layer, muon_state.mu)
+    assert query.shape == (64, 4, 16)
+    assert query.sharding.spec == straight.params["decoder"]["layers_0"]["self_attention"][
+        "query"]["kernel"].sharding.spec
+    assert isinstance(functools.reduce(dict.get, layer, adam_state.mu), optax.MaskedNode)
+    assert isinstance(muon_state.mu["embedding"]["embedding"], optax.MaskedNode)
+    assert adam_state.nu["embedding"]["embedding"].shape == (32, 64)
+    assert losses[-1] < losses[0]
+    resumed, resumed_losses = one_by_eight.resumed(tmp_path, 2)
+    assert resumed_losses == losses
+    assert_states_equal(resumed, straight)
+
+    _, other_losses = Mesh(cfg, 2, 4).run(0, STEPS)
+    np.testing.assert_allclose(other_losses, losses, rtol=LAYOUT_RTOL)
 
 
 # Both sides run optax's own arithmetic on the same 2-D values (ours reshapes around it); only

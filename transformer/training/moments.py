@@ -1,13 +1,16 @@
-"""Optimizer state: Adam's moments stored in bfloat16, and Adafactor's factored moments
-sharded as their parameters (`optim.make_optimizer` picks them from the config)."""
+"""Optimizer state: Adam's moments stored in bfloat16, Adafactor's factored moments sharded as
+their parameters, and which kernels Muon orthogonalizes (`optim.make_optimizer` picks them
+from the config)."""
 
 import functools
+import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from optax.contrib import MuonDimensionNumbers
 
 
 def scale_by_adam(b1: float, b2: float, eps: float,
@@ -151,6 +154,18 @@ def _merged_boxes(params):
     return jax.tree_util.tree_map_with_path(merge, params, is_leaf=_is_box)
 
 
+def applied_updates(opt_state) -> jax.Array:
+    """The count of applied updates: the first ScaleByScheduleState's (Muon has two, equal)."""
+    return optax.tree.get_all_with_path(opt_state, "ScaleByScheduleState")[0][1].count
+
+
+def unbox_masked(opt_state):
+    """``opt_state`` with the boxes around states optax masked out (Muon's) unboxed: no array."""
+    def masked(x) -> bool:
+        return _is_box(x) and not jax.tree.leaves(x.value)
+    return jax.tree.map(lambda x: x.value if masked(x) else x, opt_state, is_leaf=_is_box)
+
+
 def _is_box(x) -> bool:
     return isinstance(x, nn.Partitioned)
 
@@ -178,3 +193,68 @@ def _kept_names(box, leaf, keep) -> tuple:
     if kept is None or len(kept) != leaf.ndim:  # a [1] stub: replicated
         return (None,) * leaf.ndim
     return tuple(box.names[a] for a in kept)
+
+
+# Muon: the blocks' projection kernels by name, with their rank before any stacked axes.
+_MUON_RANKS = {"query": 3, "key": 3, "value": 3, "out": 3, "ff_in": 2, "ff_gate": 2,
+               "ff_out": 2}
+_INPUT_FIRST = ("query", "key", "value")  # [d_model, heads, d_k]: the rest is the output
+
+
+def muon_dimensions(params):
+    """How Muon sees each leaf of ``params`` (boxed or not) as matrices.
+
+    The blocks' projection kernels get their input and output axes: query, key and value map
+    d_model to heads x d_k, the others map all but their last axis to it. Leading axes beyond
+    the kernel's own rank (stacked layers, experts) are batch axes, one matrix each. Every
+    other leaf is None, left to Adam: embeddings and the output projection (Muon is for hidden
+    layers, Jordan et al. 2024), biases, norm scales and any kernel of another name.
+    """
+
+    def dims(path, leaf):
+        names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+        if len(names) < 2 or names[-1] != "kernel" or names[-2] not in _MUON_RANKS:
+            return None
+        ndim = (leaf.value if _is_box(leaf) else leaf).ndim
+        first = ndim - _MUON_RANKS[names[-2]]
+        if first < 0:
+            return None
+        if names[-2] in _INPUT_FIRST:
+            return MuonDimensionNumbers(first, tuple(range(first + 1, ndim)))
+        return MuonDimensionNumbers(tuple(range(first, ndim - 1)), ndim - 1)
+
+    return jax.tree_util.tree_map_with_path(dims, params, is_leaf=_is_box)
+
+
+def muon(schedule: optax.Schedule, adam: optax.GradientTransformation, *, beta: float,
+         rms: float, eps: float) -> optax.GradientTransformation:
+    """Muon on the kernels ``muon_dimensions`` names, ``adam`` (the run's own) on the rest.
+
+    optax's ``scale_by_muon`` (Nesterov momentum ``beta``, 5 Newton-Schulz steps), then each
+    orthogonal update scaled to RMS ``rms`` x sqrt(max(fan_in, fan_out)) (Liu et al. 2025: an
+    Adam-sized update, so Adam's learning rate carries over), then the schedule.
+    ``optax.contrib.muon`` builds the same, but with Nesterov momentum in its Adam half too.
+    """
+
+    def scale(updates):
+        def one(update, dims):
+            if not isinstance(dims, MuonDimensionNumbers):  # masked: Adam's leaf
+                return update
+            reduction, output = (tuple(np.atleast_1d(axes)) for axes in dims)
+            fan_in = math.prod(update.shape[a] for a in reduction)
+            fan_out = math.prod(update.shape[a] for a in output)
+            return update * (rms * math.sqrt(max(fan_in, fan_out)))
+        return jax.tree.map(one, updates, muon_dimensions(updates),
+                            is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+
+    orthogonal = optax.chain(
+        optax.contrib.scale_by_muon(beta=beta, eps=eps, weight_dimension_numbers=muon_dimensions),
+        optax.stateless(lambda updates, params=None: scale(updates)),
+        optax.scale_by_learning_rate(schedule))
+
+    def labels(params):
+        return jax.tree.map(lambda dims: "adam" if dims is None else "muon",
+                            muon_dimensions(params), is_leaf=lambda x: x is None or isinstance(
+                                x, MuonDimensionNumbers))
+
+    return optax.partition({"muon": orthogonal, "adam": adam}, labels)

@@ -31,7 +31,7 @@ import optax
 from transformer.training import moments
 
 SCHEDULES = ("paper_rsqrt", "cosine", "linear", "wsd", "rsqrt", "constant")
-OPTIMIZERS = ("adam", "adamw", "adafactor")
+OPTIMIZERS = ("adam", "adamw", "adafactor", "muon")
 MOMENTS_DTYPES = ("float32", "bfloat16")
 
 
@@ -194,6 +194,9 @@ def make_optimizer(
     of state per parameter instead of 8; see ``moments.scale_by_adam``).
     "adafactor": see ``moments.adafactor`` (``decay_rate``, ``min_dim_size_to_factor``,
     ``weight_decay``; ``b1``, ``b2`` and ``eps`` unused).
+    "muon": Muon on the blocks' projection kernels (``moments.muon``), "adam" on the rest,
+    one schedule for both. ``muon_beta`` is its momentum (0.95) and ``muon_rms`` the RMS of
+    its update over sqrt(max(fan_in, fan_out)) (0.2: Adam-sized, Liu et al. 2025).
     ``clip_norm`` > 0 clips gradients to that global norm before the optimizer sees them.
     The schedule is returned so the trainer can log ``schedule(step - 1)`` for update ``step``.
     """
@@ -203,9 +206,9 @@ def make_optimizer(
     moments_dtype = opt_cfg.get("moments_dtype", "float32")
     if moments_dtype not in MOMENTS_DTYPES:
         _fail("moments_dtype", moments_dtype, f"is not one of {', '.join(MOMENTS_DTYPES)}")
-    if name == "adafactor" and moments_dtype != "float32":
-        _fail("moments_dtype", moments_dtype, "is for adam and adamw; adafactor's factored "
-              "moments are already small: leave it float32")
+    if name in ("adafactor", "muon") and moments_dtype != "float32":
+        _fail("moments_dtype", moments_dtype, f"is for adam and adamw, not {name}: "
+              "leave it float32")
     schedule = make_schedule(opt_cfg, d_model=d_model, total_steps=total_steps)
     weight_decay = float(opt_cfg.get("weight_decay", 0.0))
     if name == "adafactor":
@@ -222,10 +225,27 @@ def make_optimizer(
         decay = ([optax.add_decayed_weights(weight_decay, decay_mask)] if name == "adamw"
                  else [])
         tx = optax.chain(adam, *decay, optax.scale_by_learning_rate(schedule))
+        tx = _muon(opt_cfg, schedule, tx) if name == "muon" else tx
     clip_norm = float(opt_cfg.get("clip_norm", 0.0) or 0.0)
     if clip_norm > 0:
         tx = optax.chain(optax.clip_by_global_norm(clip_norm), tx)
     return tx, schedule
+
+
+def _muon(opt_cfg, schedule: optax.Schedule,
+          adam: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``moments.muon`` with the config's keys (see ``make_optimizer``)."""
+    beta, rms = opt_cfg.get("muon_beta", 0.95), opt_cfg.get("muon_rms", 0.2)
+    if not _is_number(beta) or not 0.0 <= beta < 1.0:
+        _fail("muon_beta", beta, "must be a number in [0, 1) (default 0.95)")
+    if not _is_number(rms) or rms <= 0:
+        _fail("muon_rms", rms, "must be a number > 0 (default 0.2)")
+    return moments.muon(schedule, adam, beta=float(beta), rms=float(rms),
+                        eps=float(opt_cfg.get("eps", 1e-9)))
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 # ---- dynamic loss scaling (float16) -------------------------------------------------------------

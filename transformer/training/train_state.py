@@ -41,7 +41,7 @@ from transformer.model import experts, quantization, records
 from transformer.model.transformer import Transformer, TransformerConfig
 from transformer.model.vit import VisionTransformer, mirror_averaged_logits
 from transformer.parallel import sharding
-from transformer.training import dpo, health, lora, optim, spikes
+from transformer.training import dpo, health, lora, moments, optim, spikes
 from transformer.training.classification import classification_figures, classification_sums
 from transformer.training.scores import perplexity
 
@@ -172,7 +172,8 @@ def _init_boxed(model: Transformer | VisionTransformer, tx,
     else:
         tokens = jnp.ones((1, 1), jnp.int32)
         params = model.init({"params": rng}, tokens, tokens)["params"]
-    fields = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+    fields = {"step": jnp.zeros((), jnp.int32), "params": params,
+              "opt_state": moments.unbox_masked(tx.init(params))}
     if loss_scale is not None:
         fields["loss_scale"] = optim.init_loss_scale(loss_scale)
     if spiking is not None:
@@ -407,8 +408,7 @@ def make_train_step(trainer: Trainer, cfg, injected: faults.Spikes | None = None
         metrics = {"loss": loss, "z_loss": z_sum / total_weight, "grad_norm": grad_norm,
                    # The rate this update used: the schedule at the optimizer's count of
                    # applied updates, which a skipped update leaves behind state.step.
-                   "learning_rate": trainer.schedule(
-                       optax.tree.get(state.opt_state, "ScaleByScheduleState").count),
+                   "learning_rate": trainer.schedule(moments.applied_updates(state.opt_state)),
                    "target_tokens": jnp.maximum(loss_weights(batch).sum(), 1.0),
                    "sequence_tokens": sequence_tokens(trainer.model.config, batch),
                    "source_tokens": (batch["inputs"] != 0).sum() if "inputs" in batch else 0,
