@@ -245,6 +245,7 @@ def _muon(opt_cfg, schedule: optax.Schedule,
 
 
 def _is_number(value) -> bool:
+    """An int or a float, not a bool (a config value written as 1, 1.0 or 1e-2)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -268,8 +269,8 @@ def loss_scale_config(opt_cfg) -> LossScaleConfig:
     """
     initial = opt_cfg.get("loss_scale_initial", 2.0**15)
     period = opt_cfg.get("loss_scale_period", 2000)
-    if (not isinstance(initial, int | float) or isinstance(initial, bool)
-            or not 1 <= initial < math.inf or not math.log2(initial).is_integer()):
+    if (not _is_number(initial) or not 1 <= initial < math.inf
+            or not math.log2(initial).is_integer()):
         _fail("loss_scale_initial", initial, "must be a power of two >= 1 (default 2**15)")
     if not isinstance(period, int) or isinstance(period, bool) or period < 1:
         _fail("loss_scale_period", period, "must be an int >= 1 (default 2000)")
