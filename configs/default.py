@@ -61,7 +61,7 @@ def get_config():
     cfg.seed = 0
     cfg.init_from = ""  # a run (workdir, workdir:step, or params dir) to start from
     cfg.init_from_exclude = ""  # a regex of parameter paths init_from leaves fresh
-    cfg.num_train_steps = 6000
+    cfg.num_train_steps = 5500
     cfg.log_every_steps = 50
     cfg.mesh = common.mesh()
     cfg.checkpoint_every_steps = 500
@@ -73,7 +73,7 @@ def get_config():
     cfg.params_every_minutes = 0.0  # no params-only series: averaging the last 5 or 10
     cfg.params_keep = 0  # minutes did not beat the last update (2026-12-06 page)
     cfg.eval_every_steps = 500
-    cfg.bleu_every_steps = 3000  # beam search on the first bleu_num_sentences validation pairs
+    cfg.bleu_every_steps = 2750  # beam search on the first bleu_num_sentences validation pairs
     cfg.bleu_num_sentences = 300
     cfg.data = config_dict.ConfigDict(dict(
         dataset="offline_de_en", source_lang="en", target_lang="de",
