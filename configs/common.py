@@ -43,6 +43,10 @@ QUANTIZATION_OFF = dict(quantization="none", quantized_matmuls="attention,feed_f
 # that --config.optimizer.skip_spikes=True reaches it. The values are SpikeConfig's defaults.
 SPIKES_OFF = dict(skip_spikes=False, spike_window=100, spike_threshold=6.0,
                   max_skipped_in_a_row=10)
+# The keys only the wsd schedule and Muon read. Every config's optimizer holds them, so that
+# --config.optimizer.decay_fraction=0.1 or --config.optimizer.muon_rms=0.3 reaches it beside
+# the schedule or name it goes with. The values are optim.py's defaults.
+WSD_AND_MUON = dict(decay_fraction=0.2, muon_beta=0.95, muon_rms=0.2)
 
 # The mesh axes, in the order of transformer/parallel/sharding.py. This module imports no JAX
 # (train.py sets up fake devices before JAX starts), so it names the axes itself, and
@@ -219,7 +223,7 @@ def paper_config(*, size: str, target_lang: str, dropout_rate: float) -> config_
         moments_dtype="float32",  # Adam's moments; "bfloat16" halves them
         loss_scale_initial=2**15,  # model.dtype=float16: dynamic loss scaling (NVIDIA AMP)
         loss_scale_period=2000,  # doubles after this many finite steps, halves on overflow
-        **SPIKES_OFF,
+        **SPIKES_OFF, **WSD_AND_MUON,
     ))
     cfg.distributed = config_dict.ConfigDict(dict(  # multi-process runs (train.py flags)
         initialization_timeout_seconds=300,  # waiting for all processes to join

@@ -101,7 +101,7 @@ def get_config():
         name="adamw", schedule="linear", learning_rate=3e-3, warmup_steps=300, end_fraction=0.0,
         b1=0.9, b2=0.98, eps=1e-9, weight_decay=0.1, clip_norm=1.0,  # decays matrices only
         loss_scale_initial=2**15, loss_scale_period=2000,  # model.dtype=float16 only
-        **common.SPIKES_OFF))
+        **common.SPIKES_OFF, **common.WSD_AND_MUON))
     cfg.label_smoothing = 0.1
     cfg.z_loss = 0.0
     cfg.loss_chunk_tokens = -1  # logits a chunk at a time, sized by backend (common.py)

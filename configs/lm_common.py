@@ -87,7 +87,7 @@ def lm_config(*, objective: str, dataset: str, vocab_size: int, max_length: int,
         # name="adafactor" (T5's; learning_rate ~1e-2, relative): its decay and factoring
         decay_rate=0.8, min_dim_size_to_factor=128,
         loss_scale_initial=2**15, loss_scale_period=2000,  # model.dtype=float16 only
-        **common.SPIKES_OFF))
+        **common.SPIKES_OFF, **common.WSD_AND_MUON))
     cfg.label_smoothing = 0.0
     cfg.z_loss = 1e-4  # keeps the softmax normaliser near 1 in bfloat16 (PaLM)
     cfg.loss_chunk_tokens = -1  # logits a chunk at a time, sized by backend (common.py)

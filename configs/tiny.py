@@ -51,7 +51,8 @@ def get_config():
         remat_policy="none", attention_implementation="auto", norm_eps=1e-6))
     cfg.optimizer = config_dict.ConfigDict(dict(
         name="adam", schedule="rsqrt", learning_rate=3e-3, warmup_steps=50,
-        b1=0.9, b2=0.98, eps=1e-9, weight_decay=0.0, clip_norm=1.0, **common.SPIKES_OFF))
+        b1=0.9, b2=0.98, eps=1e-9, weight_decay=0.0, clip_norm=1.0,
+        **common.SPIKES_OFF, **common.WSD_AND_MUON))
     cfg.label_smoothing = 0.1
     cfg.z_loss = 0.0
     cfg.loss_chunk_tokens = -1  # logits a chunk at a time, sized by backend (common.py)

@@ -44,5 +44,5 @@ def get_config():
     cfg.optimizer = config_dict.ConfigDict(dict(
         name="adamw", schedule="cosine", learning_rate=3e-3, warmup_steps=300,
         end_fraction=0.0, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.05, clip_norm=1.0,
-        **common.SPIKES_OFF))
+        **common.SPIKES_OFF, **common.WSD_AND_MUON))
     return cfg

@@ -15,6 +15,7 @@ from configs import common, default_2026_12_02, holders
 from transformer.config import TOP_LEVEL, SpikeConfig, resolve, spike_config
 from transformer.model.transformer import TransformerConfig
 from transformer.parallel import sharding
+from transformer.training import optim
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -83,6 +84,24 @@ def test_every_config_takes_spike_skipping_from_the_command_line(path, load_conf
     cfg.optimizer.spike_threshold = 4.0
     resolved = resolve(cfg, POD_DEVICES.get(path, 1), config_file=path).config
     assert spike_config(resolved.optimizer) == SpikeConfig(threshold=4.0)
+
+
+@pytest.mark.parametrize("path", [p for p in CONFIG_FILES if p.startswith("configs/")])
+def test_every_config_takes_the_wsd_and_muon_keys_from_the_command_line(path, load_config):
+    """`--config.optimizer.decay_fraction=0.1` and Muon's keys reach every config in configs/,
+    with optim.py's defaults until set."""
+    cfg = load_config(path)
+    cfg.lock()
+    cfg.optimizer.decay_fraction = 0.1
+    cfg.optimizer.muon_rms = 0.3
+    resolved = resolve(cfg, POD_DEVICES.get(path, 1), config_file=path).config.optimizer
+    assert (resolved.decay_fraction, resolved.muon_beta, resolved.muon_rms) == (
+        0.1, optim.MUON_BETA, 0.3)
+
+
+def test_the_wsd_and_muon_keys_of_the_configs_hold_optims_defaults():
+    assert common.WSD_AND_MUON == dict(decay_fraction=optim.DECAY_FRACTION,
+                                       muon_beta=optim.MUON_BETA, muon_rms=optim.MUON_RMS)
 
 
 CONFIGS = [p for p in CONFIG_FILES if p.startswith("configs/")]
@@ -321,4 +340,6 @@ def test_the_previous_default_is_the_config_its_record_ran():
 
 # Keys added after that record, with the value that does what the run did.
 ADDED_SINCE_2026_12_06 = {"decode.drop_decided": True, "model.quantization": "none",
-                          "model.quantized_matmuls": "attention,feed_forward,experts"}
+                          "model.quantized_matmuls": "attention,feed_forward,experts",
+                          "optimizer.decay_fraction": 0.2, "optimizer.muon_beta": 0.95,
+                          "optimizer.muon_rms": 0.2}

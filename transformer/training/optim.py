@@ -128,6 +128,10 @@ def warmup_constant_schedule(peak: float, warmup_steps: int) -> optax.Schedule:
     return lambda count: _warmup(peak, warmup_steps, _step(count))
 
 
+# The defaults of the keys only some choices read (configs/common.py holds them for the flags).
+DECAY_FRACTION, MUON_BETA, MUON_RMS = 0.2, 0.95, 0.2
+
+
 def _fail(key: str, value: Any, why: str) -> None:
     raise ValueError(f"optimizer.{key}={value!r} {why}")
 
@@ -161,7 +165,7 @@ def make_schedule(opt_cfg, *, d_model: int, total_steps: int) -> optax.Schedule:
             return warmup_cosine_schedule(peak, warmup_steps, total_steps, end_fraction)
         if name == "linear":
             return warmup_linear_schedule(peak, warmup_steps, total_steps, end_fraction)
-        decay_fraction = float(opt_cfg.get("decay_fraction", 0.2))
+        decay_fraction = float(opt_cfg.get("decay_fraction", DECAY_FRACTION))
         if not 0.0 < decay_fraction <= 1.0:
             _fail("decay_fraction", decay_fraction, "must be in (0, 1] for schedule 'wsd'")
         return warmup_stable_decay_schedule(peak, warmup_steps, total_steps, decay_fraction,
@@ -235,7 +239,7 @@ def make_optimizer(
 def _muon(opt_cfg, schedule: optax.Schedule,
           adam: optax.GradientTransformation) -> optax.GradientTransformation:
     """``moments.muon`` with the config's keys (see ``make_optimizer``)."""
-    beta, rms = opt_cfg.get("muon_beta", 0.95), opt_cfg.get("muon_rms", 0.2)
+    beta, rms = opt_cfg.get("muon_beta", MUON_BETA), opt_cfg.get("muon_rms", MUON_RMS)
     if not _is_number(beta) or not 0.0 <= beta < 1.0:
         _fail("muon_beta", beta, "must be a number in [0, 1) (default 0.95)")
     if not _is_number(rms) or rms <= 0:
