@@ -16,7 +16,7 @@ moved before each sublayer and a final LayerNorm after each stack (pre-LN, as te
 later transformer_base_v2 and most later Transformers), at d_model 192, d_ff 768, 4 heads, 3 + 3
 layers, one shared 8,000 x 192 embedding (4.65M parameters). Updates of ~1,000 target tokens
 (8 packed rows of 128); AdamW at 3e-3 after 300 warmup steps, then a straight line to 0 at
-update 6,000, about 6.6 passes over the training split, no dropout, label smoothing 0.1,
+update 5,500, about 6 passes over the training split, no dropout, label smoothing 0.1,
 weight decay 0.1 (times the learning rate) on the matrices and embedding, not on biases and
 norms. Gradients clipped at global norm 1. Beam 4 with length penalty alpha 1.0. Beam search
 compiles one program per batch (`decode.drop_decided` off:
@@ -25,29 +25,27 @@ docs/results/2026-12-06-decode-compiles.md).
 Why pre-LN and this size, measured against the paper's post-LN:
 docs/results/2026-12-02-default.md. Why no dropout (+2.3 validation BLEU at an unchanged step)
 and no checkpoint averaging: docs/results/2026-12-05-default-levers.md and
-docs/results/2026-12-06-default-dropout-off.md; why 6,000 updates (27.83 validation BLEU
-against 26.58 at 5,000, in the time the old default took): the same page and
-docs/results/2026-12-06-default-6k.md. Why 3e-3, the straight line and alpha 1.0 (validation
+docs/results/2026-12-06-default-dropout-off.md. Why 5,500 updates: the most that fit in the
+time the old default takes on a 2-core VM, alone, where 6,000 took 6% longer
+(docs/results/2026-12-06-make-train-time.md). Why 3e-3, the straight line and alpha 1.0 (validation
 sacreBLEU 28.25 against 27.36 for 2e-3, the cosine and alpha 0.6, on all 1,036 pairs):
 docs/results/2026-12-06-lr-schedule.md. Why weight decay (validation sacreBLEU 31.24 against
 28.25 without it: without it the validation loss stops falling after 5,500 updates and rises
 by 9,000): docs/results/2026-12-06-weight-decay.md. Every departure from the paper:
 docs/paper-recipe.md. The default before 2026-12-06: configs/default_2026_12_02.py. The
-6,000-update defaults of 2026-12-06 are this config with --config.optimizer.name=adam
---config.optimizer.weight_decay=0 (the afternoon's) and with --config.optimizer.name=adam
---config.optimizer.weight_decay=0 --config.optimizer.schedule=cosine
---config.optimizer.learning_rate=2e-3 --config.decode.alpha=0.6 (the morning's).
+defaults of 2026-12-06 are this config with --config.num_train_steps=6000
+--config.bleu_every_steps=3000 (the evening's, 30.92 test sacreBLEU), also with
+--config.optimizer.name=adam --config.optimizer.weight_decay=0 (the afternoon's), and also
+with --config.optimizer.schedule=cosine --config.optimizer.learning_rate=2e-3
+--config.decode.alpha=0.6 (the morning's).
 
-Hardware and time (seed 0): a 2-core CPU VM; `make train` takes 39 minutes after the setup,
-corpus building and test scoring included, the 6,000 updates about 35 of them (353 ms each).
-The old default took 39.4 minutes on the same machine the same day. The schedule, the length
-penalty and the weight decay change no update's cost (the 6,000 updates took 2,248 s with the
-decay and 2,264 s without, each on one core beside another run).
+Hardware and time (seed 0): on a 2-core AMD EPYC VM, alone, `make train` from a clean clone
+takes 1,346 s (22.4 minutes) with the setup, corpus building and test scoring, the 5,500
+updates 1,108 s of them (201 ms each). The old default took 1,433 s on the same machine the
+same hour. The schedule, the length penalty and the weight decay change no update's cost.
 
-Expected: test sacreBLEU 30.92 (tokenized compound-split BLEU 32.13), test perplexity 9.88,
-from `make train` in a clean clone, 24.6 minutes with the setup on a 2-core AMD EPYC VM; the
-same recipe pinned to one core scored 31.27, and without weight decay 28.01
-(docs/results/2026-12-06-weight-decay.md).
+Expected: test sacreBLEU 30.10 (tokenized compound-split BLEU 31.30), test perplexity 10.10,
+validation sacreBLEU 30.61 on all 1,036 pairs (docs/results/2026-12-06-make-train-time.md).
 Runs on two CPUs of other kinds differ by a few tenths: XNNPACK picks other kernels.
 """
 

@@ -11,7 +11,9 @@ batch) is today's default.
 
 Expected (seed 0, a 2-core CPU VM): test sacreBLEU 25.30, test perplexity 12.68, in 39 minutes
 beside today's default on the same machine (docs/results/2026-12-06-default-dropout-off.md);
-24.98 in 50 minutes on the machine of docs/results/2026-12-02-default.md.
+the same figures in 1,433 s from a clean clone, setup included, on the faster VM of
+docs/results/2026-12-06-make-train-time.md; 24.98 in 50 minutes on the machine of
+docs/results/2026-12-02-default.md.
 """
 
 from configs import default
