@@ -61,7 +61,7 @@ import subprocess
 import sys
 import time
 
-from absl import app, flags
+from absl import app, flags, logging
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -618,6 +618,8 @@ def chosen_kinds(kinds: list[str] | None, processes: int, local_every: int) -> l
 def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    if not flags.FLAGS["verbosity"].present:  # orbax's INFO lines when the final params load
+        logging.set_verbosity(logging.WARNING)
     args = flags.FLAGS
     kinds = chosen_kinds(args.kinds, args.processes, args.local_every)
     if args.local_every and "local_tier_lost" in kinds \

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -298,6 +299,8 @@ def test_a_short_soak_of_every_fault_kind_loses_nothing(tmp_path):
     assert summary["final_params_bit_identical"]
     assert result.returncode == 0 and summary["ok"]
     assert result.stdout.startswith("soak: 9 faults (damaged 1, disk_full 1, ")
+    # Loading the final parameters prints none of orbax's absl INFO lines ("I1206 18:28:57...").
+    assert not re.search(r"^I\d{4} ", result.stderr, re.MULTILINE), result.stderr[-3000:]
 
 
 @pytest.mark.slow
