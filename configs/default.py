@@ -27,8 +27,9 @@ docs/results/2026-12-02-default.md. Why no dropout (+2.3 validation BLEU at an u
 and no checkpoint averaging: docs/results/2026-12-05-default-levers.md and
 docs/results/2026-12-06-default-dropout-off.md. Why 5,500 updates: the most that fit in the
 time the old default takes on a 2-core VM, alone, where 6,000 took 6% longer
-(docs/results/2026-12-06-make-train-time.md). Why 3e-3, the straight line and alpha 1.0 (validation
-sacreBLEU 28.25 against 27.36 for 2e-3, the cosine and alpha 0.6, on all 1,036 pairs):
+(docs/results/2026-12-06-make-train-time.md). Why 3e-3, the straight line and alpha 1.0
+(validation sacreBLEU 28.25 against 27.36 for 2e-3, the cosine and alpha 0.6, on all 1,036
+pairs):
 docs/results/2026-12-06-lr-schedule.md. Why weight decay (validation sacreBLEU 31.24 against
 28.25 without it: without it the validation loss stops falling after 5,500 updates and rises
 by 9,000): docs/results/2026-12-06-weight-decay.md. Every departure from the paper:

@@ -241,9 +241,9 @@ def _muon(opt_cfg, schedule: optax.Schedule,
     """``moments.muon`` with the config's keys (see ``make_optimizer``)."""
     beta, rms = opt_cfg.get("muon_beta", MUON_BETA), opt_cfg.get("muon_rms", MUON_RMS)
     if not _is_number(beta) or not 0.0 <= beta < 1.0:
-        _fail("muon_beta", beta, "must be a number in [0, 1) (default 0.95)")
+        _fail("muon_beta", beta, f"must be a number in [0, 1) (default {MUON_BETA})")
     if not _is_number(rms) or rms <= 0:
-        _fail("muon_rms", rms, "must be a number > 0 (default 0.2)")
+        _fail("muon_rms", rms, f"must be a number > 0 (default {MUON_RMS})")
     return moments.muon(schedule, adam, beta=float(beta), rms=float(rms),
                         eps=float(opt_cfg.get("eps", 1e-9)))
 
